@@ -1,0 +1,35 @@
+"""actorllm: an LLM inference server whose request lifecycle is explicit.
+
+The public names below are imported lazily so that ``actorllm --help`` does not
+pay for torch and transformers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from actorllm.messages import SamplingParams
+
+__all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "open_engine"]
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from actorllm.config import EngineConfig
+    from actorllm.engine import AsyncEngine, open_engine
+    from actorllm.llm import LLM
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from actorllm.llm import LLM
+
+        return LLM
+    if name in ("AsyncEngine", "open_engine"):
+        from actorllm import engine
+
+        return getattr(engine, name)
+    if name == "EngineConfig":
+        from actorllm.config import EngineConfig
+
+        return EngineConfig
+    raise AttributeError(name)

@@ -1,0 +1,7 @@
+"""``python -m actorllm`` is the ``actorllm`` command."""
+
+import sys
+
+from actorllm.cli import main
+
+sys.exit(main())

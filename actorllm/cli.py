@@ -1,0 +1,270 @@
+"""The ``actorllm`` command: ``run``, ``serve`` and ``replay``.
+
+Start-up matters here: torch and transformers are imported only by the commands
+that need them, so ``actorllm --help`` answers at once. Errors in flags, models or
+files print one line (``actorllm: error: ...``) and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", help="model directory (default: the embedded model)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV cache blocks (default: from --kv-cache-memory)")
+    g.add_argument("--kv-cache-memory", type=int, default=256 * 2**20, metavar="BYTES")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--attention-backend", choices=["auto", "torch", "cuda"], default="auto")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    g.add_argument("--topology", choices=["single", "engine", "pipeline"], default="single")
+    g.add_argument("--trace", metavar="FILE", help="write every state transition as JSON lines")
+    g.add_argument("--trace-hops", action="store_true", help="with --trace: every mailbox hop too")
+    g.add_argument("--log-level", default="WARNING")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="actorllm",
+        description="An LLM inference server whose request lifecycle is explicit.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate for prompts on the command line")
+    run.add_argument("prompts", nargs="*", metavar="PROMPT")
+    run.add_argument("--prompts-file", type=Path, help="one prompt per line")
+    run.add_argument("--max-tokens", type=int, default=None)
+    run.add_argument("--temperature", type=float, default=None)
+    run.add_argument("--top-p", type=float, default=None)
+    run.add_argument("--top-k", type=int, default=None)
+    run.add_argument("--min-p", type=float, default=None)
+    run.add_argument("--repetition-penalty", type=float, default=None)
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--n", type=int, default=1)
+    run.add_argument("--stop", action="append", default=[], metavar="S")
+    run.add_argument("--ignore-eos", action="store_true")
+    run.add_argument("--output", choices=["text", "jsonl"], default="text")
+    _engine_flags(run)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="or ACTORLLM_API_KEY")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--drain-timeout", type=float, default=10.0)
+    serve.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    _engine_flags(serve)
+
+    replay = sub.add_parser("replay", help="check a trace against the spec")
+    replay.add_argument("file", type=Path)
+    replay.add_argument("--timeline", type=Path, help="OUT.html or OUT.png")
+    replay.add_argument("--redrive", action="store_true",
+                        help="re-run the Scheduler on the recorded inputs")
+    replay.add_argument("--json", action="store_true", help="machine-readable report")
+    return parser
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    from actorllm.config import EngineConfig, default_model_dir
+
+    try:
+        return EngineConfig(
+            model=args.model or str(default_model_dir()),
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory=args.kv_cache_memory,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            attention_backend=args.attention_backend,
+            device=args.device,
+            dtype=args.dtype,
+            topology=args.topology,
+            trace=args.trace,
+            trace_hops=args.trace_hops,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]) -> Any:
+    """Flags first, then the model's generation_config.json, then our defaults."""
+    from actorllm.messages import InvalidRequest, SamplingParams
+
+    def pick(flag: Any, key: str, fallback: Any) -> Any:
+        return flag if flag is not None else defaults.get(key, fallback)
+
+    try:
+        params = SamplingParams(
+            n=args.n,
+            max_tokens=pick(args.max_tokens, "max_new_tokens", 64),
+            temperature=float(pick(args.temperature, "temperature", 1.0))
+            if (args.temperature is not None or defaults.get("do_sample", True)) else 0.0,
+            top_p=float(pick(args.top_p, "top_p", 1.0)),
+            top_k=int(pick(args.top_k, "top_k", 0)),
+            min_p=float(pick(args.min_p, "min_p", 0.0)),
+            repetition_penalty=float(pick(args.repetition_penalty, "repetition_penalty", 1.0)),
+            seed=args.seed,
+            stop=tuple(args.stop),
+            ignore_eos=args.ignore_eos,
+        )
+        params.validate()
+    except InvalidRequest as exc:
+        raise CliError(f"--{(exc.param or '').replace('_', '-')}: {exc}") from None
+    return params
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompts)
+    if args.prompts_file is not None:
+        try:
+            text = args.prompts_file.read_text()
+        except OSError as exc:
+            raise CliError(f"cannot read --prompts-file: {exc.strerror}: {exc.filename}") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise CliError("give at least one PROMPT or --prompts-file")
+    return prompts
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import trio
+
+    config = engine_config(args)
+    prompts = read_prompts(args)
+    from actorllm.config import read_model_info
+
+    try:
+        info = read_model_info(config.model, config.max_model_len)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    params = sampling_params(args, info.generation_defaults)
+    from actorllm.engine import Resources
+
+    try:
+        resources = Resources(config)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    stream = len(prompts) == 1 and params.n == 1 and args.output == "text"
+    if stream:
+        return trio.run(_stream_one, config, resources, prompts[0], params)
+    return trio.run(_run_many, config, resources, prompts, params, args.output)
+
+
+async def _stream_one(config: Any, resources: Any, prompt: str, params: Any) -> int:
+    from actorllm.engine import open_engine
+    from actorllm.frontend import RequestError
+    from actorllm.llm import make_request
+
+    async with open_engine(config, resources=resources) as engine:
+        try:
+            async for out in engine.generate(make_request("cli-0", prompt, params)):
+                for o in out.outputs:
+                    sys.stdout.write(o.text)
+                    sys.stdout.flush()
+        except RequestError as exc:
+            sys.stderr.write(f"actorllm: error: {exc}\n")
+            return 1
+    sys.stdout.write("\n")
+    return 0
+
+
+async def _run_many(config: Any, resources: Any, prompts: list[str], params: Any,
+                    output: str) -> int:
+    import trio
+    from rich.progress import Progress
+
+    from actorllm.engine import open_engine
+    from actorllm.llm import GenerationResult, collect
+
+    results: list[GenerationResult | None] = [None] * len(prompts)
+    with Progress(transient=True, console=_stderr_console()) as progress:
+        task = progress.add_task("generating", total=len(prompts))
+        async with open_engine(config, resources=resources) as engine:
+
+            async def one(i: int) -> None:
+                results[i] = await collect(engine, f"cli-{i}", prompts[i], params)
+                progress.advance(task)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(one, i)
+    failed = 0
+    for i, res in enumerate(results):
+        assert res is not None
+        if res.error is not None:
+            failed += 1
+            sys.stderr.write(f"actorllm: prompt {i}: error: {res.error}\n")
+            if output == "jsonl":
+                sys.stdout.write(json.dumps({"prompt": prompts[i], "error": res.error}) + "\n")
+            continue
+        for o in res.outputs:
+            if output == "jsonl":
+                sys.stdout.write(json.dumps({
+                    "prompt": prompts[i], "index": o.index, "text": o.text,
+                    "token_ids": list(o.token_ids), "finish_reason": o.finish_reason,
+                    "usage": {"prompt_tokens": res.num_prompt_tokens,
+                              "completion_tokens": len(o.token_ids)},
+                }) + "\n")
+            else:
+                head = f"[{i}]" if len(res.outputs) == 1 else f"[{i}.{o.index}]"
+                sys.stdout.write(f"{head} {prompts[i]!r} -> {o.text}\n")
+    return 1 if failed else 0
+
+
+def _stderr_console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = engine_config(args)
+    from actorllm.server import serve_main
+
+    return serve_main(config, args)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from actorllm.replay import replay_main
+
+    return replay_main(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``actorllm`` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "run":
+            return cmd_run(args)
+        if args.command == "serve":
+            return cmd_serve(args)
+        return cmd_replay(args)
+    except CliError as exc:
+        sys.stderr.write(f"actorllm: error: {exc}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

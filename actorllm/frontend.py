@@ -1,0 +1,382 @@
+"""The Frontend actor: the request registry and the client's side of every request.
+
+Owns ``rid -> RequestState``: the output collector, the parent/child map for
+``n > 1``, and what the client has been told. Nobody else writes it.
+
+Ordering rules kept here (DESIGN.md §1):
+- Register before dispatch: the state and its collector exist before the first
+  message for the rid leaves, so no output can arrive for a rid we do not know.
+- A rid is unique while live; it stays live until *both* the client has its final
+  output and the Scheduler has freed its blocks (``forget``), so a reused rid can
+  never meet a stale Sequence.
+- One terminal output per request; anything after it is counted and dropped.
+- Fan-out lives here: ``n > 1`` becomes children ``{rid}-{i}`` that the rest of the
+  engine treats as ordinary requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import attrs
+import trio
+
+from actorllm.lifecycle import Ledger
+from actorllm.mailbox import Inbox, Outbox
+from actorllm.messages import (
+    AbortRequest,
+    FrontendInput,
+    GenerateRequest,
+    InvalidRequest,
+    OutputBatch,
+    RequestFailed,
+    RequestFinished,
+    SchedulerStats,
+    TextDelta,
+    TokenizeRequest,
+    TokenizerInput,
+    TokenLogprob,
+)
+from actorllm.metrics import EngineMetrics
+from actorllm.trace import Tracer
+
+log = logging.getLogger(__name__)
+
+
+class DuplicateRequestId(InvalidRequest):
+    """A client-supplied rid collides with a live one."""
+
+
+class RequestError(Exception):
+    """A request ended with an error; ``code`` is ``invalid_request``, ``internal``, ..."""
+
+    def __init__(self, message: str, code: str = "internal", param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+@attrs.frozen
+class CompletionOutput:
+    """One choice's news since the last read (or, in LLM results, its whole output)."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@attrs.frozen
+class RequestOutput:
+    rid: str
+    outputs: tuple[CompletionOutput, ...]
+    finished: bool
+    num_prompt_tokens: int = 0
+
+
+@attrs.define
+class _Pending:
+    text: list[str] = attrs.Factory(list)
+    token_ids: list[int] = attrs.Factory(list)
+    logprobs: list[TokenLogprob] = attrs.Factory(list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class OutputCollector:
+    """Merges outputs for a reader that may be slow: O(1) pending items per choice.
+
+    Deltas for a choice concatenate; a finish is kept; an error is raised to the
+    reader once everything before it has been read. The writer never waits.
+    """
+
+    def __init__(self, rid: str, n: int) -> None:
+        self.rid, self.n = rid, n
+        self._pending: dict[int, _Pending] = {}
+        self._done: set[int] = set()
+        self._error: RequestError | None = None
+        self._closed = False  # the final output has been read
+        self.num_prompt_tokens = 0
+        self._event = trio.Event()
+        # A test-only seam (tests/test_simulation.py): lose text while merging.
+        self.bug_drop_merged = False
+
+    @property
+    def finished(self) -> bool:
+        return self._error is not None or len(self._done) == self.n
+
+    def put_delta(self, index: int, text: str, token_ids: tuple[int, ...],
+                  logprobs: tuple[TokenLogprob, ...]) -> None:
+        p = self._pending.setdefault(index, _Pending())
+        if self.bug_drop_merged and p.text:
+            p.text.clear()
+        p.text.append(text)
+        p.token_ids.extend(token_ids)
+        p.logprobs.extend(logprobs)
+        self._event.set()
+
+    def put_finish(self, index: int, reason: str, stop_reason: str | int | None) -> None:
+        p = self._pending.setdefault(index, _Pending())
+        p.finish_reason, p.stop_reason = reason, stop_reason
+        self._done.add(index)
+        self._event.set()
+
+    def put_error(self, error: RequestError) -> None:
+        if self._error is None:
+            self._error = error
+        self._event.set()
+
+    def pending_items(self) -> int:
+        return len(self._pending) + (self._error is not None)
+
+    def take(self) -> RequestOutput | None:
+        """What has arrived since the last take, merged; None if nothing."""
+        if not self._pending:
+            return None
+        outs = tuple(
+            CompletionOutput(i, "".join(p.text), tuple(p.token_ids), tuple(p.logprobs),
+                             p.finish_reason, p.stop_reason)
+            for i, p in sorted(self._pending.items())
+        )
+        self._pending = {}
+        finished = len(self._done) == self.n and self._error is None
+        return RequestOutput(self.rid, outs, finished, self.num_prompt_tokens)
+
+    async def get(self) -> RequestOutput:
+        """Wait for news. Raises RequestError after an error, EndOfOutput after the end."""
+        while True:
+            if self._closed:
+                raise EndOfOutput(self.rid)
+            out = self.take()
+            if out is not None:
+                self._closed = out.finished
+                return out
+            if self._error is not None:
+                self._closed = True
+                raise self._error
+            await self._event.wait()
+            self._event = trio.Event()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while True:
+            try:
+                yield await self.get()
+            except EndOfOutput:
+                return
+
+
+class EndOfOutput(Exception):
+    """The final output of a request has already been read."""
+
+
+@attrs.define(eq=False)
+class RequestState:
+    rid: str
+    collector: OutputCollector
+    parent: str | None = None
+    index: int = 0
+    children: list[str] = attrs.Factory(list)
+    arrival: float = 0.0
+    first_token: float | None = None
+    last_token: float | None = None
+    num_output_tokens: int = 0
+    responded: bool = False
+    freed: bool = False
+    abort_sent: bool = False
+
+
+class Frontend:
+    """The actor. ``submit``/``abort`` are called by API-layer tasks of the same process."""
+
+    def __init__(
+        self,
+        inbox: Inbox[FrontendInput],
+        tokenizer: Outbox[TokenizerInput],
+        *,
+        metrics: EngineMetrics | None = None,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self.inbox, self.tokenizer = inbox, tokenizer
+        self.registry: dict[str, RequestState] = {}
+        self.ledger = Ledger("frontend", tracer)
+        self.metrics = metrics or EngineMetrics()
+        self.stats = SchedulerStats()
+        self.late_outputs_dropped = 0
+        # Test-only seams (tests/test_simulation.py plants these bugs on purpose).
+        self.bug_register_after_dispatch = False
+        self.bug_skip_child_abort = False
+
+    # --- called by the API layer -------------------------------------------------------
+
+    async def submit(self, req: GenerateRequest) -> OutputCollector:
+        """Register ``req`` (and its children), then dispatch. Returns its collector."""
+        n = req.params.n
+        rids = [req.rid] if n == 1 else [req.rid, *(f"{req.rid}-{i}" for i in range(n))]
+        taken = [r for r in rids if r in self.registry]
+        if taken:
+            raise DuplicateRequestId(f"request id {taken[0]!r} is already in use", "request_id")
+        now = time.monotonic()
+        collector = OutputCollector(req.rid, n)
+        if n == 1:
+            leaves = [(req.rid, req.params, 0)]
+        else:
+            parent = RequestState(req.rid, collector, children=rids[1:], arrival=now)
+            self.registry[req.rid] = parent
+            self.ledger.fire(req.rid, "register", n=n)
+            self.ledger.fire(req.rid, "fan_out", children=rids[1:])
+            leaves = [
+                (rid, attrs.evolve(req.params, n=1, seed=None if req.params.seed is None
+                                   else req.params.seed + i), i)
+                for i, rid in enumerate(rids[1:])
+            ]
+        # Shielded: once registered, a request is always dispatched, even if the caller
+        # is cancelled while the Tokenizer's mailbox is full; otherwise it would leak.
+        with trio.CancelScope(shield=True):
+            for rid, params, index in leaves:
+                msg = TokenizeRequest(rid, params, req.prompt, req.prompt_token_ids,
+                                      req.messages, req.add_generation_prompt, now)
+                if self.bug_register_after_dispatch:
+                    await self.tokenizer.send(msg)
+                self.registry[rid] = RequestState(rid, collector, parent=None if n == 1
+                                                  else req.rid, index=index, arrival=now)
+                self.ledger.fire(rid, "register")
+                self.ledger.fire(rid, "dispatch")
+                if not self.bug_register_after_dispatch:
+                    await self.tokenizer.send(msg)
+        self.metrics.on_arrival()
+        return collector
+
+    async def abort(self, rid: str) -> None:
+        """Stop ``rid`` (and its children). Idempotent; a no-op after it ended."""
+        st = self.registry.get(rid)
+        if st is None or st.responded:
+            return
+        targets = [rid] if not st.children else st.children
+        if st.children and self.bug_skip_child_abort:
+            targets = targets[:1]
+        with trio.CancelScope(shield=True):
+            for child in targets:
+                cst = self.registry.get(child)
+                if cst is None or cst.responded or cst.abort_sent:
+                    continue
+                cst.abort_sent = True
+                await self.tokenizer.send(AbortRequest(child))
+
+    # --- the actor loop ----------------------------------------------------------------
+
+    async def run(self) -> None:
+        async for msg in self.inbox:
+            self.handle(msg)
+
+    def handle(self, msg: FrontendInput) -> None:
+        """Apply one message from the Tokenizer or Detokenizer. Never blocks."""
+        if isinstance(msg, RequestFailed):
+            self._on_failed(msg)
+            return
+        assert isinstance(msg, OutputBatch)
+        for delta in msg.deltas:
+            self._on_delta(delta)
+        for fin in msg.finished:
+            self._on_finished(fin)
+        for rid in msg.freed:
+            self._on_freed(rid)
+        if msg.stats is not None:
+            self.stats = msg.stats
+
+    def _live(self, rid: str) -> RequestState | None:
+        st = self.registry.get(rid)
+        if st is None or st.responded:
+            self.late_outputs_dropped += 1
+            self.metrics.late_outputs_dropped.inc()
+            return None
+        return st
+
+    def _on_delta(self, d: TextDelta) -> None:
+        st = self._live(d.rid)
+        if st is None:
+            return
+        now = time.monotonic()
+        if d.token_ids:
+            if st.first_token is None:
+                self.metrics.ttft.observe(now - st.arrival)
+            elif st.last_token is not None:
+                self.metrics.itl.observe((now - st.last_token) / len(d.token_ids))
+            st.first_token = st.first_token or now
+            st.last_token = now
+            st.num_output_tokens += len(d.token_ids)
+            self.metrics.generation_tokens.inc(len(d.token_ids))
+        st.collector.put_delta(st.index, d.text, d.token_ids, d.logprobs)
+
+    def _on_finished(self, fin: RequestFinished) -> None:
+        st = self._live(fin.rid)
+        if st is None:
+            return
+        self.ledger.fire(fin.rid, "respond", reason=fin.finish_reason)
+        st.responded = True
+        st.collector.num_prompt_tokens = fin.num_prompt_tokens
+        self.metrics.on_finished(fin.finish_reason, fin.num_prompt_tokens,
+                                 time.monotonic() - st.arrival)
+        if fin.finish_reason == "error":
+            st.collector.put_error(RequestError(fin.error or "engine error", "internal"))
+        else:
+            st.collector.put_finish(st.index, fin.finish_reason, fin.stop_reason)
+        self._maybe_forget(st)
+
+    def _on_failed(self, msg: RequestFailed) -> None:
+        st = self._live(msg.rid)
+        if st is None:
+            return
+        self.ledger.fire(msg.rid, "respond", reason="error")
+        st.responded = st.freed = True  # rejected before the Scheduler: nothing to free
+        self.metrics.on_finished("error", 0, time.monotonic() - st.arrival)
+        st.collector.put_error(RequestError(msg.message, msg.code, msg.param))
+        self._maybe_forget(st)
+
+    def _on_freed(self, rid: str) -> None:
+        st = self.registry.get(rid)
+        if st is None:
+            self.late_outputs_dropped += 1
+            return
+        st.freed = True
+        self._maybe_forget(st)
+
+    def _maybe_forget(self, st: RequestState) -> None:
+        if not (st.responded and st.freed):
+            return
+        self.ledger.fire(st.rid, "forget")
+        self.ledger.drop(st.rid)
+        del self.registry[st.rid]
+        if st.parent is not None:
+            parent = self.registry[st.parent]
+            if all(c not in self.registry for c in parent.children):
+                self.ledger.fire(parent.rid, "gather")
+                self.ledger.drop(parent.rid)
+                del self.registry[parent.rid]
+
+    def lose_all(self, message: str) -> int:
+        """The engine process died: fail every live request with ``message``."""
+        lost = 0
+        for rid, st in list(self.registry.items()):
+            if st.children or rid not in self.registry:
+                continue
+            self.ledger.fire(rid, "lose")
+            if not st.responded:
+                self.ledger.fire(rid, "respond", reason="error")
+                st.responded = True
+                st.collector.put_error(RequestError(message, "engine_dead"))
+                self.metrics.on_finished("error", 0, time.monotonic() - st.arrival)
+            st.freed = True
+            self._maybe_forget(st)
+            lost += 1
+        return lost
+
+    def drain_problems(self) -> list[str]:
+        problems = []
+        if self.registry:
+            problems.append(f"frontend registry holds {sorted(self.registry)}")
+        if len(self.ledger):
+            problems.append(f"frontend ledger holds {sorted(self.ledger.views)}")
+        return problems

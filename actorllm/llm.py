@@ -1,0 +1,124 @@
+"""``LLM``: the synchronous Python API, like vLLM's offline ``LLM.generate``.
+
+The weights and the tokenizer are loaded once, in ``LLM(...)``; each ``generate``
+call starts the actors around them under ``trio.run``, submits every prompt at
+once (continuous batching does the rest) and stops the actors when all are done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import trio
+
+from actorllm.config import EngineConfig, default_model_dir
+from actorllm.engine import AsyncEngine, Resources, open_engine
+from actorllm.frontend import CompletionOutput, RequestError, RequestOutput
+from actorllm.messages import ChatMessage, GenerateRequest, SamplingParams, TokenLogprob
+
+Prompt = str | Sequence[int] | Sequence[ChatMessage]
+
+
+@attrs.frozen
+class GenerationResult:
+    """One prompt's whole result: every choice, accumulated, or the error it met."""
+
+    rid: str
+    prompt: Prompt
+    outputs: tuple[CompletionOutput, ...]
+    num_prompt_tokens: int
+    error: str | None = None
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.num_prompt_tokens,
+                "completion_tokens": sum(len(o.token_ids) for o in self.outputs)}
+
+
+def accumulate(choices: dict[int, CompletionOutput], out: RequestOutput) -> None:
+    """Fold a delta output into whole outputs per choice."""
+    for o in out.outputs:
+        old = choices.get(o.index)
+        if old is None:
+            choices[o.index] = o
+            continue
+        lps: tuple[TokenLogprob, ...] = old.logprobs + o.logprobs
+        choices[o.index] = CompletionOutput(o.index, old.text + o.text,
+                                            old.token_ids + o.token_ids, lps,
+                                            o.finish_reason or old.finish_reason,
+                                            o.stop_reason if o.finish_reason else old.stop_reason)
+
+
+def make_request(rid: str, prompt: Prompt, params: SamplingParams) -> GenerateRequest:
+    """Text, token ids or chat messages -> a GenerateRequest."""
+    if isinstance(prompt, str):
+        return GenerateRequest(rid, params, prompt=prompt)
+    items = list(prompt)
+    if items and isinstance(items[0], ChatMessage):
+        return GenerateRequest(rid, params, messages=tuple(items))
+    return GenerateRequest(rid, params, prompt_token_ids=tuple(int(t) for t in items))
+
+
+async def collect(engine: AsyncEngine, rid: str, prompt: Prompt,
+                  params: SamplingParams) -> GenerationResult:
+    """Run one prompt to the end and return its accumulated result."""
+    choices: dict[int, CompletionOutput] = {}
+    n_prompt = 0
+    try:
+        async for out in engine.generate(make_request(rid, prompt, params)):
+            accumulate(choices, out)
+            n_prompt = out.num_prompt_tokens or n_prompt
+    except RequestError as exc:
+        return GenerationResult(rid, prompt, tuple(choices[i] for i in sorted(choices)),
+                                n_prompt, error=str(exc))
+    return GenerationResult(rid, prompt, tuple(choices[i] for i in sorted(choices)), n_prompt)
+
+
+class LLM:
+    """Offline batched generation. ``LLM(model=DIR).generate(prompts, SamplingParams(...))``."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.config = EngineConfig(model=str(model or default_model_dir()), **engine_args)
+        self.resources = Resources(self.config)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.resources.hf_tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        on_done: Callable[[GenerationResult], None] | None = None,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt concurrently; results come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+        if len(params_list) != len(prompt_list):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        return trio.run(self._generate, prompt_list, params_list, on_done)
+
+    async def _generate(self, prompts: list[Prompt], params: list[SamplingParams],
+                        on_done: Callable[[GenerationResult], None] | None
+                        ) -> list[GenerationResult]:
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        async with open_engine(self.config, resources=self.resources) as engine:
+
+            async def one(i: int) -> None:
+                res = await collect(engine, f"llm-{i}", prompts[i], params[i])
+                results[i] = res
+                if on_done is not None:
+                    on_done(res)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(one, i)
+        return [r for r in results if r is not None]

@@ -1,0 +1,226 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) over the paged KV cache.
+
+The model sees only a :class:`ForwardBatch` (packed tokens of many sequences) and the
+per-layer cache tensors; it writes each new token's K/V through the attention backend
+and attends over the paged cache with the backend's one op (DESIGN.md section 5). It
+owns no cache and no sequence state. q/k/v and gate/up are fused into single matmuls;
+the loader (:mod:`actorllm.model.loader`) fills the fused weights from HF checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import PretrainedConfig
+
+from actorllm.ops import AttentionBackend
+
+KVCache = tuple[Tensor, Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
+
+
+@dataclass
+class ForwardBatch:
+    """One step's packed input: every scheduled sequence's new tokens, back to back.
+
+    ``slot_mapping[i]`` is where token ``i``'s K/V goes (``block * block_size + offset``);
+    ``sample_indices`` are the rows (last token of each sampled sequence) whose logits
+    are wanted. ``max_seqlen_q``/``max_seqlen_k`` are host ints so the backend needs no
+    device sync to find them.
+    """
+
+    input_ids: Tensor  # int64 [T]
+    positions: Tensor  # int64 [T]
+    slot_mapping: Tensor  # int64 [T]
+    block_tables: Tensor  # int32 [S, max_blocks]
+    seq_lens: Tensor  # int32 [S]
+    cu_seqlens_q: Tensor  # int32 [S + 1]
+    sample_indices: Tensor  # int64 [num_sampled]
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    """``head_dim`` from the config when present, else ``hidden_size // num_attention_heads``."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back before the weight, like transformers."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for arbitrary positions from ``inv_freq`` (computed by the loader via HF)."""
+
+    def __init__(self, inv_freq: Tensor, attention_scaling: float) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_scaling = attention_scaling
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        # Computed per step from positions rather than cached per position: it is tiny next
+        # to the matmuls and avoids a [max_position_embeddings, D] table for 128k contexts.
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (
+            emb.sin() * self.attention_scaling
+        ).to(dtype)
+
+
+def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` [T, heads, D] by the half-split (GPT-NeoX / HF Llama) convention."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    """Fused-qkv GQA attention that writes K/V to the paged cache and reads it back."""
+
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.qkv_proj.shards = (self.q_size, self.kv_size, self.kv_size)  # for the loader
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+        backend: AttentionBackend,
+    ) -> Tensor:
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = _apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = _apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        backend.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        out = backend.paged_attention(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.cu_seqlens_q,
+            self.scale,
+            max_seqlen_q=batch.max_seqlen_q,
+            max_seqlen_k=batch.max_seqlen_k,
+        )
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU with gate and up fused into one matmul."""
+
+    def __init__(self, config: PretrainedConfig, bias: bool) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=bias)
+        self.gate_up_proj.shards = (inter, inter)  # for the loader
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block with residuals."""
+
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool):
+        super().__init__()
+        self.self_attn = Attention(config, qkv_bias, o_bias)
+        self.mlp = MLP(config, mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        h: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+        backend: AttentionBackend,
+    ) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, kv_cache, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, the decoder layers and the final norm (HF's ``model.*`` submodule)."""
+
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, qkv_bias, o_bias, mlp_bias)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM whose attention goes through a paged-KV backend.
+
+    Parameter names mirror transformers' except the fused ``qkv_proj`` and
+    ``gate_up_proj``. ``qkv_bias`` is True for Qwen2; ``o_bias``/``mlp_bias`` follow
+    Llama's ``attention_bias``/``mlp_bias``.
+    """
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        rotary: RotaryEmbedding,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        mlp_bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, qkv_bias, o_bias, mlp_bias)
+        self.rotary = rotary
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, batch: ForwardBatch, kv_caches: list[KVCache], backend: AttentionBackend
+    ) -> Tensor:
+        """Hidden states ``[T, hidden]`` of every packed token (before the final norm)."""
+        h = self.model.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary(batch.positions, h.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, batch, kv_cache, backend)
+        return h
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """fp32 logits ``[N, vocab]`` for the given rows of ``forward``'s output."""
+        return self.lm_head(self.model.norm(hidden)).float()

@@ -1,0 +1,233 @@
+"""Load a Hugging Face checkpoint directory into :class:`LlamaForCausalLM`.
+
+A directory holds ``config.json`` and ``*.safetensors`` weights (one file, or shards
+listed by ``model.safetensors.index.json``). Llama, Mistral and Qwen2 are supported.
+RoPE frequencies come from transformers' own init functions, so every rope type it
+computes statically (default, linear, llama3, yarn) matches it exactly. Every problem
+with the directory is a one-line ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from actorllm.model.llama import LlamaForCausalLM, RotaryEmbedding, head_dim_of
+
+log = logging.getLogger(__name__)
+
+CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
+    "LlamaForCausalLM": LlamaConfig,
+    "MistralForCausalLM": MistralConfig,
+    "Qwen2ForCausalLM": Qwen2Config,
+}
+# Rope types whose frequencies depend on the running sequence length are not supported:
+# the paged cache stores rotated keys, so frequencies must not change mid-sequence.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+# HF name -> (our fused parameter, shard index) for the projections fused at load time.
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def load_config(model_dir: str | Path) -> PretrainedConfig:
+    """Read and check ``model_dir/config.json``; raise a one-line ``ValueError`` if unusable."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"model directory {str(path)!r} does not exist or is not a directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model directory {str(path)!r} has no config.json")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{config_file}: not valid JSON ({exc})") from None
+    archs = raw.get("architectures") if isinstance(raw, dict) else None
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    if arch not in CONFIG_CLASSES:
+        raise ValueError(
+            f"{str(path)!r}: unsupported architecture {arch!r} "
+            f"(supported: {', '.join(CONFIG_CLASSES)})"
+        )
+    try:
+        config = CONFIG_CLASSES[arch].from_pretrained(str(path))
+    except Exception as exc:  # transformers raises many types for a bad config
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{config_file}: cannot be read as {arch}: {first_line}") from None
+    config.architectures = [arch]
+    _check_config(config, path)
+    return config
+
+
+def _check_config(config: PretrainedConfig, path: Path) -> None:
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ValueError(
+            f"{str(path)!r}: num_attention_heads ({config.num_attention_heads}) is not a "
+            f"multiple of num_key_value_heads ({config.num_key_value_heads})"
+        )
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"{str(path)!r}: unsupported hidden_act {config.hidden_act!r}")
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ValueError(
+            f"{str(path)!r}: unsupported rope type {rope_type!r} "
+            f"(supported: {', '.join(STATIC_ROPE_TYPES)})"
+        )
+    if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{str(path)!r}: partial rotary embeddings are not supported")
+
+
+def max_model_len(config: PretrainedConfig) -> int:
+    """The longest context the model serves exactly.
+
+    Sliding-window attention is not implemented, so a windowed model is capped at its
+    window: inside it, full attention and windowed attention are the same thing.
+    """
+    limit = config.max_position_embeddings
+    window = getattr(config, "sliding_window", None)
+    return min(limit, window) if window else limit
+
+
+def eos_token_ids(model_dir: str | Path, config: PretrainedConfig) -> tuple[int, ...]:
+    """End-of-sequence ids: ``generation_config.json``'s first, then ``config.json``'s."""
+    ids: list[int] = []
+    gen_file = Path(model_dir) / "generation_config.json"
+    sources: list[object] = []
+    if gen_file.is_file():
+        try:
+            sources.append(json.loads(gen_file.read_text()).get("eos_token_id"))
+        except (OSError, ValueError, AttributeError):
+            log.warning("%s: unreadable, ignoring it", gen_file)
+    sources.append(getattr(config, "eos_token_id", None))
+    for value in sources:
+        for tid in value if isinstance(value, list | tuple) else [value]:
+            if isinstance(tid, int) and tid not in ids:
+                ids.append(tid)
+    return tuple(ids)
+
+
+def rotary_for(config: PretrainedConfig) -> RotaryEmbedding:
+    """The rotary embedding, with ``inv_freq`` from transformers' rope init functions."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
+        # transformers keeps the default formula inside each model class, not in the table.
+        dim = head_dim_of(config)
+        base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return RotaryEmbedding(inv_freq, 1.0)
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return RotaryEmbedding(inv_freq, float(scaling))
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index}: not a valid safetensors index ({exc!r})") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{str(path)!r}: shard {missing[0]} listed in {index.name} is missing")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {str(path)!r} has no *.safetensors weights")
+    return files
+
+
+def load_model(
+    model_dir: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    config: PretrainedConfig | None = None,
+) -> LlamaForCausalLM:
+    """Build the model for ``model_dir`` and fill it from its safetensors (``dtype``, ``device``).
+
+    Raises a one-line ``ValueError`` for a missing/bad directory, an unsupported
+    architecture or a checkpoint that lacks tensors the model needs.
+    """
+    path = Path(model_dir)
+    config = config or load_config(path)
+    files = _weight_files(path)
+    arch = config.architectures[0]
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    rotary = rotary_for(config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(
+            config,
+            RotaryEmbedding(rotary.inv_freq, rotary.attention_scaling),
+            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        )
+    # Meta construction skips random init (minutes for a 7B model on CPU); every
+    # parameter is then either loaded below or reported missing.
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()  # to_empty gives each module its own tensor, breaking the tie
+    model.rotary = rotary.to(device)  # its buffer was emptied too
+
+    expected = set(_hf_names(model))
+    seen: set[str] = set()
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name not in expected:
+                        log.debug("%s: ignoring tensor %s", file.name, name)
+                        continue
+                    _load_one(model, name, f.get_tensor(name), file.name)
+                    seen.add(name)
+    missing = sorted(expected - seen)
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ValueError(f"{str(path)!r}: checkpoint is missing tensor {missing[0]!r}{more}")
+    log.info("loaded %s from %s (%s, %s)", arch, path, dtype, device)
+    return model.eval()
+
+
+def _hf_names(model: LlamaForCausalLM) -> list[str]:
+    """The checkpoint tensor names that fill the model (fused ones expand to their parts)."""
+    names = []
+    for name, _ in model.named_parameters():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        module_path, _, module = prefix.rpartition(".")
+        parts = [hf for hf, (ours, _) in _FUSED.items() if ours == module]
+        names += [f"{module_path}.{p}.{leaf}" for p in parts] if parts else [name]
+    return names
+
+
+def _load_one(model: LlamaForCausalLM, name: str, tensor: torch.Tensor, file: str) -> None:
+    """Copy one checkpoint tensor into its parameter, or into its slice of a fused one."""
+    prefix, _, leaf = name.rpartition(".")
+    module_path, _, module = prefix.rpartition(".")
+    if module in _FUSED:
+        fused, shard = _FUSED[module]
+        linear = model.get_submodule(f"{module_path}.{fused}")
+        sizes = linear.shards
+        target = getattr(linear, leaf).narrow(0, sum(sizes[:shard]), sizes[shard])
+    else:
+        target = model.get_parameter(name)
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ValueError(
+            f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+            f"the config implies {tuple(target.shape)}"
+        )
+    target.copy_(tensor)

@@ -1,0 +1,204 @@
+"""Turn a batch of logits rows into tokens, one row per sequence (vLLM semantics).
+
+Order, as in vLLM: min_tokens masking and logit_bias, then the penalties (repetition
+on prompt+output, presence/frequency on output), then greedy argmax, or temperature,
+min_p, top_k and top_p followed by a draw. Logprobs are taken from the raw model
+distribution ``log_softmax(logits)`` before any of that.
+
+A seeded row draws with a generator seeded from ``(seed, tokens generated so far)``
+and is filtered on its own, so its tokens depend only on its own logits: not on what
+else is in the batch and not on whether it was preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from actorllm.messages import SamplingParams, TokenLogprob
+
+_MASK64 = (1 << 64) - 1
+_GREEDY_BELOW = 1e-5  # temperatures this small are argmax (dividing by them overflows)
+
+
+class SamplingState:
+    """What the sampler remembers about one sequence: its params and token history."""
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int] = (),
+    ) -> None:
+        self.params = params
+        self.prompt_token_ids = tuple(prompt_token_ids)
+        self.output_token_ids = list(output_token_ids)
+        # Built lazily, only for rows that use penalties, then kept up to date by append.
+        self._output_counts: Tensor | None = None
+        self._seen: Tensor | None = None
+
+    def append(self, token_id: int) -> None:
+        """Record a sampled token (it counts for penalties and the seeded position)."""
+        self.output_token_ids.append(token_id)
+        if self._output_counts is not None:
+            self._output_counts[token_id] += 1
+        if self._seen is not None:
+            self._seen[token_id] = True
+
+    def output_counts(self, vocab_size: int, device: torch.device) -> Tensor:
+        """How often each id occurs in the output so far, ``float32[vocab_size]``."""
+        if self._output_counts is None:
+            ids = torch.tensor(self.output_token_ids, dtype=torch.int64)
+            counts = torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+            self._output_counts = counts.to(device=device, dtype=torch.float32)
+        return self._output_counts
+
+    def seen(self, vocab_size: int, device: torch.device) -> Tensor:
+        """Which ids occur in prompt or output, ``bool[vocab_size]``."""
+        if self._seen is None:
+            seen = torch.zeros(vocab_size, dtype=torch.bool)
+            ids = torch.tensor(self.prompt_token_ids + tuple(self.output_token_ids))
+            seen[ids[ids < vocab_size].long()] = True
+            self._seen = seen.to(device)
+        return self._seen
+
+
+def step_seed(seed: int, position: int) -> int:
+    """A 64-bit generator seed for the draw at ``position`` (splitmix64 of seed and position)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def sample(
+    logits: Tensor,
+    states: Sequence[SamplingState],
+    eos_token_ids: Sequence[int] = (),
+) -> list[tuple[int, TokenLogprob | None]]:
+    """Sample one token per row of ``logits`` ``[N, vocab]`` for the N ``states`` in order.
+
+    Returns ``(token_id, logprob or None)`` per row; ``logprob`` is set when the row's
+    ``params.logprobs`` is not None. Does not append to the states: the caller does.
+    """
+    n = logits.shape[0]
+    assert n == len(states), f"{n} logits rows for {len(states)} sequences"
+    if n == 0:
+        return []
+    raw = logits
+    logits = _process(logits.float().clone(), states, eos_token_ids)
+
+    greedy: list[int] = []
+    seeded: list[int] = []
+    unseeded: list[int] = []
+    for i, state in enumerate(states):
+        if state.params.temperature < _GREEDY_BELOW:
+            greedy.append(i)
+        else:
+            (unseeded if state.params.seed is None else seeded).append(i)
+    tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if greedy:
+        rows = _index(greedy, logits.device)
+        tokens[rows] = logits[rows].argmax(dim=-1)
+    if unseeded:
+        rows = _index(unseeded, logits.device)
+        probs = _filtered_probs(logits[rows], [states[i].params for i in unseeded])
+        noise = torch.empty_like(probs).exponential_()
+        tokens[rows] = (probs / noise).argmax(dim=-1)
+    for i in seeded:
+        params = states[i].params
+        probs = _filtered_probs(logits[i : i + 1], [params])
+        gen = torch.Generator(device=logits.device)
+        gen.manual_seed(step_seed(params.seed, len(states[i].output_token_ids)))
+        noise = torch.empty_like(probs).exponential_(generator=gen)
+        tokens[i] = (probs / noise).argmax(dim=-1)[0]
+
+    token_list: list[int] = tokens.tolist()
+    logprobs = _logprobs(raw, tokens, token_list, states)
+    return list(zip(token_list, logprobs, strict=True))
+
+
+def _index(rows: list[int], device: torch.device) -> Tensor:
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def _process(
+    logits: Tensor, states: Sequence[SamplingState], eos_token_ids: Sequence[int]
+) -> Tensor:
+    """min_tokens, logit_bias and penalties, in place, only on the rows that ask for them."""
+    vocab = logits.shape[1]
+    for i, state in enumerate(states):
+        p = state.params
+        row = logits[i]
+        if len(state.output_token_ids) < p.min_tokens:
+            stops = [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]
+            stops = [t for t in stops if 0 <= t < vocab]
+            if stops:
+                row[stops] = float("-inf")
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias, strict=True)
+            row.index_add_(
+                0,
+                torch.tensor(ids, device=row.device),
+                torch.tensor(biases, dtype=row.dtype, device=row.device),
+            )
+        if p.repetition_penalty != 1.0:
+            seen = state.seen(vocab, row.device)
+            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row.copy_(torch.where(seen, penalized, row))
+        if p.presence_penalty or p.frequency_penalty:
+            counts = state.output_counts(vocab, row.device)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def _filtered_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Temperature, min_p, top_k and top_p over rows of logits; returns probabilities."""
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    logits = logits / temps[:, None]
+    if any(p.min_p > 0.0 for p in params):
+        probs = torch.softmax(logits, dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        too_small = probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(too_small, float("-inf"))
+    vocab = logits.shape[1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    use_top_p = any(p.top_p < 1.0 for p in params)
+    if use_top_p or any(k < vocab for k in top_k):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=dev)[None, :]
+        drop = ranks >= torch.tensor(top_k, device=dev)[:, None]
+        if use_top_p:
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+            probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p: drop a token when the
+            # mass before it already does. The first token is always kept.
+            mass_before = probs.cumsum(dim=-1) - probs
+            drop |= mass_before >= top_p[:, None]
+            drop[:, 0] = False
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.softmax(logits, dim=-1)
+
+
+def _logprobs(
+    raw: Tensor, tokens: Tensor, token_list: list[int], states: Sequence[SamplingState]
+) -> list[TokenLogprob | None]:
+    """Chosen-token logprob and the top-N alternatives from ``log_softmax(raw)``."""
+    out: list[TokenLogprob | None] = [None] * len(states)
+    rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+    if not rows:
+        return out
+    index = _index(rows, raw.device)
+    lp = torch.log_softmax(raw[index].float(), dim=-1)
+    chosen = lp.gather(1, tokens[index][:, None])[:, 0].tolist()
+    k = max(states[i].params.logprobs or 0 for i in rows)
+    top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        n = states[i].params.logprobs or 0
+        top = tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
+        out[i] = TokenLogprob(token_id=token_list[i], logprob=chosen[j], top=top)
+    return out

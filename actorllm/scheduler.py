@@ -1,0 +1,424 @@
+"""The Scheduler actor: owns every Sequence, the waiting and running queues, and the
+KV block pool, and makes every finish decision.
+
+It touches nothing else. It hears from the Tokenizer (``SequenceRequest``, and
+``AbortRequest`` forwarded on the same edge), the Worker (``StepResult``) and the
+Detokenizer (``StopMatched``); it speaks ``StepPlan`` to the Worker and
+``TokenBatch`` to the Detokenizer.
+
+Theory of operation:
+- One step is in flight at a time. Planning happens only when none is, so a plan
+  never races a result.
+- Handling a message is synchronous (``handle``); a separate task does the sending.
+  So the inbox always drains, even while the Detokenizer is slow: the cycle
+  Scheduler -> Detokenizer -> Scheduler (``StopMatched``) cannot deadlock.
+- The step fence: a sequence that finishes while a step that uses it is in flight
+  (abort, stop string) keeps its blocks until that step's result is back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+import attrs
+import trio
+
+from actorllm.kv import BlockPool
+from actorllm.lifecycle import Ledger
+from actorllm.mailbox import Inbox, Outbox
+from actorllm.messages import (
+    AbortRequest,
+    DetokSpec,
+    NewSeqData,
+    SamplingParams,
+    ScheduledSeq,
+    SchedulerInput,
+    SchedulerStats,
+    SequenceRequest,
+    StepPlan,
+    StepResult,
+    StopMatched,
+    TokenBatch,
+    TokenLogprob,
+    TokenOut,
+)
+from actorllm.trace import Tracer
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define(eq=False)
+class Sequence:
+    """One request as the Scheduler sees it. Lives from ``enqueue`` to ``free``."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    eos_ids: frozenset[int]
+    arrival_time: float = 0.0
+    output_ids: list[int] = attrs.Factory(list)
+    status: str = "WAITING"  # WAITING | RUNNING | PREEMPTED | FINISHED
+    block_table: list[int] = attrs.Factory(list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    in_flight: bool = False  # the step in flight schedules it (the fence)
+    worker_knows: bool = False  # the Worker holds its sampling state
+    spec_sent: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill and preemption by recompute."""
+
+    def __init__(
+        self,
+        inbox: Inbox[SchedulerInput],
+        worker: Outbox[StepPlan],
+        detokenizer: Outbox[TokenBatch],
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self.inbox, self.worker, self.detokenizer = inbox, worker, detokenizer
+        self.pool = BlockPool(num_blocks, block_size)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.tracer = tracer
+        self.ledger = Ledger("scheduler", tracer)
+        self.seqs: dict[str, Sequence] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.fenced: list[Sequence] = []  # finished, waiting for the step in flight
+        self.in_flight: StepPlan | None = None
+        self.next_step_id = 0
+        self.forget: list[str] = []  # rids whose Worker state may go, sent with the next plan
+        self._outputs: list[TokenOut] = []
+        self._freed: list[str] = []
+        self._stats_dirty = False
+        self._wake = trio.Event()
+        # Counters (exported through SchedulerStats).
+        self.num_preemptions = 0
+        self.late_results_dropped = 0
+        self.late_stops_dropped = 0
+        self.steps = 0
+        # A test-only seam (see tests/test_simulation.py): free on abort before the fence.
+        self.bug_free_before_fence = False
+
+    # --- the actor --------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Receive and decide in one task, send in another (see the module docstring)."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._sender)
+            async for msg in self.inbox:
+                self.handle(msg)
+                self._wake.set()
+
+    async def _sender(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            await self.flush()
+            if self.in_flight is None:
+                plan = self.schedule()
+                if plan is not None:
+                    await self.worker.send(plan)
+                await self.flush()
+
+    async def flush(self) -> None:
+        """Send what the decisions so far produced to the Detokenizer."""
+        batch = self.take_batch()
+        if batch is not None:
+            await self.detokenizer.send(batch)
+
+    def take_batch(self) -> TokenBatch | None:
+        """The outputs, frees and stats decided since the last call, if any."""
+        if not (self._outputs or self._freed or self._stats_dirty):
+            return None
+        batch = TokenBatch(tuple(self._outputs), tuple(self._freed), self.stats())
+        self._outputs, self._freed, self._stats_dirty = [], [], False
+        return batch
+
+    def handle(self, msg: Any) -> None:
+        """Apply one message to the Scheduler's state. Never blocks."""
+        if isinstance(msg, StepResult):
+            self.on_result(msg)
+        elif isinstance(msg, SequenceRequest):
+            self.on_request(msg)
+        elif isinstance(msg, AbortRequest):
+            self.finish_early(msg.rid, "abort")
+        elif isinstance(msg, StopMatched):
+            if not self.finish_early(msg.rid, "stop", msg.stop):
+                self.late_stops_dropped += 1
+        else:  # the mailbox's type check makes this unreachable
+            raise TypeError(type(msg).__name__)
+        self._stats_dirty = True
+
+    # --- arrivals and early finishes -----------------------------------------------
+
+    def on_request(self, req: SequenceRequest) -> None:
+        if req.rid in self.seqs:
+            # The Frontend keeps rids unique while live; a duplicate here is a bug upstream.
+            raise AssertionError(f"duplicate live rid {req.rid!r} reached the scheduler")
+        seq = Sequence(
+            rid=req.rid,
+            prompt_ids=list(req.prompt_token_ids),
+            params=req.params,
+            max_tokens=req.max_tokens,
+            eos_ids=frozenset(req.eos_token_ids),
+            arrival_time=req.arrival_time,
+        )
+        self.seqs[seq.rid] = seq
+        self.waiting.append(seq)
+        self.ledger.fire(seq.rid, "enqueue", prompt_tokens=len(seq.prompt_ids))
+        if self.tracer is not None:
+            self.tracer.record("input", actor="scheduler", msg="SequenceRequest", rid=req.rid,
+                               prompt_tokens=len(req.prompt_token_ids), max_tokens=req.max_tokens)
+
+    def finish_early(self, rid: str, reason: str, stop: str | None = None) -> bool:
+        """Abort, or a stop string: stop future work now. False if nothing was live."""
+        seq = self.seqs.get(rid)
+        if self.tracer is not None:
+            self.tracer.record("input", actor="scheduler", msg=reason, rid=rid)
+        if seq is None or seq.status == "FINISHED":
+            return False  # idempotent: already finished, freed, or never seen
+        if seq.status == "RUNNING":
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._finish(seq, "abort" if reason == "abort" else "finish", reason, stop)
+        return True
+
+    # --- planning ------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        """Plan the next step: running sequences first, then admissions. None if idle."""
+        assert self.in_flight is None
+        budget = self.max_num_batched_tokens
+        planned: list[tuple[Sequence, int]] = []
+        queue = list(self.running)
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self._reserve(seq, n):
+                # Take blocks from the newest running sequence not yet in this step.
+                victim = queue.pop() if queue else seq
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                planned.append((seq, n))
+                budget -= n
+        # Preempted sequences sit at the front of `waiting`, so they come back first.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens, budget)
+            if not self._reserve(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = "RUNNING"
+            self.running.append(seq)
+            self.ledger.fire(seq.rid, "schedule")
+            planned.append((seq, n))
+            budget -= n
+        if not planned:
+            if self.waiting and not self.running:
+                # Cannot happen while the pool holds max_model_len tokens (checked at start).
+                raise AssertionError("waiting sequence can never fit in the KV pool")
+            if not self.forget:
+                return None
+            # Nothing to run, but the Worker still holds state for freed rids: an empty
+            # step tells it to let go, so a drained engine holds nothing anywhere.
+        plan = StepPlan(
+            step_id=self.next_step_id,
+            seqs=tuple(self._scheduled(seq, n) for seq, n in planned),
+            forget=tuple(self.forget),
+        )
+        self.forget = []
+        self.next_step_id += 1
+        self.in_flight = plan
+        for seq, _ in planned:
+            seq.in_flight = True
+        if self.tracer is not None:
+            self.tracer.record("plan", actor="scheduler", step=plan.step_id,
+                               seqs=[[s.rid, len(s.token_ids), s.sample] for s in plan.seqs])
+        return plan
+
+    def _reserve(self, seq: Sequence, n: int) -> bool:
+        """Make sure ``seq`` has blocks for ``n`` more computed tokens."""
+        need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if not self.pool.can_allocate(need):
+            return False
+        seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: give back the blocks now (no step is in flight)."""
+        assert not seq.in_flight
+        self.running.remove(seq)
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.status = "PREEMPTED"
+        if seq.worker_knows:
+            seq.worker_knows = False
+            self.forget.append(seq.rid)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        self.ledger.fire(seq.rid, "preempt")
+
+    def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
+        start = seq.num_computed
+        new = None
+        if not seq.worker_knows:
+            new = NewSeqData(seq.params, tuple(seq.prompt_ids), tuple(seq.output_ids))
+            seq.worker_knows = True
+        return ScheduledSeq(
+            rid=seq.rid,
+            token_ids=tuple(seq.token(i) for i in range(start, start + n)),
+            start_pos=start,
+            block_table=tuple(seq.block_table),
+            sample=start + n == seq.num_tokens,
+            new=new,
+        )
+
+    # --- results ---------------------------------------------------------------------
+
+    def on_result(self, result: StepResult) -> None:
+        plan = self.in_flight
+        if plan is None or result.step_id != plan.step_id:
+            self.late_results_dropped += 1  # a duplicate or stale result: never an error
+            log.debug("dropped result of step %d", result.step_id)
+            return
+        self.in_flight = None
+        self.steps += 1
+        if self.tracer is not None:
+            self.tracer.record("result", actor="scheduler", step=result.step_id,
+                               tokens=[[t.rid, t.token_id] for t in result.tokens],
+                               error=result.error, forward_s=result.forward_s)
+        for s in plan.seqs:
+            seq = self.seqs.get(s.rid)
+            if seq is None:
+                continue
+            seq.in_flight = False
+            if seq.status == "RUNNING" and result.error is None:
+                seq.num_computed += len(s.token_ids)
+        # The fence has passed: sequences that finished meanwhile give their blocks back.
+        for seq in self.fenced:
+            self._free(seq)
+        self.fenced = []
+        if result.error is not None:
+            for s in plan.seqs:
+                seq = self.seqs.get(s.rid)
+                if seq is not None and seq.status == "RUNNING":
+                    self.running.remove(seq)
+                    self._finish(seq, "fail", "error", error=result.error)
+            return
+        for tok in result.tokens:
+            seq = self.seqs.get(tok.rid)
+            if seq is None or seq.status != "RUNNING":
+                self.late_results_dropped += 1  # finished (abort, stop) while the step ran
+                continue
+            self._append(seq, tok.token_id, tok.logprob)
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+        seq.output_ids.append(token)
+        n_out = len(seq.output_ids)
+        p = seq.params
+        reason: str | None = None
+        stop_reason: int | None = None
+        if n_out >= p.min_tokens:
+            if token in seq.eos_ids and not p.ignore_eos:
+                reason = "stop"
+            elif token in p.stop_token_ids:
+                reason, stop_reason = "stop", token
+        if reason is None and n_out >= seq.max_tokens:
+            reason = "length"
+        self._outputs.append(
+            TokenOut(
+                rid=seq.rid,
+                token_ids=(token,),
+                logprobs=(logprob,) if logprob is not None else (),
+                spec=self._spec_once(seq),
+            )
+        )
+        if reason is not None:
+            self.running.remove(seq)
+            self._finish(seq, "finish", reason, stop_reason)
+
+    def _spec_once(self, seq: Sequence) -> DetokSpec | None:
+        if seq.spec_sent:
+            return None
+        seq.spec_sent = True
+        p = seq.params
+        return DetokSpec(p.stop, p.include_stop_str_in_output, p.skip_special_tokens,
+                         len(seq.prompt_ids))
+
+    def _finish(self, seq: Sequence, event: str, reason: str, stop_reason: Any = None,
+                error: str | None = None) -> None:
+        """The one terminal transition; blocks go back now or after the fence."""
+        seq.status = "FINISHED"
+        self.ledger.fire(seq.rid, event, reason=reason)
+        out = TokenOut(seq.rid, finish_reason=reason, stop_reason=stop_reason, error=error,
+                       spec=self._spec_once(seq))
+        # Merge with this step's token for the rid, if any: one TokenOut per rid per batch.
+        last = self._outputs[-1] if self._outputs else None
+        if last is not None and last.rid == seq.rid and last.finish_reason is None:
+            self._outputs.pop()
+            out = attrs.evolve(out, token_ids=last.token_ids, logprobs=last.logprobs,
+                               spec=last.spec or out.spec)
+        self._outputs.append(out)
+        if seq.in_flight and not self.bug_free_before_fence:
+            self.fenced.append(seq)
+        else:
+            self._free(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        del self.seqs[seq.rid]
+        if seq.worker_knows:
+            self.forget.append(seq.rid)
+        self.ledger.fire(seq.rid, "free")
+        self.ledger.drop(seq.rid)
+        self._freed.append(seq.rid)
+
+    # --- introspection ------------------------------------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_blocks_used=self.pool.num_used,
+            kv_blocks_total=self.pool.num_blocks,
+            num_preemptions=self.num_preemptions,
+            late_results_dropped=self.late_results_dropped,
+            steps=self.steps,
+        )
+
+    def drain_problems(self) -> list[str]:
+        """What is still held (empty after a clean drain: invariant 4)."""
+        problems = []
+        if self.seqs:
+            problems.append(f"scheduler holds sequences {sorted(self.seqs)}")
+        if self.pool.num_used:
+            problems.append(f"{self.pool.num_used} KV blocks still in use")
+        if self.in_flight is not None:
+            problems.append(f"step {self.in_flight.step_id} still in flight")
+        if len(self.ledger):
+            problems.append(f"scheduler ledger holds {sorted(self.ledger.views)}")
+        return problems

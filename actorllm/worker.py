@@ -1,0 +1,246 @@
+"""The Worker actor and its ModelRunner: StepPlan in, StepResult out.
+
+The runner owns the model weights, the paged KV cache tensors (one k/v pair per
+layer, ``[num_blocks, block_size, num_kv_heads, head_dim]``) and each rid's
+sampling state (params plus token history, for penalties and seeded draws). It
+never decides anything: the Scheduler says which tokens to run, where their K/V
+go and which rows to sample; the runner packs that into a :class:`ForwardBatch`,
+runs the model and samples. A failing step becomes ``StepResult(error=...)``.
+
+``Worker`` is the trio actor around it; the forward pass runs in a thread so the
+event loop it shares with other actors keeps turning (DESIGN.md section 2).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from itertools import chain
+from pathlib import Path
+
+import torch
+import trio
+
+from actorllm.mailbox import Inbox, Outbox
+from actorllm.messages import SampledToken, StepPlan, StepResult
+from actorllm.model import ForwardBatch, KVCache, eos_token_ids, load_config, load_model
+from actorllm.model import max_model_len as model_max_len
+from actorllm.model.llama import head_dim_of
+from actorllm.ops import select_backend
+from actorllm.sampler import SamplingState, sample
+
+log = logging.getLogger(__name__)
+
+_CPU_KV_BYTES = 256 << 20  # default CPU cache budget
+_CPU_KV_FULL_SEQS = 16  # ... but never more than this many full-length sequences need
+_GPU_KV_FRACTION = 0.8  # default share of free GPU memory (after weights) for the cache
+
+
+class ModelRunner:
+    """Weights, KV cache and per-rid sampling state of one model; runs one step at a time.
+
+    ``num_blocks`` or ``kv_cache_bytes`` sizes the cache (neither: a default budget).
+    ``dtype`` defaults to fp32 on CPU and bf16 on CUDA. ``execute`` is synchronous and
+    must be called from one thread at a time.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        kv_cache_bytes: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: str = "cpu",
+        attention_backend: str = "auto",
+    ) -> None:
+        if num_blocks is not None and kv_cache_bytes is not None:
+            raise ValueError("give num_blocks or kv_cache_bytes, not both")
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.device = torch.device(device)
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        config = load_config(model_dir)
+        self.backend = select_backend(attention_backend, self.device)
+        self.backend_name: str = self.backend.name
+        self.model = load_model(model_dir, dtype=self.dtype, device=self.device, config=config)
+        self.vocab_size: int = config.vocab_size
+        self.max_model_len: int = model_max_len(config)
+        self.eos_token_ids: tuple[int, ...] = eos_token_ids(model_dir, config)
+        self.block_size = block_size
+
+        num_kv_heads, head_dim = config.num_key_value_heads, head_dim_of(config)
+        num_layers = config.num_hidden_layers
+        block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * self.dtype.itemsize
+        if num_blocks is None:
+            num_blocks = self._default_num_blocks(kv_cache_bytes, block_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks: int = num_blocks
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # Zeros, not empty: padded attention reads multiply masked slots by 0, and NaN * 0
+        # garbage in never-written slots would poison the output.
+        self.kv_caches: list[KVCache] = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(num_layers)
+        ]
+        self._states: dict[str, SamplingState] = {}
+        log.info(
+            "model runner: %s on %s (%s, %s attention), %d KV blocks of %d tokens (%.1f MiB)",
+            config.architectures[0],
+            self.device,
+            self.dtype,
+            self.backend_name,
+            num_blocks,
+            block_size,
+            num_blocks * block_bytes / 2**20,
+        )
+
+    def _default_num_blocks(self, kv_cache_bytes: int | None, block_bytes: int) -> int:
+        if kv_cache_bytes is not None:
+            return kv_cache_bytes // block_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * _GPU_KV_FRACTION) // block_bytes
+        full_seqs = _CPU_KV_FULL_SEQS * math.ceil(self.max_model_len / self.block_size)
+        return min(_CPU_KV_BYTES // block_bytes, full_seqs)
+
+    @property
+    def num_states(self) -> int:
+        """How many rids have sampling state here (for tests and leak checks)."""
+        return len(self._states)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step: forward every scheduled token, sample the ``sample=True`` rows.
+
+        Never raises: a failure is logged and returned as ``StepResult(error=...)``.
+        """
+        try:
+            with torch.inference_mode():
+                return self._execute(plan)
+        except Exception as exc:
+            log.exception("step %d failed", plan.step_id)
+            return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        # A rid both forgotten and scheduled without `new` is running its last step: forget
+        # it afterwards. Every other forget (incl. one re-sent with `new`) happens first.
+        last_step = {s.rid for s in plan.seqs if s.new is None}
+        for rid in plan.forget:
+            if rid not in last_step:
+                self._states.pop(rid, None)
+        for seq in plan.seqs:
+            if seq.new is not None:
+                new = seq.new
+                self._states[seq.rid] = SamplingState(
+                    new.params, new.prompt_token_ids, new.output_token_ids
+                )
+            elif seq.sample and seq.rid not in self._states:
+                raise ValueError(f"rid {seq.rid!r}: sampled before its NewSeqData was sent")
+
+        tokens: tuple[SampledToken, ...] = ()
+        sample_s = 0.0
+        if plan.seqs:
+            batch = self._prepare(plan)
+            hidden = self.model(batch, self.kv_caches, self.backend)
+            logits = self.model.compute_logits(hidden[batch.sample_indices])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # so forward_s measures the forward
+            t1 = time.perf_counter()
+            sampled = [s for s in plan.seqs if s.sample]
+            states = [self._states[s.rid] for s in sampled]
+            results = sample(logits, states, self.eos_token_ids)
+            for state, (token_id, _) in zip(states, results, strict=True):
+                state.append(token_id)
+            tokens = tuple(
+                SampledToken(rid=s.rid, token_id=token_id, logprob=logprob)
+                for s, (token_id, logprob) in zip(sampled, results, strict=True)
+            )
+            sample_s = time.perf_counter() - t1
+        for rid in plan.forget:
+            if rid in last_step:
+                self._states.pop(rid, None)
+        forward_s = time.perf_counter() - t0 - sample_s
+        return StepResult(
+            step_id=plan.step_id, tokens=tokens, forward_s=forward_s, sample_s=sample_s
+        )
+
+    def _prepare(self, plan: StepPlan) -> ForwardBatch:
+        """Pack the plan into device tensors, with no per-token Python work."""
+        bs = self.block_size
+        seqs = plan.seqs
+        q_lens = [len(s.token_ids) for s in seqs]
+        starts = [s.start_pos for s in seqs]
+        seq_lens = [st + q for st, q in zip(starts, q_lens, strict=True)]
+        tables: list[tuple[int, ...]] = []
+        for s, q_len, seq_len in zip(seqs, q_lens, seq_lens, strict=True):
+            if q_len == 0:
+                raise ValueError(f"rid {s.rid!r}: scheduled with no tokens")
+            if seq_len > self.max_model_len:
+                raise ValueError(
+                    f"rid {s.rid!r}: {seq_len} tokens exceed max_model_len {self.max_model_len}"
+                )
+            needed = -(-seq_len // bs)
+            if len(s.block_table) < needed:
+                raise ValueError(
+                    f"rid {s.rid!r}: {seq_len} tokens need {needed} blocks, "
+                    f"block table has {len(s.block_table)}"
+                )
+            tables.append(s.block_table[:needed])
+        max_blocks = max(len(t) for t in tables)
+        block_tables = torch.tensor(
+            [list(t) + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32
+        )
+        if int(block_tables.min()) < 0 or int(block_tables.max()) >= self.num_blocks:
+            raise ValueError(f"block table entry out of range [0, {self.num_blocks})")
+
+        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
+        starts_t = torch.tensor(starts, dtype=torch.int64)
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens_t, 0, out=cu[1:])
+        total = int(cu[-1])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), q_lens_t)
+        positions = starts_t[seq_of_token] + torch.arange(total) - cu[:-1][seq_of_token]
+        blocks = block_tables[seq_of_token, positions // bs].long()
+        slot_mapping = blocks * bs + positions % bs
+        sample_mask = torch.tensor([s.sample for s in seqs], dtype=torch.bool)
+        sample_indices = cu[1:][sample_mask] - 1
+        input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in seqs)))
+
+        def dev(t: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return t.to(device=self.device, dtype=dtype, non_blocking=True)
+
+        return ForwardBatch(
+            input_ids=dev(input_ids),
+            positions=dev(positions),
+            slot_mapping=dev(slot_mapping),
+            block_tables=dev(block_tables, torch.int32),
+            seq_lens=dev(torch.tensor(seq_lens), torch.int32),
+            cu_seqlens_q=dev(cu, torch.int32),
+            sample_indices=dev(sample_indices),
+            max_seqlen_q=max(q_lens),
+            max_seqlen_k=max(seq_lens),
+        )
+
+
+class Worker:
+    """The Worker actor: runs each StepPlan from its inbox and sends the StepResult on."""
+
+    def __init__(
+        self, runner: ModelRunner, inbox: Inbox[StepPlan], results: Outbox[StepResult]
+    ) -> None:
+        self.runner = runner
+        self.inbox = inbox
+        self.results = results
+
+    async def run(self) -> None:
+        """Serve plans until the inbox closes; the forward pass runs in a worker thread."""
+        async for plan in self.inbox:
+            result = await trio.to_thread.run_sync(self.runner.execute, plan)
+            await self.results.send(result)

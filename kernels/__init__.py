@@ -1,0 +1,1 @@
+"""CUDA sources for actorllm.ops, shipped as package data (see pyproject.toml)."""

@@ -1,0 +1,1 @@
+"""The request lifecycle spec, shipped as package data (see pyproject.toml)."""

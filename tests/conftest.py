@@ -1,0 +1,53 @@
+"""Session-wide fixtures: a tiny BPE tokenizer and two tiny random-weight checkpoints.
+
+``tokenizer_dir``: byte-level BPE (~400 ids; ``<|bos|>`` = 0, ``<|eos|>`` = 1, then
+``<|user|>``, ``<|assistant|>``, ``<|system|>``, ``<|end|>``) with a chat template.
+``tiny_llama_dir``: Llama, GQA 4/2 heads, head_dim 16, 2 layers, untied embeddings.
+``tiny_qwen2_dir``: Qwen2, qkv bias, tied embeddings. Both hold the tokenizer files and a
+generation config, so each is a complete model directory. Builders live in ``helpers.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from helpers import build_tiny_model, build_tokenizer, hf_greedy
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding only the tiny tokenizer."""
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerBase:
+    """The tiny tokenizer, loaded with ``AutoTokenizer``."""
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """A tiny Llama checkpoint directory (treat as read-only)."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-llama"), "llama", tokenizer_dir=tokenizer_dir
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """A tiny Qwen2 checkpoint directory (treat as read-only)."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", tokenizer_dir=tokenizer_dir, seed=1
+    )
+
+
+@pytest.fixture(scope="session")
+def hf_greedy_fn() -> Callable[..., tuple[list[int], list[float]]]:
+    """``hf_greedy(model_dir, prompt_ids, max_new_tokens) -> (new_ids, logprobs)``."""
+    return hf_greedy

@@ -1,0 +1,190 @@
+"""Builders for the tiny tokenizer and models the test suite shares, and a transformers oracle.
+
+Everything here runs offline in a second or two: the tokenizer is a byte-level BPE
+trained on ``CORPUS`` on the spot, the models are random-weight Llama / Qwen2
+checkpoints written with ``save_pretrained``. ``tests/conftest.py`` wraps the builders
+in session-scoped fixtures; import them directly when a test needs a variant.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>")
+BOS, EOS = "<|bos|>", "<|eos|>"
+BOS_ID, EOS_ID = 0, 1  # special tokens are added first, in SPECIAL_TOKENS order
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+CORPUS = """\
+The river runs past the old mill and under the stone bridge before it reaches the sea.
+In the morning the fishermen walk down to the harbour, check their nets and talk about
+the weather. Some days the wind comes from the west and the boats stay in; other days
+the water is calm and bright, and the whole town seems to move a little slower.
+A small library stands on the corner of the market square. Its shelves hold books about
+history, science, cooking, gardening and the stars. Children come after school to read
+stories about dragons, ships and faraway islands, and the librarian knows every one of them
+by name. She says that a good question is worth more than a quick answer.
+The baker opens at six. He makes bread with flour, water, salt and time, and he likes to
+say that time is the ingredient most people forget. By seven there is a line outside the
+door: teachers, nurses, students and the man who repairs clocks on Baker Street.
+Hello! How are you today? I am fine, thank you. What would you like to know?
+Can you explain how a computer works? A computer follows instructions. It reads numbers
+from memory, adds them, compares them and writes the results back. Programs are long lists
+of such instructions, written by people who want the machine to solve a problem for them.
+What is the capital of France? The capital of France is Paris. What is two plus two?
+Two plus two is four. Please write a short poem about the moon. The moon is round and pale,
+it walks across the night, it hums a quiet tale and fills the sea with light.
+Language models predict the next word from the words that came before. They are trained
+on large amounts of text, and they learn patterns of grammar, facts and style. When you
+ask a question, the model writes an answer one token at a time, and each token depends on
+everything that was written earlier in the conversation.
+The garden behind the house has apple trees, a row of beans, tomatoes, onions and a bench
+in the shade. In summer the bees are busy from dawn to dusk. In autumn the leaves turn red
+and gold, and the apples fall into the long grass where the children find them.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 100 1000 2024. Punctuation: , . ; : ! ? ( ) " ' - /
+The train leaves the station at nine and arrives in the city before noon. Passengers read
+newspapers, drink coffee and look out of the window at fields, farms, forests and hills.
+Thank you for your help. You are welcome. Goodbye, and have a nice day!
+"""
+
+
+def build_tokenizer(save_dir: str | Path, vocab_size: int = 400) -> Any:
+    """Train a byte-level BPE on ``CORPUS`` and save it as a ``PreTrainedTokenizerFast``.
+
+    Special tokens get ids 0..5 (``<|bos|>`` = 0, ``<|eos|>`` = 1). Plain ``encode``
+    prepends ``<|bos|>``; the chat template writes it itself (``apply_chat_template``
+    tokenizes without special tokens), like Llama 3.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, BOS_ID)]
+    )
+    assert tok.token_to_id(BOS) == BOS_ID and tok.token_to_id(EOS) == EOS_ID
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=EOS,
+        additional_special_tokens=list(SPECIAL_TOKENS[2:]),
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=256,
+    )
+    fast.save_pretrained(str(save_dir))
+    return fast
+
+
+def build_tiny_model(
+    save_dir: str | Path,
+    family: str = "llama",
+    tokenizer_dir: str | Path | None = None,
+    seed: int = 0,
+    init_std: float = 0.2,
+    **overrides: Any,
+) -> Path:
+    """Write a random-weight checkpoint (config, safetensors, generation config, tokenizer).
+
+    ``family`` is ``"llama"`` (GQA 4/2 heads, untied embeddings) or ``"qwen2"`` (qkv bias,
+    tied embeddings). ``init_std`` is larger than the HF default so that greedy outputs
+    vary from token to token instead of collapsing onto one id. ``overrides`` go into the
+    config (e.g. ``rope_parameters``, ``num_hidden_layers``).
+    """
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Config
+
+    save_dir = Path(save_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    if tokenizer_dir is None:
+        tokenizer = build_tokenizer(save_dir)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        tokenizer.save_pretrained(str(save_dir))
+    common: dict[str, Any] = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=EOS_ID,
+        initializer_range=init_std,
+        rms_norm_eps=1e-6,
+    )
+    if family == "llama":
+        config = LlamaConfig(**{**common, "tie_word_embeddings": False, **overrides})
+        from transformers import LlamaForCausalLM as Model
+    elif family == "qwen2":
+        common.pop("head_dim")  # Qwen2 derives it: hidden_size // num_attention_heads = 16
+        config = Qwen2Config(**{**common, "tie_word_embeddings": True, **overrides})
+        from transformers import Qwen2ForCausalLM as Model
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    torch.manual_seed(seed)
+    model = Model(config).eval()
+    with torch.no_grad():
+        # HF zero-inits biases; random ones make the Qwen2 qkv-bias path actually matter.
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, init_std)
+    model.save_pretrained(str(save_dir), safe_serialization=True)
+    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID).save_pretrained(
+        str(save_dir)
+    )
+    return save_dir
+
+
+def hf_model(model_dir: str | Path) -> Any:
+    """The checkpoint loaded by transformers in fp32 eval mode (the oracle)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def hf_greedy(
+    model_dir: str | Path | Any, prompt_ids: list[int], max_new_tokens: int
+) -> tuple[list[int], list[float]]:
+    """Greedy ``generate`` for one prompt: the new ids and each one's logprob (raw logits).
+
+    Generation runs to ``max_new_tokens`` whatever the ids (eos does not stop it), so tests
+    can compare a fixed number of tokens. ``model_dir`` may also be a loaded HF model.
+    """
+    model = hf_model(model_dir) if isinstance(model_dir, str | Path) else model_dir
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+            pad_token_id=EOS_ID,
+        )
+    new_ids = out.sequences[0, len(prompt_ids) :].tolist()
+    logprobs = [
+        torch.log_softmax(step_logits[0].float(), dim=-1)[tid].item()
+        for step_logits, tid in zip(out.logits, new_ids, strict=True)
+    ]
+    return new_ids, logprobs
