@@ -1,8 +1,10 @@
-"""Wiring: build the mailboxes, start the five actors in one nursery, hand out an API.
+"""Wiring: build the mailboxes, start the actors, hand out an API.
 
-This is the ``single`` topology: every actor in this process, every edge a trio
-memory channel. (The multi-process topologies replace some edges with ZeroMQ
-and move actors to child processes; the actors do not change.)
+``open_engine`` places the five actors as ``config.topology`` says
+(:mod:`actorllm.topology`): all in this process (``single``), or some in child
+processes that talk to this one over ZeroMQ (``engine``, ``pipeline``). The actors
+do not change; only their mailboxes do. The API layer always talks to the
+Frontend, which always lives here.
 
     async with open_engine(EngineConfig(model=...)) as engine:
         async for out in engine.generate(GenerateRequest(...)):
@@ -13,6 +15,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import signal
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,51 +26,77 @@ from typing import Any
 import trio
 
 from actorllm.config import EngineConfig, ModelInfo, read_model_info
-from actorllm.detokenizer import Detokenizer, hf_decode_fn
-from actorllm.frontend import Frontend, OutputCollector, RequestOutput
+from actorllm.frontend import Frontend, OutputCollector, RequestError, RequestOutput
 from actorllm.lifecycle import load_spec
 from actorllm.mailbox import Mailbox
-from actorllm.messages import (
-    DetokenizerInput,
-    FrontendInput,
-    GenerateRequest,
-    SchedulerInput,
-    TokenizerInput,
-    WorkerInput,
-)
+from actorllm.messages import GenerateRequest
 from actorllm.metrics import EngineMetrics
-from actorllm.scheduler import Scheduler
-from actorllm.tokenizer import PromptEncoder, Tokenizer, load_hf_tokenizer
+from actorllm.tokenizer import load_hf_tokenizer
+from actorllm.topology import (
+    MAIN,
+    PLACEMENTS,
+    TOKENIZER_FILE,
+    EngineStartError,
+    Parts,
+    Supervisor,
+    Wiring,
+    actor_problems,
+    build_actors,
+    child_roles,
+    set_hop_hooks,
+)
 from actorllm.trace import Tracer
+from actorllm.transport import IpcDir
 
 log = logging.getLogger(__name__)
 
+__all__ = ["AsyncEngine", "EngineStartError", "Resources", "build_runner", "open_engine"]
+
+SIGTERM_DRAIN_TIMEOUT = 10.0  # seconds live requests get to finish after a SIGTERM
+
 
 class Resources:
-    """What is slow to build and may outlive one engine run: tokenizer, weights, caches."""
+    """What is slow to build and may outlive one engine run: tokenizer, weights, caches.
+
+    The weights load here only for the ``single`` topology; in the others the
+    engine child process loads its own, so this process never imports torch.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.info: ModelInfo = read_model_info(config.model, config.max_model_len)
         self.hf_tokenizer: Any = load_hf_tokenizer(config.model)
-        from actorllm.worker import ModelRunner  # torch: only where a Worker lives
+        self.runner: Any = build_runner(config, self.info) if config.topology == "single" \
+            else None
 
-        self.runner = ModelRunner(
-            config.model,
-            num_blocks=config.num_kv_blocks,
-            block_size=config.block_size,
-            kv_cache_bytes=None if config.num_kv_blocks is not None else config.kv_cache_memory,
-            device=config.device,
-            dtype=_torch_dtype(config.dtype),
-            attention_backend=config.attention_backend,
+    def load_runner(self, config: EngineConfig) -> Any:
+        """The model runner, built now if these resources were made for another topology."""
+        if self.runner is None:
+            self.runner = build_runner(config, self.info)
+        return self.runner
+
+
+def build_runner(config: EngineConfig, info: ModelInfo) -> Any:
+    """The ModelRunner for ``config``; ValueError if its KV cache cannot hold one sequence."""
+    from actorllm.worker import ModelRunner  # torch: only where a Worker lives
+
+    runner = ModelRunner(
+        config.model,
+        num_blocks=config.num_kv_blocks,
+        block_size=config.block_size,
+        kv_cache_bytes=None if config.num_kv_blocks is not None else config.kv_cache_memory,
+        device=config.device,
+        dtype=_torch_dtype(config.dtype),
+        attention_backend=config.attention_backend,
+    )
+    capacity = runner.num_blocks * config.block_size
+    if capacity < info.max_model_len:
+        raise ValueError(
+            f"the KV cache holds {capacity} tokens ({runner.num_blocks} blocks of "
+            f"{config.block_size}), less than one sequence of max_model_len "
+            f"{info.max_model_len}: raise --num-kv-blocks or lower --max-model-len"
         )
-        capacity = self.runner.num_blocks * config.block_size
-        if capacity < self.info.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {capacity} tokens ({self.runner.num_blocks} blocks of "
-                f"{config.block_size}), less than one sequence of max_model_len "
-                f"{self.info.max_model_len}: raise --num-kv-blocks or lower --max-model-len"
-            )
+    return runner
 
 
 def _torch_dtype(name: str | None) -> Any:
@@ -81,57 +112,108 @@ def _torch_dtype(name: str | None) -> Any:
 
 
 class AsyncEngine:
-    """The API layer's handle on a running engine. Talks to the Frontend only."""
+    """The API layer's handle on a running engine. Talks to the Frontend only.
+
+    ``alive`` turns False when the engine stops or one of its processes dies;
+    ``dead_reason`` then says why, and every request fails with that message.
+    """
 
     def __init__(self, config: EngineConfig, resources: Resources, frontend: Frontend,
-                 actors: dict[str, Any], mailboxes: dict[str, Mailbox[Any]]) -> None:
+                 actors: dict[str, Any], mailboxes: dict[str, Mailbox[Any]], *,
+                 supervisor: Supervisor | None = None) -> None:
         self.config = config
         self.resources = resources
         self.info = resources.info
         self.tokenizer = resources.hf_tokenizer
         self.frontend = frontend
         self.metrics: EngineMetrics = frontend.metrics
-        self.actors = actors
-        self.mailboxes = mailboxes
+        self.actors = actors  # those in this process
+        self.mailboxes = mailboxes  # those in this process
+        self.supervisor = supervisor  # None in the single topology
         self.alive = True
+        self.dead_reason: str | None = None
+        self.accepting = True  # False while draining for shutdown
+        self._streams = 0  # generate() calls in progress
         self._counter = itertools.count()
 
     def new_rid(self, prefix: str = "req") -> str:
         return f"{prefix}-{uuid.uuid4().hex[:12]}-{next(self._counter)}"
 
+    def _check_open(self) -> None:
+        if not self.alive:
+            raise RequestError(self.dead_reason or "the engine is not running", "engine_dead")
+        if not self.accepting:
+            raise RequestError("the engine is shutting down", "engine_dead")
+
     async def submit(self, request: GenerateRequest) -> OutputCollector:
-        """Register and dispatch; read the returned collector for outputs."""
-        return await self.frontend.submit(request)
+        """Register and dispatch; read the returned collector for outputs.
+
+        Raises RequestError(code="engine_dead") once the engine is dead or stopping.
+        """
+        self._check_open()
+        collector = await self.frontend.submit(request)
+        if not self.alive:  # it died while we dispatched: fail what we just registered
+            self.frontend.lose_all(self.dead_reason or "the engine is not running")
+        return collector
 
     async def abort(self, rid: str) -> None:
         await self.frontend.abort(rid)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Stream deltas for one request; leaving early (or being cancelled) aborts it."""
-        collector = await self.frontend.submit(request)
+        collector = await self.submit(request)
+        self._streams += 1
         try:
             async for out in collector:
                 yield out
         finally:
+            self._streams -= 1
             if not collector.finished:
                 with trio.CancelScope(shield=True):
                     await self.frontend.abort(request.rid)
 
+    def mark_dead(self, reason: str) -> None:
+        """A process of this engine died: fail every live request and refuse new ones."""
+        if self.dead_reason is not None:
+            return
+        self.alive = False
+        self.dead_reason = reason
+        lost = self.frontend.lose_all(reason)
+        log.error("engine dead: %s; %d live requests failed", reason, lost)
+
+    @property
+    def busy(self) -> bool:
+        """Requests are registered, or generate() streams are still being read."""
+        return bool(self.frontend.registry) or self._streams > 0
+
     def drain_problems(self) -> list[str]:
-        """Everything still held anywhere (invariant 4); empty when the engine is idle."""
-        problems: list[str] = []
-        for actor in self.actors.values():
-            problems += actor.drain_problems()
+        """Everything still held anywhere (invariant 4); empty when the engine is idle.
+
+        Actors and mailboxes of this process are checked now. Those in child
+        processes are reported as of their latest answer to ``wait_drained``.
+        """
+        problems = actor_problems(self.actors)
         problems += [f"mailbox {m.name} holds {m.depth}" for m in self.mailboxes.values()
                      if m.depth]
+        if self.supervisor is not None:
+            problems += self.supervisor.remote_problems()
         return problems
 
     async def wait_drained(self, timeout: float = 10.0) -> list[str]:
         """Wait until nothing is held (or the timeout passes); returns what is left."""
         with trio.move_on_after(timeout):
-            while self.drain_problems():
-                await trio.sleep(0.005)
+            while True:
+                local = self.supervisor is None or not self._local_problems()
+                if local and self.supervisor is not None:
+                    await self.supervisor.query_drain(timeout=2.0)
+                if not self.drain_problems():
+                    break
+                await trio.sleep(0.005 if self.supervisor is None else 0.02)
         return self.drain_problems()
+
+    def _local_problems(self) -> list[str]:
+        return actor_problems(self.actors) + [
+            f"mailbox {m.name} holds {m.depth}" for m in self.mailboxes.values() if m.depth]
 
     def update_gauges(self) -> None:
         """Copy the latest Scheduler stats and mailbox depths into the metrics."""
@@ -143,57 +225,127 @@ class AsyncEngine:
         for box in self.mailboxes.values():
             m.mailbox_depth.labels(mailbox=box.name).set(box.depth)
             m.mailbox_high_water.labels(mailbox=box.name).set(box.high_water)
+        if self.supervisor is not None:
+            for child in self.supervisor.children.values():
+                for stat in child.mailboxes:
+                    m.mailbox_depth.labels(mailbox=stat.name).set(stat.depth)
+                    m.mailbox_high_water.labels(mailbox=stat.name).set(stat.high_water)
+
+
+def _sole_error(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _may_handle_sigterm() -> bool:
+    return (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None))
 
 
 @asynccontextmanager
 async def open_engine(config: EngineConfig | None = None, *,
-                      resources: Resources | None = None) -> AsyncIterator[AsyncEngine]:
-    """Start every actor of the ``single`` topology; stop them all on exit."""
+                      resources: Resources | None = None,
+                      handle_sigterm: bool | None = None) -> AsyncIterator[AsyncEngine]:
+    """Start the actors of ``config.topology`` (and its child processes); stop them on exit.
+
+    Raises :class:`EngineStartError` if a child process cannot start. With a
+    multi-process topology and ``handle_sigterm`` left at None, a SIGTERM while no
+    other handler is installed drains live requests (up to SIGTERM_DRAIN_TIMEOUT),
+    stops the children, removes the socket directory, and then lets SIGTERM end
+    the process as it would have; pass False when the application handles SIGTERM
+    itself (and leaves this context to stop).
+    """
     config = config or EngineConfig()
     if resources is None:
         resources = await trio.to_thread.run_sync(Resources, config)
+    roles = child_roles(config.topology)
+    parts = Parts(info=resources.info, hf_tokenizer=resources.hf_tokenizer)
+    place = PLACEMENTS[config.topology]
+    if place["worker"] == MAIN:
+        parts.runner = resources.runner or await trio.to_thread.run_sync(
+            resources.load_runner, config)
+    if place["detokenizer"] == MAIN:
+        from actorllm.detokenizer import hf_decode_fn
+
+        parts.decode = hf_decode_fn(resources.hf_tokenizer)
     tracer = None
     if config.trace:
         tracer = Tracer(config.trace, hops=config.trace_hops)
         tracer.header(config.model, config.as_dict(), load_spec().version)
-    cap = config.mailbox_capacity
-    boxes: dict[str, Mailbox[Any]] = {
-        "tokenizer": Mailbox[TokenizerInput]("tokenizer", TokenizerInput, cap),
-        "scheduler": Mailbox[SchedulerInput]("scheduler", SchedulerInput, cap),
-        "worker": Mailbox[WorkerInput]("worker", WorkerInput, 2),
-        "detokenizer": Mailbox[DetokenizerInput]("detokenizer", DetokenizerInput, cap),
-        "frontend": Mailbox[FrontendInput]("frontend", FrontendInput, cap),
-    }
-    if tracer is not None and tracer.hops:
-        for box in boxes.values():
-            box.hop_hook = lambda name, kind, msg: tracer.hop(name, name, kind, msg)
-    from actorllm.worker import Worker
+    ipc = IpcDir() if roles else None
+    wiring: Wiring | None = None
+    supervisor: Supervisor | None = None
+    stopped = False
 
-    frontend = Frontend(boxes["frontend"], boxes["tokenizer"], tracer=tracer)
-    actors: dict[str, Any] = {
-        "frontend": frontend,
-        "tokenizer": Tokenizer(PromptEncoder(resources.hf_tokenizer, resources.info),
-                               boxes["tokenizer"], boxes["scheduler"], boxes["frontend"], tracer),
-        "scheduler": Scheduler(
-            boxes["scheduler"], boxes["worker"], boxes["detokenizer"],
-            num_blocks=resources.runner.num_blocks, block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, tracer=tracer,
-        ),
-        "worker": Worker(resources.runner, boxes["worker"], boxes["scheduler"]),
-        "detokenizer": Detokenizer(hf_decode_fn(resources.hf_tokenizer), boxes["detokenizer"],
-                                   boxes["frontend"], boxes["scheduler"]),
-    }
-    engine = AsyncEngine(config, resources, frontend, actors, boxes)
+    async def stop() -> None:
+        """Stop children, close sockets, remove the directory (idempotent, shielded)."""
+        nonlocal stopped
+        if stopped:
+            return
+        stopped = True
+        with trio.CancelScope(shield=True):
+            if supervisor is not None:
+                await supervisor.shutdown()
+            if wiring is not None:
+                wiring.close()
+            if ipc is not None:
+                ipc.remove()
+            if tracer is not None:
+                tracer.close()
+
     try:
+        if ipc is not None and "detokenizer" in roles:
+            # The detokenizer child decodes with exactly this process's tokenizer.
+            with open(ipc.file(TOKENIZER_FILE), "w") as f:
+                f.write(resources.hf_tokenizer.backend_tokenizer.to_str())
+        wiring = Wiring(MAIN, config.topology, config.mailbox_capacity, ipc)
+        set_hop_hooks(wiring, tracer)
+        actors = build_actors(MAIN, wiring, config, parts, tracer)
+        engine = AsyncEngine(config, resources, actors["frontend"], actors, wiring.inboxes)
         async with trio.open_nursery() as nursery:
+            for inbox in wiring.remote_inboxes:
+                nursery.start_soon(inbox.pump, name=f"pump:{inbox.name}")
             for name, actor in actors.items():
                 nursery.start_soon(actor.run, name=f"actor:{name}")
+            if ipc is not None:
+                supervisor = Supervisor(config, ipc, on_death=engine.mark_dead)
+                engine.supervisor = supervisor
+                await supervisor.start(nursery)
+                if handle_sigterm or (handle_sigterm is None and _may_handle_sigterm()):
+                    nursery.start_soon(_drain_on_sigterm, engine, stop)
             try:
                 yield engine
             finally:
                 engine.alive = False
+                engine.dead_reason = engine.dead_reason or "the engine has shut down"
+                await stop()
                 nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        error = _sole_error(group)
+        if isinstance(error, EngineStartError):
+            raise error from None
+        raise
     finally:
-        if tracer is not None:
-            tracer.close()
+        await stop()
+
+
+async def _drain_on_sigterm(engine: AsyncEngine, stop: Any) -> None:
+    """On SIGTERM: refuse new requests, let live ones finish, stop, then die of SIGTERM."""
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async for _ in signals:
+            break
+    # Leaving the receiver restored the default action: a second SIGTERM ends us at once
+    # (and the children, through their parent-death signal).
+    log.warning("SIGTERM: draining %d live requests (at most %g s)",
+                len(engine.frontend.registry), SIGTERM_DRAIN_TIMEOUT)
+    engine.accepting = False
+    with trio.move_on_after(SIGTERM_DRAIN_TIMEOUT):
+        while engine.busy:
+            await trio.sleep(0.02)
+    await stop()
+    log.warning("SIGTERM: drained and stopped; exiting")
+    logging.shutdown()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+    await trio.sleep_forever()

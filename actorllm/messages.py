@@ -304,6 +304,74 @@ class OutputBatch:
     stats: SchedulerStats | None = None
 
 
+# --- process supervision (actorllm.topology; see actorllm.transport for the handshake) ---
+
+
+@attrs.frozen
+class Hello:
+    """First words on a control channel, each way: a peer built from other code is refused."""
+
+    protocol: int  # actorllm.transport.PROTOCOL_VERSION
+    codec: int  # actorllm.codec.VERSION
+    schema: str  # fingerprint of every message class and its fields
+    role: str  # "parent", "engine", "detokenizer"
+    pid: int
+
+
+@attrs.frozen
+class Ready:
+    """Child -> parent: resources loaded, actors running, inboxes bound."""
+
+    role: str
+    pid: int
+
+
+@attrs.frozen
+class StartFailed:
+    """Child -> parent: the child could not start; it exits right after sending this."""
+
+    role: str
+    message: str
+
+
+@attrs.frozen
+class MailboxStat:
+    name: str
+    depth: int
+    high_water: int
+
+
+@attrs.frozen
+class Heartbeat:
+    """Both ways, every half second; a child's carries its mailboxes' depths for /metrics."""
+
+    role: str
+    seq: int
+    mailboxes: tuple[MailboxStat, ...] = ()
+
+
+@attrs.frozen
+class DrainQuery:
+    """Parent -> child: report what your actors and mailboxes still hold (invariant 4)."""
+
+    token: int
+
+
+@attrs.frozen
+class DrainReport:
+    role: str
+    token: int
+    problems: tuple[str, ...] = ()
+    rejected_frames: int = 0  # frames its sockets refused (garbage, wrong type) so far
+
+
+@attrs.frozen
+class Shutdown:
+    """Parent -> child: stop the actors and exit 0."""
+
+    reason: str = ""
+
+
 # --- what each actor's inbox accepts --------------------------------------------------
 
 TokenizerInput = Union[TokenizeRequest, AbortRequest]  # noqa: UP007 - used at run time
@@ -311,6 +379,9 @@ SchedulerInput = Union[SequenceRequest, AbortRequest, StepResult, StopMatched]  
 WorkerInput = StepPlan
 DetokenizerInput = TokenBatch
 FrontendInput = Union[OutputBatch, RequestFailed]  # noqa: UP007
+ControlMessage = Union[  # noqa: UP007
+    Hello, Ready, StartFailed, Heartbeat, DrainQuery, DrainReport, Shutdown
+]
 
 MESSAGE_TYPES: tuple[type, ...] = (
     SamplingParams,
@@ -334,4 +405,12 @@ MESSAGE_TYPES: tuple[type, ...] = (
     TextDelta,
     RequestFinished,
     OutputBatch,
+    Hello,
+    Ready,
+    StartFailed,
+    MailboxStat,
+    Heartbeat,
+    DrainQuery,
+    DrainReport,
+    Shutdown,
 )

@@ -88,7 +88,7 @@ def sample(
     if n == 0:
         return []
     raw = logits
-    logits = _process(logits.float().clone(), states, eos_token_ids)
+    logits = process_logits(logits.float().clone(), states, eos_token_ids)
 
     greedy: list[int] = []
     seeded: list[int] = []
@@ -124,10 +124,13 @@ def _index(rows: list[int], device: torch.device) -> Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
-def _process(
+def process_logits(
     logits: Tensor, states: Sequence[SamplingState], eos_token_ids: Sequence[int]
 ) -> Tensor:
-    """min_tokens, logit_bias and penalties, in place, only on the rows that ask for them."""
+    """Apply min_tokens, logit_bias and the penalties to ``logits`` in place and return it.
+
+    Only the rows whose params ask for one of them are touched.
+    """
     vocab = logits.shape[1]
     for i, state in enumerate(states):
         p = state.params

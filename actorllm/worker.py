@@ -110,6 +110,10 @@ class ModelRunner:
         full_seqs = _CPU_KV_FULL_SEQS * math.ceil(self.max_model_len / self.block_size)
         return min(_CPU_KV_BYTES // block_bytes, full_seqs)
 
+    def forget_all(self) -> None:
+        """Drop every rid's sampling state (a new Scheduler starts from nothing)."""
+        self._states.clear()
+
     @property
     def num_states(self) -> int:
         """How many rids have sampling state here (for tests and leak checks)."""
@@ -241,6 +245,14 @@ class Worker:
 
     async def run(self) -> None:
         """Serve plans until the inbox closes; the forward pass runs in a worker thread."""
+        # A runner may outlive an engine (LLM reuses its weights): a new Scheduler knows
+        # nothing of rids an earlier one left behind, so neither may we.
+        self.runner.forget_all()
         async for plan in self.inbox:
             result = await trio.to_thread.run_sync(self.runner.execute, plan)
             await self.results.send(result)
+
+    def drain_problems(self) -> list[str]:
+        """Rids whose sampling state is still held (empty after a drain: invariant 4)."""
+        n = self.runner.num_states
+        return [f"worker holds sampling state for {n} rids"] if n else []

@@ -18,6 +18,13 @@ typedef long long i64;
 
 #define ACTORLLM_DEVICE __device__ __forceinline__
 
+// Expand the arguments (e.g. ACTORLLM_DT below) before M pastes them into a kernel name.
+#define ACTORLLM_EXPAND(M, ...) M(__VA_ARGS__)
+
+// The run-time loader compiles one configuration per module by defining
+// ACTORLLM_ONE_CONFIG, ACTORLLM_DT (f16|bf16), ACTORLLM_IS_BF16 (false|true),
+// ACTORLLM_HEAD_DIM and ACTORLLM_BLOCK_SIZE; without it every configuration is built.
+
 // NVRTC has no math.h, so no INFINITY: build -inf from its bits.
 ACTORLLM_DEVICE float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -174,17 +181,46 @@ struct WarpState {
   }
 };
 
+// Byte offsets, within a swizzled tile, of the rows this lane hands to ldmatrix_x4.
+// Every ldmatrix below reads rows r0 + 16*n + {0..15} with r0 a multiple of 16, so the
+// lane's row is known up to a multiple of 16 and (row & 7) == lane & 7; logical chunk
+// 8*hi + lo (lo < 8) then lives at byte hi * 128 + (lo ^ (lane & 7)) * 16. Four offsets per
+// lane (lo = 2*kl + {0,1}) cover any chunk with an immediate added, which keeps the
+// addresses of a fully unrolled step out of the register file.
+template <int HEAD_DIM>
+struct LaneOffsets {
+  u32 row_lo[4];   // matrices ordered (rows 0-7 | rows 8-15) x (chunk lo | chunk lo + 1)
+  u32 chunk_lo[4]; // matrices ordered (chunk lo | chunk lo + 1) x (rows 0-7 | rows 8-15)
+
+  ACTORLLM_DEVICE LaneOffsets() {
+    const int lane = threadIdx.x & 31;
+    const int mat = lane >> 3;  // which of the four 8x8 matrices this lane addresses
+    const int mrow = lane & 7;  // which row of it
+#pragma unroll
+    for (int kl = 0; kl < 4; ++kl) {
+      row_lo[kl] = ((mat & 1) * 8 + mrow) * (HEAD_DIM * 2) + (((2 * kl + (mat >> 1)) ^ mrow) << 4);
+      chunk_lo[kl] = ((mat >> 1) * 8 + mrow) * (HEAD_DIM * 2) + (((2 * kl + (mat & 1)) ^ mrow) << 4);
+    }
+  }
+  // Address of the x4 load at tile rows [row0, row0 + 16), chunks [2 * step, 2 * step + 2).
+  ACTORLLM_DEVICE u32 rows_first(u32 base, int row0, int step) const {
+    return base + row0 * (HEAD_DIM * 2) + row_lo[step & 3] + (step >> 2) * 128;
+  }
+  ACTORLLM_DEVICE u32 chunks_first(u32 base, int row0, int step) const {
+    return base + row0 * (HEAD_DIM * 2) + chunk_lo[step & 3] + (step >> 2) * 128;
+  }
+};
+
 // Attend the warp's 16 query rows (tile rows q_row0..q_row0+15 of the Q tile at q_base) to
 // KEYS keys, tile rows k_row0.. of the K and V tiles. Key j sits at absolute position
 // kpos0 + j; with MASK, a key is dropped for row r when its position exceeds qpos[r].
+// q_row0 and k_row0 must be multiples of 16.
 template <bool IS_BF16, int HEAD_DIM, int KEYS, bool MASK>
-ACTORLLM_DEVICE void warp_attend(WarpState<HEAD_DIM>& st, u32 q_base, int q_row0,
-                                 u32 k_base, u32 v_base, int k_row0, int kpos0,
-                                 const int (&qpos)[2], float scale_log2) {
+ACTORLLM_DEVICE void warp_attend(WarpState<HEAD_DIM>& st, const LaneOffsets<HEAD_DIM>& off,
+                                 u32 q_base, int q_row0, u32 k_base, u32 v_base, int k_row0,
+                                 int kpos0, const int (&qpos)[2], float scale_log2) {
   static_assert(KEYS % 16 == 0, "keys come in k16 steps");
   const int lane = threadIdx.x & 31;
-  const int mat = lane >> 3;  // which of the four 8x8 matrices this lane addresses
-  const int mrow = lane & 7;  // which row of it
 
   // S = Q K^T: 16 x KEYS, fp32.
   float s[KEYS / 8][4];
@@ -197,13 +233,12 @@ ACTORLLM_DEVICE void warp_attend(WarpState<HEAD_DIM>& st, u32 q_base, int q_row0
   for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
     // A fragment: matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), ...
     u32 a[4];
-    ldmatrix_x4(a, tile_addr<HEAD_DIM>(q_base, q_row0 + (mat & 1) * 8 + mrow, ks * 2 + (mat >> 1)));
+    ldmatrix_x4(a, off.rows_first(q_base, q_row0, ks));
 #pragma unroll
     for (int nt = 0; nt < KEYS / 16; ++nt) {
       // B = K^T ("col"): matrices (keys 0-7, k 0-7), (keys 0-7, k 8-15), (keys 8-15, k 0-7), ...
       u32 b[4];
-      ldmatrix_x4(b, tile_addr<HEAD_DIM>(k_base, k_row0 + nt * 16 + (mat >> 1) * 8 + mrow,
-                                         ks * 2 + (mat & 1)));
+      ldmatrix_x4(b, off.chunks_first(k_base, k_row0 + nt * 16, ks));
       mma_16816<IS_BF16>(s[2 * nt], a, b[0], b[1]);
       mma_16816<IS_BF16>(s[2 * nt + 1], a, b[2], b[3]);
     }
@@ -271,8 +306,7 @@ ACTORLLM_DEVICE void warp_attend(WarpState<HEAD_DIM>& st, u32 q_base, int q_row0
       // B = V (k = keys, n = dims), stored key-major: transpose on load. Matrices
       // (keys 0-7, dims 0-7), (keys 8-15, dims 0-7), (keys 0-7, dims 8-15), ...
       u32 b[4];
-      ldmatrix_x4_trans(b, tile_addr<HEAD_DIM>(v_base, k_row0 + ks * 16 + (mat & 1) * 8 + mrow,
-                                               dt * 2 + (mat >> 1)));
+      ldmatrix_x4_trans(b, off.rows_first(v_base, k_row0 + ks * 16, dt));
       mma_16816<IS_BF16>(st.o[2 * dt], a, b[0], b[1]);
       mma_16816<IS_BF16>(st.o[2 * dt + 1], a, b[2], b[3]);
     }

@@ -403,11 +403,18 @@ def pack_blocks(docs: list[list[int]], seq_len: int, rng: random.Random | None) 
     return torch.tensor(flat[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
-def lr_at(step: int, total: int, warmup: int, peak: float, floor: float) -> float:
-    """Linear warmup, then cosine decay from peak to floor at step == total."""
+def lr_at(step: int, warmup: int, decay_start: int | None, total: int | None, peak: float,
+          floor: float) -> float:
+    """Warmup-stable-decay: linear warmup, constant peak, then cosine from peak to floor.
+
+    WSD rather than one cosine over the whole run because the machine is shared: how many steps
+    fit in the time budget is only known late, and WSD only needs it when the decay starts.
+    """
     if step < warmup:
         return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if decay_start is None or total is None or step < decay_start:
+        return peak
+    progress = min(1.0, (step - decay_start) / max(1, total - decay_start))
     return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
 
 
@@ -443,22 +450,31 @@ def train(
          {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
     )
-    total_steps = args.steps  # None until calibrated from the measured step time
+    # With --steps the schedule is fixed (an exact replay); otherwise the decay starts when
+    # (1 - decay_fraction) of the training time is spent and its length is planned from the
+    # recent step time.  Both numbers end up in the card's rebuild command.
+    total_steps: int | None = args.steps
+    decay_start: int | None = args.decay_start
+    if total_steps is not None and decay_start is None:
+        decay_start = int(total_steps * (1 - args.decay_fraction))
     blocks = pack_blocks(train_docs, args.seq_len, rng)
     cursor, epoch = 0, 0
     start = time.monotonic()
+    budget = deadline - start
     history: list[tuple[int, float, float]] = []
+    recent: list[float] = []  # wall time of the last steps, evaluations excluded
     step = 0
-    timer = start
     model.train()
     while total_steps is None or step < total_steps:
+        t_step = time.monotonic()
         if cursor + args.batch_size > len(blocks):
             epoch += 1
             blocks = pack_blocks(train_docs, args.seq_len, rng)
             cursor = 0
         batch = blocks[cursor: cursor + args.batch_size]
         cursor += args.batch_size
-        lr = lr_at(step, total_steps or 10**9, args.warmup, args.lr, args.lr * args.min_lr_ratio)
+        lr = lr_at(step, args.warmup, decay_start, total_steps, args.lr,
+                   args.lr * args.min_lr_ratio)
         for group in opt.param_groups:
             group["lr"] = lr
         loss = model(input_ids=batch, labels=batch).loss
@@ -467,18 +483,18 @@ def train(
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
+        recent = [*recent[-49:], time.monotonic() - t_step]
 
-        if step == 2:
-            timer = time.monotonic()  # the first steps pay one-off costs; time the rest
-        if total_steps is None and step == args.calibration_steps:
-            # Plan the whole schedule so it ends by the deadline (margin for evaluations and
-            # for load from other processes on the machine).
-            per_step = (time.monotonic() - timer) / (step - 2)
-            remaining = deadline - time.monotonic()
-            total_steps = max(step + 1, step + int(0.92 * remaining / per_step))
-            LOG.info("%.2f s/step -> planning %d steps in total", per_step, total_steps)
+        now = time.monotonic()
+        if total_steps is None and now - start >= (1 - args.decay_fraction) * budget:
+            per_step = sorted(recent)[len(recent) // 2]  # median: robust to load spikes
+            decay_start = step
+            # 0.9: room for the evaluations and for load from other processes.
+            total_steps = step + max(1, int(0.9 * (deadline - now) / per_step))
+            LOG.info("%.2f s/step: decay from step %d to step %d", per_step, decay_start,
+                     total_steps)
         if step % args.log_every == 0 or step == total_steps:
-            elapsed = time.monotonic() - start
+            elapsed = now - start
             tps = step * args.batch_size * args.seq_len / elapsed
             LOG.info("step %d/%s epoch %d loss %.3f lr %.2e %.0f tok/s %.1f min",
                      step, total_steps, epoch, loss.item(), lr, tps, elapsed / 60)
@@ -491,7 +507,8 @@ def train(
             break
     elapsed = time.monotonic() - start
     return {
-        "steps": step, "planned_steps": total_steps, "epochs": step * args.batch_size / len(blocks),
+        "steps": step, "planned_steps": total_steps, "decay_start": decay_start,
+        "epochs": step * args.batch_size / len(blocks),
         "tokens_seen": step * args.batch_size * args.seq_len, "train_seconds": elapsed,
         "history": history,
     }
@@ -665,7 +682,10 @@ sequences, batch {m['batch_size']} sequences, AdamW (betas 0.9/0.95, weight deca
 decay to {m['lr'] * m['min_lr_ratio']:.1e}, gradient clipping 1.0, seed {m['seed']}.
 {m['steps']} steps ({m['tokens_seen']:,} tokens, {m['epochs']:.1f} epochs) in
 {m['train_seconds'] / 60:.1f} minutes of training ({m['total_minutes']:.1f} minutes for the
-whole script).
+whole script), {m['tokens_seen'] / m['train_seconds']:,.0f} tokens/s on average (the machine was
+shared with other work, so a quiet machine trains faster; the learning-rate schedule is
+warmup-stable-decay, its decay placed by the time budget, and the rebuild command above pins
+both step counts). Decay started at step {m['decay_start']}.
 
 | step | train loss | validation loss |
 |---|---|---|
@@ -738,7 +758,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--val-fraction", type=float, default=0.03)
     p.add_argument("--chat-fraction", type=float, default=0.3)
-    p.add_argument("--calibration-steps", type=int, default=30)
+    p.add_argument("--decay-start", type=int, default=None,
+                   help="with --steps: step where the LR decay starts (default: 80%% of steps)")
+    p.add_argument("--decay-fraction", type=float, default=0.2,
+                   help="share of the training time (or steps) spent decaying the LR")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--eval-every", type=int, default=150)
     p.add_argument("--eval-blocks", type=int, default=48)
@@ -817,7 +840,8 @@ def main(argv: list[str] | None = None) -> None:
 
     command = ("nice -n 15 python scripts/train_default_model.py "
                f"--output-dir {os.path.relpath(out.resolve(), REPO_ROOT)} --seed {args.seed} "
-               f"--steps {run['steps']} --minutes {args.minutes:g}")
+               f"--steps {run['steps']} --decay-start {run['decay_start']} "
+               f"--minutes {args.minutes:g}")
     defaults = parse_args([])
     for flag in ("vocab_size", "layers", "hidden", "heads", "kv_heads", "intermediate",
                  "batch_size", "lr", "warmup", "chat_fraction"):

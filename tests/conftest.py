@@ -13,8 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import build_tiny_model, build_tokenizer, hf_greedy
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# The tiny models are all per-op overhead: one intra-op thread is ~5x faster than two
+# threads spinning against each other on a busy 2-core box (and right under pytest-xdist).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

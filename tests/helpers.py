@@ -17,6 +17,14 @@ SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>
 BOS, EOS = "<|bos|>", "<|eos|>"
 BOS_ID, EOS_ID = 0, 1  # special tokens are added first, in SPECIAL_TOKENS order
 
+# Qwen2's split (digits one by one, ...). transformers 5 rebuilds the pipeline of a Qwen2
+# directory's tokenizer with exactly this regex + NFC whatever tokenizer.json says, so the
+# shared tokenizer uses it everywhere: then every fixture directory tokenizes alike.
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -59,15 +67,31 @@ Thank you for your help. You are welcome. Goodbye, and have a nice day!
 def build_tokenizer(save_dir: str | Path, vocab_size: int = 400) -> Any:
     """Train a byte-level BPE on ``CORPUS`` and save it as a ``PreTrainedTokenizerFast``.
 
-    Special tokens get ids 0..5 (``<|bos|>`` = 0, ``<|eos|>`` = 1). Plain ``encode``
+    Special tokens get ids 0..5 (``<|bos|>`` = 0, ``<|eos|>`` = 1). Pre-tokenization is
+    Qwen2's (see ``PRETOKENIZE_REGEX``). Plain ``encode``
     prepends ``<|bos|>``; the chat template writes it itself (``apply_chat_template``
     tokenizes without special tokens), like Llama 3.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -85,6 +109,9 @@ def build_tokenizer(save_dir: str | Path, vocab_size: int = 400) -> Any:
         bos_token=BOS,
         eos_token=EOS,
         pad_token=EOS,
+        # Without an unk token, a Qwen2 directory's tokenizer adds "<|endoftext|>" as one,
+        # past the model's vocabulary. BPE on bytes never needs it.
+        unk_token=EOS,
         additional_special_tokens=list(SPECIAL_TOKENS[2:]),
         chat_template=CHAT_TEMPLATE,
         model_max_length=256,
@@ -103,12 +130,18 @@ def build_tiny_model(
 ) -> Path:
     """Write a random-weight checkpoint (config, safetensors, generation config, tokenizer).
 
-    ``family`` is ``"llama"`` (GQA 4/2 heads, untied embeddings) or ``"qwen2"`` (qkv bias,
-    tied embeddings). ``init_std`` is larger than the HF default so that greedy outputs
+    ``family`` is ``"llama"`` (GQA 4/2 heads, untied embeddings), ``"qwen2"`` (qkv bias,
+    tied embeddings) or ``"mistral"`` (like llama, with a sliding window in its config). ``init_std`` is larger than the HF default so that greedy outputs
     vary from token to token instead of collapsing onto one id. ``overrides`` go into the
     config (e.g. ``rope_parameters``, ``num_hidden_layers``).
     """
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Config
+    from transformers import (
+        AutoTokenizer,
+        GenerationConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+    )
 
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
@@ -135,6 +168,9 @@ def build_tiny_model(
     if family == "llama":
         config = LlamaConfig(**{**common, "tie_word_embeddings": False, **overrides})
         from transformers import LlamaForCausalLM as Model
+    elif family == "mistral":
+        config = MistralConfig(**{**common, "tie_word_embeddings": False, **overrides})
+        from transformers import MistralForCausalLM as Model
     elif family == "qwen2":
         common.pop("head_dim")  # Qwen2 derives it: hidden_size // num_attention_heads = 16
         config = Qwen2Config(**{**common, "tie_word_embeddings": True, **overrides})

@@ -103,11 +103,28 @@ def rope_scaled_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("which", ["tiny_llama_dir", "tiny_qwen2_dir", "rope_scaled_dir"])
+@pytest.mark.parametrize("which", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_logits_match_transformers(which: str, schedule: str, request: pytest.FixtureRequest):
-    model_dir = request.getfixturevalue(which)
+    assert_matches_transformers(request.getfixturevalue(which), SCHEDULES[schedule])
+
+
+@pytest.mark.parametrize("schedule", ["one-prefill", "chunked"])
+def test_rope_scaled_logits_match_transformers(rope_scaled_dir: Path, schedule: str):
+    model = load_model(rope_scaled_dir)
+    plain = 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16)
+    assert not torch.allclose(model.rotary.inv_freq, plain)  # the scaling is really in play
+    assert_matches_transformers(rope_scaled_dir, SCHEDULES[schedule])
+
+
+def test_mistral_logits_match_transformers(tmp_path: Path, tokenizer_dir: Path):
+    model_dir = build_tiny_model(tmp_path, "mistral", tokenizer_dir=tokenizer_dir, seed=4)
+    assert load_config(model_dir).sliding_window == 4096  # longer than max_model_len: moot
+    assert_matches_transformers(model_dir, SCHEDULES["chunked"])
+
+
+def assert_matches_transformers(model_dir: Path, cuts: list[int]) -> None:
     model = load_model(model_dir)
-    ours = run_pieces(model, TOKENS, SCHEDULES[schedule])
+    ours = run_pieces(model, TOKENS, cuts)
     ref = hf_logits(model_dir, TOKENS)
     assert ours.shape == ref.shape
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
@@ -236,3 +253,21 @@ def test_error_wrong_shape(tmp_path: Path, tiny_llama_dir: Path):
     path = copy_dir(tiny_llama_dir, tmp_path / "m")
     edit_config(path, intermediate_size=96)
     assert "has shape" in one_line_error(path)
+
+
+def test_fixture_directories_tokenize_alike(
+    tokenizer_dir: Path, tiny_llama_dir: Path, tiny_qwen2_dir: Path
+):
+    """transformers picks Qwen2Tokenizer for a Qwen2 directory: it must agree with the rest."""
+    from transformers import AutoTokenizer
+
+    toks = [
+        AutoTokenizer.from_pretrained(d) for d in (tokenizer_dir, tiny_llama_dir, tiny_qwen2_dir)
+    ]
+    text = "numbers 1 2 3 10 12, café!\n<|user|>hi<|end|>"
+    ids = toks[0](text).input_ids
+    assert ids[0] == 0 and 2 in ids and 5 in ids
+    for tok in toks:
+        assert tok(text).input_ids == ids
+        assert len(tok) == 400 and tok.eos_token_id == 1 and tok.bos_token_id == 0
+        assert tok.decode(ids, skip_special_tokens=True) == "numbers 1 2 3 10 12, café!\nhi"

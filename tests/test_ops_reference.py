@@ -227,10 +227,16 @@ def test_write_kv_skips_minus_one():
 def test_write_kv_all_skipped_and_empty():
     k_cache = torch.zeros(2, 16, 1, 8)
     v_cache = torch.zeros_like(k_cache)
-    backend.write_kv(torch.ones(2, 1, 8), torch.ones(2, 1, 8), k_cache, v_cache,
-                     torch.tensor([-1, -1]))
-    backend.write_kv(torch.ones(0, 1, 8), torch.ones(0, 1, 8), k_cache, v_cache,
-                     torch.zeros(0, dtype=torch.int64))
+    backend.write_kv(
+        torch.ones(2, 1, 8), torch.ones(2, 1, 8), k_cache, v_cache, torch.tensor([-1, -1])
+    )
+    backend.write_kv(
+        torch.ones(0, 1, 8),
+        torch.ones(0, 1, 8),
+        k_cache,
+        v_cache,
+        torch.zeros(0, dtype=torch.int64),
+    )
     assert not k_cache.any() and not v_cache.any()
 
 
@@ -241,18 +247,24 @@ def test_write_then_attend_equals_dense_attention():
     k_cache = torch.zeros(8, block_size, kv_heads, dim)
     v_cache = torch.zeros_like(k_cache)
     table = [6, 2, 7]
-    slots = torch.tensor([table[j // block_size] * block_size + j % block_size
-                          for j in range(length)])
+    slots = torch.tensor(
+        [table[j // block_size] * block_size + j % block_size for j in range(length)]
+    )
     q = torch.randn(length, heads, dim, generator=gen)
     k = torch.randn(length, kv_heads, dim, generator=gen)
     v = torch.randn(length, kv_heads, dim, generator=gen)
     backend.write_kv(k, v, k_cache, v_cache, slots)
-    meta = dict(block_tables=torch.tensor([table], dtype=torch.int32),
-                seq_lens=torch.tensor([length], dtype=torch.int32), scale=dim**-0.5)
-    prefill = backend.paged_attention(q, k_cache, v_cache, **meta,
-                                      cu_seqlens_q=torch.tensor([0, length], dtype=torch.int32))
-    decode = backend.paged_attention(q[-1:], k_cache, v_cache, **meta,
-                                     cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32))
+    meta = dict(
+        block_tables=torch.tensor([table], dtype=torch.int32),
+        seq_lens=torch.tensor([length], dtype=torch.int32),
+        scale=dim**-0.5,
+    )
+    prefill = backend.paged_attention(
+        q, k_cache, v_cache, **meta, cu_seqlens_q=torch.tensor([0, length], dtype=torch.int32)
+    )
+    decode = backend.paged_attention(
+        q[-1:], k_cache, v_cache, **meta, cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32)
+    )
     want = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
     ).transpose(0, 1)
@@ -277,8 +289,11 @@ def _good_attention_args() -> dict:
         ("q", lambda a: a["q"].double(), "dtype"),
         ("k_cache", lambda a: a["k_cache"][0], "4 dims"),
         ("v_cache", lambda a: a["v_cache"][:1], "shape"),
-        ("v_cache", lambda a: a["v_cache"].transpose(2, 3).contiguous().transpose(2, 3),
-         "contiguous"),
+        (
+            "v_cache",
+            lambda a: a["v_cache"].transpose(2, 3).contiguous().transpose(2, 3),
+            "contiguous",
+        ),
         ("block_tables", lambda a: a["block_tables"].long(), "int32"),
         ("block_tables", lambda a: a["block_tables"][:1], "rows"),
         ("seq_lens", lambda a: a["seq_lens"].long(), "int32"),
@@ -297,8 +312,13 @@ def test_attention_arg_checks(name, bad, message):
 
 def _good_write_args() -> dict:
     k_cache = torch.zeros(4, 16, 2, 8)
-    return dict(key=torch.randn(3, 2, 8), value=torch.randn(3, 2, 8), k_cache=k_cache,
-                v_cache=torch.zeros_like(k_cache), slot_mapping=torch.tensor([0, -1, 9]))
+    return dict(
+        key=torch.randn(3, 2, 8),
+        value=torch.randn(3, 2, 8),
+        k_cache=k_cache,
+        v_cache=torch.zeros_like(k_cache),
+        slot_mapping=torch.tensor([0, -1, 9]),
+    )
 
 
 @pytest.mark.parametrize(
@@ -320,43 +340,6 @@ def test_write_kv_arg_checks(name, bad, message):
         checks.check_write_kv_args(**args)
     with pytest.raises(ValueError, match=rf"^{name}: "):
         backend.write_kv(**args)
-
-
-def _cuda_like(dtype=torch.float16, head_dim=64, block_size=16) -> dict:
-    """Attention args with the shapes the CUDA kernels accept (still on CPU)."""
-    return dict(
-        q=torch.zeros(5, 4, head_dim, dtype=dtype),
-        k_cache=torch.zeros(4, block_size, 2, head_dim, dtype=dtype),
-        v_cache=torch.zeros(4, block_size, 2, head_dim, dtype=dtype),
-        block_tables=torch.zeros(2, 3, dtype=torch.int32),
-        seq_lens=torch.tensor([20, 7], dtype=torch.int32),
-        cu_seqlens_q=torch.tensor([0, 4, 5], dtype=torch.int32),
-    )
-
-
-def test_cuda_checks_reject_cpu_and_unsupported_shapes():
-    with pytest.raises(ValueError, match=r"^k_cache: must be on a CUDA device"):
-        checks.check_cuda_paged_attention_args(**_cuda_like())
-    with pytest.raises(ValueError, match=r"^q: each token's \[heads, head_dim\] must be"):
-        checks._check_rows("q", torch.zeros(3, 64, 4).transpose(1, 2))
-    checks._check_rows("key", torch.zeros(3, 4 * 64 * 3)[:, :4 * 64].view(3, 4, 64))
-
-
-def test_cuda_checks_kernel_cache_rules():
-    """The dtype / head_dim / block_size rules, on a tensor that claims to be on CUDA."""
-
-    class FakeCuda:  # just enough of a Tensor for _check_kernel_cache
-        def __init__(self, dtype, shape):
-            self.device, self.dtype, self.shape = torch.device("cuda", 0), dtype, shape
-
-    checks._check_kernel_cache(FakeCuda(torch.bfloat16, (4, 32, 2, 256)))
-    for dtype, shape, message in [
-        (torch.float32, (4, 16, 2, 64), "dtype must be float16, bfloat16"),
-        (torch.float16, (4, 16, 2, 96), "head_dim 96 has no CUDA kernel"),
-        (torch.float16, (4, 8, 2, 64), "block_size 8 has no CUDA kernel"),
-    ]:
-        with pytest.raises(ValueError, match=rf"^k_cache: {message}"):
-            checks._check_kernel_cache(FakeCuda(dtype, shape))
 
 
 # ---------------------------------------------------------------------------- selection

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from actorllm.ops import checks
 from actorllm.ops.torch_backend import TorchBackend
 
 __all__ = ["AttentionBackend", "BackendUnavailable", "TorchBackend", "select_backend"]
@@ -57,40 +58,66 @@ class BackendUnavailable(RuntimeError):
     """The requested attention backend cannot run here; the message says why in one line."""
 
 
-def select_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
+def select_backend(
+    name: str = "auto",
+    device: torch.device | str = "cpu",
+    *,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
+    block_size: int | None = None,
+) -> AttentionBackend:
     """Pick the attention backend for ``device`` once, at start-up, and log the choice.
 
     ``name`` is ``"auto"``, ``"torch"`` or ``"cuda"``. ``"cuda"`` raises
-    ``BackendUnavailable`` when ``device`` is not a CUDA device, torch sees no GPU, or
-    CuPy / NVRTC cannot load the kernels; ``"auto"`` falls back to torch in those cases.
+    ``BackendUnavailable`` when ``device`` is not a CUDA device, torch sees no GPU, CuPy /
+    NVRTC cannot build the kernels, or the optional model shape (``dtype``, ``head_dim``,
+    ``block_size``) has no kernel; ``"auto"`` falls back to torch in those cases. When the
+    shape is given, the cuda kernels for it are compiled here rather than on first use.
     """
     device = torch.device(device)
     if name == "torch":
         log.info("attention backend: torch (%s)", device)
         return TorchBackend()
-    if name == "cuda":
-        backend = _load_cuda(device)
-        log.info("attention backend: cuda (%s)", device)
-        return backend
-    if name == "auto":
-        if device.type == "cuda":
-            try:
-                backend = _load_cuda(device)
-            except BackendUnavailable as exc:
-                log.warning("attention backend: torch (%s); cuda unavailable: %s", device, exc)
-                return TorchBackend()
-            log.info("attention backend: cuda (%s)", device)
-            return backend
+    if name not in ("auto", "cuda"):
+        raise ValueError(f"name: unknown attention backend {name!r} (expected auto, torch or cuda)")
+    if name == "auto" and device.type != "cuda":
         log.info("attention backend: torch (%s)", device)
         return TorchBackend()
-    raise ValueError(f"name: unknown attention backend {name!r} (expected auto, torch or cuda)")
+    try:
+        backend = _load_cuda(device, dtype, head_dim, block_size)
+    except BackendUnavailable as exc:
+        if name == "cuda":
+            raise
+        log.warning("attention backend: torch (%s); cuda unavailable: %s", device, exc)
+        return TorchBackend()
+    log.info("attention backend: cuda (%s)", device)
+    return backend
 
 
-def _load_cuda(device: torch.device) -> AttentionBackend:
+def _load_cuda(
+    device: torch.device,
+    dtype: torch.dtype | None,
+    head_dim: int | None,
+    block_size: int | None,
+) -> AttentionBackend:
     if device.type != "cuda":
         raise BackendUnavailable(f"the cuda attention backend needs a CUDA device, got {device}")
+    unsupported = [
+        f"{what} {value}"
+        for what, value, have in (
+            ("dtype", dtype, checks.CUDA_DTYPES),
+            ("head_dim", head_dim, checks.CUDA_HEAD_DIMS),
+            ("block_size", block_size, checks.CUDA_BLOCK_SIZES),
+        )
+        if value is not None and value not in have
+    ]
+    if unsupported:
+        raise BackendUnavailable(f"no cuda kernel for {', '.join(unsupported)}")
     if not torch.cuda.is_available():
         raise BackendUnavailable("the cuda attention backend needs a GPU, but torch sees none")
     from actorllm.ops.cuda_backend import CudaBackend  # imports cupy lazily
 
-    return CudaBackend(device)
+    backend = CudaBackend(device)
+    if dtype is not None and head_dim is not None and block_size is not None:
+        backend.warmup(dtype, head_dim, block_size)
+    return backend

@@ -88,8 +88,13 @@ def check_write_kv_args(
         n = slot_mapping.shape[0]
         _fail("slot_mapping", f"has {n} entries but key has {key.shape[0]} tokens")
     _check_same_device(
-        {"k_cache": k_cache, "v_cache": v_cache, "key": key, "value": value,
-         "slot_mapping": slot_mapping}
+        {
+            "k_cache": k_cache,
+            "v_cache": v_cache,
+            "key": key,
+            "value": value,
+            "slot_mapping": slot_mapping,
+        }
     )
 
 
@@ -128,36 +133,61 @@ def check_paged_attention_args(
         n = cu_seqlens_q.shape[0]
         _fail("cu_seqlens_q", f"has {n} entries, expected num_seqs + 1 = {num_seqs + 1}")
     _check_same_device(
-        {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
-         "seq_lens": seq_lens, "cu_seqlens_q": cu_seqlens_q}
+        {
+            "q": q,
+            "k_cache": k_cache,
+            "v_cache": v_cache,
+            "block_tables": block_tables,
+            "seq_lens": seq_lens,
+            "cu_seqlens_q": cu_seqlens_q,
+        }
     )
 
 
-def _check_kernel_cache(k_cache: Tensor) -> None:
-    if k_cache.device.type != "cuda":
-        _fail("k_cache", f"must be on a CUDA device for the cuda backend, got {k_cache.device}")
+def _check_kernel_caches(k_cache: Tensor, v_cache: Tensor, device_type: str) -> None:
+    if k_cache.device.type != device_type:
+        _fail("k_cache", f"must be on a {device_type} device, got {k_cache.device}")
     _check_dtype("k_cache", k_cache, CUDA_DTYPES)
     block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
     if head_dim not in CUDA_HEAD_DIMS:
         _fail("k_cache", f"head_dim {head_dim} has no CUDA kernel (have {CUDA_HEAD_DIMS})")
     if block_size not in CUDA_BLOCK_SIZES:
         _fail("k_cache", f"block_size {block_size} has no CUDA kernel (have {CUDA_BLOCK_SIZES})")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.data_ptr() % 16 != 0:
+            _fail(name, "data must start on a 16-byte boundary")
 
 
 def _check_rows(name: str, t: Tensor) -> None:
     # Each token's [heads, head_dim] must be dense; the token stride may be anything
-    # (e.g. a slice of a fused QKV projection), and is passed to the kernel.
+    # (e.g. a slice of a fused QKV projection) that keeps rows 16-byte aligned, since the
+    # kernels move 16-byte vectors.
     heads, head_dim = t.shape[1], t.shape[2]
-    if t.shape[0] > 0 and (t.stride(2) != 1 or (heads > 1 and t.stride(1) != head_dim)):
+    if t.shape[0] == 0:
+        return
+    if t.stride(2) != 1 or (heads > 1 and t.stride(1) != head_dim):
         _fail(name, f"each token's [heads, head_dim] must be contiguous, got strides {t.stride()}")
+    if t.shape[0] > 1 and t.stride(0) % 8 != 0:
+        _fail(name, f"token stride {t.stride(0)} must be a multiple of 8 elements (16 bytes)")
+    if t.data_ptr() % 16 != 0:
+        _fail(name, "data must start on a 16-byte boundary")
 
 
 def check_cuda_write_kv_args(
-    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    key: Tensor,
+    value: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    device_type: str = "cuda",
 ) -> None:
-    """``check_write_kv_args`` plus what the CUDA ``reshape_and_cache`` kernel needs."""
+    """``check_write_kv_args`` plus what the CUDA ``reshape_and_cache`` kernel needs.
+
+    ``device_type`` exists so tests can run every other rule on CPU tensors.
+    """
     check_write_kv_args(key, value, k_cache, v_cache, slot_mapping)
-    _check_kernel_cache(k_cache)
+    _check_kernel_caches(k_cache, v_cache, device_type)
     _check_rows("key", key)
     _check_rows("value", value)
     if not slot_mapping.is_contiguous():
@@ -171,10 +201,15 @@ def check_cuda_paged_attention_args(
     block_tables: Tensor,
     seq_lens: Tensor,
     cu_seqlens_q: Tensor,
+    *,
+    device_type: str = "cuda",
 ) -> None:
-    """``check_paged_attention_args`` plus what the CUDA attention kernels need."""
+    """``check_paged_attention_args`` plus what the CUDA attention kernels need.
+
+    ``device_type`` exists so tests can run every other rule on CPU tensors.
+    """
     check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
-    _check_kernel_cache(k_cache)
+    _check_kernel_caches(k_cache, v_cache, device_type)
     _check_rows("q", q)
     if block_tables.shape[0] > 0 and block_tables.stride(1) != 1:
         _fail("block_tables", f"rows must be contiguous, got strides {block_tables.stride()}")

@@ -106,8 +106,13 @@ class TorchBackend:
             seqs = torch.tensor(decode, device=q.device)
             max_len = max(lens[s] for s in decode)
             o = _decode(
-                q.index_select(0, rows), k_cache, v_cache, block_tables.index_select(0, seqs),
-                seq_lens.index_select(0, seqs), max_len, scale,
+                q.index_select(0, rows),
+                k_cache,
+                v_cache,
+                block_tables.index_select(0, seqs),
+                seq_lens.index_select(0, seqs),
+                max_len,
+                scale,
             )
             out.index_copy_(0, rows, o)
         for s in range(num_seqs):

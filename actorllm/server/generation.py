@@ -1,0 +1,408 @@
+"""Running engine requests for one HTTP request, and rendering them OpenAI's way.
+
+:class:`GenerationResponse` is the ASGI response of both generation endpoints. It owns
+its engine requests from submission to release, in one place, so that every way out
+(the answer sent, an error, the client gone, the server shutting down) ends with the
+same ``finally``: whatever has not finished is aborted through the Frontend.
+
+Status codes are decided before the first byte goes out: a streaming response waits
+for every engine request's first output, so a prompt that does not fit is a 400 and
+not an error inside the stream. Errors after that are sent as an SSE ``error`` event,
+followed by ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+import trio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from actorllm.frontend import CompletionOutput, EndOfOutput, OutputCollector, RequestError
+from actorllm.messages import GenerateRequest, InvalidRequest
+from actorllm.server import sse
+from actorllm.server.convert import TokenTexts, chat_logprobs, completion_logprobs
+from actorllm.server.errors import APIError, from_request_error, invalid
+
+if TYPE_CHECKING:
+    from actorllm.server.app import ServerState
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define(eq=False)
+class Job:
+    """One engine request of an HTTP request: its choices are ``index_base + i``."""
+
+    request: GenerateRequest
+    index_base: int = 0
+    echo: str = ""  # completions with echo: text put before each choice's output
+    collector: OutputCollector | None = None
+
+    @property
+    def cost(self) -> int:
+        """Engine sequences it occupies (what the overload cap counts)."""
+        return self.request.params.n
+
+
+@attrs.define
+class ChoiceState:
+    """One choice, accumulated (for the whole response) and its streaming progress."""
+
+    text: list[str] = attrs.Factory(list)
+    num_tokens: int = 0
+    logprobs: list[Any] = attrs.Factory(list)  # chat: content entries
+    completion_lps: dict[str, list[Any]] | None = None  # completions: the legacy lists
+    offset: int = 0  # completions: text_offset of the next token
+    started: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Renderer(Protocol):
+    """Turns engine outputs into one endpoint's response shapes."""
+
+    def prelude(self) -> list[dict[str, Any]]: ...
+
+    def add(self, job: Job, out: CompletionOutput) -> dict[str, Any] | None: ...
+
+    def final(self, usage: dict[str, int]) -> dict[str, Any]: ...
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]: ...
+
+    def completion_tokens(self) -> int: ...
+
+
+class _RendererBase:
+    def __init__(self, *, response_id: str, created: int, model: str, num_choices: int,
+                 texts: TokenTexts, logprobs: bool) -> None:
+        self.id, self.created, self.model = response_id, created, model
+        self.texts, self.want_logprobs = texts, logprobs
+        self.choices = {i: ChoiceState() for i in range(num_choices)}
+
+    def completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices.values())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def _fold(self, index: int, out: CompletionOutput) -> ChoiceState:
+        st = self.choices[index]
+        st.num_tokens += len(out.token_ids)
+        if out.finish_reason is not None:
+            st.finish_reason, st.stop_reason = out.finish_reason, out.stop_reason
+        return st
+
+
+class ChatRenderer(_RendererBase):
+    """``chat.completion`` and ``chat.completion.chunk``."""
+
+    def prelude(self) -> list[dict[str, Any]]:
+        # OpenAI opens each choice with its role before any content.
+        return [self._envelope("chat.completion.chunk", [{
+            "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}]) for i in self.choices]
+
+    def add(self, job: Job, out: CompletionOutput) -> dict[str, Any] | None:
+        index = job.index_base + out.index
+        st = self._fold(index, out)
+        st.text.append(out.text)
+        lps = chat_logprobs(self.texts, out.logprobs) if self.want_logprobs else []
+        st.logprobs += lps
+        if not out.text and not lps and out.finish_reason is None:
+            return None  # held-back text: nothing to tell the client yet
+        choice: dict[str, Any] = {
+            "index": index, "delta": {"content": out.text} if out.text else {},
+            "logprobs": {"content": lps} if self.want_logprobs else None,
+            "finish_reason": out.finish_reason,
+        }
+        if out.finish_reason is not None:
+            choice["stop_reason"] = out.stop_reason
+        return self._envelope("chat.completion.chunk", [choice])
+
+    def final(self, usage: dict[str, int]) -> dict[str, Any]:
+        choices = [{
+            "index": i, "message": {"role": "assistant", "content": "".join(st.text)},
+            "logprobs": {"content": st.logprobs} if self.want_logprobs else None,
+            "finish_reason": st.finish_reason, "stop_reason": st.stop_reason,
+        } for i, st in sorted(self.choices.items())]
+        return {**self._envelope("chat.completion", choices), "usage": usage}
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        return {**self._envelope("chat.completion.chunk", []), "usage": usage}
+
+
+class CompletionRenderer(_RendererBase):
+    """``text_completion``, whole or streamed."""
+
+    def prelude(self) -> list[dict[str, Any]]:
+        return []
+
+    def add(self, job: Job, out: CompletionOutput) -> dict[str, Any] | None:
+        index = job.index_base + out.index
+        st = self._fold(index, out)
+        text = out.text
+        if not st.started:
+            st.started = True
+            text = job.echo + text
+            st.offset = len(job.echo)
+        st.text.append(text)
+        lps = None
+        if self.want_logprobs:
+            lps, st.offset = completion_logprobs(self.texts, out.logprobs, st.offset)
+            if st.completion_lps is None:
+                st.completion_lps = {k: [] for k in lps}
+            for k, v in lps.items():
+                st.completion_lps[k] += v
+        if not text and not out.logprobs and out.finish_reason is None:
+            return None
+        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": lps,
+                                  "finish_reason": out.finish_reason}
+        if out.finish_reason is not None:
+            choice["stop_reason"] = out.stop_reason
+        return self._envelope("text_completion", [choice])
+
+    def final(self, usage: dict[str, int]) -> dict[str, Any]:
+        choices = []
+        for i, st in sorted(self.choices.items()):
+            lps = None
+            if self.want_logprobs:
+                lps = st.completion_lps or {"tokens": [], "token_logprobs": [],
+                                            "top_logprobs": [], "text_offset": []}
+            choices.append({"index": i, "text": "".join(st.text), "logprobs": lps,
+                            "finish_reason": st.finish_reason, "stop_reason": st.stop_reason})
+        return {**self._envelope("text_completion", choices), "usage": usage}
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        return {**self._envelope("text_completion", []), "usage": usage}
+
+
+class _ClientGone(Exception):
+    """The client disconnected; stop quietly."""
+
+
+def _client_gone(exc: BaseException) -> bool:
+    """``exc`` is _ClientGone, or a group made only of them (trio groups task errors)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(_ClientGone)[1] is None
+    return isinstance(exc, _ClientGone)
+
+
+class GenerationResponse(Response):
+    """Submit ``jobs`` to the engine, answer (whole or as SSE), and always clean up."""
+
+    def __init__(self, state: ServerState, jobs: Sequence[Job], renderer: Renderer, *,
+                 stream: bool, include_usage: bool, request_id: str) -> None:
+        super().__init__(status_code=200)
+        self.state, self.jobs, self.renderer = state, list(jobs), renderer
+        self.stream, self.include_usage = stream, include_usage
+        self.extra_headers = [(b"x-request-id", request_id.encode())]
+        self._send: Send | None = None
+        self._started = False
+        self._reserved = 0
+        self._error: RequestError | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._send = send
+        try:
+            async with trio.open_nursery() as nursery:
+                # Leaving the connection cancels everything below, and the finally aborts.
+                nursery.start_soon(self._watch_disconnect, receive, nursery.cancel_scope)
+                try:
+                    await self._respond()
+                except Exception as exc:  # a bug must not leak the request; finally aborts
+                    if not _client_gone(exc):
+                        log.exception("generation request failed")
+                        if not self._started:
+                            await self._send_error(APIError(500, "internal error",
+                                                            code="internal_error"))
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._release()
+
+    # --- plumbing ---------------------------------------------------------------------
+
+    async def _watch_disconnect(self, receive: Receive, scope: trio.CancelScope) -> None:
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    log.debug("client disconnected: aborting %s",
+                              [j.request.rid for j in self.jobs])
+                    scope.cancel()
+                    return
+        except Exception:  # a broken receive means the client is gone too
+            scope.cancel()
+
+    async def _raw_send(self, message: dict[str, Any]) -> None:
+        assert self._send is not None
+        try:
+            await self._send(message)
+        except OSError as exc:
+            raise _ClientGone() from exc
+
+    async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self._started = True
+        await self._raw_send({"type": "http.response.start", "status": status,
+                              "headers": headers + self.extra_headers})
+
+    async def _body(self, data: bytes, more: bool = True) -> None:
+        await self._raw_send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def _send_error(self, err: APIError) -> None:
+        self._started = True
+        assert self._send is not None
+        await err.send(self._send, self.extra_headers)
+
+    async def _release(self) -> None:
+        """Abort what has not finished and give back the overload reservation."""
+        for job in self.jobs:
+            if job.collector is not None and not job.collector.finished:
+                await self.state.engine.abort(job.request.rid)
+        self.state.inflight -= self._reserved
+        self._reserved = 0
+
+    async def _submit(self) -> None:
+        state = self.state
+        if not state.serving:
+            raise APIError(503, "the server is not serving (starting up or shutting down)",
+                           code="not_serving")
+        cost = sum(j.cost for j in self.jobs)
+        if state.inflight + cost > state.max_pending:
+            raise APIError(503, f"the server is overloaded ({state.inflight} sequences "
+                           "pending); retry later", code="overloaded")
+        state.inflight += cost
+        self._reserved = cost
+        for job in self.jobs:
+            try:
+                job.collector = await state.engine.submit(job.request)
+            except InvalidRequest as exc:  # a live duplicate request id
+                raise invalid(exc) from None
+
+    def _usage(self) -> dict[str, int]:
+        prompt = sum(j.collector.num_prompt_tokens for j in self.jobs if j.collector)
+        return usage(prompt, self.renderer.completion_tokens())
+
+    async def _first_outputs(self) -> list[Any] | None:
+        """Each job's first output (an error cancels the rest and is kept in _error)."""
+        firsts: list[Any] = [None] * len(self.jobs)
+
+        async def first(i: int, col: OutputCollector, cancel: trio.CancelScope) -> None:
+            try:
+                firsts[i] = await col.get()
+            except RequestError as exc:
+                self._error = self._error or exc
+                cancel.cancel()
+            except EndOfOutput:
+                pass
+
+        async with trio.open_nursery() as nursery:
+            for i, job in enumerate(self.jobs):
+                assert job.collector is not None
+                nursery.start_soon(first, i, job.collector, nursery.cancel_scope)
+        return None if self._error is not None else firsts
+
+    # --- the two ways to answer ----------------------------------------------------------
+
+    async def _respond(self) -> None:
+        try:
+            await self._submit()
+        except APIError as err:
+            await self._send_error(err)
+            return
+        if self.stream:
+            await self._respond_stream()
+        else:
+            await self._respond_whole()
+
+    async def _respond_whole(self) -> None:
+        async def drain(job: Job, cancel: trio.CancelScope) -> None:
+            assert job.collector is not None
+            while True:
+                try:
+                    out = await job.collector.get()
+                except EndOfOutput:
+                    return
+                except RequestError as exc:
+                    self._error = self._error or exc
+                    cancel.cancel()
+                    return
+                for o in out.outputs:
+                    self.renderer.add(job, o)
+
+        async with trio.open_nursery() as nursery:
+            for job in self.jobs:
+                nursery.start_soon(drain, job, nursery.cancel_scope)
+        if self._error is not None:
+            await self._send_error(from_request_error(self._error))
+            return
+        payload = json.dumps(self.renderer.final(self._usage()), ensure_ascii=False).encode()
+        await self._start(200, [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode())])
+        await self._body(payload, more=False)
+
+    async def _respond_stream(self) -> None:
+        firsts = await self._first_outputs()
+        if firsts is None:
+            assert self._error is not None
+            await self._send_error(from_request_error(self._error))
+            return
+        await self._start(200, list(sse.HEADERS))
+        for chunk in self.renderer.prelude():
+            await self._body(sse.event(chunk))
+        for job, out in zip(self.jobs, firsts, strict=True):
+            if out is not None:
+                await self._emit(job, out.outputs)
+
+        send_ch, recv_ch = trio.open_memory_channel[tuple[Job, Any]](0)
+
+        async def pump(job: Job, ch: trio.MemorySendChannel[tuple[Job, Any]]) -> None:
+            assert job.collector is not None
+            async with ch:
+                while True:
+                    try:
+                        out = await job.collector.get()
+                    except EndOfOutput:
+                        return
+                    except RequestError as exc:
+                        await ch.send((job, exc))
+                        return
+                    await ch.send((job, out))
+
+        failed = False
+        async with trio.open_nursery() as nursery:
+            async with send_ch:
+                for job in self.jobs:
+                    nursery.start_soon(pump, job, send_ch.clone())
+            async with recv_ch:
+                async for job, item in recv_ch:
+                    if isinstance(item, RequestError):
+                        # Headers are gone: the error travels as an event, then [DONE].
+                        await self._body(sse.event(from_request_error(item).body()))
+                        failed = True
+                        nursery.cancel_scope.cancel()
+                        break
+                    await self._emit(job, item.outputs)
+        if self.include_usage and not failed:
+            await self._body(sse.event(self.renderer.usage_chunk(self._usage())))
+        await self._body(sse.DONE)
+        await self._body(b"", more=False)
+
+    async def _emit(self, job: Job, outputs: Sequence[CompletionOutput]) -> None:
+        for o in outputs:
+            chunk = self.renderer.add(job, o)
+            if chunk is not None:
+                await self._body(sse.event(chunk))

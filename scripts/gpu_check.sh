@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The whole GPU verification of the attention kernels, as one command:
+#   1. make CuPy importable (pip install cupy-cuda12x / -cuda13x to match torch's CUDA, only
+#      if `import cupy` fails; from $CUPY_WHEEL_DIR without an index when that is set, for
+#      machines without network) and check that NVRTC compiles a trivial kernel;
+#   2. the GPU tests (tests/gpu) and the CPU tests of the ops, with skip reasons shown;
+#   3. benchmarks/kernels.py (writes benchmarks/results/kernels.{json,md}).
+# Everything printed is also written to benchmarks/results/gpu_check.log.
+# Usage: scripts/gpu_check.sh [extra args for benchmarks/kernels.py, e.g. --quick]
+# Exit status: 0 when tests and benchmark pass, 2 without a GPU, else the first failure's.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p benchmarks/results
+PYTHON=${PYTHON:-python3}
+
+# pip-installed CUDA libraries (NVRTC, runtime) that came with torch, for CuPy to dlopen.
+nvidia_libs=$("$PYTHON" - <<'EOF'
+import glob, os, site
+dirs = []
+for base in site.getsitepackages() + [site.getusersitepackages()]:
+    dirs += sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib")))
+print(":".join(dirs))
+EOF
+)
+export LD_LIBRARY_PATH="${nvidia_libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+main() {
+  if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check: no CUDA GPU visible to torch; nothing to check"
+    return 2
+  fi
+  "$PYTHON" -c "import torch; p = torch.cuda.get_device_properties(0); \
+print(f'gpu_check: {p.name}, sm_{p.major}{p.minor}, torch {torch.__version__} (CUDA {torch.version.cuda})')"
+
+  if ! "$PYTHON" -c "import cupy" 2>/dev/null; then
+    major=$("$PYTHON" -c "import torch; print(torch.version.cuda.split('.')[0])")
+    pkg="cupy-cuda${major}x"
+    echo "gpu_check: cupy is not importable; installing $pkg"
+    if [ -n "${CUPY_WHEEL_DIR:-}" ]; then
+      "$PYTHON" -m pip install -q --no-index --find-links "$CUPY_WHEEL_DIR" "$pkg"
+    else
+      "$PYTHON" -m pip install -q "$pkg"
+    fi || echo "gpu_check: could not install $pkg; the GPU tests will be skipped"
+  fi
+  "$PYTHON" - <<'EOF' || echo "gpu_check: CuPy/NVRTC smoke test failed (see above)"
+import cupy
+k = cupy.RawKernel(r'extern "C" __global__ void k(float* x) { x[threadIdx.x] = 1.f; }', "k")
+x = cupy.zeros(32, dtype=cupy.float32)
+k((1,), (32,), (x,))
+assert float(x.sum()) == 32.0
+print(f"gpu_check: cupy {cupy.__version__} compiles and runs kernels")
+EOF
+
+  local status=0
+  "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/gpu tests/test_ops_reference.py \
+    tests/test_ops_cuda_host.py || status=$?
+  "$PYTHON" benchmarks/kernels.py "$@" || { [ "$status" -ne 0 ] || status=$?; }
+  return "$status"
+}
+
+main "$@" 2>&1 | tee benchmarks/results/gpu_check.log
+exit "${PIPESTATUS[0]}"

@@ -1,0 +1,43 @@
+"""Hypothesis profiles for the whole suite, and the simulation's share of each.
+
+``tests/conftest.py`` calls :func:`register_profiles`; pick one with
+``pytest --hypothesis-profile=NAME``:
+
+- ``ci`` (also what an unnamed run gets for the simulation): the stateful simulation
+  tests explore at least 2,000 examples in total, in a few minutes on two cores;
+- ``long``: deep runs, 10x the examples and longer rule sequences, for a night or a
+  release; every other property test gets 10x its examples too.
+
+A failure prints the shortest rule sequence hypothesis could shrink it to, ready to
+paste, and a ``@reproduce_failure`` blob.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+
+_COMMON = {
+    "deadline": None,  # a loaded CI machine is slow, not wrong
+    "print_blob": True,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+}
+
+# The simulation's budget: (examples per test, rules per example) for each profile.
+SIM_STEPS = {"long": 100}
+SIM_SCALE = {"long": 10}
+
+
+def register_profiles() -> None:
+    """Register ``ci`` and ``long`` (call once, from conftest.py)."""
+    settings.register_profile("ci", **_COMMON)
+    settings.register_profile("long", max_examples=1000, **_COMMON)
+
+
+def sim_settings(examples: int, steps: int = 30) -> settings:
+    """Settings for one stateful simulation test: ``examples`` is its CI share."""
+    profile = settings.get_current_profile_name()
+    return settings(
+        max_examples=examples * SIM_SCALE.get(profile, 1),
+        stateful_step_count=SIM_STEPS.get(profile, steps),
+        **_COMMON,
+    )

@@ -1,0 +1,117 @@
+"""A Worker the test drives: steps complete (or fail) only when the test says so.
+
+It speaks the real Worker's protocol (``StepPlan`` in, ``StepResult`` out) and keeps
+the same per-rid sampling state the real one keeps (``new`` creates it, ``forget``
+drops it), so invariant 4 can ask it to be empty after a drain. It never samples:
+the token for a position is a hash of (rid, position) plus a salt the test picks, over
+a small vocabulary of ordinary tokens, so the test can steer outputs into stop
+strings and end-of-sequence without a model.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import deque
+from collections.abc import Sequence
+
+import trio
+
+from actorllm.mailbox import Inbox, Outbox
+from actorllm.messages import SampledToken, StepPlan, StepResult
+
+
+def scripted_token(vocab: Sequence[int], rid: str, position: int, salt: int = 0) -> int:
+    """The token the scripted Worker samples for ``rid`` at ``position`` (deterministic)."""
+    return vocab[(zlib.crc32(f"{rid}/{position}".encode()) + salt) % len(vocab)]
+
+
+class ScriptedWorker:
+    """The actor. ``complete_step``/``fail_step`` answer the oldest plan it has received."""
+
+    def __init__(self, inbox: Inbox[StepPlan], results: Outbox[StepResult],
+                 vocab: Sequence[int], eos_id: int) -> None:
+        self.inbox, self.results = inbox, results
+        self.vocab, self.eos_id = tuple(vocab), eos_id
+        self.pending: deque[StepPlan] = deque()  # received, not yet answered
+        self.known: set[str] = set()  # rids whose sampling state it holds (like the real one)
+        self.sent: list[StepResult] = []  # every result, duplicates and stale ones included
+        self.outgoing: deque[StepResult] = deque()  # decided, not yet on the wire
+        self._wake = trio.Event()
+        self.protocol_errors: list[str] = []
+        # A test-only seam (tests/test_planted_bugs.py): keep sampling state for forgotten
+        # rids, so a drained engine still holds something (invariant 4).
+        self.bug_ignore_forget = False
+
+    async def run(self) -> None:
+        """Receive plans in one task, send results in order from another."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._sender)
+            async for plan in self.inbox:
+                self.on_plan(plan)
+
+    async def _sender(self) -> None:
+        while True:
+            while self.outgoing:
+                await self.results.send(self.outgoing[0])
+                self.outgoing.popleft()
+            await self._wake.wait()
+            self._wake = trio.Event()
+
+    def on_plan(self, plan: StepPlan) -> None:
+        """Apply ``new``/``forget`` as ``actorllm.worker.ModelRunner`` does; queue the step."""
+        last_step = {s.rid for s in plan.seqs if s.new is None}
+        if not self.bug_ignore_forget:
+            self.known.difference_update(r for r in plan.forget if r not in last_step)
+        for s in plan.seqs:
+            if s.new is not None:
+                self.known.add(s.rid)
+            elif s.rid not in self.known:
+                self.protocol_errors.append(
+                    f"step {plan.step_id} schedules {s.rid!r} without NewSeqData, "
+                    "but the Worker holds no state for it")
+        if not self.bug_ignore_forget:
+            self.known.difference_update(r for r in plan.forget if r in last_step)
+        self.pending.append(plan)
+
+    # --- what the test calls (inside the trio run); results leave in call order ---------
+
+    def answer(self, salt: int = 0, eos_mask: int = 0) -> StepResult:
+        """Take the oldest plan and build its result; bit i of ``eos_mask``: seq i samples eos."""
+        plan = self.pending.popleft()
+        tokens = []
+        for i, s in enumerate(x for x in plan.seqs if x.sample):
+            pos = s.start_pos + len(s.token_ids)
+            tid = self.eos_id if eos_mask >> i & 1 else scripted_token(self.vocab, s.rid, pos, salt)
+            tokens.append(SampledToken(s.rid, tid))
+        return self._record(StepResult(plan.step_id, tuple(tokens)))
+
+    def fail(self) -> StepResult:
+        """Take the oldest plan; its step failed (sampled nothing)."""
+        plan = self.pending.popleft()
+        return self._record(StepResult(plan.step_id, error="scripted step failure"))
+
+    def duplicate(self) -> StepResult:
+        """The last result again (a retransmission)."""
+        return self._record(self.sent[-1])
+
+    def late(self, back: int) -> StepResult:
+        """A result for a step answered ``back`` results ago, with tokens it never had."""
+        old = self.sent[-1 - back % len(self.sent)]
+        tokens = tuple(SampledToken(t.rid, self.vocab[0]) for t in old.tokens)
+        return self._record(StepResult(old.step_id, tokens))
+
+    def _record(self, result: StepResult) -> StepResult:
+        self.sent.append(result)
+        self.outgoing.append(result)
+        self._wake.set()
+        return result
+
+    def drain_problems(self) -> list[str]:
+        problems = list(self.protocol_errors)
+        if self.outgoing:
+            problems.append(f"worker has {len(self.outgoing)} results not yet sent")
+        if self.pending:
+            problems.append(f"worker holds unanswered steps {[p.step_id for p in self.pending]}")
+        if self.known:
+            problems.append(f"worker holds sampling state for {sorted(self.known)}")
+        return problems

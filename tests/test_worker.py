@@ -1,0 +1,171 @@
+"""ModelRunner on hand-written StepPlans against transformers greedy; the Worker actor."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+from helpers import hf_greedy, hf_model
+
+from actorllm.mailbox import Mailbox
+from actorllm.messages import (
+    NewSeqData,
+    SamplingParams,
+    ScheduledSeq,
+    StepPlan,
+    StepResult,
+)
+from actorllm.worker import ModelRunner, Worker
+
+BLOCK_SIZE = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama_dir: Path) -> ModelRunner:
+    return ModelRunner(tiny_llama_dir, num_blocks=64, block_size=BLOCK_SIZE)
+
+
+class Script:
+    """A toy scheduler: scrambled block tables, chunked prefill, greedy decode."""
+
+    def __init__(self, runner: ModelRunner, seed: int = 0) -> None:
+        self.runner = runner
+        self.free = list(range(runner.num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[str, list[int]] = {}
+        self.step_id = 0
+
+    def seq(self, rid: str, tokens: list[int], start: int, sample: bool, new: NewSeqData | None):
+        table = self.tables.setdefault(rid, [])
+        while len(table) * BLOCK_SIZE < start + len(tokens):
+            table.append(self.free.pop())
+        return ScheduledSeq(rid, tuple(tokens), start, tuple(table), sample, new)
+
+    def step(self, *seqs: ScheduledSeq, forget: tuple[str, ...] = ()) -> StepResult:
+        self.step_id += 1
+        result = self.runner.execute(StepPlan(self.step_id, seqs, forget))
+        assert result.error is None, result.error
+        return result
+
+    def release(self, rid: str) -> None:
+        self.free += self.tables.pop(rid)
+
+
+def test_two_sequences_chunked_prefill_then_decode(runner: ModelRunner, tiny_llama_dir: Path):
+    hf = hf_model(tiny_llama_dir)
+    prompts = {"a": [0, *range(20, 43)], "b": [0, 5, 300, 301, 9]}  # 24 and 5 tokens
+    want = {rid: hf_greedy(hf, p, 10) for rid, p in prompts.items()}
+    s = Script(runner)
+    a, b = prompts["a"], prompts["b"]
+    new_a, new_b = NewSeqData(GREEDY, tuple(a)), NewSeqData(GREEDY, tuple(b))
+
+    # a: prefill in chunks of 10 / 10 / 4; b joins in a's last chunk step.
+    assert s.step(s.seq("a", a[:10], 0, False, new_a)).tokens == ()
+    assert s.step(s.seq("a", a[10:20], 10, False, None)).tokens == ()
+    r = s.step(s.seq("a", a[20:], 20, True, None), s.seq("b", b, 0, True, new_b))
+    got = {t.rid: [t.token_id] for t in r.tokens}
+    lps = {t.rid: [t.logprob] for t in r.tokens}
+    for _ in range(9):
+        r = s.step(
+            *(
+                s.seq(rid, [got[rid][-1]], len(prompts[rid]) + len(got[rid]) - 1, True, None)
+                for rid in ("b", "a")  # order differs from the first step on purpose
+            )
+        )
+        assert [t.rid for t in r.tokens] == ["b", "a"]
+        for t in r.tokens:
+            got[t.rid].append(t.token_id)
+            lps[t.rid].append(t.logprob)
+        assert r.forward_s > 0 and r.sample_s > 0
+
+    for rid in prompts:
+        assert got[rid] == want[rid][0]
+        assert [lp.logprob for lp in lps[rid]] == pytest.approx(want[rid][1], abs=1e-4)
+        assert all(lp.top[0][0] == lp.token_id and len(lp.top) == 2 for lp in lps[rid])
+    s.step(forget=("a", "b"))
+    assert runner.num_states == 0
+
+
+def test_preempted_sequence_resumes_identically(runner: ModelRunner, tiny_llama_dir: Path):
+    prompt = [0, *range(100, 110)]
+    want, _ = hf_greedy(tiny_llama_dir, prompt, 8)
+    s = Script(runner, seed=1)
+    out = [s.step(s.seq("p", prompt, 0, True, NewSeqData(GREEDY, tuple(prompt)))).tokens[0]]
+    for _ in range(3):
+        pos = len(prompt) + len(out) - 1
+        out.append(s.step(s.seq("p", [out[-1].token_id], pos, True, None)).tokens[0])
+    ids = [t.token_id for t in out]
+    # Preempt: blocks and state go; the sequence comes back as a prefill of prompt + output.
+    s.release("p")
+    s.step(forget=("p",))
+    assert runner.num_states == 0
+    new = NewSeqData(GREEDY, tuple(prompt), tuple(ids))
+    ids.append(s.step(s.seq("p", prompt + ids, 0, True, new)).tokens[0].token_id)
+    for _ in range(3):
+        pos = len(prompt) + len(ids) - 1
+        ids.append(s.step(s.seq("p", [ids[-1]], pos, True, None)).tokens[0].token_id)
+    assert ids == want
+    s.step(forget=("p",))
+
+
+def test_forget_together_with_the_same_rid(runner: ModelRunner):
+    s = Script(runner, seed=2)
+    # With `new`: the old state goes first, the new one stays (a preempted rid re-sent).
+    r = s.step(s.seq("x", [0, 1, 2], 0, True, NewSeqData(GREEDY, (0, 1, 2))), forget=("x",))
+    assert len(r.tokens) == 1 and runner.num_states == 1
+    # Without `new`: this is the rid's last step; it samples, then its state goes.
+    r = s.step(s.seq("x", [r.tokens[0].token_id], 3, True, None), forget=("x",))
+    assert len(r.tokens) == 1 and runner.num_states == 0
+
+
+def test_failing_step_returns_an_error_and_the_runner_goes_on(runner: ModelRunner):
+    short_table = ScheduledSeq("bad", tuple(range(10)), 0, (1,), True, NewSeqData(GREEDY, (1,)))
+    result = runner.execute(StepPlan(7, (short_table,), forget=()))
+    assert result.step_id == 7 and result.tokens == ()
+    assert result.error is not None and "block table" in result.error
+    unknown = runner.execute(StepPlan(8, (ScheduledSeq("ghost", (5,), 3, (0,), True),)))
+    assert unknown.error is not None and "ghost" in unknown.error
+    fine = ScheduledSeq("bad", (1, 2), 0, (4,), True, NewSeqData(GREEDY, (1, 2)))
+    ok = runner.execute(StepPlan(9, (fine,)))
+    assert ok.error is None and len(ok.tokens) == 1
+    runner.execute(StepPlan(10, (), forget=("bad",)))
+    assert runner.num_states == 0
+
+
+def test_runner_facts(runner: ModelRunner, tiny_qwen2_dir: Path):
+    assert runner.eos_token_ids == (1,)
+    assert runner.vocab_size == 400 and runner.max_model_len == 256
+    assert runner.backend_name == "torch" and runner.block_size == BLOCK_SIZE
+    k = runner.kv_caches[0][0]
+    assert k.shape == (64, BLOCK_SIZE, 2, 16) and k.dtype == torch.float32
+    # kv_cache_bytes: 2 (k, v) * 2 layers * 16 tokens * 2 kv heads * 16 dims * 4 bytes = 8 KiB
+    sized = ModelRunner(tiny_qwen2_dir, kv_cache_bytes=10 * 8192 + 100)
+    assert sized.num_blocks == 10 and sized.block_size == 16
+    with pytest.raises(ValueError, match="not both"):
+        ModelRunner(tiny_qwen2_dir, num_blocks=4, kv_cache_bytes=1 << 20)
+
+
+def test_worker_actor_runs_plans_from_its_inbox(runner: ModelRunner):
+    async def main() -> list[StepResult]:
+        plans: Mailbox[StepPlan] = Mailbox("worker", StepPlan, capacity=4)
+        results: Mailbox[StepResult] = Mailbox("scheduler", StepResult, capacity=4)
+        worker = Worker(runner, plans, results)
+        got = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(worker.run)
+            seq = ScheduledSeq("w", (0, 7, 8), 0, (3,), True, NewSeqData(GREEDY, (0, 7, 8)))
+            await plans.send(StepPlan(1, (seq,)))
+            await plans.send(StepPlan(2, (), forget=("w",)))
+            got.append(await results.receive())
+            got.append(await results.receive())
+            plans.close()  # the worker drains and returns, ending the nursery
+        return got
+
+    first, second = trio.run(main)
+    assert first.step_id == 1 and first.error is None and first.tokens[0].rid == "w"
+    assert second.step_id == 2 and second.tokens == ()
+    assert runner.num_states == 0
