@@ -144,6 +144,17 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def load_resources(config: Any) -> Any:
+    """Tokenizer and weights; a bad directory or an unusable backend is a CliError."""
+    from actorllm.engine import Resources
+    from actorllm.ops import BackendUnavailable
+
+    try:
+        return Resources(config)
+    except (ValueError, BackendUnavailable) as exc:
+        raise CliError(str(exc)) from None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     import trio
 
@@ -156,12 +167,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     params = sampling_params(args, info.generation_defaults)
-    from actorllm.engine import Resources
-
-    try:
-        resources = Resources(config)
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
+    resources = load_resources(config)
     stream = len(prompts) == 1 and params.n == 1 and args.output == "text"
     if stream:
         return trio.run(_stream_one, config, resources, prompts[0], params)

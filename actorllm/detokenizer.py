@@ -189,7 +189,7 @@ class Detokenizer:
             if st.stopped is not None and reason != "abort" and reason != "error":
                 reason, stop_reason = "stop", st.stopped
             finished.append(RequestFinished(out.rid, reason or "error", stop_reason,
-                                            st.num_prompt_tokens, out.error))
+                                            st.num_prompt_tokens, out.error, out.queue_s))
             del self.states[out.rid]
 
     def drain_problems(self) -> list[str]:

@@ -319,6 +319,8 @@ class Frontend:
         st.collector.num_prompt_tokens = fin.num_prompt_tokens
         self.metrics.on_finished(fin.finish_reason, fin.num_prompt_tokens,
                                  time.monotonic() - st.arrival)
+        if fin.queue_s is not None:
+            self.metrics.queue_time.observe(fin.queue_s)
         if fin.finish_reason == "error":
             st.collector.put_error(RequestError(fin.error or "engine error", "internal"))
         else:

@@ -19,6 +19,7 @@ Theory of operation:
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Any
 
@@ -66,6 +67,7 @@ class Sequence:
     in_flight: bool = False  # the step in flight schedules it (the fence)
     worker_knows: bool = False  # the Worker holds its sampling state
     spec_sent: bool = False
+    first_scheduled: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -113,6 +115,8 @@ class Scheduler:
         self.late_results_dropped = 0
         self.late_stops_dropped = 0
         self.steps = 0
+        self.forward_s = 0.0
+        self.sample_s = 0.0
         # A test-only seam (see tests/test_simulation.py): free on abort before the fence.
         self.bug_free_before_fence = False
 
@@ -228,6 +232,8 @@ class Scheduler:
             if not self._reserve(seq, n):
                 break
             self.waiting.popleft()
+            if seq.first_scheduled is None:
+                seq.first_scheduled = time.monotonic()
             seq.status = "RUNNING"
             self.running.append(seq)
             self.ledger.fire(seq.rid, "schedule")
@@ -306,6 +312,8 @@ class Scheduler:
             return
         self.in_flight = None
         self.steps += 1
+        self.forward_s += result.forward_s
+        self.sample_s += result.sample_s
         if self.tracer is not None:
             self.tracer.record("result", actor="scheduler", step=result.step_id,
                                tokens=[[t.rid, t.token_id] for t in result.tokens],
@@ -373,8 +381,11 @@ class Scheduler:
         """The one terminal transition; blocks go back now or after the fence."""
         seq.status = "FINISHED"
         self.ledger.fire(seq.rid, event, reason=reason)
+        queued = None
+        if seq.first_scheduled is not None and seq.arrival_time:
+            queued = max(seq.first_scheduled - seq.arrival_time, 0.0)
         out = TokenOut(seq.rid, finish_reason=reason, stop_reason=stop_reason, error=error,
-                       spec=self._spec_once(seq))
+                       spec=self._spec_once(seq), queue_s=queued)
         # Merge with this step's token for the rid, if any: one TokenOut per rid per batch.
         last = self._outputs[-1] if self._outputs else None
         if last is not None and last.rid == seq.rid and last.finish_reason is None:
@@ -408,6 +419,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             late_results_dropped=self.late_results_dropped,
             steps=self.steps,
+            forward_s=self.forward_s,
+            sample_s=self.sample_s,
         )
 
     def drain_problems(self) -> list[str]:

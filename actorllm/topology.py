@@ -492,11 +492,6 @@ def main(argv: list[str] | None = None) -> int:
         log.exception("%s process crashed", role)
         return EXIT_FAILED
     log.info("%s process: exit code %d", role, code)
-    import time as _t; t0 = _t.time()
-    from actorllm.transport import context as _c
-    _c().term()
-    log.info("term %.3f", _t.time() - t0)
-    import faulthandler; faulthandler.dump_traceback_later(1.5, exit=False)
     return code
 
 
@@ -776,4 +771,10 @@ if __name__ == "__main__":
     # Delegate to the imported module so that its classes are the ones everyone uses.
     from actorllm.topology import main as _main
 
-    sys.exit(_main())
+    _code = _main()
+    # Like multiprocessing's children: skip interpreter finalization, which with torch and
+    # transformers loaded takes seconds of freeing memory that the kernel reclaims anyway.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_code)

@@ -63,7 +63,10 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         config = load_config(model_dir)
-        self.backend = select_backend(attention_backend, self.device)
+        # The shape lets `auto` fall back to torch where no kernel fits, and compiles the
+        # kernels now rather than inside the first step.
+        self.backend = select_backend(attention_backend, self.device, dtype=self.dtype,
+                                      head_dim=head_dim_of(config), block_size=block_size)
         self.backend_name: str = self.backend.name
         self.model = load_model(model_dir, dtype=self.dtype, device=self.device, config=config)
         self.vocab_size: int = config.vocab_size

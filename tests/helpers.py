@@ -131,9 +131,10 @@ def build_tiny_model(
     """Write a random-weight checkpoint (config, safetensors, generation config, tokenizer).
 
     ``family`` is ``"llama"`` (GQA 4/2 heads, untied embeddings), ``"qwen2"`` (qkv bias,
-    tied embeddings) or ``"mistral"`` (like llama, with a sliding window in its config). ``init_std`` is larger than the HF default so that greedy outputs
-    vary from token to token instead of collapsing onto one id. ``overrides`` go into the
-    config (e.g. ``rope_parameters``, ``num_hidden_layers``).
+    tied embeddings) or ``"mistral"`` (like llama, with a sliding window in its config).
+    ``init_std`` is larger than the HF default so that greedy outputs vary from token to
+    token instead of collapsing onto one id. ``overrides`` go into the config (e.g.
+    ``rope_parameters``, ``num_hidden_layers``).
     """
     from transformers import (
         AutoTokenizer,

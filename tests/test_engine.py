@@ -142,7 +142,8 @@ async def test_stop_string_across_token_boundaries(tiny_llama_dir: Path,
     async with engine_for(tiny_llama_dir) as engine:
         (full,) = await run_all(engine, ["stop here"], greedy)
         ids = full.outputs[0].token_ids
-        pieces = [tiny_tokenizer.decode(ids[:i], skip_special_tokens=True) for i in range(len(ids) + 1)]
+        pieces = [tiny_tokenizer.decode(ids[:i], skip_special_tokens=True)
+                  for i in range(len(ids) + 1)]
         # A stop string that starts inside token 3 and ends inside a later token.
         start = len(pieces[3]) - 1
         stop = full.outputs[0].text[start : start + 4]
@@ -159,7 +160,8 @@ async def test_stop_string_across_token_boundaries(tiny_llama_dir: Path,
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
     assert kept.outputs[0].text == full.outputs[0].text[: first + len(stop)]
     # Tokens delivered end with the one that completed the stop string.
-    assert tiny_tokenizer.decode(out.token_ids, skip_special_tokens=True).startswith(full.outputs[0].text[: first + 4])
+    delivered = tiny_tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert delivered.startswith(full.outputs[0].text[: first + 4])
 
 
 async def test_streamed_deltas_are_whole_characters_and_add_up(tiny_llama_dir: Path,

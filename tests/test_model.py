@@ -165,6 +165,7 @@ def test_sharded_checkpoint(tmp_path: Path, tiny_llama_dir: Path):
 def test_bf16_load_runs(tiny_llama_dir: Path):
     model = load_model(tiny_llama_dir, dtype=torch.bfloat16)
     assert model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
+    assert model.rotary.inv_freq.dtype == torch.float32
     c = model.config
     shape = (NUM_BLOCKS, BLOCK_SIZE, c.num_key_value_heads, head_dim_of(c))
     zeros = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2 * c.num_hidden_layers)]

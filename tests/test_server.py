@@ -117,9 +117,9 @@ def http(url: str, method: str = "GET", body: Any = None, headers: dict[str, str
         **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, dict(resp.headers), resp.read()
+            return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read()
     except urllib.error.HTTPError as err:
-        return err.code, dict(err.headers), err.read()
+        return err.code, {k.lower(): v for k, v in err.headers.items()}, err.read()
 
 
 def metrics(base: str) -> dict[str, float]:
@@ -583,7 +583,7 @@ def test_disconnect_while_waiting_for_a_whole_response(base: str) -> None:
 
 def test_metrics_parse(base: str) -> None:
     status, headers, text = http(base + "/metrics")
-    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(text.decode())}
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                  "prompt_tokens", "generation_tokens", "request_success", "aborted_requests",

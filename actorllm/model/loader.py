@@ -167,11 +167,10 @@ def load_model(
     files = _weight_files(path)
     arch = config.architectures[0]
     attention_bias = bool(getattr(config, "attention_bias", False))
-    rotary = rotary_for(config)
     with torch.device("meta"):
         model = LlamaForCausalLM(
             config,
-            RotaryEmbedding(rotary.inv_freq, rotary.attention_scaling),
+            RotaryEmbedding(torch.empty(head_dim_of(config) // 2), 1.0),  # replaced below
             qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
@@ -180,7 +179,7 @@ def load_model(
     # parameter is then either loaded below or reported missing.
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()  # to_empty gives each module its own tensor, breaking the tie
-    model.rotary = rotary.to(device)  # its buffer was emptied too
+    model.rotary = rotary_for(config).to(device)  # after the cast: rope stays fp32, as in HF
 
     expected = set(_hf_names(model))
     seen: set[str] = set()

@@ -16,6 +16,7 @@ The pure helpers (``kernel_source``, ``decode_smem_bytes``, ``prefill_smem_bytes
 
 from __future__ import annotations
 
+import importlib.resources
 import logging
 import math
 import os
@@ -33,8 +34,11 @@ from actorllm.ops.checks import check_cuda_paged_attention_args, check_cuda_writ
 
 log = logging.getLogger(__name__)
 
-#: Where the CUDA sources live: ``$ACTORLLM_KERNEL_DIR`` or ``<repo>/kernels``.
-KERNEL_DIR = Path(os.environ.get("ACTORLLM_KERNEL_DIR", Path(__file__).parents[2] / "kernels"))
+#: Where the CUDA sources live: ``$ACTORLLM_KERNEL_DIR``, else the ``actorllm.kernels``
+#: package (``<repo>/kernels`` in a checkout, shipped inside the wheel).
+KERNEL_DIR = Path(
+    os.environ.get("ACTORLLM_KERNEL_DIR") or str(importlib.resources.files("actorllm.kernels"))
+)
 
 # Tile shapes baked into the kernels (kernels/paged_decode.cu, kernels/paged_prefill.cu).
 DECODE_THREADS = 128

@@ -219,8 +219,12 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
         renderer = ChatRenderer(response_id=f"chatcmpl-{base}", created=int(time.time()),
                                 model=state.model_name, num_choices=params.n,
                                 texts=state.texts, logprobs=params.logprobs is not None)
+        names = ({"max_tokens": "max_completion_tokens"}
+                 if body.max_completion_tokens is not None else {})
+        names["logprobs"] = "top_logprobs"
         return GenerationResponse(state, [job], renderer, stream=bool(body.stream),
-                                  include_usage=_include_usage(body), request_id=base)
+                                  include_usage=_include_usage(body), request_id=base,
+                                  param_names=names)
 
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}})

@@ -78,6 +78,7 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, *,
         _int_in_range(value, name)
     for tid in body.stop_token_ids or ():
         _int_in_range(tid, "stop_token_ids")
+    logit_bias = _logit_bias(body.logit_bias)
     try:
         params = SamplingParams(
             n=body.n if body.n is not None else 1,
@@ -94,12 +95,12 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, *,
             presence_penalty=float(body.presence_penalty or 0.0),
             frequency_penalty=float(body.frequency_penalty or 0.0),
             repetition_penalty=float(pick(body.repetition_penalty, "repetition_penalty", 1.0)),
-            logit_bias=_logit_bias(body.logit_bias),
+            logit_bias=logit_bias,
             logprobs=logprobs,
             include_stop_str_in_output=bool(body.include_stop_str_in_output),
             skip_special_tokens=body.skip_special_tokens is not False,
         )
-    except (TypeError, ValueError) as exc:  # a generation_config.json value of the wrong type
+    except (TypeError, ValueError) as exc:  # a generation_config.json value of a wrong type
         raise InvalidRequest(f"bad sampling parameter: {exc}") from None
     try:
         params.validate(vocab_size)

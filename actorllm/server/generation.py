@@ -203,8 +203,11 @@ class GenerationResponse(Response):
     """Submit ``jobs`` to the engine, answer (whole or as SSE), and always clean up."""
 
     def __init__(self, state: ServerState, jobs: Sequence[Job], renderer: Renderer, *,
-                 stream: bool, include_usage: bool, request_id: str) -> None:
+                 stream: bool, include_usage: bool, request_id: str,
+                 param_names: dict[str, str] | None = None) -> None:
         super().__init__(status_code=200)
+        # The engine names SamplingParams fields; the client should see its own names.
+        self.param_names = param_names or {}
         self.state, self.jobs, self.renderer = state, list(jobs), renderer
         self.stream, self.include_usage = stream, include_usage
         self.extra_headers = [(b"x-request-id", request_id.encode())]
@@ -212,6 +215,12 @@ class GenerationResponse(Response):
         self._started = False
         self._reserved = 0
         self._error: RequestError | None = None
+
+    def _api_error(self, exc: RequestError) -> APIError:
+        err = from_request_error(exc)
+        if err.param is not None:
+            err.param = self.param_names.get(err.param, err.param)
+        return err
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._send = send
@@ -347,7 +356,7 @@ class GenerationResponse(Response):
             for job in self.jobs:
                 nursery.start_soon(drain, job, nursery.cancel_scope)
         if self._error is not None:
-            await self._send_error(from_request_error(self._error))
+            await self._send_error(self._api_error(self._error))
             return
         payload = json.dumps(self.renderer.final(self._usage()), ensure_ascii=False).encode()
         await self._start(200, [(b"content-type", b"application/json"),
@@ -358,7 +367,7 @@ class GenerationResponse(Response):
         firsts = await self._first_outputs()
         if firsts is None:
             assert self._error is not None
-            await self._send_error(from_request_error(self._error))
+            await self._send_error(self._api_error(self._error))
             return
         await self._start(200, list(sse.HEADERS))
         for chunk in self.renderer.prelude():
@@ -391,7 +400,7 @@ class GenerationResponse(Response):
                 async for job, item in recv_ch:
                     if isinstance(item, RequestError):
                         # Headers are gone: the error travels as an event, then [DONE].
-                        await self._body(sse.event(from_request_error(item).body()))
+                        await self._body(sse.event(self._api_error(item).body()))
                         failed = True
                         nursery.cancel_scope.cancel()
                         break

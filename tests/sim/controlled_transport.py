@@ -76,6 +76,10 @@ class ControlledMailbox:
         """Messages waiting on each wire (edges with none are left out)."""
         return {e: len(w) for e, w in self.wires.items() if w}
 
+    def blocked(self) -> list[tuple[str, Any]]:
+        """(edge, message) of each sender waiting for room, in the order they will go."""
+        return list(self._blocked.values())
+
     def peek(self, edge: str) -> Any:
         """The message ``deliver(edge)`` would hand over next."""
         return self.wires[edge][0][0]

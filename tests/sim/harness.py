@@ -508,9 +508,9 @@ class World:
 
         def stop() -> None:
             self._closing = True
+            self._nursery.cancel_scope.cancel()  # first: the unshielded waiters get Cancelled
             for box in self.boxes.values():
                 box.close()
-            self._nursery.cancel_scope.cancel()
 
         if self.loop.result is None:
             self._token.run_sync_soon(stop)
@@ -903,9 +903,15 @@ class World:
             if not drained and c.events[0][0] >= start:
                 continue
             responded = c.index_of("respond")
-            if (responded is None or responded >= end) and c.aborts_sent == 0:
+            if (responded is None or responded >= end) and c.aborts_sent == 0 \
+                    and not self._abort_waiting(c.rid):
                 self.report("5", f"{client.rid!r} was aborted, yet no abort was sent for "
                             f"choice {i}: {c.describe()}")
+
+    def _abort_waiting(self, rid: str) -> bool:
+        """Whether an AbortRequest for ``rid`` waits for room in the Tokenizer's inbox."""
+        box = self.boxes["tokenizer"]
+        return any(isinstance(m, AbortRequest) and m.rid == rid for _, m in box.blocked())
 
     def check(self) -> None:
         """Raise the first violation found so far; then check the pool (invariant 3), parents

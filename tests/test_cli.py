@@ -1,0 +1,80 @@
+"""The ``actorllm`` command as a user runs it: subprocesses, exit codes, output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def actorllm(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "actorllm", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_help_is_instant_and_imports_no_torch() -> None:
+    code = ("import sys\nfrom actorllm.cli import build_parser\n"
+            "try:\n    build_parser().parse_args(['--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "run" in out.stdout and "serve" in out.stdout and "replay" in out.stdout
+
+
+def test_run_without_model_uses_the_embedded_model() -> None:
+    out = actorllm("run", "The os module provides", "--max-tokens", "24", "--seed", "0")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout.strip()
+    assert len(text) > 10
+    assert sum(c.isalpha() for c in text) > len(text) / 2  # language-like, not noise
+
+
+def test_jsonl_output_one_line_per_prompt_and_choice(tiny_llama_dir: Path) -> None:
+    out = actorllm("run", "hello", "the quick brown fox", "--model", str(tiny_llama_dir),
+                   "--max-tokens", "5", "--temperature", "0", "--n", "2", "--ignore-eos",
+                   "--output", "jsonl")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [(r["prompt"], r["index"]) for r in rows] == [
+        ("hello", 0), ("hello", 1), ("the quick brown fox", 0), ("the quick brown fox", 1)]
+    for r in rows:
+        assert set(r) == {"prompt", "index", "text", "token_ids", "finish_reason", "usage"}
+        assert len(r["token_ids"]) == 5 and r["finish_reason"] == "length"
+        assert r["usage"]["completion_tokens"] == 5 and r["usage"]["prompt_tokens"] > 0
+    assert rows[0]["token_ids"] == rows[1]["token_ids"]  # greedy: both choices agree
+
+
+def test_prompts_file_and_one_bad_prompt_fails_alone(tiny_llama_dir: Path,
+                                                     tmp_path: Path) -> None:
+    f = tmp_path / "prompts.txt"
+    f.write_text("first prompt\n\nsecond prompt\n")
+    out = actorllm("run", "--prompts-file", str(f), "", "--model", str(tiny_llama_dir),
+                   "--max-tokens", "3", "--output", "jsonl")
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert out.returncode == 1  # a prompt failed; the others still ran
+    assert [r.get("error") is None for r in rows] == [False, True, True]
+    assert "empty" in rows[0]["error"]
+    assert "prompt 0: error:" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "x", "--model", "/nonexistent/model"], "model directory not found"),
+        (["run", "x", "--temperature", "-1"], "temperature"),
+        (["run", "x", "--block-size", "0"], "--block-size"),
+        (["run"], "at least one PROMPT"),
+        (["run", "--prompts-file", "/nonexistent/file"], "cannot read --prompts-file"),
+        (["run", "x", "--attention-backend", "cuda"], "cuda"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None:
+    out = actorllm(*args)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("actorllm: error:"), out.stderr
+    assert message in lines[0]

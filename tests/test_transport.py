@@ -1,0 +1,231 @@
+"""ZeroMQ mailboxes: the Mailbox interface across a socket, bounded and typed.
+
+Garbage from a rogue peer is rejected and counted, never fatal; mismatched
+peers refuse each other in the handshake with an error that says why.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import pytest
+import trio
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actorllm import codec
+from actorllm.mailbox import MailboxTypeError
+from actorllm.messages import (
+    AbortRequest,
+    Hello,
+    SchedulerInput,
+    StepResult,
+    StopMatched,
+    TextDelta,
+    TokenizerInput,
+)
+from actorllm.transport import (
+    PROTOCOL_VERSION,
+    HandshakeError,
+    IpcDir,
+    ZmqInbox,
+    ZmqOutbox,
+    check_hello,
+    frame_version,
+    make_hello,
+    schema_fingerprint,
+)
+
+
+@pytest.fixture
+def ipc() -> Iterator[IpcDir]:
+    d = IpcDir()
+    yield d
+    d.remove()
+
+
+def rogue_push(endpoint: str) -> zmq.Socket[Any]:
+    """A plain blocking PUSH socket: a peer that ignores every rule."""
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(endpoint)
+    return sock
+
+
+async def test_messages_cross_in_order(ipc: IpcDir) -> None:
+    inbox = ZmqInbox("scheduler", SchedulerInput, 8, ipc.endpoint("s.sock"))
+    out = ZmqOutbox(ipc.endpoint("s.sock"), SchedulerInput, name="tokenizer->scheduler")
+    msgs: list[Any] = [AbortRequest(str(i)) for i in range(300)] + [StopMatched("r", "\n")]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(inbox.pump)
+
+        async def produce() -> None:
+            for m in msgs:
+                await out.send(m)
+
+        nursery.start_soon(produce)
+        got = [await inbox.receive() for _ in msgs]
+        nursery.cancel_scope.cancel()
+    assert got == msgs
+    assert out.sent == inbox.received == len(msgs) and inbox.rejected == 0
+    assert inbox.high_water <= inbox.capacity
+    out.close()
+    inbox.close()
+
+
+async def test_local_and_remote_senders_share_one_inbox(ipc: IpcDir) -> None:
+    # The Scheduler's inbox in the engine process hears from the Worker (local) and from
+    # the Tokenizer (remote): one ZmqInbox is both a Mailbox and a socket.
+    inbox = ZmqInbox("scheduler", SchedulerInput, 8, ipc.endpoint("s.sock"))
+    out = ZmqOutbox(ipc.endpoint("s.sock"), SchedulerInput, name="remote")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(inbox.pump)
+        await inbox.send(StepResult(1))
+        await out.send(AbortRequest("a"))
+        got = {type(await inbox.receive()) for _ in range(2)}
+        nursery.cancel_scope.cancel()
+    assert got == {StepResult, AbortRequest}
+    out.close()
+    inbox.close()
+
+
+async def test_outbox_checks_types_like_a_mailbox(ipc: IpcDir) -> None:
+    out = ZmqOutbox(ipc.endpoint("t.sock"), TokenizerInput, name="frontend->tokenizer")
+    with pytest.raises(MailboxTypeError, match="StepResult"):
+        await out.send(StepResult(0))  # type: ignore[arg-type]
+    out.close()
+
+
+async def test_full_peer_applies_backpressure_then_everything_arrives(ipc: IpcDir) -> None:
+    # Big messages, so the kernel's socket buffers hold only a few of them too.
+    inbox = ZmqInbox("frontend", TextDelta, 2, ipc.endpoint("f.sock"), hwm=2)
+    out = ZmqOutbox(ipc.endpoint("f.sock"), TextDelta, name="detokenizer->frontend", hwm=2)
+    total = 200
+    sent = 0
+
+    async def produce() -> None:
+        nonlocal sent
+        for i in range(total):
+            await out.send(TextDelta(str(i), "x" * 100_000, ()))
+            sent += 1
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(inbox.pump)
+        nursery.start_soon(produce)
+        await trio.sleep(0.5)  # nobody reads: the pipeline fills and the sender stops
+        blocked_at = sent
+        assert blocked_at < 60, f"sent {blocked_at} messages into a full peer"
+        assert inbox.depth == inbox.capacity == inbox.high_water
+        got = [int((await inbox.receive()).rid) for _ in range(total)]
+        nursery.cancel_scope.cancel()
+    assert got == list(range(total))
+    out.close()
+    inbox.close()
+
+
+async def test_closing_the_socket_ends_the_pump(ipc: IpcDir) -> None:
+    inbox = ZmqInbox("a", AbortRequest, 4, ipc.endpoint("a.sock"))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(inbox.pump)
+        await trio.sleep(0.05)
+        inbox.close()  # wakes the pump parked on the FD; it returns, no error
+    assert [m async for m in inbox] == []
+
+
+def _push_garbage(frames: list[bytes]) -> tuple[int, int]:
+    """Send ``frames`` then one valid message from a rogue peer; returns (received, rejected)."""
+    ipc = IpcDir()
+
+    async def run() -> tuple[int, int]:
+        inbox = ZmqInbox("tokenizer", TokenizerInput, 4, ipc.endpoint("t.sock"))
+        sock = rogue_push(ipc.endpoint("t.sock"))
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(inbox.pump)
+                for frame in frames:
+                    sock.send(frame)
+                sock.send(codec.encode(AbortRequest("sentinel")))
+                with trio.fail_after(10):
+                    while True:
+                        msg = await inbox.receive()
+                        if msg == AbortRequest("sentinel"):
+                            break
+                nursery.cancel_scope.cancel()
+        finally:
+            sock.close()
+            inbox.close()
+        return inbox.received, inbox.rejected
+
+    try:
+        return trio.run(run)
+    finally:
+        ipc.remove()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.binary(max_size=300), max_size=30))
+def test_garbage_frames_are_rejected_and_counted(frames: list[bytes]) -> None:
+    received, rejected = _push_garbage(frames)
+    # Every frame is accounted for: a message this inbox takes, or a counted rejection.
+    assert received + rejected == len(frames) + 1
+    assert rejected >= sum(1 for f in frames if frame_version(f) != codec.VERSION)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4), max_leaves=12),
+       st.sampled_from(["AbortRequest", "TokenizeRequest", "StepResult", "Hello", "Nope"]))
+def test_structured_garbage_is_rejected(fields: Any, name: str) -> None:
+    frame = msgpack.packb([codec.VERSION, [name, fields]])
+    received, rejected = _push_garbage([frame, frame])
+    assert received + rejected == 3
+
+
+def test_wrong_type_and_foreign_version_frames_are_rejected() -> None:
+    frames = [
+        codec.encode(StepResult(3)),  # a valid message, but not for the Tokenizer
+        msgpack.packb([codec.VERSION + 1, ["AbortRequest", ["x"]]]),  # a newer peer
+        b"",
+    ]
+    assert _push_garbage(frames) == (1, 3)
+
+
+def test_handshake_accepts_a_twin_and_refuses_the_rest() -> None:
+    me = make_hello("engine")
+    check_hello(me)
+    check_hello(me, expect_role="engine")
+    cases = [
+        (Hello(PROTOCOL_VERSION + 1, codec.VERSION, schema_fingerprint(), "engine", 7),
+         "transport protocol"),
+        (Hello(PROTOCOL_VERSION, codec.VERSION + 1, schema_fingerprint(), "engine", 7),
+         "codec version"),
+        (Hello(PROTOCOL_VERSION, codec.VERSION, "0123456789abcdef", "engine", 7),
+         "message schema"),
+    ]
+    for hello, what in cases:
+        with pytest.raises(HandshakeError, match=f"engine process \\(pid 7\\) .*{what}"):
+            check_hello(hello)
+    with pytest.raises(HandshakeError, match="expected the detokenizer process"):
+        check_hello(me, expect_role="detokenizer")
+
+
+def test_frame_version_peeks_without_decoding() -> None:
+    assert frame_version(codec.encode(AbortRequest("a"))) == codec.VERSION
+    assert frame_version(msgpack.packb([9, "anything"])) == 9
+    assert frame_version(b"\xc1") is None
+    assert frame_version(msgpack.packb({"a": 1})) is None
+
+
+def test_ipc_dir_is_private_and_removed() -> None:
+    d = IpcDir()
+    assert stat.S_IMODE(os.stat(d.path).st_mode) == 0o700
+    assert len(d.endpoint("scheduler.sock")) < 100  # fits in sun_path
+    open(d.file("x"), "w").close()
+    d.remove()
+    assert not os.path.exists(d.path)
+    d.remove()  # idempotent
