@@ -205,6 +205,7 @@ class Frontend:
         self.metrics = metrics or EngineMetrics()
         self.stats = SchedulerStats()
         self.late_outputs_dropped = 0
+        self._abort_next: list[str] = []  # decided in handle(), sent by run()
         # Test-only seams (tests/test_simulation.py plants these bugs on purpose).
         self.bug_register_after_dispatch = False
         self.bug_skip_child_abort = False
@@ -270,6 +271,8 @@ class Frontend:
     async def run(self) -> None:
         async for msg in self.inbox:
             self.handle(msg)
+            while self._abort_next:
+                await self.abort(self._abort_next.pop())
 
     def handle(self, msg: FrontendInput) -> None:
         """Apply one message from the Tokenizer or Detokenizer. Never blocks."""
@@ -323,6 +326,8 @@ class Frontend:
             self.metrics.queue_time.observe(fin.queue_s)
         if fin.finish_reason == "error":
             st.collector.put_error(RequestError(fin.error or "engine error", "internal"))
+            if st.parent is not None:  # the client gets the error: its siblings are moot
+                self._abort_next.append(st.parent)
         else:
             st.collector.put_finish(st.index, fin.finish_reason, fin.stop_reason)
         self._maybe_forget(st)
@@ -335,6 +340,8 @@ class Frontend:
         st.responded = st.freed = True  # rejected before the Scheduler: nothing to free
         self.metrics.on_finished("error", 0, time.monotonic() - st.arrival)
         st.collector.put_error(RequestError(msg.message, msg.code, msg.param))
+        if st.parent is not None:
+            self._abort_next.append(st.parent)
         self._maybe_forget(st)
 
     def _on_freed(self, rid: str) -> None:

@@ -48,7 +48,12 @@
 #define A       3      /* a plain request */
 #define NB      3      /* KV blocks */
 #define MAXTOK  2      /* max_tokens of every leaf */
+#ifndef ABORTS
+#define ABORTS  2      /* abort calls per client */
+#endif
+#ifndef CAP
 #define CAP     2      /* mailbox capacity */
+#endif
 
 #ifdef NO_A
 #define LAST    C1     /* the leaves are 1 .. LAST */
@@ -170,9 +175,9 @@ active proctype ClientP() {
     dispatch(C1);
 #endif
     do
-    :: k < 2 -> k++;            /* abort, or disconnect (its clean-up calls abort) */
+    :: k < ABORTS -> k++;       /* abort, or disconnect (its clean-up calls abort) */
         if
-        :: reg[P] -> abort_leaf(C0); abort_leaf(C1)   /* every live child */
+        :: reg[P] -> atomic { abort_leaf(C0); abort_leaf(C1) }   /* every live child */
         :: else -> skip
         fi
     :: break
@@ -186,7 +191,7 @@ active proctype ClientA() {
     byte k;
     submit_leaf(A);
     do
-    :: k < 2 -> k++; abort_leaf(A)
+    :: k < ABORTS -> k++; abort_leaf(A)
     :: break
     od;
 #ifndef NO_REUSE

@@ -289,3 +289,30 @@ async def test_slow_reader_holds_one_merged_output(tiny_llama_dir: Path,
         (choice,) = out.outputs
         assert len(choice.token_ids) == 30
         assert choice.text == tiny_tokenizer.decode(choice.token_ids, skip_special_tokens=True)
+
+
+async def test_n_greater_than_one_with_a_bad_prompt_fails_once_and_drains(
+    tiny_llama_dir: Path,
+) -> None:
+    async with engine_for(tiny_llama_dir) as engine:
+        with pytest.raises(RequestError, match="empty"):
+            async for _ in engine.generate(GenerateRequest("p", SamplingParams(n=3),
+                                                           prompt="")):
+                pass
+        assert await engine.wait_drained() == []
+        assert "p" not in engine.frontend.registry
+
+
+async def test_aborting_a_parent_aborts_every_child(tiny_llama_dir: Path) -> None:
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=100, ignore_eos=True)
+    async with engine_for(tiny_llama_dir) as engine:
+        col = await engine.submit(GenerateRequest("fan", params, prompt="abort us all"))
+        outs = [await col.get()]
+        await engine.abort("fan")
+        outs += [o async for o in col]
+        reasons = {o.index: o.finish_reason for out in outs for o in out.outputs
+                   if o.finish_reason}
+        tokens = sum(len(o.token_ids) for out in outs for o in out.outputs)
+    assert outs[-1].finished
+    assert reasons == {0: "abort", 1: "abort", 2: "abort"}
+    assert tokens < 300

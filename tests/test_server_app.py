@@ -1,0 +1,202 @@
+"""The ASGI app in-process, on the engine's own trio loop, driven through raw ASGI calls.
+
+Where tests/test_server.py looks from outside (the openai client, /metrics), these look
+inside: after every error and every disconnect the engine must be fully drained
+(invariant 4: no registry entry, no sequence, no block, no message left anywhere).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from actorllm.config import EngineConfig
+from actorllm.engine import AsyncEngine, Resources, open_engine
+from actorllm.server import build_app
+
+CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def resources(tiny_llama_dir: Path) -> Resources:
+    return Resources(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=128))
+
+
+@pytest.fixture
+async def engine(resources: Resources) -> AsyncIterator[AsyncEngine]:
+    async with open_engine(resources.config, resources=resources) as eng:
+        yield eng
+
+
+class Call:
+    """One ASGI request: the body is sent at once; ``disconnect`` makes the client leave."""
+
+    def __init__(self, path: str, body: Any = None, method: str = "POST",
+                 headers: dict[str, str] | None = None) -> None:
+        self.scope = {
+            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.1"},
+            "http_version": "1.1", "method": method, "scheme": "http", "path": path,
+            "raw_path": path.encode(), "query_string": b"", "root_path": "",
+            "headers": [(b"content-type", b"application/json"),
+                        *((k.lower().encode(), v.encode()) for k, v in (headers or {}).items())],
+            "client": ("127.0.0.1", 1234), "server": ("127.0.0.1", 8000), "state": {},
+        }
+        self.body = b"" if body is None else json.dumps(body).encode()
+        self.sent_body = False
+        self.gone = trio.Event()
+        self.status: int | None = None
+        self.headers: dict[str, str] = {}
+        self.chunks: list[bytes] = []
+        self.done = False
+
+    async def receive(self) -> dict[str, Any]:
+        if not self.sent_body:
+            self.sent_body = True
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self.headers = {k.decode(): v.decode() for k, v in message["headers"]}
+        elif message["type"] == "http.response.body":
+            if message.get("body"):
+                self.chunks.append(message["body"])
+            self.done = not message.get("more_body", False)
+
+    async def run(self, app: Any) -> Call:
+        await app(self.scope, self.receive, self.send)
+        return self
+
+    def json(self) -> Any:
+        return json.loads(b"".join(self.chunks))
+
+    def events(self) -> list[Any]:
+        text = b"".join(self.chunks).decode()
+        return [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+
+
+def app_for(engine: AsyncEngine, **kw: Any) -> Any:
+    return build_app(engine, served_model_name="m", **kw)
+
+
+async def test_whole_and_streamed_answers(engine: AsyncEngine) -> None:
+    app = app_for(engine)
+    whole = await Call("/v1/completions", {"prompt": "Hello", "max_tokens": 5,
+                                           "temperature": 0, "ignore_eos": True}).run(app)
+    assert whole.status == 200, whole.chunks
+    text = whole.json()["choices"][0]["text"]
+    streamed = await Call("/v1/completions", {"prompt": "Hello", "max_tokens": 5,
+                                              "temperature": 0, "ignore_eos": True,
+                                              "stream": True}).run(app)
+    assert streamed.status == 200 and streamed.done
+    events = streamed.events()
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == text
+    assert await engine.wait_drained(5) == []
+
+
+async def test_disconnect_mid_stream_drains_the_engine(engine: AsyncEngine) -> None:
+    app = app_for(engine)
+    call = Call("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                         "max_tokens": CONTEXT - 20, "ignore_eos": True,
+                                         "stream": True, "n": 2})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call.run, app)
+        while len(call.chunks) < 4:
+            await trio.sleep(0.001)
+        assert engine.frontend.registry  # running
+        call.gone.set()
+    assert not call.done  # cut short, no [DONE]
+    assert await engine.wait_drained(1.0) == []
+    assert engine.metrics.aborted_requests._value.get() == 2  # both choices
+
+
+async def test_disconnect_before_a_whole_answer_drains_the_engine(engine: AsyncEngine) -> None:
+    app = app_for(engine)
+    call = Call("/v1/completions", {"prompt": ["Hello", "The river"], "n": 2,
+                                    "max_tokens": CONTEXT - 20, "ignore_eos": True})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call.run, app)
+        with trio.fail_after(30):
+            while engine.frontend.stats.num_running < 4:
+                await trio.sleep(0.001)
+        call.gone.set()
+    assert call.status is None  # nothing was sent
+    assert await engine.wait_drained(1.0) == []
+
+
+async def test_errors_leave_nothing_behind(engine: AsyncEngine) -> None:
+    app = app_for(engine, max_pending=8)
+    too_long = list(range(2, 2 + CONTEXT + 1))
+    cases: list[tuple[str, dict[str, Any], int, str | None]] = [
+        # the second prompt does not fit: the first one, already submitted, is aborted
+        ("/v1/completions", {"prompt": [[5, 6, 7], too_long], "max_tokens": 50}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [[5, 6, 7], too_long], "max_tokens": 50,
+                             "stream": True}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "n": 9}, 503, None),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "model": "x"}, 404, "model"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                  "max_tokens": 1000}, 400, "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                  "temperature": float("nan")}, 400, "temperature"),
+        ("/v1/chat/completions", {"messages": "Hi"}, 400, "messages"),
+    ]
+    for path, body, status, param in cases:
+        call = await Call(path, body).run(app)
+        assert call.status == status, (body, call.chunks)
+        error = call.json()["error"]
+        assert error["param"] == param and set(error) == {"message", "type", "param", "code"}
+    assert await engine.wait_drained(2.0) == []
+    assert app.state.server.inflight == 0
+
+
+async def test_engine_error_mid_stream_is_an_sse_event(engine: AsyncEngine) -> None:
+    app = app_for(engine)
+    call = Call("/v1/completions", {"prompt": "Hello", "max_tokens": 40, "ignore_eos": True,
+                                    "stream": True})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call.run, app)
+        while not call.chunks:
+            await trio.sleep(0.001)
+        engine.frontend.lose_all("the engine process died")
+    assert call.status == 200 and call.done
+    events = call.events()
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "engine_dead" and "died" in error["message"]
+
+
+async def test_duplicate_live_request_id(engine: AsyncEngine) -> None:
+    app = app_for(engine)
+    first = Call("/v1/completions", {"prompt": "Hello", "max_tokens": CONTEXT - 20,
+                                     "ignore_eos": True, "stream": True},
+                 headers={"X-Request-Id": "same"})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(first.run, app)
+        while not first.chunks:
+            await trio.sleep(0.001)
+        second = await Call("/v1/completions", {"prompt": "Hi"},
+                            headers={"X-Request-Id": "same"}).run(app)
+        assert second.status == 409 and second.headers["x-request-id"] == "same"
+        assert second.headers["x-should-retry"] == "false"
+        first.gone.set()
+    assert await engine.wait_drained(1.0) == []
+    bad = await Call("/v1/completions", {"prompt": "Hi"},
+                     headers={"X-Request-Id": "has space"}).run(app)
+    assert bad.status == 400
+
+
+async def test_health_while_draining(engine: AsyncEngine) -> None:
+    app = app_for(engine)
+    assert (await Call("/health", method="GET").run(app)).status == 200
+    app.state.server.draining = True
+    assert (await Call("/health", method="GET").run(app)).status == 503
+    refused = await Call("/v1/completions", {"prompt": "Hi"}).run(app)
+    assert refused.status == 503 and refused.json()["error"]["code"] == "not_serving"
