@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--drain-timeout", type=float, default=10.0)
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    serve.add_argument("--max-pending", type=int, default=1024,
+                       help="live sequences before new requests get 503")
     _engine_flags(serve)
 
     replay = sub.add_parser("replay", help="check a trace against the spec")

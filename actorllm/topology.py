@@ -40,10 +40,11 @@ exits. Restarting would need generation numbers on every message and a replay of
 lost requests; a supervisor above actorllm (systemd, Kubernetes) restarts the
 whole server instead, with /health telling it when.
 
-No orphans. A child asks the kernel for SIGTERM when its parent dies
+No orphans. A child asks the kernel for SIGHUP when its parent dies
 (``prctl(PR_SET_PDEATHSIG)``), checks ``getppid()`` at start and every heartbeat,
 and exits if the parent's heartbeats stop for ``PARENT_TIMEOUT``. A child whose
-parent died removes the socket directory on its way out. Once a child begins to
+parent died removes the socket directory on its way out. SIGTERM (the parent's
+last-resort stop) and SIGHUP both end a child cleanly. Once a child begins to
 exit, ``alarm(SHUTDOWN_GRACE)`` guarantees that it does. Children ignore SIGINT: a
 Ctrl-C reaches the parent, which stops them in order.
 """
@@ -312,7 +313,7 @@ def child_argv(role: str, config: EngineConfig, ipc: IpcDir) -> list[str]:
             ipc.path, str(os.getpid()), str(level)]
 
 
-def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
+def set_parent_death_signal(sig: int = signal.SIGHUP) -> bool:
     """Ask Linux to send ``sig`` when the parent dies (PR_SET_PDEATHSIG); False elsewhere."""
     if not sys.platform.startswith("linux"):
         return False
@@ -359,6 +360,7 @@ def _begin_exit(why: str) -> None:
 
 async def _child_main(role: str, config: EngineConfig, ipc: IpcDir, parent_pid: int) -> int:
     result = _ChildExit()
+    orphaned = trio.Event()
     ctl_in: ZmqInbox[Any] = ZmqInbox(f"{role}.ctl", ControlMessage, CONTROL_CAPACITY,
                                      ipc.endpoint(f"{role}.ctl"))
     ctl_out: ZmqOutbox[Any] = ZmqOutbox(ipc.endpoint(PARENT_CTL), ControlMessage,
@@ -367,15 +369,17 @@ async def _child_main(role: str, config: EngineConfig, ipc: IpcDir, parent_pid: 
     try:
         async with trio.open_nursery() as nursery:
 
-            async def on_sigterm() -> None:
-                with trio.open_signal_receiver(signal.SIGTERM) as signals:
-                    async for _ in signals:
-                        _begin_exit("SIGTERM")
+            async def on_signal() -> None:
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
+                    async for signum in signals:
+                        if signum == signal.SIGHUP:  # our parent-death signal
+                            orphaned.set()
+                        _begin_exit(signal.Signals(signum).name)
                         result.code = EXIT_OK
                         nursery.cancel_scope.cancel()
                         return
 
-            nursery.start_soon(on_sigterm)
+            nursery.start_soon(on_signal)
             nursery.start_soon(ctl_in.pump)
             for inbox in wiring.remote_inboxes:
                 nursery.start_soon(inbox.pump)
@@ -386,7 +390,7 @@ async def _child_main(role: str, config: EngineConfig, ipc: IpcDir, parent_pid: 
         wiring.close()
         ctl_in.close()
         ctl_out.close()
-        if os.getppid() != parent_pid:
+        if orphaned.is_set() or os.getppid() != parent_pid or result.code == EXIT_ORPHANED:
             ipc.remove()  # nobody else is left to do it
     return result.code
 
@@ -477,7 +481,10 @@ def main(argv: list[str] | None = None) -> int:
     role, config_json, ipc_path, parent_pid_s = args[:4]
     level = args[4] if len(args) > 4 else "WARNING"
     parent_pid = int(parent_pid_s)
-    set_parent_death_signal(signal.SIGTERM)
+    # SIGHUP, not SIGTERM: it tells "the parent died" from "the parent asks us to stop".
+    # (When the parent dies, its other threads may outlive the one that forked us for a
+    # moment, and getppid() still names it then: the signal is the only sure sign.)
+    set_parent_death_signal(signal.SIGHUP)
     if os.getppid() != parent_pid:
         return EXIT_ORPHANED  # the parent died before the death signal was armed
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle

@@ -2,33 +2,39 @@
  * lifecycle.pml: a Promela model of actorllm's request protocol, for the SPIN model checker.
  *
  * What it is. The actors of DESIGN.md section 1 as processes over bounded FIFO channels:
- * the API-layer clients, the Frontend, the Tokenizer, the Scheduler (two processes: its
+ * the API-layer client, the Frontend, the Tokenizer, the Scheduler (two processes: its
  * receive loop and its sender task, as in actorllm/scheduler.py), the Worker and the
  * Detokenizer. SPIN explores every interleaving and checks the invariants of
- * spec/lifecycle.toml: assertions where they must hold, a check after drain, and LTL
- * formulas. spec/README.md ("Model checking") says how to run it; tests/test_spin.py runs
- * it in CI.
+ * spec/lifecycle.toml: assertions where each must hold, a check once everything is idle
+ * (invariant 4), and LTL formulas. spec/README.md ("Model checking") says how to run it;
+ * tests/test_spin.py runs it in CI.
  *
- * The bounds (small on purpose: each check takes seconds):
- *   rid 0 = P, a request with n = 2 that only the Frontend knows; its children are 1 and 2;
- *   rid 3 = A, a request with n = 1 whose client may reuse the rid once it is free
- *           (left out with -DNO_A: then the model has two leaves);
- *   every leaf generates at most MAXTOK = 2 tokens; the KV pool holds NB = 3 blocks and a
- *   leaf needs 1 block before its first token and 2 after it, so two leaves cannot both
- *   decode and preemption happens; every mailbox holds CAP = 2 messages, so sends block.
+ * Scenarios (small on purpose: each check takes seconds):
+ *   default    rid 0 = P, a request with n = 2 that only the Frontend knows, and its
+ *              children 1 and 2. Each child generates at most MAXTOK = 2 tokens; the KV
+ *              pool holds NB = 3 blocks and a child needs 1 block before its first token
+ *              and 2 after it, so both cannot decode at once: preemption happens.
+ *   -DREUSE_A  rid 3 = A, a request with n = 1 whose client may reuse the rid once the
+ *              Frontend has forgotten it: stale aborts and stop strings must not hit it.
+ *   -DBOTH     both at once (exhaustive too, but minutes and gigabytes: not for CI).
+ * Every mailbox holds CAP = 2 messages, so sends block (backpressure).
  *
- * Nondeterminism stands for what the model does not compute: a client may abort (or
- * disconnect, whose clean-up calls abort) at any moment, twice; the Tokenizer may reject
- * a prompt; a sampled token may be EOS; a step may fail; a stop string may match.
- * -DNO_REJECT, -DNO_STOP, -DNO_FAIL and -DNO_REUSE turn a source of nondeterminism off.
+ * Nondeterminism stands for what the model does not compute: the client may abort (or
+ * disconnect, whose clean-up calls abort) at any moment (ABORTS times); the Tokenizer may
+ * reject a prompt; a sampled token may be EOS; a step may fail; a stop string may match.
+ * -DNO_REJECT, -DNO_STOP, -DNO_FAIL and -DNO_REUSE turn one of them off. To keep the
+ * state space small, only child 0 and A may match a stop string and only child 1 and A
+ * may be rejected: each behaviour is still reached, against every interleaving.
  *
  * Modelling choices (each a reason the model is small, none a reason it is wrong):
- * - A send that follows a decision in the same trio task is atomic with the decision and
- *   waits for room first: trio's send queues at once when there is room, and wakes the
- *   senders parked on a full channel in FIFO order.
+ * - What an actor does between two awaits is one atomic step. A send that follows a
+ *   decision of the same task is atomic with it and waits for room first: trio's send
+ *   queues at once when there is room, and wakes senders parked on a full channel in
+ *   FIFO order.
  * - Messages carry rid masks; a TokenBatch / OutputBatch is one message, handled at once,
- *   as in the real actors. Text, sampling, chunked prefill and the token budget are not
- *   modelled: a step gives every leaf it plans one token.
+ *   as in the real actors. KV blocks are counted, not named. Text, sampling, chunked
+ *   prefill and the token budget are not modelled: a step gives each leaf it plans one
+ *   token.
  *
  * Planted bugs (tests/test_spin.py checks that SPIN finds each, and nothing without them):
  *   BUG_FREE_BEFORE_FENCE        a finished leaf's blocks are freed while a step uses them
@@ -37,8 +43,9 @@
  *   BUG_FORGET_BEFORE_FREE       the Frontend forgets a rid once answered, before the free
  *   BUG_GATHER_EARLY             a n > 1 parent ends when its first child ends
  *   BUG_REGISTER_AFTER_DISPATCH  the Frontend sends TokenizeRequest before registering
- *   BUG_LAZY_CHILD_REGISTER      each n > 1 child is registered just before its dispatch, so
- *                                the parent can gather before its last child exists
+ *   BUG_LAZY_CHILD_REGISTER      each n > 1 child is registered just before its own
+ *                                dispatch, so the parent can gather before its last child
+ *                                exists
  */
 
 #define NR      4      /* rids 0..3 */
@@ -48,19 +55,36 @@
 #define A       3      /* a plain request */
 #define NB      3      /* KV blocks */
 #define MAXTOK  2      /* max_tokens of every leaf */
-#ifndef ABORTS
-#define ABORTS  2      /* abort calls per client */
-#endif
 #ifndef CAP
 #define CAP     2      /* mailbox capacity */
 #endif
 
-#ifdef NO_A
-#define LAST    C1     /* the leaves are 1 .. LAST */
-#define CLIENTS 1
-#else
+/* Scenarios: the default is P alone; -DREUSE_A is A alone; -DBOTH runs them together
+   (exhaustive too, but minutes and gigabytes: not for CI). */
+#if defined(BOTH)
+#define HAVE_P
+#define HAVE_A
+#define FIRST   C0     /* the leaves are FIRST .. LAST */
 #define LAST    A
 #define CLIENTS 2
+#elif defined(REUSE_A)
+#define HAVE_A
+#define FIRST   A
+#define LAST    A
+#define CLIENTS 1
+#else
+#define HAVE_P
+#define FIRST   C0
+#define LAST    C1
+#define CLIENTS 1
+#endif
+
+#ifndef ABORTS
+#ifdef REUSE_A
+#define ABORTS  2      /* abort calls per client: twice, to show abort is idempotent */
+#else
+#define ABORTS  1
+#endif
 #endif
 
 /* Scheduler-side state of a leaf (Sequence.status in actorllm/scheduler.py). */
@@ -159,7 +183,8 @@ inline abort_leaf(r) {
     }
 }
 
-/* The client of P (n = 2): fan-out at the edge; then maybe abort, twice, at any time. */
+#ifdef HAVE_P
+/* The client of P (n = 2): fan-out at the edge; then maybe abort, at any time. */
 active proctype ClientP() {
     byte k;
 #ifdef BUG_LAZY_CHILD_REGISTER
@@ -184,8 +209,9 @@ active proctype ClientP() {
     od;
     clients_done++
 }
+#endif
 
-#ifndef NO_A
+#ifdef HAVE_A
 /* The client of A (n = 1): maybe abort; once answered, maybe reuse the rid. */
 active proctype ClientA() {
     byte k;
@@ -242,7 +268,7 @@ end:
     :: d_step {
         fe_in ? deltas, fins, frees, failed;
         /* Deltas for a rid that is not live are dropped (late outputs); the rest shown. */
-        for (i : 1 .. LAST) {
+        for (i : FIRST .. LAST) {
             if
             :: (fins | failed) & BIT(i) && reg[i] && !resp[i] ->
                 resp[i] = 1;                    /* respond: the final output */
@@ -251,7 +277,7 @@ end:
             :: else -> skip
             fi
         }
-        for (i : 1 .. LAST) {
+        for (i : FIRST .. LAST) {
             if
             :: frees & BIT(i) && reg[i] -> freed[i] = 1; maybe_forget(i)
             :: else -> skip
@@ -268,7 +294,8 @@ active proctype Tokenizer() {
     mtype m; byte r, l;
 end:
     do
-    :: tok_in ? m, r, l ->
+    :: atomic {
+        tok_in ? m, r, l;
         if
         :: m == ABORT -> sch_in ! ABORT, r, l    /* forwarded on the request's own edge */
         :: m == TOKENIZE ->
@@ -276,11 +303,12 @@ end:
             if
             :: sch_in ! SEQ, r, l
 #ifndef NO_REJECT
-            :: atomic { arrived[r] = l; term[r]++; fe_in ! 0, 0, 0, BIT(r) }   /* reject */
+            :: r != C0 -> arrived[r] = l; term[r]++; fe_in ! 0, 0, 0, BIT(r)     /* reject */
 #endif
             fi
         fi;
         m = 0; r = 0; l = 0
+       }
     od
 }
 
@@ -340,15 +368,15 @@ inline commit(r) {
 
 inline on_result(mask, eos) {
     in_flight = 0;
-    for (i : 1 .. LAST) { fence[i] = 0 }
+    for (i : FIRST .. LAST) { fence[i] = 0 }
     /* The fence has passed: leaves that finished meanwhile give their blocks back. */
-    for (i : 1 .. LAST) {
+    for (i : FIRST .. LAST) {
         if
         :: in_step[i] && ss[i] == S_FIN -> in_step[i] = 0; free_seq(i)
         :: else -> in_step[i] = 0
         fi
     }
-    for (i : 1 .. LAST) {
+    for (i : FIRST .. LAST) {
         if
         :: mask & BIT(i) && ss[i] == S_RUN && eos == ERR -> finish(i)    /* fail */
         :: mask & BIT(i) && ss[i] == S_RUN && eos != ERR ->
@@ -399,14 +427,14 @@ inline preempt(r) {
    the first that does not fit. */
 inline plan() {
     pmask = 0;
-    for (i : 1 .. LAST) {
+    for (i : FIRST .. LAST) {
         if
         :: ss[i] == S_RUN ->
             do
             :: WANT(i) <= nblk[i] + nfree -> alloc(i); pmask = pmask | BIT(i); break
             :: else ->
                 v = i;
-                for (j : 1 .. LAST) {
+                for (j : FIRST .. LAST) {
                     if
                     :: j != i && ss[j] == S_RUN && !(pmask & BIT(j)) -> v = j
                     :: else -> skip
@@ -423,7 +451,7 @@ inline plan() {
     }
     stuck = 0;
     for (j : 0 .. 1) {          /* j = 0: preempted leaves, then j = 1: waiting ones */
-        for (i : 1 .. LAST) {
+        for (i : FIRST .. LAST) {
             if
             :: !stuck && ((j == 0 && ss[i] == S_PRE) || (j == 1 && ss[i] == S_WAIT)) ->
                 if
@@ -436,7 +464,7 @@ inline plan() {
     }
     assert(pmask != 0);         /* the pool holds one leaf's needs: something always fits */
     in_flight = 1;
-    for (i : 1 .. LAST) { in_step[i] = (pmask & BIT(i)) != 0; fence[i] = in_step[i] }
+    for (i : FIRST .. LAST) { in_step[i] = (pmask & BIT(i)) != 0; fence[i] = in_step[i] }
     i = 0; j = 0; v = 0; stuck = 0
 }
 
@@ -469,13 +497,13 @@ end:
     :: atomic {
         wk_in ? mask;
         /* the KV this step writes is still allocated to the leaves it plans */
-        for (i : 1 .. LAST) { assert(!(mask & BIT(i)) || nblk[i] > 0) }
+        for (i : FIRST .. LAST) { assert(!(mask & BIT(i)) || nblk[i] > 0) }
         if
 #ifndef NO_FAIL
         :: eos = ERR            /* the step failed */
 #endif
         :: eos = 0;
-            for (i : 1 .. LAST) {
+            for (i : FIRST .. LAST) {
                 if
                 :: mask & BIT(i) -> eos = eos | BIT(i)   /* sampled EOS */
                 :: true -> skip
@@ -497,41 +525,29 @@ end:
     do
     :: atomic {
         det_in ? toks, fins, frees;
-        shown = 0;
-        for (i : 1 .. LAST) {
+        for (r : FIRST .. LAST) {
             if
-            :: toks & BIT(i) && !dstop[i] ->
-                shown = shown | BIT(i);
+            :: toks & BIT(r) && !dstop[r] ->
+                shown = shown | BIT(r);
 #ifndef NO_STOP
                 if
-                :: !(fins & BIT(i)) -> dstop[i] = 1    /* a stop string matched */
+                :: !(fins & BIT(r)) && r != C1 ->           /* a stop string matched: */
+                    dstop[r] = 1; sch_in ! STOP, r, life[r]  /* StopMatched goes first */
                 :: true -> skip
                 fi
 #endif
             :: else -> skip     /* after a stop string nothing more is shown */
             fi
         }
-        i = 0
-       };
-        /* StopMatched to the Scheduler first, then the OutputBatch to the Frontend. */
-        for (r : 1 .. LAST) {  /* a local: these sends may block */
+        for (r : FIRST .. LAST) {
             if
-            :: shown & BIT(r) && dstop[r] && !(fins & BIT(r)) -> sch_in ! STOP, r, life[r]
+            :: fins & BIT(r) -> dstop[r] = 0
             :: else -> skip
             fi
         }
-        r = 0;
-        atomic {
-            for (i : 1 .. LAST) {
-                if
-                :: fins & BIT(i) -> dstop[i] = 0
-                :: else -> skip
-                fi
-            }
-            i = 0;
-            fe_in ! shown, fins, frees, 0;
-            toks = 0; fins = 0; frees = 0; shown = 0
-        }
+        fe_in ! shown, fins, frees, 0;
+        toks = 0; fins = 0; frees = 0; shown = 0; r = 0
+       }
     od
 }
 
@@ -544,8 +560,10 @@ active proctype Drain() {
         assert(len(tok_in) == 0 && len(sch_in) == 0 && len(wk_in) == 0 && len(det_in) == 0
                && len(fe_in) == 0);             /* every mailbox empty */
         assert(!in_flight && nfree == NB);      /* every block free */
+#ifdef HAVE_P
         assert(!reg[P] && gathered);            /* invariant 6: P ended with its children */
-        for (i : 1 .. LAST) {
+#endif
+        for (i : FIRST .. LAST) {
             assert(!reg[i] && released[i]);     /* every registry empty */
             assert(ss[i] == S_NONE && nblk[i] == 0 && !dstop[i]);
             assert(term[i] == 1)                /* every leaf ended exactly once */
@@ -556,6 +574,6 @@ active proctype Drain() {
 }
 
 /* The invariants as temporal properties, checked one at a time: ./pan -a -N name. */
-ltl one_terminal { [] (term[C0] <= 1 && term[C1] <= 1 && term[LAST] <= 1) }
+ltl one_terminal { [] (term[C0] <= 1 && term[C1] <= 1 && term[A] <= 1) }
 ltl gather_after_children { [] (gathered -> (released[C0] && released[C1])) }
 ltl drains { <> drained }

@@ -66,6 +66,7 @@ class ServerProcess:
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.url = ""
+        self.signaled = False
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -91,11 +92,13 @@ class ServerProcess:
         raise RuntimeError(f"server not ready after {timeout} s: {self.stderr()}")
 
     def send_signal(self, signum: int = signal.SIGTERM) -> None:
+        self.signaled = True
         self.proc.send_signal(signum)
 
     def stop(self, signum: int = signal.SIGTERM, timeout: float = 90.0) -> int:
-        """Signal, wait, and return the exit code (killing it if it hangs)."""
-        if self.proc.poll() is None:
+        """Signal (unless the test did), wait, and return the exit code (kill if it hangs)."""
+        # A second signal would mean "stop now", or kill a process that is already exiting.
+        if self.proc.poll() is None and not self.signaled:
             self.proc.send_signal(signum)
         try:
             rc = self.proc.wait(timeout)

@@ -115,7 +115,7 @@ async def test_disconnect_mid_stream_drains_the_engine(engine: AsyncEngine) -> N
         call.gone.set()
     assert not call.done  # cut short, no [DONE]
     assert await engine.wait_drained(1.0) == []
-    assert engine.metrics.aborted_requests._value.get() == 2  # both choices
+    assert engine.metrics.registry.get_sample_value("actorllm:aborted_requests_total") == 2
 
 
 async def test_disconnect_before_a_whole_answer_drains_the_engine(engine: AsyncEngine) -> None:
@@ -140,7 +140,7 @@ async def test_errors_leave_nothing_behind(engine: AsyncEngine) -> None:
         ("/v1/completions", {"prompt": [[5, 6, 7], too_long], "max_tokens": 50}, 400, "prompt"),
         ("/v1/completions", {"prompt": [[5, 6, 7], too_long], "max_tokens": 50,
                              "stream": True}, 400, "prompt"),
-        ("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "n": 9}, 503, None),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "n": 9}, 400, "n"),
         ("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "model": "x"}, 404, "model"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                   "max_tokens": 1000}, 400, "max_tokens"),
@@ -200,3 +200,20 @@ async def test_health_while_draining(engine: AsyncEngine) -> None:
     assert (await Call("/health", method="GET").run(app)).status == 503
     refused = await Call("/v1/completions", {"prompt": "Hi"}).run(app)
     assert refused.status == 503 and refused.json()["error"]["code"] == "not_serving"
+
+
+async def test_overload_is_503_and_frees_its_reservation(engine: AsyncEngine) -> None:
+    app = app_for(engine, max_pending=2)
+    running = Call("/v1/completions", {"prompt": "Hello", "max_tokens": CONTEXT - 20,
+                                       "ignore_eos": True, "stream": True, "n": 2})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(running.run, app)
+        while not running.chunks:
+            await trio.sleep(0.001)
+        refused = await Call("/v1/completions", {"prompt": "Hi", "max_tokens": 2}).run(app)
+        assert refused.status == 503 and refused.json()["error"]["code"] == "overloaded"
+        running.gone.set()
+    assert app.state.server.inflight == 0
+    served = await Call("/v1/completions", {"prompt": "Hi", "max_tokens": 2}).run(app)
+    assert served.status == 200
+    assert await engine.wait_drained(1.0) == []

@@ -99,11 +99,12 @@ def test_drain_timeout_aborts_the_rest(tiny_llama_dir: Path, tmp_path: Path) -> 
         next(it)
         srv.send_signal(signal.SIGINT)
         finish = None
-        with pytest.raises(openai.APIError):  # the stream is cut short
+        try:
             for chunk in it:
                 finish = chunk.choices[0].finish_reason or finish
-            raise openai.APIError("ended cleanly", None, body=None)  # type: ignore[arg-type]
-        assert finish is None
+        except Exception:  # a cut connection: whichever error the client raises
+            pass
+        assert finish is None  # cut short: the request never finished
         rc = srv.proc.wait(120)
     finally:
         srv.stop()

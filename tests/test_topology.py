@@ -398,7 +398,7 @@ async def test_silent_child_is_killed_and_the_engine_declared_dead(
 # --- the parent process dies ---------------------------------------------------------------
 
 PARENT_SCRIPT = """
-import json, sys
+import json, logging, sys
 import trio
 from actorllm.config import EngineConfig
 from actorllm.engine import open_engine
@@ -406,6 +406,7 @@ from actorllm.llm import make_request
 from actorllm.messages import SamplingParams
 
 async def main():
+    logging.basicConfig(level=logging.INFO)  # the children log their exits (shown on failure)
     config = EngineConfig(model=sys.argv[1], topology=sys.argv[2], num_kv_blocks=96)
     async with open_engine(config) as engine:
         params = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[3]), ignore_eos=True)
@@ -414,7 +415,7 @@ async def main():
             if tokens == 0:
                 print(json.dumps({"pids": engine.supervisor.pids(),
                                   "ipc": engine.supervisor.ipc.path,
-                                  "torch": "torch.nn" in sys.modules}), flush=True)
+                                  "runner": "actorllm.worker" in sys.modules}), flush=True)
             tokens += len(out.outputs[0].token_ids)
         print(f"done {tokens}", flush=True)
         await trio.sleep_forever()
@@ -438,10 +439,12 @@ def _start_parent(tmp_path: Path, model: Path, topology: str,
 def test_parent_sigkill_leaves_no_child_running(tmp_path: Path, tiny_llama_dir: Path) -> None:
     proc, info = _start_parent(tmp_path, tiny_llama_dir, "pipeline", 8)
     pids = list(info["pids"].values())
-    assert len(pids) == 2 and all(pid_alive(p) for p in pids)
-    assert info["torch"] is False  # the API process never loads the model
-    proc.kill()
-    proc.wait()
+    try:
+        assert len(pids) == 2 and all(pid_alive(p) for p in pids)
+        assert info["runner"] is False  # the API process never loads the model
+    finally:
+        proc.kill()
+        proc.wait()
     assert wait_gone(pids, 5.0) == []
     deadline = time.monotonic() + 5
     while os.path.exists(info["ipc"]) and time.monotonic() < deadline:
@@ -452,8 +455,12 @@ def test_parent_sigkill_leaves_no_child_running(tmp_path: Path, tiny_llama_dir: 
 def test_parent_sigterm_drains_then_exits_cleanly(tmp_path: Path, tiny_llama_dir: Path) -> None:
     proc, info = _start_parent(tmp_path, tiny_llama_dir, "engine", 240)
     pids = list(info["pids"].values())
-    proc.send_signal(signal.SIGTERM)  # mid-stream: the request must still finish
-    out, _ = proc.communicate(timeout=60)
+    try:
+        proc.send_signal(signal.SIGTERM)  # mid-stream: the request must still finish
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
     assert "done 240" in out
     assert proc.returncode == -signal.SIGTERM
     assert wait_gone(pids, 1.0) == []

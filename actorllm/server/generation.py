@@ -278,11 +278,14 @@ class GenerationResponse(Response):
 
     async def _release(self) -> None:
         """Abort what has not finished and give back the overload reservation."""
-        for job in self.jobs:
-            if job.collector is not None and not job.collector.finished:
-                await self.state.engine.abort(job.request.rid)
         self.state.inflight -= self._reserved
         self._reserved = 0
+        for job in self.jobs:
+            if job.collector is not None and not job.collector.finished:
+                try:
+                    await self.state.engine.abort(job.request.rid)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    log.debug("engine stopped before %s could be aborted", job.request.rid)
 
     async def _submit(self) -> None:
         state = self.state
@@ -290,6 +293,10 @@ class GenerationResponse(Response):
             raise APIError(503, "the server is not serving (starting up or shutting down)",
                            code="not_serving")
         cost = sum(j.cost for j in self.jobs)
+        if cost > state.max_pending:  # could never run: retrying would not help
+            raise APIError(400, f"the request needs {cost} sequences (prompts x n), more than "
+                           f"the server's limit of {state.max_pending}", param="n",
+                           code="invalid_request")
         if state.inflight + cost > state.max_pending:
             raise APIError(503, f"the server is overloaded ({state.inflight} sequences "
                            "pending); retry later", code="overloaded")

@@ -132,6 +132,8 @@ class SimConfig:
     worker_capacity: int = 2  # as in actorllm.engine
     roundtrip: bool = True  # send every delivered message through the codec
     bugs: frozenset[str] = frozenset()  # planted bugs to switch on: "frontend.bug_...", ...
+    # Known, reported actor bugs whose check is skipped until they are fixed (KNOWN_BUGS).
+    tolerate: frozenset[str] = frozenset()
 
 
 # --- text: the reference for invariant 7 ---------------------------------------------------
@@ -870,7 +872,8 @@ class World:
         if client.n > 1:
             unended = [c.describe() for c in choices if not c.terminal]
             unended += [f"{client.rid}-{i}" for i in range(client.n) if i not in inc.child_incs]
-            if unended:
+            if unended and not (client.error is not None
+                                and "error-ends-parent-early" in self.config.tolerate):
                 what = "an error" if client.error is not None else "the final output"
                 self.report("6", f"the client of {client.rid!r} read {what} while children "
                             f"have not ended: {unended}")
