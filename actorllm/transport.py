@@ -210,20 +210,30 @@ class ZmqOutbox(Generic[T]):
         """Deliver ``msg``, waiting while the peer's queue is full (backpressure)."""
         data = self._check(msg)
         sock = self._sock
-        async with self._lock:  # a checkpoint, so send always is one
-            while True:
-                try:
-                    sock.send(data, zmq.NOBLOCK)
-                    break
-                except zmq.Again:
-                    pass
-                except zmq.ZMQError as exc:
-                    if sock.closed or exc.errno == zmq.ENOTSOCK:
-                        raise trio.ClosedResourceError(self.name) from None
-                    raise
+        if not self._lock.locked():
+            # Fast path: hand the frame to ZeroMQ first and yield after, so the message
+            # does not wait a scheduling round (the latency of every hop).
+            await trio.lowlevel.checkpoint_if_cancelled()
+            if self._try_send(sock, data):
+                self.sent += 1
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return
+        async with self._lock:  # one waiter per FD
+            while not self._try_send(sock, data):
                 if not sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
                     await trio.lowlevel.wait_readable(self._fd)  # the FD signals POLLOUT too
         self.sent += 1
+
+    def _try_send(self, sock: zmq.Socket[Any], data: bytes) -> bool:
+        try:
+            sock.send(data, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if sock.closed or exc.errno == zmq.ENOTSOCK:
+                raise trio.ClosedResourceError(self.name) from None
+            raise
 
     def send_nowait(self, msg: T) -> None:
         """Deliver without waiting; raises trio.WouldBlock when the peer is full."""

@@ -229,6 +229,10 @@ active proctype ClientA() {
         :: skip                 /* or it does not come back */
         fi
     };
+    if
+    :: abort_leaf(A)            /* the new life may be aborted too */
+    :: skip
+    fi;
 #endif
     clients_done++
 }

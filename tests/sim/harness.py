@@ -132,8 +132,6 @@ class SimConfig:
     worker_capacity: int = 2  # as in actorllm.engine
     roundtrip: bool = True  # send every delivered message through the codec
     bugs: frozenset[str] = frozenset()  # planted bugs to switch on: "frontend.bug_...", ...
-    # Known, reported actor bugs whose check is skipped until they are fixed (KNOWN_BUGS).
-    tolerate: frozenset[str] = frozenset()
 
 
 # --- text: the reference for invariant 7 ---------------------------------------------------
@@ -645,6 +643,8 @@ class World:
                 self.report("2", f"client of {client.rid!r} never got a final output")
             for mark in client.abort_marks:
                 self._check_abort_reached(client, mark, drained=True)
+            if client.n > 1 and client.inc is not None:
+                self._check_siblings_aborted(client)
         self.check()
 
     def drain_problems(self) -> list[str]:
@@ -872,11 +872,11 @@ class World:
         if client.n > 1:
             unended = [c.describe() for c in choices if not c.terminal]
             unended += [f"{client.rid}-{i}" for i in range(client.n) if i not in inc.child_incs]
-            if unended and not (client.error is not None
-                                and "error-ends-parent-early" in self.config.tolerate):
-                what = "an error" if client.error is not None else "the final output"
-                self.report("6", f"the client of {client.rid!r} read {what} while children "
-                            f"have not ended: {unended}")
+            # An error may reach the client at once (the Frontend then aborts the siblings,
+            # which drain() checks); a successful final output only after every child ended.
+            if unended and client.error is None:
+                self.report("6", f"the client of {client.rid!r} read the final output while "
+                            f"children have not ended: {unended}")
         elif not inc.terminal:
             self.report("2", f"{client.rid!r}: final output before any terminal event")
         if client.error is not None and not any(
@@ -911,6 +911,20 @@ class World:
                 self.report("5", f"{client.rid!r} was aborted, yet no abort was sent for "
                             f"choice {i}: {c.describe()}")
 
+    def _check_siblings_aborted(self, client: Client) -> None:
+        """Invariant 5 for the Frontend's own aborts: once a child fails, every sibling that
+        had not been answered by then is aborted."""
+        children = Recorder.children_of(client.inc)  # type: ignore[arg-type]
+        failed = [i for c in children for i, _, e in c.events if e in ("fail", "reject")]
+        if not failed:
+            return
+        for c in children:
+            if c.terminal and c.terminal[0][0] in ("fail", "reject"):
+                continue
+            if c.index_of("respond") is None and c.aborts_sent == 0:
+                self.report("5", f"a child of {client.rid!r} failed, yet its sibling was not "
+                            f"aborted: {c.describe()}")
+
     def _abort_waiting(self, rid: str) -> bool:
         """Whether an AbortRequest for ``rid`` waits for room in the Tokenizer's inbox."""
         box = self.boxes["tokenizer"]
@@ -929,8 +943,12 @@ class World:
             if aborted_at is not None:
                 top = inc.parent or inc
                 client = next((c for c in self.clients if c.inc is top), None)
-                if client is not None and not any(m[0] <= aborted_at  # type: ignore[operator]
-                                                   for m in client.abort_marks):
+                asked = client is None or any(m[0] <= aborted_at  # type: ignore[operator]
+                                              for m in client.abort_marks)
+                # A child's error aborts its siblings (the client has its error already).
+                failed = [i for c in Recorder.children_of(top) for i, _, e in c.events
+                          if e in ("fail", "reject")]
+                if not asked and not (failed and min(failed) < aborted_at):
                     self.report("5", f"{inc.describe()} was aborted, but its client never "
                                 "asked to abort it")
         if self.violations:

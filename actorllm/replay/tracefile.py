@@ -1,0 +1,239 @@
+"""Reading a trace file: JSON lines, split into sessions, grouped into request lives.
+
+The format is written by :mod:`actorllm.trace` and described in spec/README.md. Three
+kinds of line matter here:
+
+- the header (``"kind": "header"``), written when an engine starts. One file may hold
+  several engine runs (``LLM.generate`` opens an engine per call and appends), so every
+  header starts a new :class:`Session`; rids are only unique within one;
+- transition lines (they have an ``"event"``), one per state change of one rid;
+- records (``"kind"`` input / plan / result, written by the Scheduler) and hop lines
+  (``"kind"`` send / recv, with ``--trace-hops``).
+
+A rid may be reused once it is RELEASED, so the transitions of one rid are cut into
+*lives*: a ``register`` after the previous life reached a final state starts a new one.
+Everything downstream (the checker, the summary, the timeline) works on lives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import attrs
+
+from actorllm.lifecycle import Spec
+
+
+class TraceError(Exception):
+    """The file cannot be read as a trace at all (missing, empty, not JSON lines)."""
+
+
+@attrs.frozen
+class Line:
+    """One line of the file, parsed. ``no`` is its 1-based line number."""
+
+    no: int
+    data: dict[str, Any]
+
+    @property
+    def t(self) -> float:
+        return float(self.data.get("t", 0.0))
+
+    @property
+    def kind(self) -> str | None:
+        return self.data.get("kind")
+
+    @property
+    def rid(self) -> str | None:
+        return self.data.get("rid")
+
+    @property
+    def event(self) -> str | None:
+        return self.data.get("event")
+
+    @property
+    def actor(self) -> str | None:
+        return self.data.get("actor")
+
+    @property
+    def is_transition(self) -> bool:
+        return "event" in self.data and "kind" not in self.data
+
+    def text(self) -> str:
+        """The line as it was (re-serialised), for reports."""
+        return json.dumps(self.data, separators=(", ", ": "))
+
+
+@attrs.define
+class Life:
+    """One life of one rid: its transition lines ordered by time, and a display name."""
+
+    session: int
+    rid: str
+    index: int  # 1 for the first life of the rid in its session
+    lines: list[Line] = attrs.Factory(list)
+    name: str = ""
+
+    @property
+    def events(self) -> list[str]:
+        return [str(line.event) for line in self.lines]
+
+    @property
+    def first_no(self) -> int:
+        return min(line.no for line in self.lines)
+
+    @property
+    def is_parent(self) -> bool:
+        """A ``n > 1`` request: it fans out instead of being dispatched."""
+        return "fan_out" in self.events
+
+    @property
+    def children(self) -> list[str]:
+        """The child rids named by the fan_out line (``{rid}-{i}``)."""
+        for line in self.lines:
+            if line.event == "fan_out":
+                return [str(c) for c in line.data.get("children", [])]
+        return []
+
+
+@attrs.define
+class Session:
+    """Everything one engine run wrote: its header and the lines after it, in file order."""
+
+    index: int
+    header: dict[str, Any] | None
+    lines: list[Line] = attrs.Factory(list)
+    lives: list[Life] = attrs.Factory(list)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return dict((self.header or {}).get("config") or {})
+
+    @property
+    def t0(self) -> float | None:
+        if self.header is not None and "t0" in self.header:
+            return float(self.header["t0"])
+        return self.lines[0].t if self.lines else None
+
+    def records(self, *kinds: str) -> Iterator[Line]:
+        """Record lines of the given kinds, in file order."""
+        return (line for line in self.lines if line.kind in kinds)
+
+    def life_at(self, rid: str, no: int) -> Life | None:
+        """The life of ``rid`` that a line at file line ``no`` belongs to (the latest one
+        that began at or before it; the first one for anything earlier)."""
+        found = None
+        for life in self.lives:
+            if life.rid != rid:
+                continue
+            if found is None or life.first_no <= no:
+                found = life
+        return found
+
+
+@attrs.define
+class Trace:
+    """A parsed trace file."""
+
+    path: str
+    sessions: list[Session]
+    problems: list[tuple[int, str]]  # (line number, what is wrong) for unreadable lines
+
+    @property
+    def lives(self) -> list[Life]:
+        return [life for s in self.sessions for life in s.lives]
+
+    @property
+    def num_lines(self) -> int:
+        return sum(len(s.lines) + (s.header is not None) for s in self.sessions)
+
+
+def load_trace(path: str | os.PathLike[str], spec: Spec) -> Trace:
+    """Read ``path``. Raises TraceError if it is not a trace at all."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise TraceError(f"cannot read {os.fspath(path)}: {exc.strerror}") from None
+    return parse_trace(text.splitlines(), spec, path=os.fspath(path))
+
+
+def parse_trace(lines: Iterable[str], spec: Spec, path: str = "<trace>") -> Trace:
+    """Parse JSON lines into sessions and lives. A bad line is a problem, not an error:
+    the rest of the file is still worth checking."""
+    sessions: list[Session] = []
+    problems: list[tuple[int, str]] = []
+    current: Session | None = None
+    for no, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            problems.append((no, f"not JSON ({exc.msg})"))
+            continue
+        if not isinstance(data, dict):
+            problems.append((no, "not a JSON object"))
+            continue
+        if data.get("kind") == "header":
+            current = Session(len(sessions), data)
+            sessions.append(current)
+            continue
+        if current is None:  # lines before any header: a headerless session
+            current = Session(len(sessions), None)
+            sessions.append(current)
+        line = Line(no, data)
+        if line.is_transition and not isinstance(line.rid, str):
+            problems.append((no, "transition line without a rid"))
+            continue
+        current.lines.append(line)
+    if not sessions or not any(s.lines or s.header for s in sessions):
+        if problems:
+            raise TraceError(f"{path}: no trace lines (line {problems[0][0]}: {problems[0][1]})")
+        raise TraceError(f"{path}: empty trace")
+    for session in sessions:
+        session.lives = _split_lives(session, spec)
+    _name_lives(sessions)
+    return Trace(path, sessions, problems)
+
+
+def _split_lives(session: Session, spec: Spec) -> list[Life]:
+    """Group transitions by rid, order by time (file order breaks ties: one process writes
+    its lines in order, several processes merge by their shared monotonic clock), and cut
+    each rid's history where a ``register`` follows a final state."""
+    by_rid: dict[str, list[Line]] = {}
+    for line in session.lines:
+        if line.is_transition:
+            by_rid.setdefault(str(line.rid), []).append(line)
+    lives: list[Life] = []
+    for rid, lines in by_rid.items():
+        lines.sort(key=lambda x: (x.t, x.no))
+        life = Life(session.index, rid, 1)
+        state: str | None = None
+        ok = True  # the life is legal so far (after an illegal event its state is unknown)
+        for line in lines:
+            if line.event == "register" and ok and state in spec.final_states:
+                lives.append(life)
+                life = Life(session.index, rid, life.index + 1)
+                state = None
+            life.lines.append(line)
+            if ok:
+                nxt = spec.step(state, str(line.event))
+                ok = nxt is not None
+                state = nxt
+        lives.append(life)
+    lives.sort(key=lambda x: x.first_no)
+    return lives
+
+
+def _name_lives(sessions: list[Session]) -> None:
+    """Display names: the rid, with ``#life`` when reused and ``session:`` when the file
+    holds several runs."""
+    many = len(sessions) > 1
+    for session in sessions:
+        for life in session.lives:
+            name = life.rid if life.index == 1 else f"{life.rid}#{life.index}"
+            life.name = f"{session.index}:{name}" if many else name
