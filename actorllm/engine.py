@@ -192,9 +192,7 @@ class AsyncEngine:
         Actors and mailboxes of this process are checked now. Those in child
         processes are reported as of their latest answer to ``wait_drained``.
         """
-        problems = actor_problems(self.actors)
-        problems += [f"mailbox {m.name} holds {m.depth}" for m in self.mailboxes.values()
-                     if m.depth]
+        problems = self._local_problems()
         if self.supervisor is not None:
             problems += self.supervisor.remote_problems()
         return problems
@@ -203,8 +201,9 @@ class AsyncEngine:
         """Wait until nothing is held (or the timeout passes); returns what is left."""
         with trio.move_on_after(timeout):
             while True:
-                local = self.supervisor is None or not self._local_problems()
-                if local and self.supervisor is not None:
+                # Ask the children (a round trip) only once this process is clean: until
+                # then the engine is not drained anyway.
+                if self.supervisor is not None and not self._local_problems():
                     await self.supervisor.query_drain(timeout=2.0)
                 if not self.drain_problems():
                     break

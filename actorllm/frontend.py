@@ -183,6 +183,7 @@ class RequestState:
     first_token: float | None = None
     last_token: float | None = None
     num_output_tokens: int = 0
+    dispatched: bool = False
     responded: bool = False
     freed: bool = False
     abort_sent: bool = False
@@ -205,7 +206,8 @@ class Frontend:
         self.metrics = metrics or EngineMetrics()
         self.stats = SchedulerStats()
         self.late_outputs_dropped = 0
-        self._abort_next: list[str] = []  # decided in handle(), sent by run()
+        self._abort_next: list[str] = []  # decided in handle(), sent by _abort_sender()
+        self._abort_wake = trio.Event()
         # Test-only seams (tests/test_simulation.py plants these bugs on purpose).
         self.bug_register_after_dispatch = False
         self.bug_skip_child_abort = False
@@ -233,6 +235,18 @@ class Frontend:
                                    else req.params.seed + i), i)
                 for i, rid in enumerate(rids[1:])
             ]
+        parent_rid = None if n == 1 else req.rid
+
+        def register(rid: str, index: int) -> None:
+            self.registry[rid] = RequestState(rid, collector, parent=parent_rid, index=index,
+                                              arrival=now)
+            self.ledger.fire(rid, "register")
+
+        # Every child is registered before the first one leaves: otherwise child 0 could
+        # end before child 1 exists, and the parent would gather early (found by spin).
+        if not self.bug_register_after_dispatch:
+            for rid, _, index in leaves:
+                register(rid, index)
         # Shielded: once registered, a request is always dispatched, even if the caller
         # is cancelled while the Tokenizer's mailbox is full; otherwise it would leak.
         with trio.CancelScope(shield=True):
@@ -241,12 +255,16 @@ class Frontend:
                                       req.messages, req.add_generation_prompt, now)
                 if self.bug_register_after_dispatch:
                     await self.tokenizer.send(msg)
-                self.registry[rid] = RequestState(rid, collector, parent=None if n == 1
-                                                  else req.rid, index=index, arrival=now)
-                self.ledger.fire(rid, "register")
+                    register(rid, index)
                 self.ledger.fire(rid, "dispatch")
                 if not self.bug_register_after_dispatch:
                     await self.tokenizer.send(msg)
+                st = self.registry.get(rid)
+                if st is None:
+                    continue
+                st.dispatched = True
+                if st.abort_sent:  # aborted while we were still sending: it goes right after
+                    await self.tokenizer.send(AbortRequest(rid))
         self.metrics.on_arrival()
         return collector
 
@@ -264,13 +282,32 @@ class Frontend:
                 if cst is None or cst.responded or cst.abort_sent:
                     continue
                 cst.abort_sent = True
-                await self.tokenizer.send(AbortRequest(child))
+                # Not yet dispatched: submit() sends the abort right after the request,
+                # so it can never overtake it on the FIFO edge.
+                if cst.dispatched:
+                    await self.tokenizer.send(AbortRequest(child))
 
     # --- the actor loop ----------------------------------------------------------------
 
     async def run(self) -> None:
-        async for msg in self.inbox:
-            self.handle(msg)
+        """Receive in one task, send aborts from another.
+
+        ``handle`` never blocks, so the inbox always drains; the aborts it decides on
+        (siblings of a failed child) go out from a separate task, so a full Tokenizer
+        mailbox can never stall the loop that empties ours (the Tokenizer sends us
+        ``RequestFailed``: waiting on each other would deadlock).
+        """
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._abort_sender)
+            async for msg in self.inbox:
+                self.handle(msg)
+                if self._abort_next:
+                    self._abort_wake.set()
+
+    async def _abort_sender(self) -> None:
+        while True:
+            await self._abort_wake.wait()
+            self._abort_wake = trio.Event()
             while self._abort_next:
                 await self.abort(self._abort_next.pop())
 

@@ -332,7 +332,7 @@ class Ready:
 
 @attrs.frozen
 class StartFailed:
-    """Child -> parent: the child could not start; it exits right after sending this."""
+    """Child -> parent: it could not start (or, after Ready, an actor crashed); it exits next."""
 
     role: str
     message: str
@@ -409,90 +409,6 @@ MESSAGE_TYPES: tuple[type, ...] = (
     TextDelta,
     RequestFinished,
     OutputBatch,
-    Hello,
-    Ready,
-    StartFailed,
-    MailboxStat,
-    Heartbeat,
-    DrainQuery,
-    DrainReport,
-    Shutdown,
-)
-
-
-# --- process supervision (actorllm.topology; the handshake is in actorllm.transport) ------
-
-
-@attrs.frozen
-class Hello:
-    """First words on a control channel, each way: a peer built from other code is refused."""
-
-    protocol: int  # actorllm.transport.PROTOCOL_VERSION
-    codec: int  # actorllm.codec.VERSION
-    schema: str  # fingerprint of every message class and its fields
-    role: str  # "parent", "engine", "detokenizer"
-    pid: int
-
-
-@attrs.frozen
-class Ready:
-    """Child -> parent: resources loaded, actors running, inboxes bound."""
-
-    role: str
-    pid: int
-
-
-@attrs.frozen
-class StartFailed:
-    """Child -> parent: the child could not start; it exits right after sending this."""
-
-    role: str
-    message: str
-
-
-@attrs.frozen
-class MailboxStat:
-    name: str
-    depth: int
-    high_water: int
-
-
-@attrs.frozen
-class Heartbeat:
-    """Both ways, every half second; a child's carries its mailboxes' depths for /metrics."""
-
-    role: str
-    seq: int
-    mailboxes: tuple[MailboxStat, ...] = ()
-
-
-@attrs.frozen
-class DrainQuery:
-    """Parent -> child: report what your actors and mailboxes still hold (invariant 4)."""
-
-    token: int
-
-
-@attrs.frozen
-class DrainReport:
-    role: str
-    token: int
-    problems: tuple[str, ...] = ()
-    rejected_frames: int = 0  # frames its sockets refused (garbage, wrong type) so far
-
-
-@attrs.frozen
-class Shutdown:
-    """Parent -> child: stop the actors and exit 0."""
-
-    reason: str = ""
-
-
-ControlMessage = Union[  # noqa: UP007 - used at run time
-    Hello, Ready, StartFailed, Heartbeat, DrainQuery, DrainReport, Shutdown
-]
-
-MESSAGE_TYPES += (
     Hello,
     Ready,
     StartFailed,

@@ -119,6 +119,10 @@ class Scheduler:
         self.sample_s = 0.0
         # A test-only seam (see tests/test_simulation.py): free on abort before the fence.
         self.bug_free_before_fence = False
+        if tracer is not None:  # what `actorllm replay --redrive` needs to rebuild us
+            tracer.record("config", actor="scheduler", num_blocks=num_blocks,
+                          block_size=block_size, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens)
 
     # --- the actor --------------------------------------------------------------
 
@@ -189,7 +193,8 @@ class Scheduler:
         self.ledger.fire(seq.rid, "enqueue", prompt_tokens=len(seq.prompt_ids))
         if self.tracer is not None:
             self.tracer.record("input", actor="scheduler", msg="SequenceRequest", rid=req.rid,
-                               prompt_tokens=len(req.prompt_token_ids), max_tokens=req.max_tokens)
+                               prompt_tokens=len(req.prompt_token_ids), max_tokens=req.max_tokens,
+                               params=req.params, eos_token_ids=req.eos_token_ids)
 
     def finish_early(self, rid: str, reason: str, stop: str | None = None) -> bool:
         """Abort, or a stop string: stop future work now. False if nothing was live."""

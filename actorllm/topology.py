@@ -92,6 +92,7 @@ from actorllm.transport import (
     ZmqInbox,
     ZmqOutbox,
     check_hello,
+    context,
     frame_version,
     make_hello,
 )
@@ -140,6 +141,7 @@ PARENT_TIMEOUT = 10.0  # child side: a parent silent this long is presumed gone
 HANDSHAKE_TIMEOUT = 30.0
 READY_TIMEOUT = 300.0  # loading a large model can take minutes; failures report at once
 SHUTDOWN_GRACE = 5  # seconds a child may take to stop before it is killed
+CONTROL_LINGER_MS = 1000  # a child's last control messages get this long to leave
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -353,6 +355,13 @@ class _ChildExit:
     code: int = EXIT_OK
 
 
+def _sole_error(exc: BaseException) -> BaseException:
+    """The one exception inside (nested) single-member exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
 def _begin_exit(why: str) -> None:
     log.info("exiting: %s", why)
     signal.alarm(SHUTDOWN_GRACE)  # SIGALRM's default action ends us if cleanup hangs
@@ -363,8 +372,10 @@ async def _child_main(role: str, config: EngineConfig, ipc: IpcDir, parent_pid: 
     orphaned = trio.Event()
     ctl_in: ZmqInbox[Any] = ZmqInbox(f"{role}.ctl", ControlMessage, CONTROL_CAPACITY,
                                      ipc.endpoint(f"{role}.ctl"))
+    # Lingers: a StartFailed sent just before exiting must still reach the parent.
     ctl_out: ZmqOutbox[Any] = ZmqOutbox(ipc.endpoint(PARENT_CTL), ControlMessage,
-                                        name=f"{role}->parent", hwm=CONTROL_CAPACITY)
+                                        name=f"{role}->parent", hwm=CONTROL_CAPACITY,
+                                        linger_ms=CONTROL_LINGER_MS)
     wiring = Wiring(role, config.topology, config.mailbox_capacity, ipc)
     try:
         async with trio.open_nursery() as nursery:
@@ -423,12 +434,22 @@ async def _child_body(role: str, config: EngineConfig, ipc: IpcDir, parent_pid: 
     try:
         set_hop_hooks(wiring, tracer)
         actors = build_actors(role, wiring, config, parts, tracer)
-        async with trio.open_nursery() as nursery:
-            for name, actor in actors.items():
-                nursery.start_soon(actor.run, name=f"actor:{name}")
-            await ctl_out.send(Ready(role, os.getpid()))
-            code = await _serve_control(role, parent_pid, ctl_in, ctl_out, wiring, actors)
-            nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                for name, actor in actors.items():
+                    nursery.start_soon(actor.run, name=f"actor:{name}")
+                await ctl_out.send(Ready(role, os.getpid()))
+                code = await _serve_control(role, parent_pid, ctl_in, ctl_out, wiring,
+                                            actors)
+                nursery.cancel_scope.cancel()
+        except Exception as exc:
+            # An actor crashed: tell the parent why before the exit code does.
+            error = _sole_error(exc)
+            try:
+                ctl_out.send_nowait(StartFailed(role, f"{type(error).__name__}: {error}"))
+            except trio.WouldBlock:
+                pass
+            raise
         return code
     finally:
         if tracer is not None:
@@ -497,7 +518,10 @@ def main(argv: list[str] | None = None) -> int:
         code = trio.run(_child_main, role, config, ipc, parent_pid)
     except BaseException:
         log.exception("%s process crashed", role)
-        return EXIT_FAILED
+        code = EXIT_FAILED
+    # Every socket is closed; terminating the context lets the lingering ones finish
+    # (the caller's os._exit would otherwise cut ZeroMQ's I/O thread short).
+    context().destroy(linger=0)
     log.info("%s process: exit code %d", role, code)
     return code
 
@@ -520,6 +544,7 @@ class Child:
     mailboxes: tuple[MailboxStat, ...] = ()
     report: DrainReport | None = None
     kill_reason: str | None = None
+    crash: str | None = None  # what a crashing child said before it exited
 
     @property
     def pid(self) -> int:
@@ -627,8 +652,14 @@ class Supervisor:
             self._fail_start(f"{child.role} process exited with code {describe_exit(code)} "
                              "during start-up")
             return
+        if code > 0 and child.kill_reason is None and child.crash is None:
+            with trio.move_on_after(0.2):  # a crash report may still be in the socket
+                while child.crash is None:
+                    await trio.sleep(0.01)
         message = child.kill_reason or (f"{child.role} process exited with code "
                                         f"{describe_exit(code)}")
+        if child.crash is not None:
+            message += f" ({child.crash})"
         log.error("%s", message)
         if self.dead is None:
             self.dead = message
@@ -652,7 +683,10 @@ class Supervisor:
                         len(self.children) == len(self.roles):
                     self._settled.set()
             elif isinstance(msg, StartFailed):
-                self._fail_start(f"{child.role} process failed to start: {msg.message}")
+                if child.ready:
+                    child.crash = msg.message  # it is about to exit: say why
+                else:
+                    self._fail_start(f"{child.role} process failed to start: {msg.message}")
             elif isinstance(msg, Heartbeat):
                 child.mailboxes = msg.mailboxes
             elif isinstance(msg, DrainReport):
@@ -739,7 +773,9 @@ class Supervisor:
             if not child.running:
                 continue
             try:
-                if child.ctl is None:
+                if not child.ready or child.ctl is None:
+                    # Still loading (it reads no control messages then) or refused: SIGTERM
+                    # ends it as cleanly, and at once.
                     raise trio.WouldBlock
                 child.ctl.send_nowait(Shutdown(reason))
             except trio.WouldBlock:

@@ -167,7 +167,7 @@ class IpcDir:
         return f"IpcDir({self.path!r})"
 
 
-def _close_socket(sock: zmq.Socket[Any], fd: int) -> None:
+def _close_socket(sock: zmq.Socket[Any], fd: int, linger_ms: int = 0) -> None:
     if sock.closed:
         return
     try:
@@ -175,25 +175,28 @@ def _close_socket(sock: zmq.Socket[Any], fd: int) -> None:
         trio.lowlevel.notify_closing(fd)
     except RuntimeError:
         pass  # not inside trio: nobody can be waiting
-    sock.close(linger=0)
+    sock.close(linger=linger_ms)
 
 
 class ZmqOutbox(Generic[T]):
     """The sending side of a remote mailbox: a PUSH socket connected to its endpoint.
 
     ``send`` type-checks like a Mailbox, encodes with the codec and waits while the
-    peer is full (SNDHWM reached). Messages keep their order.
+    peer is full (SNDHWM reached). Messages keep their order. ``linger_ms``: how long
+    frames still queued at ``close`` may take to leave (0: dropped; data edges of a
+    stopping engine carry nothing anyone waits for).
     """
 
     def __init__(self, endpoint: str, message_type: Any, *, name: str, hwm: int = 256,
-                 ctx: zmq.Context[Any] | None = None) -> None:
+                 linger_ms: int = 0, ctx: zmq.Context[Any] | None = None) -> None:
         self.name = name
+        self.linger_ms = linger_ms
         self.endpoint = endpoint
         self.types = accepted_types(message_type)
         self.sent = 0
         self._sock = (ctx or context()).socket(zmq.PUSH)
         self._sock.setsockopt(zmq.SNDHWM, hwm)
-        self._sock.setsockopt(zmq.LINGER, 0)  # closing never waits on a dead peer
+        self._sock.setsockopt(zmq.LINGER, linger_ms)  # bounded: never waits on a dead peer
         self._sock.connect(endpoint)  # queues until the peer binds (no ZMQ_IMMEDIATE)
         self._fd: int = self._sock.getsockopt(zmq.FD)
         self._lock = trio.Lock()  # one waiter per FD
@@ -245,7 +248,7 @@ class ZmqOutbox(Generic[T]):
         self.sent += 1
 
     def close(self) -> None:
-        _close_socket(self._sock, self._fd)
+        _close_socket(self._sock, self._fd, self.linger_ms)
 
     def __repr__(self) -> str:
         return f"ZmqOutbox({self.name!r} -> {self.endpoint})"

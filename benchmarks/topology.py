@@ -6,7 +6,8 @@ Part 1 opens one engine per topology (``single``, ``engine``, ``pipeline``) side
 side, then runs the same offline workload (every prompt submitted at once, greedy,
 ``ignore_eos``) on each in turn, for several rounds, so that a machine whose load
 drifts treats all three alike. Reported per topology: the median over rounds of
-output tokens/s and of the median TTFT, each also relative to ``single``.
+output tokens/s and of the median TTFT, and the median of the per-round ratios to
+``single``.
 
 Part 2 measures the ZeroMQ transport alone between this process and an echo
 child: the one-hop latency (half the round trip of a ~200-byte message, through
@@ -109,17 +110,23 @@ async def bench_topologies(args: argparse.Namespace) -> dict[str, Any]:
                          result["tokens_per_s"], result["ttft_p50_s"] * 1e3)
         for topology, engine in engines.items():
             assert await engine.wait_drained() == [], topology
+    # Ratios per round (the three ran back to back under the same load), then the median:
+    # on a shared machine the load drifts between rounds more than between neighbours.
     summary: dict[str, Any] = {}
-    base_tps = statistics.median(x["tokens_per_s"] for x in runs["single"])
-    base_ttft = statistics.median(x["ttft_p50_s"] for x in runs["single"])
     for topology in TOPOLOGIES:
-        tps = statistics.median(x["tokens_per_s"] for x in runs[topology])
-        ttft = statistics.median(x["ttft_p50_s"] for x in runs[topology])
+        pairs = list(zip(runs[topology], runs["single"], strict=True))
         summary[topology] = {
-            "tokens_per_s": round(tps, 1),
-            "throughput_vs_single": round(tps / base_tps, 3),
-            "ttft_p50_ms": round(ttft * 1e3, 2),
-            "ttft_vs_single": round(ttft / base_ttft, 3),
+            "tokens_per_s": round(statistics.median(x["tokens_per_s"] for x in runs[topology]),
+                                  1),
+            "throughput_vs_single": round(statistics.median(
+                x["tokens_per_s"] / b["tokens_per_s"] for x, b in pairs), 3),
+            "throughput_ratio_range": [
+                round(f(x["tokens_per_s"] / b["tokens_per_s"] for x, b in pairs), 3)
+                for f in (min, max)],
+            "ttft_p50_ms": round(statistics.median(x["ttft_p50_s"] for x in runs[topology])
+                                 * 1e3, 2),
+            "ttft_vs_single": round(statistics.median(
+                x["ttft_p50_s"] / b["ttft_p50_s"] for x, b in pairs), 3),
             "rounds": runs[topology],
         }
     return summary
@@ -335,15 +342,17 @@ def markdown(result: dict[str, Any]) -> str:
         f"average {env['load_before']} before the run), Python {env['python']}, "
         f"pyzmq {env['pyzmq']} / libzmq {env['libzmq']}. Model: `{args['model_name']}`, "
         f"{args['prompts']} prompts x {args['max_tokens']} tokens, greedy, all submitted at "
-        f"once; median of {args['rounds']} rounds, topologies interleaved; torch intra-op "
-        f"threads per process: {args['torch_threads']}.",
+        f"once; {args['rounds']} rounds, each running the three back to back in rotating "
+        f"order; tok/s and TTFT are medians over rounds, the ratios medians of per-round "
+        f"ratios. torch intra-op threads per process: {args['torch_threads']}.",
         "",
-        "| topology | output tok/s | vs single | TTFT p50 (ms) | vs single |",
-        "|---|---:|---:|---:|---:|",
+        "| topology | output tok/s | vs single | (rounds: min-max) | TTFT p50 (ms) | vs single |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for topology, row in result["topologies"].items():
+        low, high = row["throughput_ratio_range"]
         lines.append(f"| {topology} | {row['tokens_per_s']} | {row['throughput_vs_single']}x "
-                     f"| {row['ttft_p50_ms']} | {row['ttft_vs_single']}x |")
+                     f"| {low}-{high} | {row['ttft_p50_ms']} | {row['ttft_vs_single']}x |")
     z, m, raw, pipe = result["zmq"], result["memory"], result["raw_zmq"], result["trio_pipe"]
     lines += [
         "",
@@ -414,7 +423,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--kv-blocks", type=int, default=None)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hops", type=int, default=5000)
     parser.add_argument("--flood", type=int, default=50000)
     parser.add_argument("--torch-threads", type=int, default=1,

@@ -22,9 +22,16 @@
  * Nondeterminism stands for what the model does not compute: the client may abort (or
  * disconnect, whose clean-up calls abort) at any moment (ABORTS times); the Tokenizer may
  * reject a prompt; a sampled token may be EOS; a step may fail; a stop string may match.
- * -DNO_REJECT, -DNO_STOP, -DNO_FAIL and -DNO_REUSE turn one of them off. To keep the
- * state space small, only child 0 and A may match a stop string and only child 1 and A
- * may be rejected: each behaviour is still reached, against every interleaving.
+ * A child that fails (step error or rejection) makes the Frontend abort its siblings.
+ * -DNO_REJECT, -DNO_STOP, -DNO_FAIL, -DNO_REUSE and -DNO_SIBLING_ABORT turn one of them
+ * off. To keep the state space small, only child 0 and A may match a stop string and
+ * only child 1 and A may be rejected: each behaviour is still reached, against every
+ * interleaving.
+ *
+ * The Frontend here registers every child of P before dispatching the first, and an abort
+ * of a child whose request is not sent yet only marks it: the dispatch sends the abort
+ * right behind the request. BUG_LAZY_CHILD_REGISTER and BUG_ABORT_BEFORE_DISPATCH are
+ * the two ways to get that wrong (spec/README.md tells how the model found them).
  *
  * Modelling choices (each a reason the model is small, none a reason it is wrong):
  * - What an actor does between two awaits is one atomic step. A send that follows a
@@ -39,6 +46,8 @@
  * Planted bugs (tests/test_spin.py checks that SPIN finds each, and nothing without them):
  *   BUG_FREE_BEFORE_FENCE        a finished leaf's blocks are freed while a step uses them
  *   BUG_ABORT_BYPASS             aborts go Frontend -> Scheduler directly, off the FIFO edge
+ *   BUG_ABORT_BEFORE_DISPATCH    an abort of a registered child is sent before the child's
+ *                                own TokenizeRequest was
  *   BUG_LATE_RESULT_COMMIT       a late result's token is committed to a finished leaf
  *   BUG_FORGET_BEFORE_FREE       the Frontend forgets a rid once answered, before the free
  *   BUG_GATHER_EARLY             a n > 1 parent ends when its first child ends
@@ -100,21 +109,30 @@
 
 mtype = { TOKENIZE, ABORT, SEQ, STOP, RESULT };
 
+#ifdef BUG_ABORT_BYPASS
+#define ABORT_EDGE sch_in      /* straight to the Scheduler: it may overtake the request */
+#else
+#define ABORT_EDGE tok_in      /* the request's own edge, behind the request */
+#endif
+
 /* Edges. An abort shares the Frontend -> Tokenizer -> Scheduler edge with its request. */
 chan tok_in = [CAP] of { mtype, byte, byte };       /* TOKENIZE(rid, life), ABORT(rid, life) */
 chan sch_in = [CAP] of { mtype, byte, byte };       /* SEQ, ABORT (Tokenizer), STOP
                                                        (Detokenizer): (rid, life);
                                                        RESULT (Worker): (mask, eos) */
 chan wk_in  = [1]   of { byte };                    /* StepPlan: the mask of planned rids */
-chan det_in = [CAP] of { byte, byte, byte };        /* TokenBatch: (tokens, finished, freed) */
-chan fe_in  = [CAP] of { byte, byte, byte, byte };  /* OutputBatch: (deltas, finished, freed),
-                                                       or RequestFailed: (0, 0, 0, rid mask) */
+chan det_in = [CAP] of { byte, byte, byte, byte };  /* TokenBatch: (tokens, finished,
+                                                       freed, finished with an error) */
+chan fe_in  = [CAP] of { byte, byte, byte, byte, byte };  /* OutputBatch: (deltas,
+                                                       finished, freed, 0, errors), or
+                                                       RequestFailed: (0, 0, 0, rid mask, 0) */
 
 /* The Frontend's registry (RequestState in actorllm/frontend.py). */
 bool reg[NR];          /* the rid is live */
 bool resp[NR];         /* the client has its final output (respond) */
 bool freed[NR];        /* the Scheduler freed it, or it never reached the Scheduler */
 bool abort_sent[NR];
+bool dispatched[NR];   /* its TokenizeRequest is queued for the Tokenizer */
 
 /* The Scheduler (actorllm/scheduler.py). */
 byte ss[NR];           /* S_* */
@@ -124,7 +142,7 @@ bool in_step[NR];      /* planned in the step in flight: the fence */
 byte nfree = NB;       /* blocks in the free pool */
 bool in_flight;        /* at most one step in flight */
 byte pmask;            /* the rids of the step being planned or in flight */
-byte pend_tok, pend_fin, pend_freed;    /* decided, not yet sent to the Detokenizer */
+byte pend_tok, pend_fin, pend_freed, pend_err;    /* decided, not yet sent */
 
 /* The Detokenizer: a stop string matched for this rid; nothing more is shown. */
 bool dstop[NR];
@@ -147,7 +165,8 @@ hidden byte i, j, v, stuck;
 
 inline register(r) {
     assert(!reg[r]);            /* rids are unique while live */
-    reg[r] = 1; resp[r] = 0; freed[r] = 0; abort_sent[r] = 0; released[r] = 0;
+    reg[r] = 1; resp[r] = 0; freed[r] = 0; abort_sent[r] = 0; dispatched[r] = 0;
+    released[r] = 0;
     life[r]++; term[r] = 0
 }
 
@@ -156,29 +175,37 @@ inline register(r) {
 inline submit_leaf(r) {
 #ifdef BUG_REGISTER_AFTER_DISPATCH
     atomic { nfull(tok_in) -> tok_in ! TOKENIZE, r, life[r] + 1 };
-    atomic { register(r) }
+    atomic { register(r); dispatched[r] = 1 }
 #else
-    atomic { nfull(tok_in) -> register(r); tok_in ! TOKENIZE, r, life[r] }
+    atomic { nfull(tok_in) -> register(r); tok_in ! TOKENIZE, r, life[r]; dispatched[r] = 1 }
 #endif
 }
 
-/* The TokenizeRequest of a leaf registered earlier. */
+/* The TokenizeRequest of a child registered earlier; then the abort asked for meanwhile,
+   if any, right behind it (an abort must never overtake its request). */
 inline dispatch(r) {
-    atomic { nfull(tok_in) -> tok_in ! TOKENIZE, r, life[r] }
+    atomic {
+        nfull(tok_in) -> tok_in ! TOKENIZE, r, life[r]; dispatched[r] = 1;
+        if
+        :: abort_sent[r] -> ABORT_EDGE ! ABORT, r, life[r]
+        :: else -> skip
+        fi
+    }
 }
 
-/* Frontend.abort for one leaf: idempotent; a no-op once the client is answered. */
+/* Frontend.abort for one leaf: idempotent; a no-op once the client is answered. A child
+   not dispatched yet is only marked: its dispatch sends the abort after the request. */
 inline abort_leaf(r) {
     atomic {
         if
         :: !reg[r] || resp[r] || abort_sent[r] -> skip
-#ifdef BUG_ABORT_BYPASS
-        :: reg[r] && !resp[r] && !abort_sent[r] && nfull(sch_in) ->
-            abort_sent[r] = 1; sch_in ! ABORT, r, life[r]
+#ifndef BUG_ABORT_BEFORE_DISPATCH
+        :: reg[r] && !resp[r] && !abort_sent[r] && !dispatched[r] -> abort_sent[r] = 1
+        :: reg[r] && !resp[r] && !abort_sent[r] && dispatched[r] && nfull(ABORT_EDGE) ->
 #else
-        :: reg[r] && !resp[r] && !abort_sent[r] && nfull(tok_in) ->
-            abort_sent[r] = 1; tok_in ! ABORT, r, life[r]
+        :: reg[r] && !resp[r] && !abort_sent[r] && nfull(ABORT_EDGE) ->
 #endif
+            abort_sent[r] = 1; ABORT_EDGE ! ABORT, r, life[r]
         fi
     }
 }
@@ -225,7 +252,8 @@ active proctype ClientA() {
     atomic {
         if
         :: reg[A] -> skip       /* still live: DuplicateRequestId */
-        :: !reg[A] && nfull(tok_in) -> register(A); tok_in ! TOKENIZE, A, life[A]
+        :: !reg[A] && nfull(tok_in) ->
+            register(A); tok_in ! TOKENIZE, A, life[A]; dispatched[A] = 1
         :: skip                 /* or it does not come back */
         fi
     };
@@ -266,17 +294,19 @@ inline maybe_forget(r) {
 }
 
 active proctype Frontend() {
-    byte deltas, fins, frees, failed;
+    byte deltas, fins, frees, failed, errs;
+    bool abort_next;            /* a child of P failed: abort its siblings (Frontend.run) */
 end:
     do
     :: d_step {
-        fe_in ? deltas, fins, frees, failed;
+        fe_in ? deltas, fins, frees, failed, errs;
         /* Deltas for a rid that is not live are dropped (late outputs); the rest shown. */
         for (i : FIRST .. LAST) {
             if
             :: (fins | failed) & BIT(i) && reg[i] && !resp[i] ->
                 resp[i] = 1;                    /* respond: the final output */
                 freed[i] = freed[i] || (failed & BIT(i));   /* rejected: nothing to free */
+                abort_next = abort_next || ((failed | errs) & BIT(i) && (i == C0 || i == C1));
                 maybe_forget(i)
             :: else -> skip
             fi
@@ -287,8 +317,16 @@ end:
             :: else -> skip
             fi
         }
-        i = 0; deltas = 0; fins = 0; frees = 0; failed = 0
-       }
+        i = 0; deltas = 0; fins = 0; frees = 0; failed = 0; errs = 0
+       };
+#ifndef NO_SIBLING_ABORT
+        /* The client has the error: the siblings are moot. The run loop itself sends. */
+        if
+        :: abort_next && reg[P] -> abort_leaf(C0); abort_leaf(C1)
+        :: else -> skip
+        fi;
+#endif
+        abort_next = 0
     od
 }
 
@@ -307,7 +345,7 @@ end:
             if
             :: sch_in ! SEQ, r, l
 #ifndef NO_REJECT
-            :: r != C0 -> arrived[r] = l; term[r]++; fe_in ! 0, 0, 0, BIT(r)     /* reject */
+            :: r != C0 -> arrived[r] = l; term[r]++; fe_in ! 0, 0, 0, BIT(r), 0  /* reject */
 #endif
             fi
         fi;
@@ -382,7 +420,8 @@ inline on_result(mask, eos) {
     }
     for (i : FIRST .. LAST) {
         if
-        :: mask & BIT(i) && ss[i] == S_RUN && eos == ERR -> finish(i)    /* fail */
+        :: mask & BIT(i) && ss[i] == S_RUN && eos == ERR ->
+            pend_err = pend_err | BIT(i); finish(i)                      /* fail */
         :: mask & BIT(i) && ss[i] == S_RUN && eos != ERR ->
             commit(i);
             if
@@ -478,15 +517,15 @@ inline plan() {
 
 /* The sender task: flush decisions to the Detokenizer; plan when no step is in flight. */
 active proctype SchedSend() {
-    byte toks, fins, frees;
+    byte toks, fins, frees, errs;
 end:
     do
     :: atomic {
         (pend_tok | pend_fin | pend_freed) != 0 ->
-        toks = pend_tok; fins = pend_fin; frees = pend_freed;
-        pend_tok = 0; pend_fin = 0; pend_freed = 0;
-        det_in ! toks, fins, frees;
-        toks = 0; fins = 0; frees = 0
+        toks = pend_tok; fins = pend_fin; frees = pend_freed; errs = pend_err;
+        pend_tok = 0; pend_fin = 0; pend_freed = 0; pend_err = 0;
+        det_in ! toks, fins, frees, errs;
+        toks = 0; fins = 0; frees = 0; errs = 0
        }
     :: atomic { !in_flight && RUNNABLE -> plan(); wk_in ! pmask }
     od
@@ -524,11 +563,11 @@ end:
 /* ---------------------------------------------------------------- Detokenizer */
 
 active proctype Detokenizer() {
-    byte toks, fins, frees, shown, r;
+    byte toks, fins, frees, errs, shown, r;
 end:
     do
     :: atomic {
-        det_in ? toks, fins, frees;
+        det_in ? toks, fins, frees, errs;
         for (r : FIRST .. LAST) {
             if
             :: toks & BIT(r) && !dstop[r] ->
@@ -549,8 +588,8 @@ end:
             :: else -> skip
             fi
         }
-        fe_in ! shown, fins, frees, 0;
-        toks = 0; fins = 0; frees = 0; shown = 0; r = 0
+        fe_in ! shown, fins, frees, 0, errs;
+        toks = 0; fins = 0; frees = 0; errs = 0; shown = 0; r = 0
        }
     od
 }
@@ -577,7 +616,9 @@ active proctype Drain() {
     }
 }
 
-/* The invariants as temporal properties, checked one at a time: ./pan -a -N name. */
-ltl one_terminal { [] (term[C0] <= 1 && term[C1] <= 1 && term[A] <= 1) }
-ltl gather_after_children { [] (gathered -> (released[C0] && released[C1])) }
+/* The invariants as temporal properties, checked one at a time: ./pan -a -N name.
+   invariants: always at most one terminal event per life (2), and the parent ends only
+   after its children are RELEASED (6); drains: every run ends drained (4, as liveness). */
+ltl invariants { [] (term[C0] <= 1 && term[C1] <= 1 && term[A] <= 1
+                     && (gathered -> (released[C0] && released[C1]))) }
 ltl drains { <> drained }

@@ -138,8 +138,10 @@ def _rogue_frames() -> list[bytes]:
 
 
 async def test_stream_abort_and_drain(topology: str, tiny_llama_dir: Path,
-                                      expected: dict[str, Any]) -> None:
-    config = EngineConfig(model=str(tiny_llama_dir), topology=topology, **ENGINE_ARGS)
+                                      expected: dict[str, Any], tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    config = EngineConfig(model=str(tiny_llama_dir), topology=topology, trace=str(trace),
+                          **ENGINE_ARGS)
     async with open_engine(config) as engine:
         rogue: list[zmq.Socket[Any]] = []
         frames = _rogue_frames()
@@ -200,6 +202,7 @@ async def test_stream_abort_and_drain(topology: str, tiny_llama_dir: Path,
         assert results["full"] == expected[PROMPTS[2]]
         await _drain_or_fail(engine)
         assert engine.frontend.registry == {}
+        engine.update_gauges()  # remote mailboxes' depths come with the heartbeats
         if engine.supervisor is not None:
             rejected = engine.supervisor.rejected_frames
             for sock in rogue:
@@ -207,6 +210,17 @@ async def test_stream_abort_and_drain(topology: str, tiny_llama_dir: Path,
             roles = {PLACEMENTS[topology][n] for n in ("scheduler", "detokenizer")} - {"main"}
             assert rejected == dict.fromkeys(roles, len(frames))
     assert not engine.alive
+    # Every process appended to the one trace file; only the parent wrote a header.
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [ln.get("kind") for ln in lines].count("header") == 1
+    assert {"frontend", "scheduler"} <= {ln.get("actor") for ln in lines}
+    # ... and the merged file is a legal history for every request (actorllm replay).
+    from actorllm.lifecycle import load_spec
+    from actorllm.replay.check import check_trace
+    from actorllm.replay.tracefile import load_trace
+
+    spec = load_spec()
+    assert check_trace(load_trace(trace, spec), spec) == []
 
 
 # --- supervision --------------------------------------------------------------------------
@@ -356,31 +370,36 @@ def test_real_child_refuses_a_mismatched_parent(tmp_path: Path) -> None:
         ipc.remove()
 
 
-async def test_silent_child_is_killed_and_the_engine_declared_dead(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import actorllm.topology as topology_module
+READY_IMPOSTOR = """
+import os, sys, time
+import trio
+from actorllm.messages import ControlMessage, Ready, StartFailed
+from actorllm.transport import ZmqInbox, ZmqOutbox, make_hello
 
-    monkeypatch.setattr(topology_module, "CHILD_TIMEOUT", 1.0)
-    # Handshakes and reports ready like a real child, then never speaks again.
-    fake = _impostor(tmp_path, """
-        import os, sys, time
-        import trio
-        from actorllm.messages import ControlMessage, Ready
-        from actorllm.transport import ZmqInbox, ZmqOutbox, make_hello
+async def main():
+    ctl_in = ZmqInbox("engine.ctl", ControlMessage, 16, sys.argv[-1])
+    out = ZmqOutbox(sys.argv[-2], ControlMessage, name="out", linger_ms=1000)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ctl_in.pump)
+        await out.send(make_hello("engine"))
+        await ctl_in.receive()
+        await out.send(Ready("engine", os.getpid()))
+        if sys.argv[1] == "crash":
+            await trio.sleep(0.3)
+            await out.send(StartFailed("engine", "RuntimeError: boom"))
+            nursery.cancel_scope.cancel()
+        else:
+            await trio.sleep(60)  # silent: no heartbeat ever
+    out.close()
+    ctl_in.close()
+    sys.exit(1)
 
-        async def main():
-            ctl_in = ZmqInbox("engine.ctl", ControlMessage, 16, sys.argv[2])
-            out = ZmqOutbox(sys.argv[1], ControlMessage, name="out")
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(ctl_in.pump)
-                await out.send(make_hello("engine"))
-                await ctl_in.receive()
-                await out.send(Ready("engine", os.getpid()))
-                await trio.sleep(60)
+trio.run(main)
+"""
 
-        trio.run(main)
-    """)
-    sup, deaths = await _start_with(fake, tmp_path)
+
+async def _run_until_death(argv: list[str], tmp_path: Path) -> list[str]:
+    sup, deaths = await _start_with(argv, tmp_path)
     try:
         async with trio.open_nursery() as nursery:
             await sup.start(nursery)
@@ -391,8 +410,23 @@ async def test_silent_child_is_killed_and_the_engine_declared_dead(
             nursery.cancel_scope.cancel()
     finally:
         sup.ipc.remove()
+    return deaths
+
+
+async def test_silent_child_is_killed_and_the_engine_declared_dead(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import actorllm.topology as topology_module
+
+    monkeypatch.setattr(topology_module, "CHILD_TIMEOUT", 1.0)
+    # Handshakes and reports ready like a real child, then never speaks again.
+    deaths = await _run_until_death([*_impostor(tmp_path, READY_IMPOSTOR), "silent"], tmp_path)
     assert len(deaths) == 1
     assert deaths[0].startswith("engine process stopped responding (no heartbeat for 1.")
+
+
+async def test_crashing_child_says_why(tmp_path: Path) -> None:
+    deaths = await _run_until_death([*_impostor(tmp_path, READY_IMPOSTOR), "crash"], tmp_path)
+    assert deaths == ["engine process exited with code 1 (RuntimeError: boom)"]
 
 
 # --- the parent process dies ---------------------------------------------------------------
@@ -453,7 +487,7 @@ def test_parent_sigkill_leaves_no_child_running(tmp_path: Path, tiny_llama_dir: 
 
 
 def test_parent_sigterm_drains_then_exits_cleanly(tmp_path: Path, tiny_llama_dir: Path) -> None:
-    proc, info = _start_parent(tmp_path, tiny_llama_dir, "engine", 240)
+    proc, info = _start_parent(tmp_path, tiny_llama_dir, "engine", 120)
     pids = list(info["pids"].values())
     try:
         proc.send_signal(signal.SIGTERM)  # mid-stream: the request must still finish
@@ -461,7 +495,7 @@ def test_parent_sigterm_drains_then_exits_cleanly(tmp_path: Path, tiny_llama_dir
     finally:
         proc.kill()
         proc.wait()
-    assert "done 240" in out
+    assert "done 120" in out
     assert proc.returncode == -signal.SIGTERM
     assert wait_gone(pids, 1.0) == []
     assert not os.path.exists(info["ipc"])

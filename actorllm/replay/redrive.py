@@ -9,9 +9,10 @@ order the real one handled them: it writes each record while it handles the mess
 and calling ``schedule()`` wherever a ``plan`` record stands, must reproduce every
 decision. No event loop is needed: ``handle`` and ``schedule`` are plain calls.
 
-What the recording must hold: the pool size (``num_kv_blocks_used`` in the header's
-config, or ``num_kv_blocks`` when it was given), block size and batch limits (header);
-each request's prompt length and max_tokens (``input`` records). Finish decisions also
+What the recording must hold: the pool size, block size and batch limits (a ``config``
+record of the Scheduler if it wrote one, else the header's config: ``num_kv_blocks_used``,
+or ``num_kv_blocks`` when it was given); each request's prompt length and max_tokens
+(``input`` records). Finish decisions also
 depend on each request's EOS ids and sampling params: the ``input`` record's
 ``eos_token_ids`` and ``params`` when present, else the model's EOS ids read from the
 model directory named in the header, with default params (the report says so).
@@ -123,20 +124,20 @@ def redrive_session(session: Session, report: RedriveReport) -> None:
     """Re-drive one session; appends its first divergence (if any) to ``report``."""
     from actorllm.scheduler import Scheduler  # the real one: that is the point
 
-    config = session.config
-    num_blocks = config.get("num_kv_blocks_used") or config.get("num_kv_blocks")
-    if num_blocks is None and session.header is not None:
-        num_blocks = session.header.get("num_kv_blocks")
+    config = _scheduler_config(session)
+    num_blocks = config.get("num_blocks")
     if not num_blocks:
         raise RedriveError(
-            f"session {session.index}: the header does not record the KV pool size "
-            "(num_kv_blocks_used); re-record with --num-kv-blocks")
+            f"session {session.index}: the trace does not record the KV pool size (a "
+            "scheduler `config` record, or num_kv_blocks_used / num_kv_blocks in the "
+            "header); re-record with --num-kv-blocks")
+    log.debug("re-driving session %d: %s KV blocks", session.index, num_blocks)
     capture = _Capture()
     sched = Scheduler(
         None, None, None,  # type: ignore[arg-type]  # no mailboxes: handle() is called directly
-        num_blocks=int(num_blocks), block_size=int(config.get("block_size", 16)),
-        max_num_seqs=int(config.get("max_num_seqs", 64)),
-        max_num_batched_tokens=int(config.get("max_num_batched_tokens", 2048)),
+        num_blocks=int(num_blocks), block_size=int(config.get("block_size") or 16),
+        max_num_seqs=int(config.get("max_num_seqs") or 64),
+        max_num_batched_tokens=int(config.get("max_num_batched_tokens") or 2048),
         tracer=capture,  # type: ignore[arg-type]
     )
     default_eos = _model_eos(session, report)
@@ -174,6 +175,23 @@ def redrive_session(session: Session, report: RedriveReport) -> None:
     line_no = recorded[index][1].no if index < len(recorded) else None
     report.divergences.append(Divergence(session.index, index, rec, red, line_no,
                                          _describe(rec, red)))
+
+
+def _scheduler_config(session: Session) -> dict[str, Any]:
+    """The Scheduler's sizes: from its own ``config`` record if it wrote one (what it
+    really used, in whatever process it ran), else from the header's EngineConfig."""
+    header = session.config
+    out = {
+        "num_blocks": header.get("num_kv_blocks_used") or header.get("num_kv_blocks"),
+        "block_size": header.get("block_size"),
+        "max_num_seqs": header.get("max_num_seqs"),
+        "max_num_batched_tokens": header.get("max_num_batched_tokens"),
+    }
+    for line in session.records("config"):
+        if line.actor == "scheduler":
+            out.update({k: v for k, v in line.data.items() if k in out and v is not None})
+            break
+    return out
 
 
 def _apply(sched: Any, line: Line, default_eos: tuple[int, ...],

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from typing import Any
 
@@ -19,8 +18,6 @@ from actorllm.replay.redrive import RedriveError, RedriveReport, redrive
 from actorllm.replay.summary import Summary, summarize
 from actorllm.replay.timeline import TimelineError, build_timeline, write_timeline
 from actorllm.replay.tracefile import Trace, TraceError, load_trace
-
-log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
 TABLE_ROWS = 60  # the text report lists this many requests; --json has them all

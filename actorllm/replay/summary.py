@@ -117,6 +117,7 @@ class Summary:
 
 
 def summarize(trace: Trace, spec: Spec) -> Summary:
+    """Every request life of every session, each parent followed by its children."""
     out = Summary([])
     for session in trace.sessions:
         _summarize_session(session, spec, out)
@@ -168,8 +169,9 @@ def _summarize_session(session: Session, spec: Spec, out: Summary) -> None:
         if summary.parent is None:
             out.requests.append(summary)
             out.requests += [r for r in by_life.values() if r.parent == summary.rid]
-    if session.lines:
-        out.duration_s += session.lines[-1].t - (session.t0 or session.lines[0].t)
+    if session.lines:  # several processes may append slightly out of order: take the max
+        start = session.t0 if session.t0 is not None else session.lines[0].t
+        out.duration_s += max(line.t for line in session.lines) - start
 
 
 def _from_transitions(life: Life, spec: Spec) -> RequestSummary:

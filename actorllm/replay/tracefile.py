@@ -62,10 +62,6 @@ class Line:
     def is_transition(self) -> bool:
         return "event" in self.data and "kind" not in self.data
 
-    def text(self) -> str:
-        """The line as it was (re-serialised), for reports."""
-        return json.dumps(self.data, separators=(", ", ": "))
-
 
 @attrs.define
 class Life:

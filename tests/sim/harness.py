@@ -671,10 +671,13 @@ class World:
                             "Frontend registered it")
         if edge == "frontend->tokenizer":
             fe = self.frontend
-            if msg.rid not in fe.registry or msg.rid not in fe.ledger.views:
-                self.report("1", f"the Frontend sent {type(msg).__name__} for {msg.rid!r} "
-                            "while its registry does not hold it")
-            elif isinstance(msg, AbortRequest):
+            # A request goes out only once registered. (An abort may go out late: decided
+            # while the rid was live, it can wait for room until after the rid is released.)
+            if isinstance(msg, TokenizeRequest) and (msg.rid not in fe.registry
+                                                     or msg.rid not in fe.ledger.views):
+                self.report("1", f"the Frontend sent TokenizeRequest for {msg.rid!r} while "
+                            "its registry does not hold it")
+            elif isinstance(msg, AbortRequest) and msg.rid in self.rec.current:
                 self.rec.current[msg.rid].aborts_sent += 1
         elif edge == "scheduler->worker":
             self.outstanding[msg.step_id] = msg
