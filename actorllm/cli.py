@@ -272,6 +272,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        from actorllm.topology import EngineStartError
+
+        if not isinstance(exc, EngineStartError):
+            raise
+        # A child process of --topology engine|pipeline could not start: its own reason.
+        sys.stderr.write(f"actorllm: error: {exc}\n")
+        return 1
 
 
 if __name__ == "__main__":
