@@ -101,3 +101,10 @@ def test_unknown_type_and_version_are_rejected() -> None:
 def test_unregistered_objects_cannot_be_encoded() -> None:
     with pytest.raises(codec.CodecError):
         codec.encode(object())
+
+
+def test_unhashable_garbage_in_a_union_field_is_rejected() -> None:
+    # TokenOut.stop_reason is `str | int | None`; a list there must not crash the decoder.
+    fields = ["r", [], [], None, [[1], 2], None, None, None]
+    with pytest.raises(codec.CodecError):
+        codec.decode(msgpack.packb([codec.VERSION, ["TokenOut", fields]]))
