@@ -211,6 +211,8 @@ class Frontend:
         # Test-only seams (tests/test_simulation.py plants these bugs on purpose).
         self.bug_register_after_dispatch = False
         self.bug_skip_child_abort = False
+        self.bug_end_parent_early = False  # gather a n>1 parent when its first child ends
+        self.bug_reuse_live_rid = False  # accept a rid that is still live
 
     # --- called by the API layer -------------------------------------------------------
 
@@ -219,7 +221,7 @@ class Frontend:
         n = req.params.n
         rids = [req.rid] if n == 1 else [req.rid, *(f"{req.rid}-{i}" for i in range(n))]
         taken = [r for r in rids if r in self.registry]
-        if taken:
+        if taken and not self.bug_reuse_live_rid:
             raise DuplicateRequestId(f"request id {taken[0]!r} is already in use", "request_id")
         now = time.monotonic()
         collector = OutputCollector(req.rid, n)
@@ -397,7 +399,7 @@ class Frontend:
         del self.registry[st.rid]
         if st.parent is not None:
             parent = self.registry[st.parent]
-            if all(c not in self.registry for c in parent.children):
+            if self.bug_end_parent_early or all(c not in self.registry for c in parent.children):
                 self.ledger.fire(parent.rid, "gather")
                 self.ledger.drop(parent.rid)
                 del self.registry[parent.rid]

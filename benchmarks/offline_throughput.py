@@ -128,8 +128,11 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads for both systems (1: no oversubscription on 2 cores)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or build_model(Path(tmp) / "bench-llama", args.seed)
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]

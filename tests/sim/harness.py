@@ -494,7 +494,12 @@ class World:
             self._idle = True
 
         self._token.run_sync_soon(self._nursery.start_soon, command)
-        self.loop.run_until(lambda: self._idle)
+        try:
+            self.loop.run_until(lambda: self._idle)
+        except Exception as crash:
+            if self.violations:  # what went wrong first, not the crash it led to
+                raise self.violations[0] from crash
+            raise
 
     def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
         self._running += 1
@@ -603,6 +608,14 @@ class World:
     def deliver(self, edge: str) -> None:
         """Deliver the oldest message waiting on ``edge``."""
         self.call(lambda: self._edges[edge].deliver(edge))
+
+    def pump(self, hold: frozenset[str] = frozenset(), limit: int = 64) -> None:
+        """Deliver one message at a time, edge by edge, until only held edges have any."""
+        for _ in range(limit):
+            edges = [e for e in self.pending_edges() if e not in hold]
+            if not edges:
+                return
+            self.deliver(edges[0])
 
     def complete_step(self, salt: int = 0, eos_mask: int = 0) -> None:
         self.call(lambda: self.worker.answer(salt, eos_mask))
