@@ -30,7 +30,8 @@ import trio
 from actorllm import codec
 from actorllm.mailbox import MailboxClosed, MailboxTypeError, accepted_types
 
-# (edge name, message) -> tag; called in the sender's task as the message goes on the wire.
+# (edge name, message) -> tag; called in the sender's task when it sends (if the box is full,
+# before it waits: the message has left its sender, it just cannot go on the wire yet).
 # The tag travels with the message (the checker uses it to remember which incarnation of
 # a rid a message was sent for); the actors never see it.
 SendHook = Callable[[str, Any], Any]
@@ -53,7 +54,8 @@ class ControlledMailbox:
         self._ready: deque[tuple[Any, Any]] = deque()  # delivered, not yet received
         self._closed = False
         self._lot = trio.lowlevel.ParkingLot()  # receivers waiting for a delivery
-        self._blocked: OrderedDict[Any, tuple[str, Any]] = OrderedDict()  # senders, in order
+        # Senders waiting for room, in order: task -> (edge, message, tag).
+        self._blocked: OrderedDict[Any, tuple[str, Any, Any]] = OrderedDict()
         self.high_water = 0
         self.sent = 0
         self.on_send: SendHook | None = None
@@ -78,7 +80,7 @@ class ControlledMailbox:
 
     def blocked(self) -> list[tuple[str, Any]]:
         """(edge, message) of each sender waiting for room, in the order they will go."""
-        return list(self._blocked.values())
+        return [(edge, msg) for edge, msg, _ in self._blocked.values()]
 
     def peek(self, edge: str) -> Any:
         """The message ``deliver(edge)`` would hand over next."""
@@ -104,8 +106,10 @@ class ControlledMailbox:
         if self._closed:
             raise MailboxClosed(self.name)
 
-    def _put(self, edge: str, msg: Any) -> None:
-        tag = self.on_send(edge, msg) if self.on_send is not None else None
+    def _tag(self, edge: str, msg: Any) -> Any:
+        return self.on_send(edge, msg) if self.on_send is not None else None
+
+    def _put(self, edge: str, msg: Any, tag: Any) -> None:
         self.wires[edge].append((msg, tag))
         self.sent += 1
         self.high_water = max(self.high_water, self.depth)
@@ -118,12 +122,13 @@ class ControlledMailbox:
         """
         self._check(msg)
         await trio.lowlevel.checkpoint_if_cancelled()
+        tag = self._tag(edge, msg)
         if self.depth < self.capacity and not self._blocked:
-            self._put(edge, msg)
+            self._put(edge, msg, tag)
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
         task = trio.lowlevel.current_task()
-        self._blocked[task] = (edge, msg)
+        self._blocked[task] = (edge, msg, tag)
 
         def abort_fn(_: Any) -> trio.lowlevel.Abort:
             del self._blocked[task]
@@ -135,7 +140,7 @@ class ControlledMailbox:
         self._check(msg)
         if self.depth >= self.capacity or self._blocked:
             raise trio.WouldBlock
-        self._put(edge, msg)
+        self._put(edge, msg, self._tag(edge, msg))
 
     async def receive(self) -> Any:
         while not self._ready:
@@ -152,8 +157,8 @@ class ControlledMailbox:
     def _take(self) -> Any:
         msg, tag = self._ready.popleft()
         if self._blocked:  # room now: the longest-waiting sender's message goes on its wire
-            task, (edge, waiting) = self._blocked.popitem(last=False)
-            self._put(edge, waiting)
+            task, (edge, waiting, waiting_tag) = self._blocked.popitem(last=False)
+            self._put(edge, waiting, waiting_tag)
             trio.lowlevel.reschedule(task)
         if self.on_recv is not None:
             self.on_recv(self.name, msg, tag)
