@@ -111,6 +111,7 @@ class DecodeState:
     decoder: IncrementalDecoder
     matcher: StopMatcher
     num_prompt_tokens: int = 0
+    serial: int = 0
     stopped: str | None = None  # the stop string that matched; output is over
     finish_sent: bool = False
 
@@ -153,6 +154,7 @@ class Detokenizer:
                 IncrementalDecoder(self.decode, spec.skip_special_tokens),
                 StopMatcher(spec.stop, spec.include_stop_str_in_output),
                 spec.num_prompt_tokens,
+                spec.serial,
             )
         return st
 
@@ -176,7 +178,7 @@ class Detokenizer:
                 text_parts.append(emit)
                 if stop is not None and st.stopped is None:
                     st.stopped = stop
-                    stops.append(StopMatched(out.rid, stop))
+                    stops.append(StopMatched(out.rid, stop, st.serial))
                     break
             if not out.token_ids and final:
                 emit, _ = st.matcher.feed(st.decoder.flush(), final=True)

@@ -206,7 +206,10 @@ class Frontend:
         self.metrics = metrics or EngineMetrics()
         self.stats = SchedulerStats()
         self.late_outputs_dropped = 0
-        self._abort_next: list[str] = []  # decided in handle(), sent by _abort_sender()
+        # Parents whose children must be aborted, decided in handle() and sent by
+        # _abort_sender(). States, not rids: by the time an entry is sent the parent may
+        # have ended and a new request may be using its rid.
+        self._abort_next: list[RequestState] = []
         self._abort_wake = trio.Event()
         # Test-only seams (tests/test_simulation.py plants these bugs on purpose).
         self.bug_register_after_dispatch = False
@@ -273,21 +276,30 @@ class Frontend:
     async def abort(self, rid: str) -> None:
         """Stop ``rid`` (and its children). Idempotent; a no-op after it ended."""
         st = self.registry.get(rid)
-        if st is None or st.responded:
+        if st is not None:
+            await self._abort(st)
+
+    async def _abort(self, st: RequestState) -> None:
+        """Stop this incarnation of a request (and its children), if it is still live."""
+        if self.registry.get(st.rid) is not st or st.responded:
             return
-        targets = [rid] if not st.children else st.children
-        if st.children and self.bug_skip_child_abort:
-            targets = targets[:1]
+        if st.children:
+            targets = [c for c in map(self.registry.get, st.children) if c is not None]
+            if self.bug_skip_child_abort:
+                targets = targets[:1]
+        else:
+            targets = [st]
         with trio.CancelScope(shield=True):
-            for child in targets:
-                cst = self.registry.get(child)
-                if cst is None or cst.responded or cst.abort_sent:
+            for cst in targets:
+                # Compared by identity: while we waited for room in the Tokenizer's
+                # mailbox, this child may have ended and a new request taken its rid.
+                if self.registry.get(cst.rid) is not cst or cst.responded or cst.abort_sent:
                     continue
                 cst.abort_sent = True
                 # Not yet dispatched: submit() sends the abort right after the request,
                 # so it can never overtake it on the FIFO edge.
                 if cst.dispatched:
-                    await self.tokenizer.send(AbortRequest(child))
+                    await self.tokenizer.send(AbortRequest(cst.rid))
 
     # --- the actor loop ----------------------------------------------------------------
 
@@ -311,7 +323,7 @@ class Frontend:
             await self._abort_wake.wait()
             self._abort_wake = trio.Event()
             while self._abort_next:
-                await self.abort(self._abort_next.pop())
+                await self._abort(self._abort_next.pop())
 
     def handle(self, msg: FrontendInput) -> None:
         """Apply one message from the Tokenizer or Detokenizer. Never blocks."""
@@ -366,7 +378,7 @@ class Frontend:
         if fin.finish_reason == "error":
             st.collector.put_error(RequestError(fin.error or "engine error", "internal"))
             if st.parent is not None:  # the client gets the error: its siblings are moot
-                self._abort_next.append(st.parent)
+                self._abort_next.append(self.registry[st.parent])
         else:
             st.collector.put_finish(st.index, fin.finish_reason, fin.stop_reason)
         self._maybe_forget(st)
@@ -380,7 +392,7 @@ class Frontend:
         self.metrics.on_finished("error", 0, time.monotonic() - st.arrival)
         st.collector.put_error(RequestError(msg.message, msg.code, msg.param))
         if st.parent is not None:
-            self._abort_next.append(st.parent)
+            self._abort_next.append(self.registry[st.parent])
         self._maybe_forget(st)
 
     def _on_freed(self, rid: str) -> None:

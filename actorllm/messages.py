@@ -236,6 +236,10 @@ class DetokSpec:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     num_prompt_tokens: int = 0
+    # Which incarnation of the rid this is (the Scheduler numbers its arrivals): a
+    # StopMatched echoes it, so a stop found for an ended request cannot stop a new
+    # request that reuses the rid.
+    serial: int = 0
 
 
 @attrs.frozen
@@ -278,6 +282,7 @@ class StopMatched:
 
     rid: str
     stop: str
+    serial: int = 0  # DetokSpec.serial of the incarnation the stop was found in
 
 
 @attrs.frozen

@@ -68,6 +68,7 @@ class Sequence:
     worker_knows: bool = False  # the Worker holds its sampling state
     spec_sent: bool = False
     first_scheduled: float | None = None
+    serial: int = 0  # numbers the rid's incarnations; StopMatched echoes it
 
     @property
     def num_tokens(self) -> int:
@@ -105,6 +106,7 @@ class Scheduler:
         self.fenced: list[Sequence] = []  # finished, waiting for the step in flight
         self.in_flight: StepPlan | None = None
         self.next_step_id = 0
+        self.next_serial = 0
         self.forget: list[str] = []  # rids whose Worker state may go, sent with the next plan
         self._outputs: list[TokenOut] = []
         self._freed: list[str] = []
@@ -168,7 +170,10 @@ class Scheduler:
         elif isinstance(msg, AbortRequest):
             self.finish_early(msg.rid, "abort")
         elif isinstance(msg, StopMatched):
-            if not self.finish_early(msg.rid, "stop", msg.stop):
+            seq = self.seqs.get(msg.rid)
+            # A stop found for an earlier request under this rid must not end this one.
+            if seq is None or seq.serial != msg.serial or not self.finish_early(
+                    msg.rid, "stop", msg.stop):
                 self.late_stops_dropped += 1
         else:  # the mailbox's type check makes this unreachable
             raise TypeError(type(msg).__name__)
@@ -187,7 +192,9 @@ class Scheduler:
             max_tokens=req.max_tokens,
             eos_ids=frozenset(req.eos_token_ids),
             arrival_time=req.arrival_time,
+            serial=self.next_serial,
         )
+        self.next_serial += 1
         self.seqs[seq.rid] = seq
         self.waiting.append(seq)
         self.ledger.fire(seq.rid, "enqueue", prompt_tokens=len(seq.prompt_ids))
@@ -218,6 +225,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         planned: list[tuple[Sequence, int]] = []
         queue = list(self.running)
+        preempted = False
         while queue and budget > 0:
             seq = queue.pop(0)
             n = min(seq.num_tokens - seq.num_computed, budget)
@@ -225,13 +233,18 @@ class Scheduler:
                 # Take blocks from the newest running sequence not yet in this step.
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
+                preempted = True
                 if victim is seq:
                     break
             else:
                 planned.append((seq, n))
                 budget -= n
+        # No admissions in a step that had to preempt: the victim would be let straight
+        # back in with a chunk and preempted again next step, recomputing for nothing.
+        # (Unless nothing runs any more: then the front of the queue may start over.)
+        admit = not preempted or not self.running
         # Preempted sequences sit at the front of `waiting`, so they come back first.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_tokens, budget)
             if not self._reserve(seq, n):
@@ -379,7 +392,7 @@ class Scheduler:
         seq.spec_sent = True
         p = seq.params
         return DetokSpec(p.stop, p.include_stop_str_in_output, p.skip_special_tokens,
-                         len(seq.prompt_ids))
+                         len(seq.prompt_ids), seq.serial)
 
     def _finish(self, seq: Sequence, event: str, reason: str, stop_reason: Any = None,
                 error: str | None = None) -> None:

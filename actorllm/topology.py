@@ -509,6 +509,12 @@ def main(argv: list[str] | None = None) -> int:
     if os.getppid() != parent_pid:
         return EXIT_ORPHANED  # the parent died before the death signal was armed
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # The death signal can arrive more than once: when the forking thread dies we are
+    # re-parented to another thread of the dying parent, whose death signals us again.
+    # Outside trio's receiver (before it opens, after it closes) a second SIGHUP must
+    # not kill us midway through cleanup; the heartbeat's getppid() check covers the
+    # moment before the receiver opens.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.basicConfig(level=level,
                         format=f"%(asctime)s %(levelname)s [{role} %(process)d] "
                                "%(name)s: %(message)s")

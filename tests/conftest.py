@@ -15,11 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import build_tiny_model, build_tokenizer, hf_greedy
+from hypothesis import settings
+from sim.profiles import register_profiles
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 # The tiny models are all per-op overhead: one intra-op thread is ~5x faster than two
 # threads spinning against each other on a busy 2-core box (and right under pytest-xdist).
 torch.set_num_threads(1)
+
+# `ci` unless --hypothesis-profile names another (hypothesis's plugin may load that one
+# before or after this module is imported; either way it wins).
+register_profiles()
+if settings.get_current_profile_name() == "default":
+    settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session")

@@ -223,6 +223,49 @@ def test_stop_matched_finishes_a_running_sequence() -> None:
     assert s.late_stops_dropped == 1
 
 
+def test_stop_matched_finishes_a_preempted_sequence() -> None:
+    # The Detokenizer may match a stop string in tokens made before a preemption: the
+    # StopMatched then finds the sequence PREEMPTED (found by tests/test_simulation.py).
+    s = make(num_blocks=3, block_size=4)
+    s.handle(request("a", 4, max_tokens=6, ignore_eos=True))
+    s.handle(request("b", 4, max_tokens=6, ignore_eos=True))
+    for _ in range(40):
+        plan = s.schedule()
+        assert plan is not None
+        s.handle(answer(plan))
+        if s.num_preemptions:
+            break
+    victim = next(q for q in s.seqs.values() if q.status == "PREEMPTED")
+    assert victim.output_ids, "it had made tokens before it was preempted"
+    s.take_batch()
+    s.handle(StopMatched(victim.rid, "xy", victim.serial))
+    batch = s.take_batch()
+    assert [(o.rid, o.finish_reason, o.stop_reason) for o in batch.outputs] == [
+        (victim.rid, "stop", "xy")]
+    run_to_end(s)
+    assert not s.drain_problems() and s.pool.num_used == 0
+
+
+def test_stop_matched_for_an_ended_request_spares_a_new_one_with_its_rid() -> None:
+    s = make()
+    s.handle(request("a", 2, max_tokens=1))
+    s.handle(answer(s.schedule()))  # "a" ends by length...
+    first = s.take_batch()
+    assert first is not None and first.outputs[-1].finish_reason == "length"
+    assert first.outputs[-1].spec is not None
+    old_serial = first.outputs[-1].spec.serial
+    run_to_end(s)  # ... and is freed
+    s.handle(request("a", 2, max_tokens=10))  # a new request reuses the rid
+    s.handle(answer(s.schedule()))
+    s.take_batch()
+    # ... while a stop the Detokenizer found in the old one's last token arrives late.
+    s.handle(StopMatched("a", "xy", old_serial))
+    assert s.take_batch().outputs == ()
+    assert s.seqs["a"].status == "RUNNING" and s.late_stops_dropped == 1
+    s.handle(StopMatched("a", "xy", s.seqs["a"].serial))  # its own stop still works
+    assert [o.finish_reason for o in s.take_batch().outputs] == ["stop"]
+
+
 def test_failed_step_fails_its_sequences_with_error() -> None:
     s = make()
     s.handle(request("a", 2))

@@ -141,6 +141,8 @@ async def test_errors_leave_nothing_behind(engine: AsyncEngine) -> None:
         ("/v1/completions", {"prompt": [[5, 6, 7], too_long], "max_tokens": 50,
                              "stream": True}, 400, "prompt"),
         ("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "n": 9}, 400, "n"),
+        # beyond int64: used to crash the codec on its way to the Tokenizer (fuzz/crashes/)
+        ("/v1/completions", {"prompt": [[5, 6], [2**70]], "max_tokens": 4}, 400, "prompt"),
         ("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "model": "x"}, 404, "model"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                   "max_tokens": 1000}, 400, "max_tokens"),

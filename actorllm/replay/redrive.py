@@ -220,7 +220,11 @@ def _apply(sched: Any, line: Line, default_eos: tuple[int, ...],
     elif d.get("msg") == "abort":
         sched.handle(AbortRequest(str(d["rid"])))
     elif d.get("msg") == "stop":
-        sched.handle(StopMatched(str(d["rid"]), str(d.get("stop", ""))))
+        # Only a stop meant for the live incarnation is recorded (a stale one is dropped
+        # before the Scheduler logs it), so it carries that incarnation's serial.
+        live = sched.seqs.get(str(d["rid"]))
+        sched.handle(StopMatched(str(d["rid"]), str(d.get("stop", "")),
+                                 live.serial if live is not None else -1))
     else:
         raise RuntimeError(f"unknown input record {d.get('msg')!r}")
 

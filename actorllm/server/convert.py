@@ -141,17 +141,24 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]
     if not prompt:
         raise InvalidRequest("prompt must not be empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
-        return [tuple(prompt)]  # type: ignore[arg-type]
+        return [_token_ids(prompt)]  # type: ignore[arg-type]
     out: list[str | tuple[int, ...]] = []
     for p in prompt:
         if isinstance(p, str):
             out.append(p)
         else:
-            ids = tuple(p)  # type: ignore[arg-type]
-            if not ids:
+            if not p:
                 raise InvalidRequest("a token-id prompt must not be empty", "prompt")
-            out.append(ids)
+            out.append(_token_ids(p))  # type: ignore[arg-type]
     return out
+
+
+def _token_ids(ids: list[int]) -> tuple[int, ...]:
+    # Whether an id is in the vocabulary is the Tokenizer's to say; whether it fits the
+    # codec is ours (found by fuzz/fuzz_request.py).
+    for t in ids:
+        _int_in_range(t, "prompt")
+    return tuple(ids)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

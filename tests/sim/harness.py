@@ -21,7 +21,7 @@ only then returns to the rule. Between rules, trio is not running at all.
 
 What is checked (DESIGN.md §3), and where:
 
-1. every message is seen as it goes on a wire (``on_send``): a rid the Frontend has never
+1. every message is seen as its sender sends it (``on_send``): a rid the Frontend has never
    registered, or a Frontend message for a rid not in its registry, is a violation;
 2. every actor writes its transitions to one :class:`Recorder` (the Ledger's tracer), which
    replays each rid's merged history against the spec as it grows, one incarnation of the
@@ -35,10 +35,11 @@ What is checked (DESIGN.md §3), and where:
    Worker's state is empty, and every history ends released;
 5. a stale or duplicated result, an abort or a stop for a finished sequence, or a
    ``StopMatched`` sent for an earlier request with the same rid must leave the Scheduler
-   exactly as it was; an abort reaches every live choice; nothing ends in ``abort`` that
-   the client did not abort;
+   exactly as it was; an abort (the client's, or the Frontend's own when a child fails)
+   reaches every choice not yet answered; nothing ends in ``abort`` that nobody aborted;
 6. a ``n > 1`` parent is gathered only after every child is released, and its client sees
-   the final output (or an error) only after every child has ended;
+   the final output only after every child has ended (an error may come at once; its
+   live siblings must then be aborted, which 5 checks);
 7. each choice's text equals the decode of the committed token ids (those the Scheduler
    sent to the Detokenizer), cut at the first stop string, with nothing lost or doubled,
    and its finish reason is the one the Scheduler decided.
@@ -86,7 +87,6 @@ from actorllm.scheduler import Scheduler
 from actorllm.tokenizer import PromptEncoder, Tokenizer
 
 from .controlled_transport import ControlledMailbox
-from .known_bugs import KNOWN_BUGS, IdentityCheckedQueue, spec_allowing_stop_while_preempted
 from .scripted_worker import ScriptedWorker
 
 SPEC = load_spec()
@@ -133,8 +133,6 @@ class SimConfig:
     worker_capacity: int = 2  # as in actorllm.engine
     roundtrip: bool = True  # send every delivered message through the codec
     bugs: frozenset[str] = frozenset()  # planted bugs to switch on: "frontend.bug_...", ...
-    # Known actor bugs to step around (sim/known_bugs.py); ids no longer listed are ignored.
-    workarounds: frozenset[str] = frozenset(KNOWN_BUGS)
 
 
 # --- text: the reference for invariant 7 ---------------------------------------------------
@@ -399,12 +397,9 @@ class World:
     def __init__(self, hf_tokenizer: Any, text: TextModel, config: SimConfig | None = None,
                  metrics: EngineMetrics | None = None) -> None:
         self.config = cfg = config or SimConfig()
-        self.workarounds = cfg.workarounds & KNOWN_BUGS.keys()
-        self.spec = (spec_allowing_stop_while_preempted()
-                     if "stop-while-preempted" in self.workarounds else SPEC)
         self.text = text
         self.violations: list[InvariantViolation] = []
-        self.rec = Recorder(self.report, self.spec)
+        self.rec = Recorder(self.report)
         self.clients: list[Client] = []
         self.live_client: dict[str, Client] = {}
         self.outstanding: dict[int, StepPlan] = {}  # steps sent, result not yet received
@@ -453,10 +448,6 @@ class World:
             "detokenizer": self.detokenizer,
         }
         self._edges = {e: b[e.split("->")[1]] for e in EDGES}
-        for actor in (self.frontend, self.tokenizer, self.scheduler):
-            actor.ledger.spec = self.spec
-        if "stale-sibling-abort" in self.workarounds:
-            self.frontend._abort_next = IdentityCheckedQueue(self.frontend.registry)
         for bug in sorted(cfg.bugs):
             actor, flag = bug.split(".")
             if actor == "collector":  # set on each collector as it appears (_watch_collector)
@@ -559,7 +550,7 @@ class World:
             client.collector = await self.frontend.submit(req)
         except DuplicateRequestId:
             client.outcome = "duplicate"
-        except (IllegalTransition, AssertionError, KeyError) as exc:
+        except IllegalTransition as exc:  # the ledger refusing what the Frontend let through
             client.outcome = f"raised {exc!r}"
         else:
             client.outcome = "accepted"
@@ -635,9 +626,10 @@ class World:
         return not (self._running or self.worker.pending or self.worker.outgoing
                     or any(b.depth for b in self.boxes.values()))
 
-    def drain(self, max_rounds: int = 200) -> None:
+    def drain(self, max_rounds: int = 2000) -> None:
         """Resume every reader, then deliver everything and answer every step until nothing
-        moves; then check invariant 4."""
+        moves; then check invariant 4. (A step takes a few rounds to travel the whole loop,
+        and a tight pool can make a few dozen requests take a few hundred steps.)"""
         for client in self.clients:
             client.paused = False
 
@@ -653,7 +645,7 @@ class World:
             if self.quiet():
                 break
             self.call(round_)
-        else:
+        if not self.quiet():
             self.report("4", f"no drain after {max_rounds} rounds: {self.drain_problems()}")
         self.call(lambda: None)  # the readers resumed above read what is left
         self.check()
@@ -671,6 +663,23 @@ class World:
             if client.n > 1 and client.inc is not None:
                 self._check_siblings_aborted(client)
         self.check()
+
+    def coverage(self) -> list[str]:
+        """Which corners this run reached (for hypothesis' statistics)."""
+        s, events = self.scheduler, [e for inc in self.rec.all for _, _, e in inc.events]
+        reached = {
+            "preempted": s.num_preemptions > 0,
+            "late or duplicate result dropped": s.late_results_dropped > 0,
+            "stop string matched": any(r[1] in STOP_STRINGS for c in self.clients
+                                       for r in c.reason.values()),
+            "rejected": "reject" in events,
+            "step failed": "fail" in events,
+            "aborted": "abort" in events,
+            "n>1 gathered": "gather" in events,
+            "rid reused": any(inc.number for inc in self.rec.all),
+            "backpressure": any(b.high_water >= b.capacity for b in self.boxes.values()),
+        }
+        return [name for name, hit in reached.items() if hit]
 
     def drain_problems(self) -> list[str]:
         s = self.scheduler
@@ -720,23 +729,19 @@ class World:
         handle, free = s.handle, s.pool.free
 
         def checked_handle(msg: Any) -> None:
-            why = None
+            why = None  # set: the message must leave the Scheduler exactly as it was
             if isinstance(msg, StepResult):
                 if self.outstanding.pop(msg.step_id, None) is None:
                     why = f"a stale or duplicated result of step {msg.step_id}"
             elif isinstance(msg, AbortRequest | StopMatched):
                 seq = s.seqs.get(msg.rid)
-                kind = type(msg).__name__
                 if seq is None or seq.status == "FINISHED":
-                    why = f"{kind} for {msg.rid!r}, which has already finished"
+                    why = f"{type(msg).__name__} for {msg.rid!r}, which has already finished"
                 elif isinstance(msg, StopMatched) and self._sched_tag is not self.rec.current.get(
                         msg.rid):
                     why = (f"StopMatched({msg.rid!r}, {msg.stop!r}) sent for an earlier request "
                            f"with this rid, arriving while {self.rec.current[msg.rid].describe()}"
                            " is live")
-            if why and "StopMatched sent for an earlier" in why \
-                    and "stale-stop-matched" in self.workarounds:
-                return  # what a fix would do: know the StopMatched is not for this request
             before = self._scheduler_snapshot() if why else None
             handle(msg)
             if why and self._scheduler_snapshot() != before:

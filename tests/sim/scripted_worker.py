@@ -26,7 +26,8 @@ def scripted_token(vocab: Sequence[int], rid: str, position: int, salt: int = 0)
 
 
 class ScriptedWorker:
-    """The actor. ``complete_step``/``fail_step`` answer the oldest plan it has received."""
+    """The actor. ``answer``/``fail`` settle the oldest plan it has received; ``duplicate``
+    and ``late`` send results the Scheduler must drop."""
 
     def __init__(self, inbox: Inbox[StepPlan], results: Outbox[StepResult],
                  vocab: Sequence[int], eos_id: int) -> None:
