@@ -94,7 +94,9 @@ class StopMatcher:
         if self.stops:
             hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
             if hits:
-                i, stop = min(hits)
+                # The stop that is complete first wins (then the one that began first):
+                # what a client streaming the text would see, however it was chunked.
+                i, stop = min(hits, key=lambda h: (h[0] + len(h[1]), h[0]))
                 self.held = ""
                 return buf[: i + len(stop)] if self.include else buf[:i], stop
         if final or not self.stops:

@@ -54,11 +54,12 @@ class _Reader:
 
 
 def reference(text: str, stops: tuple[str, ...], include: bool) -> str:
-    """What the client must read: ``text`` cut at the first stop string."""
+    """What the client must read: ``text`` cut at the stop string complete first."""
     hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
     if not hits:
         return text
-    i, stop = min(hits)
+    # The first to be complete, then the first to begin: how the text reads as it streams.
+    i, stop = min(hits, key=lambda h: (h[0] + len(h[1]), h[0]))
     return text[: i + len(stop)] if include else text[:i]
 
 

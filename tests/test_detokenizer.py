@@ -64,6 +64,11 @@ def test_any_token_ids_concatenate_to_decode(tiny_tokenizer: Any, data: st.DataO
         ("one two three", ("wo t", "three"), False, "one t"),
         ("no match here", ("zzz",), False, "no match here"),
         ("café→end", ("→",), False, "café"),
+        # the stop complete first wins, however the text is chunked (found by fuzzing)
+        ("abcd", ("abcd", "bc"), False, "a"),
+        ("stdout addresses addresses", ("stdout addresses addresses", " addresses"), True,
+         "stdout addresses"),
+        ("xab", ("b", "ab"), False, "x"),  # both complete at once: the one begun first
     ],
 )
 def test_stop_matcher_holds_back_and_cuts(text: str, stops: tuple[str, ...], include: bool,

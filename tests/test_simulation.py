@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import trio
+from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 from sim import ControlledMailbox, InvariantViolation, SimConfig, TextModel, World, make_machine
 from sim.harness import VOCAB_TEXTS
@@ -27,6 +28,10 @@ from sim.profiles import sim_settings
 from sim.scripted_worker import scripted_token
 
 from actorllm.messages import AbortRequest, SamplingParams, SchedulerInput, StopMatched
+
+# A long run takes as long as it takes; CI's runs keep the suite's per-test timeout.
+if settings.get_current_profile_name() == "long":
+    pytestmark = pytest.mark.timeout(0)
 
 TIGHT = SimConfig(num_blocks=5, max_num_seqs=2, max_num_batched_tokens=4, capacity=1,
                   worker_capacity=1)

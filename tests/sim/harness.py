@@ -170,7 +170,8 @@ class TextModel:
             buf += self.piece(tid)
             hits = [(i, s) for s in stops if (i := buf.find(s)) >= 0]
             if hits:
-                i, stop = min(hits)  # the Detokenizer's StopMatcher breaks ties the same way
+                # The one complete first, then the one begun first (as the Detokenizer).
+                i, stop = min(hits, key=lambda h: (h[0] + len(h[1]), h[0]))
                 return k, buf[: i + len(stop)] if include else buf[:i], stop
         return None, buf, None
 
