@@ -4,9 +4,9 @@ find, with every invariant of DESIGN.md §3 checked after every step (see tests/
 The three stateful configurations differ in what they stress: ``default`` (preemption,
 chunked prefill, some backpressure), ``tight`` (one-message mailboxes, a pool that holds
 barely one full sequence, two running sequences at most), ``roomy`` (no pressure, big
-batches). Their CI shares add up to 2,000 examples; ``--hypothesis-profile=long`` runs
-10x more, with longer rule sequences. A failure prints the shortest rule sequence that
-reproduces it.
+batches). Their CI shares add up to 2,000 examples, the same ones every run;
+``--hypothesis-profile=long`` runs 10x more, new ones each time, with longer rule
+sequences. A failure prints the shortest rule sequence that reproduces it.
 
 Below them: the shrunk reproducer of each actor bug the simulation found, kept as a
 regression test now that the actor is fixed (a bug it finds is fixed in the actor, never
