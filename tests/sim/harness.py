@@ -62,7 +62,7 @@ import trio.testing
 from actorllm.config import ModelInfo
 from actorllm.detokenizer import Detokenizer, hf_decode_fn
 from actorllm.frontend import DuplicateRequestId, EndOfOutput, Frontend, RequestError
-from actorllm.lifecycle import IllegalTransition, Spec, load_spec
+from actorllm.lifecycle import IllegalTransition, load_spec
 from actorllm.mailbox import MailboxClosed
 from actorllm.messages import (
     AbortRequest,
@@ -209,9 +209,8 @@ class Incarnation:
 class Recorder:
     """A Tracer for every actor: the one merged transition history, checked as it grows."""
 
-    def __init__(self, report: Callable[[str, str], None], spec: Spec = SPEC) -> None:
+    def __init__(self, report: Callable[[str, str], None]) -> None:
         self.report = report
-        self.spec = spec
         self.count = 0  # transitions so far: a clock that orders every actor's events
         self.current: dict[str, Incarnation] = {}
         self.all: list[Incarnation] = []
@@ -230,7 +229,7 @@ class Recorder:
         index = self.count
         self.count += 1
         inc.events.append((index, actor, event))
-        nxt = self.spec.step(inc.state, event)
+        nxt = SPEC.step(inc.state, event)
         if nxt is None:
             self.report("1" if inc.state is None else "2",
                         f"{actor} fired {event!r} in state {inc.state}: {inc.describe()}")
