@@ -104,14 +104,15 @@ def test_chat_template(tokenizer: transformers.PreTrainedTokenizerBase) -> None:
     assert ids[-2:] == tokenizer("<|assistant|>\n", add_special_tokens=False).input_ids
 
 
-def test_beats_unigram_baseline(
-    model: torch.nn.Module, tokenizer: transformers.PreTrainedTokenizerBase
-) -> None:
+def heldout_ids(tokenizer: transformers.PreTrainedTokenizerBase) -> list[int]:
     heldout = (MODEL_DIR / "heldout_sample.txt").read_text(encoding="utf-8")
     ids = tokenizer(heldout).input_ids
     assert len(ids) > 500
+    return ids
 
-    # Model perplexity on the held-out text, in context-sized chunks.
+
+def model_nll(model: torch.nn.Module, ids: list[int]) -> float:
+    """Mean next-token loss (nats) of the model on ids, in context-sized chunks."""
     ctx = model.config.max_position_embeddings
     nll, count = 0.0, 0
     with torch.no_grad():
@@ -122,7 +123,24 @@ def test_beats_unigram_baseline(
             loss = model(input_ids=chunk, labels=chunk).loss.item()
             nll += loss * (chunk.shape[1] - 1)
             count += chunk.shape[1] - 1
-    model_ppl = math.exp(nll / count)
+    return nll / count
+
+
+def test_card_validation_loss_is_the_models(
+    model: torch.nn.Module, tokenizer: transformers.PreTrainedTokenizerBase,
+    card: dict[str, str],
+) -> None:
+    # The card's figure is over the whole validation split; the shipped sample is a few KB of
+    # it, so they agree only roughly - but a card left over from another checkpoint would not.
+    sample_loss = model_nll(model, heldout_ids(tokenizer))
+    assert abs(sample_loss - float(card["val_loss"])) < 0.25, (sample_loss, card["val_loss"])
+
+
+def test_beats_unigram_baseline(
+    model: torch.nn.Module, tokenizer: transformers.PreTrainedTokenizerBase
+) -> None:
+    ids = heldout_ids(tokenizer)
+    model_ppl = math.exp(model_nll(model, ids))
 
     # Unigram baseline from different text (the pydoc topic pages), add-one smoothing.
     from pydoc_data.topics import topics
