@@ -31,9 +31,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--attention-backend", choices=["auto", "torch", "cuda"], default="auto")
+    g.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "cuda"], default="auto")
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    g.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads in the Worker's process (default: one per core)")
     g.add_argument("--topology", choices=["single", "engine", "pipeline"], default="single")
     g.add_argument("--trace", metavar="FILE", help="write every state transition as JSON lines")
     g.add_argument("--trace-hops", action="store_true", help="with --trace: every mailbox hop too")
@@ -98,6 +100,7 @@ def engine_config(args: argparse.Namespace) -> Any:
             attention_backend=args.attention_backend,
             device=args.device,
             dtype=args.dtype,
+            cpu_threads=args.cpu_threads,
             topology=args.topology,
             trace=args.trace,
             trace_hops=args.trace_hops,

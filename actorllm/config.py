@@ -29,6 +29,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    cpu_threads: int | None = None  # torch threads of the Worker's process; None: torch's
     mailbox_capacity: int = 256
     topology: str = "single"
     trace: str | None = None
@@ -43,12 +44,14 @@ class EngineConfig:
             raise ValueError("--max-num-seqs must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-batched-tokens must be at least 1")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError("--cpu-threads must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2")
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"--topology must be one of {', '.join(TOPOLOGIES)}")
-        if self.attention_backend not in ("auto", "torch", "cuda"):
-            raise ValueError("--attention-backend must be auto, torch or cuda")
+        if self.attention_backend not in ("auto", "torch", "cpu", "cuda"):
+            raise ValueError("--attention-backend must be auto, torch, cpu or cuda")
 
     def as_dict(self) -> dict[str, object]:
         return attrs.asdict(self)

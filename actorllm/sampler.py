@@ -88,7 +88,10 @@ def sample(
     if n == 0:
         return []
     raw = logits
-    logits = process_logits(logits.float().clone(), states, eos_token_ids)
+    logits = logits.float()
+    if any(_needs_processing(s.params) for s in states):
+        # process_logits works in place; the caller's logits stay untouched.
+        logits = process_logits(logits.clone(), states, eos_token_ids)
 
     greedy: list[int] = []
     seeded: list[int] = []
@@ -98,22 +101,32 @@ def sample(
             greedy.append(i)
         else:
             (unseeded if state.params.seed is None else seeded).append(i)
-    tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
-    if greedy:
-        rows = _index(greedy, logits.device)
-        tokens[rows] = logits[rows].argmax(dim=-1)
-    if unseeded:
-        rows = _index(unseeded, logits.device)
-        probs = _filtered_probs(logits[rows], [states[i].params for i in unseeded])
-        noise = torch.empty_like(probs).exponential_()
-        tokens[rows] = (probs / noise).argmax(dim=-1)
-    for i in seeded:
-        params = states[i].params
-        probs = _filtered_probs(logits[i : i + 1], [params])
-        gen = torch.Generator(device=logits.device)
-        gen.manual_seed(step_seed(params.seed, len(states[i].output_token_ids)))
-        noise = torch.empty_like(probs).exponential_(generator=gen)
-        tokens[i] = (probs / noise).argmax(dim=-1)[0]
+    if len(greedy) == n:
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
+        if greedy:
+            rows = _index(greedy, logits.device)
+            tokens[rows] = logits[rows].argmax(dim=-1)
+        if unseeded:
+            # Every unseeded row at once, whatever its parameters: they are per-row vectors.
+            rows = _index(unseeded, logits.device) if len(unseeded) < n else None
+            sub = logits if rows is None else logits[rows]
+            vals, ids = _candidates(sub, [states[i].params for i in unseeded])
+            noise = _exponential(vals)
+            picked = ids.gather(1, (vals.softmax(dim=-1) / noise).argmax(dim=-1, keepdim=True))
+            if rows is None:
+                tokens = picked[:, 0]
+            else:
+                tokens[rows] = picked[:, 0]
+        for i in seeded:
+            # Alone, so that its draw depends on nothing else in the batch.
+            params = states[i].params
+            vals, ids = _candidates(logits[i : i + 1], [params])
+            gen = torch.Generator(device=logits.device)
+            gen.manual_seed(step_seed(params.seed, len(states[i].output_token_ids)))
+            noise = _exponential(vals, gen)
+            tokens[i] = ids[0, int((vals.softmax(dim=-1) / noise).argmax())]
 
     token_list: list[int] = tokens.tolist()
     logprobs = _logprobs(raw, tokens, token_list, states)
@@ -124,66 +137,111 @@ def _index(rows: list[int], device: torch.device) -> Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
+def _exponential(like: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Exp(1) noise shaped like ``like``: ``argmax(probs / noise)`` is a draw from probs.
+
+    ``-log(uniform)`` rather than ``exponential_``, which is several times slower on the
+    CPU (13 ms against 2 ms for a 128 x 4096 batch, measured).
+    """
+    u = torch.rand(like.shape, generator=generator, device=like.device)
+    return u.log_().neg_()
+
+
+def _needs_processing(p: SamplingParams) -> bool:
+    return bool(p.min_tokens or p.logit_bias or p.repetition_penalty != 1.0
+                or p.presence_penalty or p.frequency_penalty)
+
+
 def process_logits(
     logits: Tensor, states: Sequence[SamplingState], eos_token_ids: Sequence[int]
 ) -> Tensor:
     """Apply min_tokens, logit_bias and the penalties to ``logits`` in place and return it.
 
-    Only the rows whose params ask for one of them are touched.
+    Only the rows whose params ask for one of them are touched; the penalties are
+    applied to all the rows that use them in one batched operation.
     """
     vocab = logits.shape[1]
+    dev = logits.device
+    repeat: list[int] = []
+    counted: list[int] = []
     for i, state in enumerate(states):
         p = state.params
-        row = logits[i]
         if len(state.output_token_ids) < p.min_tokens:
             stops = [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]
             stops = [t for t in stops if 0 <= t < vocab]
             if stops:
-                row[stops] = float("-inf")
+                logits[i, stops] = float("-inf")
         if p.logit_bias:
             ids, biases = zip(*p.logit_bias, strict=True)
-            row.index_add_(
+            logits[i].index_add_(
                 0,
-                torch.tensor(ids, device=row.device),
-                torch.tensor(biases, dtype=row.dtype, device=row.device),
+                torch.tensor(ids, device=dev),
+                torch.tensor(biases, dtype=logits.dtype, device=dev),
             )
         if p.repetition_penalty != 1.0:
-            seen = state.seen(vocab, row.device)
-            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            row.copy_(torch.where(seen, penalized, row))
+            repeat.append(i)
         if p.presence_penalty or p.frequency_penalty:
-            counts = state.output_counts(vocab, row.device)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+            counted.append(i)
+    if repeat:
+        rows = _index(repeat, dev)
+        sub = logits[rows]
+        seen = torch.stack([states[i].seen(vocab, dev) for i in repeat])
+        pen = torch.tensor([states[i].params.repetition_penalty for i in repeat],
+                           dtype=sub.dtype, device=dev)[:, None]
+        penalized = torch.where(sub > 0, sub / pen, sub * pen)
+        logits[rows] = torch.where(seen, penalized, sub)
+    if counted:
+        rows = _index(counted, dev)
+        counts = torch.stack([states[i].output_counts(vocab, dev) for i in counted])
+        freq = torch.tensor([states[i].params.frequency_penalty for i in counted],
+                            dtype=logits.dtype, device=dev)[:, None]
+        pres = torch.tensor([states[i].params.presence_penalty for i in counted],
+                            dtype=logits.dtype, device=dev)[:, None]
+        logits[rows] -= freq * counts + pres * (counts > 0).to(logits.dtype)
     return logits
 
 
-def _filtered_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
-    """Temperature, min_p, top_k and top_p over rows of logits; returns probabilities."""
+def _candidates(logits: Tensor, params: Sequence[SamplingParams]) -> tuple[Tensor, Tensor]:
+    """Temperature, min_p, top_k and top_p over rows of logits.
+
+    Returns ``(values, token_ids)``, both ``[rows, k]`` in descending order, where the
+    filtered-out candidates have value ``-inf``; ``softmax(values)`` is the distribution
+    to draw from. When every row has a top_k, only the ``max(top_k)`` best tokens are
+    ever looked at (a ``topk``, not a sort of the whole vocabulary); rows without any
+    filter skip the sort altogether.
+    """
     dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-    logits = logits / temps[:, None]
-    if any(p.min_p > 0.0 for p in params):
-        probs = torch.softmax(logits, dim=-1)
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
-        too_small = probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(too_small, float("-inf"))
     vocab = logits.shape[1]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     use_top_p = any(p.top_p < 1.0 for p in params)
-    if use_top_p or any(k < vocab for k in top_k):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=dev)[None, :]
-        drop = ranks >= torch.tensor(top_k, device=dev)[:, None]
-        if use_top_p:
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-            probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-            # Keep the smallest prefix whose mass reaches top_p: drop a token when the
-            # mass before it already does. The first token is always kept.
-            mass_before = probs.cumsum(dim=-1) - probs
-            drop |= mass_before >= top_p[:, None]
-            drop[:, 0] = False
-        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return torch.softmax(logits, dim=-1)
+    use_min_p = any(p.min_p > 0.0 for p in params)
+    k = max(top_k)
+    if k == vocab and not use_top_p and not use_min_p:
+        vals = logits
+        ids = torch.arange(vocab, device=dev).expand(logits.shape[0], vocab)
+    elif k < vocab:
+        vals, ids = logits.topk(k, dim=-1)  # sorted, descending
+    else:
+        vals, ids = logits.sort(dim=-1, descending=True)
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    vals = vals / temps[:, None]
+    if k == vocab and not use_top_p and not use_min_p:
+        return vals, ids
+    ranks = torch.arange(k, device=dev)[None, :]
+    drop = ranks >= torch.tensor(top_k, device=dev)[:, None]
+    if use_min_p:
+        # p < min_p * p_max  <=>  logit < logit_max + log(min_p); the max is column 0.
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        drop |= vals < vals[:, :1] + torch.log(min_p)[:, None]
+    if use_top_p:
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        probs = vals.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass
+        # before it already does. The first token is always kept.
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    return vals.masked_fill(drop, float("-inf")), ids
 
 
 def _logprobs(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from itertools import chain
+from array import array
 from pathlib import Path
 
 import torch
@@ -41,7 +41,8 @@ class ModelRunner:
     """Weights, KV cache and per-rid sampling state of one model; runs one step at a time.
 
     ``num_blocks`` or ``kv_cache_bytes`` sizes the cache (neither: a default budget).
-    ``dtype`` defaults to fp32 on CPU and bf16 on CUDA. ``execute`` is synchronous and
+    ``dtype`` defaults to fp32 on CPU and bf16 on CUDA. ``num_threads`` sets torch's
+    intra-op threads for the process (None: leave torch's default, one per core). ``execute`` is synchronous and
     must be called from one thread at a time.
     """
 
@@ -55,12 +56,16 @@ class ModelRunner:
         dtype: torch.dtype | None = None,
         device: str = "cpu",
         attention_backend: str = "auto",
+        num_threads: int | None = None,
     ) -> None:
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.device = torch.device(device)
+        if num_threads is not None:
+            # Process-wide: the Worker's is the only torch work in its process.
+            torch.set_num_threads(num_threads)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         config = load_config(model_dir)
         # The shape lets `auto` fall back to torch where no kernel fits, and compiles the
@@ -179,14 +184,20 @@ class ModelRunner:
         )
 
     def _prepare(self, plan: StepPlan) -> ForwardBatch:
-        """Pack the plan into device tensors, with no per-token Python work."""
-        bs = self.block_size
+        """Pack the plan into device tensors: flat int arrays built in one pass, one copy each.
+
+        Per-token work is one list comprehension per sequence (the slots of its new
+        tokens); every tensor is made from a flat ``array`` without per-element objects.
+        """
+        bs, num_blocks = self.block_size, self.num_blocks
         seqs = plan.seqs
-        q_lens = [len(s.token_ids) for s in seqs]
-        starts = [s.start_pos for s in seqs]
-        seq_lens = [st + q for st, q in zip(starts, q_lens, strict=True)]
+        input_ids, positions, slots = array("q"), array("q"), array("q")
+        seq_lens, cu, sample_indices = array("i"), array("i", [0]), array("q")
         tables: list[tuple[int, ...]] = []
-        for s, q_len, seq_len in zip(seqs, q_lens, seq_lens, strict=True):
+        max_q = 0
+        for s in seqs:
+            q_len, start = len(s.token_ids), s.start_pos
+            seq_len = start + q_len
             if q_len == 0:
                 raise ValueError(f"rid {s.rid!r}: scheduled with no tokens")
             if seq_len > self.max_model_len:
@@ -194,44 +205,49 @@ class ModelRunner:
                     f"rid {s.rid!r}: {seq_len} tokens exceed max_model_len {self.max_model_len}"
                 )
             needed = -(-seq_len // bs)
-            if len(s.block_table) < needed:
+            table = s.block_table
+            if len(table) < needed:
                 raise ValueError(
                     f"rid {s.rid!r}: {seq_len} tokens need {needed} blocks, "
-                    f"block table has {len(s.block_table)}"
+                    f"block table has {len(table)}"
                 )
-            tables.append(s.block_table[:needed])
-        max_blocks = max(len(t) for t in tables)
-        block_tables = torch.tensor(
-            [list(t) + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32
-        )
-        if int(block_tables.min()) < 0 or int(block_tables.max()) >= self.num_blocks:
-            raise ValueError(f"block table entry out of range [0, {self.num_blocks})")
+            if needed and (min(table[:needed]) < 0 or max(table[:needed]) >= num_blocks):
+                raise ValueError(f"block table entry out of range [0, {num_blocks})")
+            tables.append(table[:needed])
+            input_ids.extend(s.token_ids)
+            if q_len == 1:
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                span = range(start, seq_len)
+                positions.extend(span)
+                slots.extend([table[p // bs] * bs + p % bs for p in span])
+            seq_lens.append(seq_len)
+            cu.append(cu[-1] + q_len)
+            if s.sample:
+                sample_indices.append(cu[-1] - 1)
+            max_q = max(max_q, q_len)
+        width = max(len(t) for t in tables)
+        flat = array("i")
+        for t in tables:
+            flat.extend(t)
+            if len(t) < width:
+                flat.extend((0,) * (width - len(t)))
 
-        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
-        starts_t = torch.tensor(starts, dtype=torch.int64)
-        cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens_t, 0, out=cu[1:])
-        total = int(cu[-1])
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), q_lens_t)
-        positions = starts_t[seq_of_token] + torch.arange(total) - cu[:-1][seq_of_token]
-        blocks = block_tables[seq_of_token, positions // bs].long()
-        slot_mapping = blocks * bs + positions % bs
-        sample_mask = torch.tensor([s.sample for s in seqs], dtype=torch.bool)
-        sample_indices = cu[1:][sample_mask] - 1
-        input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in seqs)))
-
-        def dev(t: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        def dev(a: array, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            kind = torch.int64 if a.typecode == "q" else torch.int32
+            t = torch.frombuffer(a, dtype=kind) if len(a) else torch.empty(0, dtype=kind)
             return t.to(device=self.device, dtype=dtype, non_blocking=True)
 
         return ForwardBatch(
             input_ids=dev(input_ids),
             positions=dev(positions),
-            slot_mapping=dev(slot_mapping),
-            block_tables=dev(block_tables, torch.int32),
-            seq_lens=dev(torch.tensor(seq_lens), torch.int32),
+            slot_mapping=dev(slots),
+            block_tables=dev(flat, torch.int32).view(len(seqs), width),
+            seq_lens=dev(seq_lens, torch.int32),
             cu_seqlens_q=dev(cu, torch.int32),
             sample_indices=dev(sample_indices),
-            max_seqlen_q=max(q_lens),
+            max_seqlen_q=max_q,
             max_seqlen_k=max(seq_lens),
         )
 

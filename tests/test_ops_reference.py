@@ -348,7 +348,7 @@ def test_write_kv_arg_checks(name, bad, message):
 def test_select_backend(caplog):
     with caplog.at_level(logging.INFO, logger="actorllm.ops"):
         assert select_backend("torch").name == "torch"
-        assert select_backend("auto", "cpu").name == "torch"
+        assert select_backend("auto", "cpu", dtype=torch.bfloat16).name == "torch"
     assert "attention backend: torch" in caplog.text
     with pytest.raises(ValueError, match="unknown attention backend"):
         select_backend("triton")

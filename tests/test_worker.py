@@ -139,7 +139,7 @@ def test_failing_step_returns_an_error_and_the_runner_goes_on(runner: ModelRunne
 def test_runner_facts(runner: ModelRunner, tiny_qwen2_dir: Path):
     assert runner.eos_token_ids == (1,)
     assert runner.vocab_size == 400 and runner.max_model_len == 256
-    assert runner.backend_name == "torch" and runner.block_size == BLOCK_SIZE
+    assert runner.backend_name == "cpu" and runner.block_size == BLOCK_SIZE
     k = runner.kv_caches[0][0]
     assert k.shape == (64, BLOCK_SIZE, 2, 16) and k.dtype == torch.float32
     # kv_cache_bytes: 2 (k, v) * 2 layers * 16 tokens * 2 kv heads * 16 dims * 4 bytes = 8 KiB
@@ -169,3 +169,16 @@ def test_worker_actor_runs_plans_from_its_inbox(runner: ModelRunner):
     assert first.step_id == 1 and first.error is None and first.tokens[0].rid == "w"
     assert second.step_id == 2 and second.tokens == ()
     assert runner.num_states == 0
+
+
+def test_cpu_threads_sets_torch_threads(tiny_llama_dir: Path):
+    before = torch.get_num_threads()
+    try:
+        ModelRunner(tiny_llama_dir, num_blocks=8, block_size=BLOCK_SIZE, num_threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    from actorllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match="--cpu-threads"):
+        EngineConfig(cpu_threads=0)

@@ -2,11 +2,13 @@
 
 The model calls a backend picked once at start-up by ``select_backend``:
 
-* ``"torch"`` — ``TorchBackend``, plain torch on any device (the CPU engine's
-  attention and the oracle in tests);
+* ``"torch"`` — ``TorchBackend``, plain torch on any device (the oracle in tests);
+* ``"cpu"`` — ``CpuBackend``, the torch backend with fp32 decode attention in a C
+  kernel (``kernels/cpu_paged_decode.c``) built with the machine's C compiler;
 * ``"cuda"`` — ``CudaBackend``, CuPy ``RawModule`` kernels compiled from
   ``kernels/*.cu``, run on torch's current stream on torch's memory;
-* ``"auto"`` — ``"cuda"`` when the device is a GPU and CuPy/NVRTC work, else ``"torch"``.
+* ``"auto"`` — ``"cuda"`` when the device is a GPU and CuPy/NVRTC work; on the CPU,
+  ``"cpu"`` for fp32 when the kernel builds; else ``"torch"``.
 
 CuPy is imported only when the cuda backend is asked for.
 """
@@ -30,7 +32,7 @@ log = logging.getLogger(__name__)
 class AttentionBackend(Protocol):
     """What the model needs from an attention backend (see ``TorchBackend`` for full docs)."""
 
-    name: str  # "torch" or "cuda"
+    name: str  # "torch", "cpu" or "cuda"
 
     def write_kv(
         self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
@@ -68,7 +70,8 @@ def select_backend(
 ) -> AttentionBackend:
     """Pick the attention backend for ``device`` once, at start-up, and log the choice.
 
-    ``name`` is ``"auto"``, ``"torch"`` or ``"cuda"``. ``"cuda"`` raises
+    ``name`` is ``"auto"``, ``"torch"``, ``"cpu"`` or ``"cuda"``. ``"cpu"`` raises
+    ``BackendUnavailable`` when the C kernel cannot be built. ``"cuda"`` raises
     ``BackendUnavailable`` when ``device`` is not a CUDA device, torch sees no GPU, CuPy /
     NVRTC cannot build the kernels, or the optional model shape (``dtype``, ``head_dim``,
     ``block_size``) has no kernel; ``"auto"`` falls back to torch in those cases. When the
@@ -78,8 +81,11 @@ def select_backend(
     if name == "torch":
         log.info("attention backend: torch (%s)", device)
         return TorchBackend()
-    if name not in ("auto", "cuda"):
-        raise ValueError(f"name: unknown attention backend {name!r} (expected auto, torch or cuda)")
+    if name not in ("auto", "cpu", "cuda"):
+        raise ValueError(
+            f"name: unknown attention backend {name!r} (expected auto, torch, cpu or cuda)")
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        return _load_cpu(device, dtype, required=name == "cpu")
     if name == "auto" and device.type != "cuda":
         log.info("attention backend: torch (%s)", device)
         return TorchBackend()
@@ -92,6 +98,29 @@ def select_backend(
         return TorchBackend()
     log.info("attention backend: cuda (%s)", device)
     return backend
+
+
+def _load_cpu(device: torch.device, dtype: torch.dtype | None, *, required: bool
+              ) -> AttentionBackend:
+    from actorllm.ops.cpu_backend import CpuKernelError, load_cpu_backend
+
+    problem = None
+    if device.type != "cpu":
+        problem = f"the cpu attention backend runs on the CPU, got {device}"
+    elif dtype not in (None, torch.float32):
+        problem = f"the cpu kernel is fp32 only, got {str(dtype).removeprefix('torch.')}"
+    else:
+        try:
+            backend = load_cpu_backend()
+        except CpuKernelError as exc:
+            problem = str(exc)
+        else:
+            log.info("attention backend: cpu (%s)", device)
+            return backend
+    if required:
+        raise BackendUnavailable(problem)
+    log.warning("attention backend: torch (%s); cpu kernel unavailable: %s", device, problem)
+    return TorchBackend()
 
 
 def _load_cuda(

@@ -92,20 +92,20 @@ class TorchBackend:
         if q.shape[0] == 0 or num_seqs == 0:
             return torch.empty_like(q)
         if max_seqlen_q == 1 and max_seqlen_k is not None and q.shape[0] == num_seqs:
-            return _decode(q, k_cache, v_cache, block_tables, seq_lens, max_seqlen_k, scale)
+            return self.decode(q, k_cache, v_cache, block_tables, seq_lens, max_seqlen_k, scale)
 
         lens = list(seq_lens_host) if seq_lens_host is not None else seq_lens.tolist()
         cu = list(cu_seqlens_q_host) if cu_seqlens_q_host is not None else cu_seqlens_q.tolist()
         decode = [s for s in range(num_seqs) if cu[s + 1] - cu[s] == 1]
         if len(decode) == num_seqs:
-            return _decode(q, k_cache, v_cache, block_tables, seq_lens, max(lens), scale)
+            return self.decode(q, k_cache, v_cache, block_tables, seq_lens, max(lens), scale)
 
         out = torch.empty_like(q)
         if decode:
             rows = torch.tensor([cu[s] for s in decode], device=q.device)
             seqs = torch.tensor(decode, device=q.device)
             max_len = max(lens[s] for s in decode)
-            o = _decode(
+            o = self.decode(
                 q.index_select(0, rows),
                 k_cache,
                 v_cache,
@@ -122,6 +122,20 @@ class TorchBackend:
                     q[cu[s] : cu[s + 1]], k_cache, v_cache, block_tables[s], lens[s], scale
                 )
         return out
+
+    def decode(
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        block_tables: Tensor,
+        seq_lens: Tensor,
+        max_len: int,
+        scale: float,
+    ) -> Tensor:
+        """The decode rows: one query ``[num_seqs, H, D]`` per sequence; ``max_len`` bounds
+        ``seq_lens``. A subclass may replace this path alone (``CpuBackend`` does)."""
+        return _decode(q, k_cache, v_cache, block_tables, seq_lens, max_len, scale)
 
 
 def _decode(

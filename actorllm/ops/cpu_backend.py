@@ -1,0 +1,147 @@
+"""CPU backend: the torch reference with decode attention in a small C kernel.
+
+``kernels/cpu_paged_decode.c`` reads each sequence's K/V in place through its block
+table with an online softmax, instead of gathering the whole context into a padded
+tensor first (the torch reference's decode path, most of its attention time). Prefill
+chunks and the KV write stay those of :class:`TorchBackend`, which is also the oracle
+the kernel is tested against (tests/test_ops_cpu.py).
+
+The kernel is compiled on first use with the machine's C compiler (``$CC``, else
+``cc``/``gcc``) into ``$ACTORLLM_CACHE_DIR`` (default ``~/.cache/actorllm``), keyed
+by the source, the flags and the CPU, and loaded with ctypes, which releases the GIL
+during the call. Without a compiler, ``load_cpu_backend`` raises
+``BackendUnavailable`` and ``select_backend("auto")`` keeps the torch backend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.resources
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from actorllm.ops.torch_backend import TorchBackend
+
+log = logging.getLogger(__name__)
+
+SOURCE = "cpu_paged_decode.c"
+# Reassociation lets the compiler vectorize the dot products; no -ffast-math, whose
+# finite-math assumption would break the kernel's -inf start of the running maximum.
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
+         "-fassociative-math", "-fno-signed-zeros", "-fPIC", "-shared", "-pthread")
+
+
+class CpuKernelError(RuntimeError):
+    """The C kernel could not be built or loaded; the message says why in one line."""
+
+
+def _source() -> Path:
+    root = os.environ.get("ACTORLLM_KERNEL_DIR") or str(
+        importlib.resources.files("actorllm.kernels"))
+    return Path(root) / SOURCE
+
+
+def _cpu_key() -> str:
+    # -march=native code is only valid on a CPU with the same features.
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def build_kernel(cache_dir: Path | None = None) -> Path:
+    """Compile the kernel (once per source, flags and CPU) and return the shared object."""
+    src = _source()
+    if not src.is_file():
+        raise CpuKernelError(f"kernel source {src} is missing")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise CpuKernelError("no C compiler found (set CC, or install gcc)")
+    code = src.read_bytes()
+    digest = hashlib.sha256(code + " ".join(FLAGS).encode() + _cpu_key().encode()).hexdigest()
+    cache = cache_dir or Path(os.environ.get("ACTORLLM_CACHE_DIR")
+                              or Path.home() / ".cache" / "actorllm")
+    target = cache / f"cpu_paged_decode-{digest[:16]}.so"
+    if target.is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: processes that start at once never load half a file.
+    fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(src), "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            first = (proc.stderr.strip().splitlines() or ["(no output)"])[0]
+            raise CpuKernelError(f"{cc} failed on {src.name}: {first}")
+        os.replace(tmp, target)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise CpuKernelError(f"could not run {cc}: {exc}") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built %s with %s", target.name, cc)
+    return target
+
+
+class CpuBackend(TorchBackend):
+    """``TorchBackend`` with fp32 decode attention in the C kernel.
+
+    ``num_threads`` threads split the (sequence, KV head) pairs; None follows
+    ``torch.get_num_threads()`` at each call. Rows the kernel does not cover (another
+    dtype, a head dim over 256, more than 16 query heads per KV head) take the torch path.
+    """
+
+    name = "cpu"
+
+    def __init__(self, library: Path, num_threads: int | None = None) -> None:
+        lib = ctypes.CDLL(str(library))
+        fn = lib.paged_decode_f32
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float,
+                                                                       ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+        self.num_threads = num_threads
+
+    def decode(
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        block_tables: Tensor,
+        seq_lens: Tensor,
+        max_len: int,
+        scale: float,
+    ) -> Tensor:
+        """Decode attention by the kernel; the torch reference where it does not apply."""
+        if not (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype
+                == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return super().decode(q, k_cache, v_cache, block_tables, seq_lens, max_len, scale)
+        q = q.contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        out = torch.empty_like(q)
+        num_seqs, num_heads, head_dim = q.shape
+        threads = self.num_threads or torch.get_num_threads()
+        rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                      lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, k_cache.shape[2],
+                      head_dim, k_cache.shape[1], tables.shape[1], scale, threads)
+        if rc != 0:
+            return super().decode(q, k_cache, v_cache, block_tables, seq_lens, max_len, scale)
+        return out
+
+
+def load_cpu_backend(num_threads: int | None = None) -> CpuBackend:
+    """Build (or find in the cache) and load the kernel; ``CpuKernelError`` if it cannot."""
+    return CpuBackend(build_kernel(), num_threads)

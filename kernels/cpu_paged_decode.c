@@ -1,0 +1,150 @@
+/* Paged decode attention on the CPU: one query token per sequence, fp32.
+ *
+ * The torch reference (actorllm/ops/torch_backend.py) gathers every sequence's whole
+ * context into a padded tensor before one batched SDPA; at 64 sequences of 200 tokens
+ * that copy is most of the attention time. This kernel reads K/V where they lie, block
+ * by block through the block table, with an online softmax (one pass over the
+ * context, no scores buffer). Layouts are those of DESIGN.md section 5:
+ *
+ *   q            [num_seqs, num_heads, head_dim]
+ *   k/v_cache    [num_blocks, block_size, num_kv_heads, head_dim]
+ *   block_tables [num_seqs, max_blocks] int32
+ *   seq_lens     [num_seqs] int32 (context length including the new token)
+ *   out          [num_seqs, num_heads, head_dim]
+ *
+ * The query heads that share a KV head (GQA) are processed together, so each key and
+ * value row is loaded once per group. Work is split over (sequence, KV head) pairs
+ * between `num_threads` threads made here with pthreads; the caller picks the count.
+ * Built by actorllm/ops/cpu_backend.py with the machine's C compiler.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    const int32_t *block_tables, *seq_lens;
+    float *out;
+    int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+    float scale;
+    int64_t begin, end; /* range of (seq, kv_head) work items */
+} job_t;
+
+/* Up to this many context positions are scored before the running softmax is updated:
+ * one block of the cache at a time, so the rescale happens once per block, not per key. */
+#define MAX_CHUNK 64
+
+/* `D` is a constant where one_item is instantiated below, so the loops over the head
+ * dimension unroll and vectorize fully for the common head sizes. */
+static inline __attribute__((always_inline)) void item_d(const job_t *j, int64_t item,
+                                                         const int64_t D) {
+    const int64_t s = item / j->num_kv_heads, g = item % j->num_kv_heads;
+    const int64_t group = j->num_heads / j->num_kv_heads;
+    const int64_t len = j->seq_lens[s], bs = j->block_size;
+    const int32_t *table = j->block_tables + s * j->max_blocks;
+    const float *q = j->q + (s * j->num_heads + g * group) * D;
+    float *out = j->out + (s * j->num_heads + g * group) * D;
+    const int64_t row = j->num_kv_heads * D; /* floats between consecutive slots */
+    const int64_t chunk = bs < MAX_CHUNK ? bs : MAX_CHUNK;
+    float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_HEAD_DIM];
+    float qs[MAX_GROUP][MAX_HEAD_DIM], score[MAX_GROUP][MAX_CHUNK];
+
+    for (int64_t h = 0; h < group; h++) {
+        for (int64_t d = 0; d < D; d++) {
+            qs[h][d] = q[h * D + d] * j->scale;
+            acc[h][d] = 0.0f;
+        }
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    for (int64_t p0 = 0; p0 < len; p0 += chunk) {
+        /* A chunk never crosses a block: its keys are consecutive rows of one block. */
+        const int64_t n = len - p0 < chunk ? len - p0 : chunk;
+        const int64_t slot0 = (int64_t)table[p0 / bs] * bs + p0 % bs;
+        const float *kb = j->k_cache + slot0 * row + g * D;
+        const float *vb = j->v_cache + slot0 * row + g * D;
+        for (int64_t i = 0; i < n; i++) {
+            const float *k = kb + i * row;
+            for (int64_t h = 0; h < group; h++) {
+                float dot = 0.0f;
+                for (int64_t d = 0; d < D; d++) dot += qs[h][d] * k[d];
+                score[h][i] = dot;
+            }
+        }
+        for (int64_t h = 0; h < group; h++) {
+            float mx = m[h];
+            for (int64_t i = 0; i < n; i++) mx = score[h][i] > mx ? score[h][i] : mx;
+            const float c = expf(m[h] - mx); /* 0 on the first chunk: m is -inf */
+            l[h] *= c;
+            for (int64_t d = 0; d < D; d++) acc[h][d] *= c;
+            m[h] = mx;
+            for (int64_t i = 0; i < n; i++) {
+                score[h][i] = expf(score[h][i] - mx);
+                l[h] += score[h][i];
+            }
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const float *v = vb + i * row;
+            for (int64_t h = 0; h < group; h++) {
+                const float w = score[h][i];
+                for (int64_t d = 0; d < D; d++) acc[h][d] += w * v[d];
+            }
+        }
+    }
+    for (int64_t h = 0; h < group; h++) {
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+        for (int64_t d = 0; d < D; d++) out[h * D + d] = acc[h][d] * inv;
+    }
+}
+
+static void one_item(const job_t *j, int64_t item) {
+    switch (j->head_dim) {
+    case 32: item_d(j, item, 32); break;
+    case 64: item_d(j, item, 64); break;
+    case 128: item_d(j, item, 128); break;
+    default: item_d(j, item, j->head_dim);
+    }
+}
+
+static void *run_job(void *arg) {
+    const job_t *j = (const job_t *)arg;
+    for (int64_t i = j->begin; i < j->end; i++) one_item(j, i);
+    return NULL;
+}
+
+/* Returns 0 on success, -1 when a shape is beyond the kernel's fixed limits. */
+int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+                     const int32_t *block_tables, const int32_t *seq_lens, float *out,
+                     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
+                     int num_threads) {
+    if (num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP
+        || head_dim > MAX_HEAD_DIM)
+        return -1;
+    const int64_t items = num_seqs * num_kv_heads;
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > 64) num_threads = 64;
+    if (num_threads > items) num_threads = (int)(items > 0 ? items : 1);
+    job_t jobs[64];
+    pthread_t threads[64];
+    for (int t = 0; t < num_threads; t++) {
+        jobs[t] = (job_t){q, k_cache, v_cache, block_tables, seq_lens, out,
+                          num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                          max_blocks, scale, items * t / num_threads,
+                          items * (t + 1) / num_threads};
+    }
+    int started = 0;
+    for (int t = 1; t < num_threads; t++) {
+        if (pthread_create(&threads[t], NULL, run_job, &jobs[t]) != 0) break;
+        started = t;
+    }
+    /* This thread takes the first share, and any share a thread could not be made for. */
+    run_job(&jobs[0]);
+    for (int t = started + 1; t < num_threads; t++) run_job(&jobs[t]);
+    for (int t = 1; t <= started; t++) pthread_join(threads[t], NULL);
+    return 0;
+}
