@@ -42,8 +42,8 @@ class ModelRunner:
 
     ``num_blocks`` or ``kv_cache_bytes`` sizes the cache (neither: a default budget).
     ``dtype`` defaults to fp32 on CPU and bf16 on CUDA. ``num_threads`` sets torch's
-    intra-op threads for the process (None: leave torch's default, one per core). ``execute`` is synchronous and
-    must be called from one thread at a time.
+    intra-op threads for the process (None: leave torch's default, one per core).
+    ``execute`` is synchronous and must be called from one thread at a time.
     """
 
     def __init__(
