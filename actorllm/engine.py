@@ -222,6 +222,7 @@ class AsyncEngine:
         m.num_requests_waiting.set(s.num_waiting)
         m.kv_cache_usage_perc.set(s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total
                                   else 0.0)
+        m.on_stats(s)
         for box in self.mailboxes.values():
             m.mailbox_depth.labels(mailbox=box.name).set(box.depth)
             m.mailbox_high_water.labels(mailbox=box.name).set(box.high_water)

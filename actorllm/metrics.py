@@ -7,6 +7,8 @@ renders the registry at ``/metrics`` with the ``actorllm:`` prefix.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -46,7 +48,29 @@ class EngineMetrics:
                                    registry=r)
         self.mailbox_high_water = Gauge(p + "mailbox_high_water", "Most messages ever waiting",
                                         ["mailbox"], registry=r)
+        # The Scheduler's running totals (SchedulerStats), as counters: what the engine
+        # did and how long the Worker was busy doing it (a benchmark's idle-gap figure).
+        self.engine_steps = Counter(p + "engine_steps", "Steps the Worker ran", registry=r)
+        self.worker_forward_seconds = Counter(p + "worker_forward_seconds",
+                                              "Worker time in forward passes", registry=r)
+        self.worker_sample_seconds = Counter(p + "worker_sample_seconds",
+                                             "Worker time in sampling", registry=r)
+        self.num_preemptions = Counter(p + "num_preemptions", "Sequences preempted",
+                                       registry=r)
+        self._totals = {"steps": 0.0, "forward_s": 0.0, "sample_s": 0.0,
+                        "num_preemptions": 0.0}
         self.arrivals = 0
+
+    def on_stats(self, stats: Any) -> None:
+        """Advance the counters to a ``SchedulerStats``' running totals."""
+        for name, counter in (("steps", self.engine_steps),
+                              ("forward_s", self.worker_forward_seconds),
+                              ("sample_s", self.worker_sample_seconds),
+                              ("num_preemptions", self.num_preemptions)):
+            value = float(getattr(stats, name))
+            if value > self._totals[name]:  # totals only grow within one Scheduler
+                counter.inc(value - self._totals[name])
+                self._totals[name] = value
 
     def on_arrival(self) -> None:
         self.arrivals += 1

@@ -601,6 +601,7 @@ def test_metrics_parse(base: str) -> None:
     assert {"frontend", "tokenizer", "scheduler", "worker", "detokenizer"} <= boxes
     m = metrics(base)
     assert m["actorllm:prompt_tokens_total"] > 0 and m["actorllm:generation_tokens_total"] > 0
+    assert m["actorllm:engine_steps_total"] > 0 and m["actorllm:worker_forward_seconds_total"] > 0
 
 
 def test_openapi_is_valid(base: str) -> None:
