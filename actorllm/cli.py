@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20)
     serve.add_argument("--max-pending", type=int, default=1024,
                        help="live sequences before new requests get 503")
+    serve.add_argument("--on-engine-death", choices=["exit", "stay"], default="exit",
+                       help="when the engine dies: fail in-flight requests, then exit with "
+                       "code 3 (exit, for a supervisor to restart) or keep answering 503")
     _engine_flags(serve)
 
     replay = sub.add_parser("replay", help="check a trace against the spec")

@@ -117,6 +117,8 @@ class AsyncEngine:
 
     ``alive`` turns False when the engine stops or one of its processes dies;
     ``dead_reason`` then says why, and every request fails with that message.
+    ``died`` is set only for a death (a child process exited, or an actor of this
+    process raised), not for an orderly stop: that is what a server restarts for.
     """
 
     def __init__(self, config: EngineConfig, resources: Resources, frontend: Frontend,
@@ -133,6 +135,7 @@ class AsyncEngine:
         self.supervisor = supervisor  # None in the single topology
         self.alive = True
         self.dead_reason: str | None = None
+        self.died = trio.Event()
         self.accepting = True  # False while draining for shutdown
         self._streams = 0  # generate() calls in progress
         self._counter = itertools.count()
@@ -181,6 +184,7 @@ class AsyncEngine:
         self.dead_reason = reason
         lost = self.frontend.lose_all(reason)
         log.error("engine dead: %s; %d live requests failed", reason, lost)
+        self.died.set()
 
     @property
     def busy(self) -> bool:
@@ -308,7 +312,7 @@ async def open_engine(config: EngineConfig | None = None, *,
             for inbox in wiring.remote_inboxes:
                 nursery.start_soon(inbox.pump, name=f"pump:{inbox.name}")
             for name, actor in actors.items():
-                nursery.start_soon(actor.run, name=f"actor:{name}")
+                nursery.start_soon(_run_actor, engine, name, actor, name=f"actor:{name}")
             if ipc is not None:
                 supervisor = Supervisor(config, ipc, on_death=engine.mark_dead)
                 engine.supervisor = supervisor
@@ -329,6 +333,18 @@ async def open_engine(config: EngineConfig | None = None, *,
         raise
     finally:
         await stop()
+
+
+async def _run_actor(engine: AsyncEngine, name: str, actor: Any) -> None:
+    """Run one actor of this process; if it raises, the engine is dead (as if a child
+    process had exited): live requests fail with ``engine_dead`` instead of the error
+    tearing down the HTTP server that shares this nursery."""
+    try:
+        await actor.run()
+    except Exception as exc:
+        log.exception("the %s actor failed", name)
+        cause = _sole_error(exc)  # actors run their tasks in nurseries of their own
+        engine.mark_dead(f"the {name} actor failed: {type(cause).__name__}: {cause}")
 
 
 async def _drain_on_sigterm(engine: AsyncEngine, stop: Any) -> None:

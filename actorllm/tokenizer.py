@@ -4,12 +4,21 @@ Owns nothing long-lived. Every ``TokenizeRequest`` leaves as exactly one
 ``SequenceRequest`` (to the Scheduler) or one ``RequestFailed`` (to the Frontend).
 ``AbortRequest`` is forwarded to the Scheduler on the same FIFO edge as the
 requests, so it always arrives after the request it cancels.
+
+Tokenizing and templating run in a worker thread, not on the trio loop, unless the
+input is short: a 1 MB prompt takes about a second to tokenize, and this actor shares
+its loop with the HTTP server and the Frontend. HF fast tokenizers release the GIL and
+may be shared by threads as long as nobody changes their truncation or padding, which
+nothing in actorllm does. Short inputs stay inline because the thread hop costs more
+than they do (and the simulation's delivery order stays the test's to choose).
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Any
+
+import trio
 
 from actorllm.config import ModelInfo
 from actorllm.lifecycle import Ledger
@@ -39,6 +48,28 @@ def load_hf_tokenizer(model_dir: str) -> Any:
         raise ValueError(f"cannot load a tokenizer from {model_dir}: {exc}") from None
 
 
+# Inputs up to this many characters are tokenized on the loop (~1 µs a character).
+INLINE_CHARS = 1024
+
+
+def is_text(value: str) -> bool:
+    """Whether ``value`` can be encoded as UTF-8 (JSON can carry a lone surrogate)."""
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def input_chars(req: TokenizeRequest) -> int:
+    """How much text ``req`` gives the tokenizer (what decides inline or in a thread)."""
+    if req.prompt is not None:
+        return len(req.prompt)
+    return sum(len(m.role) + len(m.content) for m in req.messages or ())
+
+
 class PromptEncoder:
     """Pure tokenization and validation; the actor below only moves messages."""
 
@@ -58,6 +89,9 @@ class PromptEncoder:
         elif req.prompt is not None:
             if not req.prompt:
                 raise InvalidRequest("prompt must not be empty", "prompt")
+            if not is_text(req.prompt):
+                raise InvalidRequest("prompt must be valid Unicode text (it holds a lone "
+                                     "surrogate)", "prompt")
             ids = list(self.tok(req.prompt).input_ids)
         else:
             ids = list(req.prompt_token_ids or ())
@@ -91,6 +125,10 @@ class PromptEncoder:
             raise InvalidRequest("messages must not be empty", "messages")
         if getattr(self.tok, "chat_template", None) is None:
             raise InvalidRequest("this model has no chat template; use completions", "messages")
+        for i, m in enumerate(req.messages):
+            if not (is_text(m.role) and is_text(m.content)):
+                raise InvalidRequest("messages must be valid Unicode text (a lone surrogate "
+                                     f"in message {i})", f"messages[{i}]")
         convo = [{"role": m.role, "content": m.content} for m in req.messages]
         try:
             out = self.tok.apply_chat_template(
@@ -124,7 +162,10 @@ class Tokenizer:
                 await self.scheduler.send(msg)
                 continue
             try:
-                seq = self.encoder.encode(msg)
+                if input_chars(msg) <= INLINE_CHARS:
+                    seq = self.encoder.encode(msg)
+                else:
+                    seq = await trio.to_thread.run_sync(self.encoder.encode, msg)
             except InvalidRequest as exc:
                 self.ledger.fire(msg.rid, "reject", reason=str(exc))
                 self.ledger.drop(msg.rid)

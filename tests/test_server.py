@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 API_KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MODEL = "tiny"
 CONTEXT = 256  # the tiny models' max_position_embeddings
 MAX_REQUEST_BYTES = 64 * 1024
@@ -50,11 +52,14 @@ class ServerProcess:
     """``actorllm serve`` in a subprocess; ``url`` once its start-up line is printed."""
 
     def __init__(self, model_dir: Path, *args: str, env: dict[str, str] | None = None,
-                 settings: dict[str, int] | None = None, log_dir: Path | None = None) -> None:
+                 settings: dict[str, int] | None = None, log_dir: Path | None = None,
+                 script: str | None = None) -> None:
         flags = ["serve", "--model", str(model_dir), "--num-kv-blocks", "512", *args]
         if "--port" not in args:
             flags += ["--port", "0"]
-        if settings:
+        if script is not None:  # a `python -c` stand-in for `python -m actorllm`
+            cmd = [sys.executable, "-c", script, *flags]
+        elif settings:
             extra = ",".join(f"{k}={v}" for k, v in settings.items())
             cmd = [sys.executable, "-c", _SERVE_SCRIPT, extra, *flags]
         else:
@@ -230,7 +235,8 @@ def test_completion_prompt_forms(client: openai.OpenAI, base: str) -> None:
                                     temperature=0)
     assert one.object == "text_completion" and one.id.startswith("cmpl-")
     assert len(one.choices) == 1 and one.usage is not None
-    tokens = json.loads(http(base + "/tokenize", "POST", {"prompt": "The river"})[2])["tokens"]
+    tokens = json.loads(http(base + "/tokenize", "POST", {"prompt": "The river"},
+                             headers=AUTH)[2])["tokens"]
     by_ids = client.completions.create(model=MODEL, prompt=tokens, max_tokens=5, temperature=0)
     assert by_ids.choices[0].text == one.choices[0].text
     many = client.completions.create(model=MODEL, prompt=["The river", "A small library"],
@@ -616,15 +622,64 @@ def test_openapi_is_valid(base: str) -> None:
 
 
 def test_tokenize_detokenize(base: str) -> None:
-    status, _, body = http(base + "/tokenize", "POST", {"prompt": "Hello there"})
+    status, _, body = http(base + "/tokenize", "POST", {"prompt": "Hello there"}, headers=AUTH)
     assert status == 200
     tok = json.loads(body)
     assert tok["count"] == len(tok["tokens"]) > 1 and tok["max_model_len"] == CONTEXT
-    status, _, body = http(base + "/detokenize", "POST", {"tokens": tok["tokens"][1:]})
+    status, _, body = http(base + "/detokenize", "POST", {"tokens": tok["tokens"][1:]},
+                             headers=AUTH)
     assert status == 200 and json.loads(body)["prompt"] == "Hello there"
-    status, _, body = http(base + "/tokenize", "POST", {"messages": chat("Hi")})
+    status, _, body = http(base + "/tokenize", "POST", {"messages": chat("Hi")}, headers=AUTH)
     assert status == 200 and json.loads(body)["count"] > 2
-    status, _, body = http(base + "/detokenize", "POST", {"tokens": [10**7]})
+    status, _, body = http(base + "/detokenize", "POST", {"tokens": [10**7]}, headers=AUTH)
     assert status == 400 and json.loads(body)["error"]["param"] == "tokens"
-    status, _, body = http(base + "/tokenize", "POST", raw=b"{not json")
+    status, _, body = http(base + "/tokenize", "POST", raw=b"{not json", headers=AUTH)
     assert status == 400 and json.loads(body)["error"]["code"] == "invalid_json"
+    # Behind the key, as in vLLM: they take client text and CPU time.
+    for path, body in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [5]})):
+        status, _, raw = http(base + path, "POST", body)
+        assert status == 401 and json.loads(raw)["error"]["code"] == "invalid_api_key"
+
+
+# --- connections after an early answer (issue 14, item 3) --------------------------------
+
+
+def _early_error_requests(base: str) -> list[tuple[str, dict[str, str], bytes, int]]:
+    """Requests answered before their body is read: a wrong key, a body over the limit."""
+    small = json.dumps({"prompt": "a" * 30_000}).encode()
+    big = json.dumps({"prompt": "a" * (MAX_REQUEST_BYTES + 10)}).encode()
+    json_type = {"Content-Type": "application/json"}
+    return [("/v1/completions", {**json_type, "Authorization": "Bearer wrong"}, small, 401),
+            ("/tokenize", json_type, small, 401),
+            ("/v1/completions", {**json_type, **AUTH}, big, 413)]
+
+
+def test_early_errors_say_connection_close(base: str) -> None:
+    host, port = _host_port(base)
+    for path, headers, body, status in _early_error_requests(base):
+        conn = HTTPConnection(host, port, timeout=30)
+        conn.request("POST", path, body=body, headers=headers)
+        resp = conn.getresponse()
+        assert resp.status == status
+        assert resp.getheader("connection") == "close", resp.getheaders()
+        assert json.loads(resp.read())["error"]["code"]
+        conn.close()
+
+
+def test_keep_alive_client_survives_early_errors(base: str) -> None:
+    """A keep-alive client (http.client reconnects when told to close) never fails."""
+    host, port = _host_port(base)
+    conn = HTTPConnection(host, port, timeout=30)
+    try:
+        for _ in range(10):
+            for path, headers, body, status in _early_error_requests(base):
+                conn.request("POST", path, body=body, headers=headers)
+                resp = conn.getresponse()
+                assert resp.status == status
+                resp.read()
+                conn.request("GET", "/health")
+                resp = conn.getresponse()
+                assert resp.status == 200
+                resp.read()
+    finally:
+        conn.close()

@@ -203,7 +203,7 @@ async def test_health_while_draining(engine: AsyncEngine) -> None:
     app.state.server.draining = True
     assert (await Call("/health", method="GET").run(app)).status == 503
     refused = await Call("/v1/completions", {"prompt": "Hi"}).run(app)
-    assert refused.status == 503 and refused.json()["error"]["code"] == "not_serving"
+    assert refused.status == 503 and refused.json()["error"]["code"] == "shutting_down"
 
 
 async def test_overload_is_503_and_frees_its_reservation(engine: AsyncEngine) -> None:

@@ -4,7 +4,8 @@ The app talks to the engine through the Frontend only (``engine.submit`` /
 ``engine.abort``), plus read-only things the API layer owns by design: the tokenizer for
 ``/tokenize`` and logprob strings, the model info, and the metrics registry. It runs on
 the same trio loop as the actors (hypercorn's trio worker), so handlers never block:
-the Worker's forward pass runs in a thread.
+the Worker's forward pass runs in a thread, and so does any tokenizing or templating
+of client text (``/tokenize``, ``/detokenize``, the Tokenizer actor's long inputs).
 
     app = build_app(engine, served_model_name="my-model")
 """
@@ -15,8 +16,10 @@ import hmac
 import logging
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+import trio
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -56,6 +59,13 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PENDING = 1024
 _MAX_REQUEST_ID = 256
+# Paths behind --api-key: the OpenAI routes and the tokenizer ones (as in vLLM), which
+# take client text and CPU time.
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+# Sent with an answer given before the body was read: the unread body would otherwise
+# be taken for the next request on the connection, so hypercorn closes it; say so.
+_CLOSE = {"connection": "close"}
+_T = TypeVar("_T")
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": why} for status, why in (
@@ -81,12 +91,31 @@ class ServerState:
         self.max_pending = max_pending
         self.inflight = 0  # engine sequences held by HTTP requests (the overload cap)
         self.draining = False  # set on SIGINT/SIGTERM: refuse new work, /health says 503
+        # Set when --drain-timeout runs out: requests still running end with an error.
+        self.drain_expired = trio.Event()
         self.created = int(time.time())
         self.texts = TokenTexts(engine.tokenizer)
+        # /tokenize and /detokenize run the tokenizer in threads; this many at once.
+        self.tokenizer_threads = trio.CapacityLimiter(2)
 
     @property
     def serving(self) -> bool:
-        return self.engine.alive and not self.draining
+        return self.refusal() is None
+
+    def refusal(self) -> APIError | None:
+        """Why a new request is refused now (503), or None while serving."""
+        engine = self.engine
+        if engine.died.is_set():
+            return APIError(503, f"the engine is dead: {engine.dead_reason}; the server "
+                            "must be restarted", code="engine_dead")
+        if self.draining or not engine.alive:
+            return APIError(503, "the server is shutting down", code="shutting_down",
+                            headers=_CLOSE)
+        return None
+
+    async def in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run tokenizer work off the event loop (a 1 MB prompt takes about a second)."""
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.tokenizer_threads)
 
     def check_model(self, model: str | None) -> None:
         """A request may omit ``model``; naming another one is a 404."""
@@ -99,11 +128,16 @@ class _TooLarge(StarletteHTTPException):
     """Raised from ``receive``: FastAPI passes HTTPExceptions through its body reading."""
 
     def __init__(self, limit: int) -> None:
-        super().__init__(413, f"the request body is over the limit of {limit} bytes")
+        super().__init__(413, f"the request body is over the limit of {limit} bytes",
+                         headers=_CLOSE)
 
 
 class EdgeMiddleware:
-    """Pure ASGI, before routing: API key (``/v1``), body size, ``X-Request-Id`` echo."""
+    """Pure ASGI, before routing: API key, body size, ``X-Request-Id`` echo.
+
+    A 401 or 413 given here is sent before the body is read, with ``Connection: close``:
+    reading a body we refuse would cost up to --max-request-bytes per attempt.
+    """
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app, self.state = app, state
@@ -123,15 +157,16 @@ class EdgeMiddleware:
                     message = {**message, "headers": raw + echo}
             await send(message)
 
-        if scope["path"].startswith("/v1") and not self._authorized(headers):
+        path = scope["path"]
+        if (path.startswith(_PROTECTED) or path == "/v1") and not self._authorized(headers):
             await APIError(401, "invalid or missing API key (use Authorization: Bearer KEY)",
-                           code="invalid_api_key").send(send, echo)
+                           code="invalid_api_key", headers=_CLOSE).send(send, echo)
             return
         limit = self.state.max_request_bytes
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             await APIError(413, f"the request body is over the limit of {limit} bytes",
-                           code="request_too_large").send(send, echo)
+                           code="request_too_large", headers=_CLOSE).send(send, echo)
             return
         seen = 0
 
@@ -180,11 +215,15 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
     app.add_middleware(EdgeMiddleware, state=state)
     info = engine.info
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "serving (an empty body)", "content": {}},
+        503: {"model": ErrorResponse, "description": "shutting down (`shutting_down`) or "
+              "the engine is dead (`engine_dead`)"}})
     async def health() -> Response:
-        """200 while the engine serves; 503 when it is starting, draining or dead."""
-        if not state.serving:
-            raise APIError(503, "not serving", code="not_serving")
+        """200 (empty) while the engine serves; 503 when it is draining or dead."""
+        refusal = state.refusal()
+        if refusal is not None:
+            raise refusal
         return Response(status_code=200)
 
     @app.get("/version")
@@ -247,7 +286,10 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
                 echo = prompt
             else:
                 req = GenerateRequest(rid, params, prompt_token_ids=prompt, arrival_time=now)
-                echo = _decode(engine, prompt, "prompt") if body.echo else ""
+                echo = ""
+                if body.echo:
+                    _check_vocab(engine, prompt, "prompt")
+                    echo = await state.in_thread(_decode, engine, prompt)
             jobs.append(Job(req, index_base=i * params.n, echo=echo if body.echo else ""))
         renderer = CompletionRenderer(response_id=f"cmpl-{base}", created=int(time.time()),
                                       model=state.model_name,
@@ -263,18 +305,17 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequest("give exactly one of prompt or messages", "prompt")
         tok = engine.tokenizer
-        # The tokenizer is called on the loop thread on purpose: the Tokenizer actor uses
-        # the same object there, and HF fast tokenizers must not be used concurrently.
         if body.prompt is not None:
-            ids = list(tok(body.prompt, add_special_tokens=body.add_special_tokens is not False)
-                       .input_ids)
+            prompt, special = body.prompt, body.add_special_tokens is not False
+            ids = await state.in_thread(lambda: list(tok(prompt, add_special_tokens=special)
+                                                     .input_ids))
         else:
             convo = [{"role": m.role, "content": m.content}
                      for m in chat_messages(body.messages or [])]
+            add = body.add_generation_prompt is not False
             try:
-                out = tok.apply_chat_template(
-                    convo, add_generation_prompt=body.add_generation_prompt is not False,
-                    tokenize=True)
+                out = await state.in_thread(lambda: tok.apply_chat_template(
+                    convo, add_generation_prompt=add, tokenize=True))
             except Exception as exc:  # a template may raise anything
                 raise InvalidRequest(f"chat template failed: {exc}", "messages") from None
             ids = list(out["input_ids"] if hasattr(out, "keys") else out)
@@ -283,20 +324,47 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        """The text of token ids (special tokens included)."""
         state.check_model(body.model)
-        return {"prompt": _decode(engine, tuple(body.tokens))}
+        ids = tuple(body.tokens)
+        _check_vocab(engine, ids, "tokens")
+        return {"prompt": await state.in_thread(_decode, engine, ids)}
 
+    _document_400_not_422(app)
     return app
+
+
+def _document_400_not_422(app: FastAPI) -> None:
+    """FastAPI documents 422 for a bad body; this server answers 400 (OpenAI's status)."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = generate()
+        for item in schema.get("paths", {}).values():
+            for op in item.values():
+                responses = op.get("responses", {})
+                if responses.pop("422", None) is not None and "400" not in responses:
+                    responses["400"] = {"description": "invalid request",
+                                        "content": {"application/json": {"schema": {
+                                            "$ref": "#/components/schemas/ErrorResponse"}}}}
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
-def _decode(engine: AsyncEngine, ids: tuple[int, ...], param: str = "tokens") -> str:
+def _check_vocab(engine: AsyncEngine, ids: tuple[int, ...], param: str) -> None:
     bad = [t for t in ids if not 0 <= t < engine.info.vocab_size]
     if bad:
         raise InvalidRequest(f"token id {bad[0]} is not in the vocabulary "
                              f"(size {engine.info.vocab_size})", param)
-    return engine.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def _decode(engine: AsyncEngine, ids: tuple[int, ...]) -> str:
+    return str(engine.tokenizer.decode(list(ids), skip_special_tokens=False))
 

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.types import Send
 
 from actorllm.frontend import DuplicateRequestId, RequestError
@@ -52,13 +52,18 @@ class APIError(Exception):
                           "type": _TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
 
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status,
-                            headers={**self.headers, **(headers or {})})
+    def payload(self) -> bytes:
+        """The body as bytes; ASCII-escaped so that no text a client sent can break it."""
+        return json.dumps(self.body()).encode()
+
+    def response(self, headers: dict[str, str] | None = None) -> Response:
+        return Response(self.payload(), status_code=self.status,
+                        media_type="application/json",
+                        headers={**self.headers, **(headers or {})})
 
     async def send(self, send: Send, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
         """Send the whole error response through a raw ASGI ``send``."""
-        payload = json.dumps(self.body()).encode()
+        payload = self.payload()
         raw = [(b"content-type", b"application/json"),
                (b"content-length", str(len(payload)).encode()),
                *((k.encode(), v.encode()) for k, v in self.headers.items()), *headers]
@@ -82,9 +87,16 @@ def from_request_error(exc: RequestError) -> APIError:
     return APIError(500, str(exc), code=exc.code or "internal_error")
 
 
+def _is_union_tag(part: Any) -> bool:
+    # pydantic names the arm of a union that failed ("str", "list[ContentPart]",
+    # "function-after[...]", "constrained-str"); a client knows fields, not arms.
+    return isinstance(part, str) and (part in {"str", "int", "float", "bool", "none", "list",
+                                               "dict"} or "[" in part or "-" in part)
+
+
 def _param(loc: Sequence[Any]) -> str | None:
     """``("body", "messages", 0, "content")`` -> ``messages[0].content``."""
-    parts = [p for p in loc if p != "body"]
+    parts = [p for p in loc if p != "body" and not _is_union_tag(p)]
     out = ""
     for p in parts:
         if isinstance(p, int):
@@ -94,12 +106,21 @@ def _param(loc: Sequence[Any]) -> str | None:
     return out or None
 
 
+_SPECIFIC = ("value_error", "string_unicode")
+_SURROGATE = "must be valid Unicode text (it holds a lone surrogate)"
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """pydantic's complaint about the body, as a 400 naming the first bad field."""
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request body", code="invalid_request")
-    first = errors[0]
+    # A value our own validators refused (a lone surrogate, ...) says more than the
+    # "not a list" of the union arms it also failed. pydantic's JSON parser finds some
+    # lone surrogates itself (``string_unicode``); the schema's validator the rest.
+    first = next((e for e in errors if e.get("type") in _SPECIFIC), errors[0])
+    if first.get("type") == "string_unicode":
+        first = {**first, "msg": _SURROGATE}
     if first.get("type") == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error')}",
                         code="invalid_json")

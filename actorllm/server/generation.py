@@ -9,6 +9,11 @@ Status codes are decided before the first byte goes out: a streaming response wa
 for every engine request's first output, so a prompt that does not fit is a 400 and
 not an error inside the stream. Errors after that are sent as an SSE ``error`` event,
 followed by ``[DONE]``.
+
+When ``--drain-timeout`` runs out (``ServerState.drain_expired``), a request still
+running ends the same way: a stream with an ``error`` event (code ``shutting_down``)
+and ``[DONE]``, a whole response with a 503. The cut only ever cancels a wait, never a send
+half-way (that would corrupt the chunked body).
 """
 
 from __future__ import annotations
@@ -192,6 +197,12 @@ class _ClientGone(Exception):
     """The client disconnected; stop quietly."""
 
 
+def drain_cut_error() -> APIError:
+    """What a request still running when --drain-timeout runs out is told."""
+    return APIError(503, "the server shut down before this request finished "
+                    "(--drain-timeout ran out)", code="shutting_down")
+
+
 def _client_gone(exc: BaseException) -> bool:
     """``exc`` is _ClientGone, or a group made only of them (trio groups task errors)."""
     if isinstance(exc, BaseExceptionGroup):
@@ -215,6 +226,7 @@ class GenerationResponse(Response):
         self._started = False
         self._reserved = 0
         self._error: RequestError | None = None
+        self._cut = False  # the drain timeout ran out before this request finished
 
     def _api_error(self, exc: RequestError) -> APIError:
         err = from_request_error(exc)
@@ -287,11 +299,17 @@ class GenerationResponse(Response):
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     log.debug("engine stopped before %s could be aborted", job.request.rid)
 
+    async def _cut_on_drain(self, scope: trio.CancelScope) -> None:
+        """Cancel ``scope`` (which must not hold a send) once the drain timeout runs out."""
+        await self.state.drain_expired.wait()
+        self._cut = True
+        scope.cancel()
+
     async def _submit(self) -> None:
         state = self.state
-        if not state.serving:
-            raise APIError(503, "the server is not serving (starting up or shutting down)",
-                           code="not_serving")
+        refusal = state.refusal()
+        if refusal is not None:
+            raise refusal
         cost = sum(j.cost for j in self.jobs)
         if cost > state.max_pending:  # could never run: retrying would not help
             raise APIError(400, f"the request needs {cost} sequences (prompts x n), more than "
@@ -325,11 +343,14 @@ class GenerationResponse(Response):
             except EndOfOutput:
                 pass
 
-        async with trio.open_nursery() as nursery:
-            for i, job in enumerate(self.jobs):
-                assert job.collector is not None
-                nursery.start_soon(first, i, job.collector, nursery.cancel_scope)
-        return None if self._error is not None else firsts
+        async with trio.open_nursery() as outer:
+            outer.start_soon(self._cut_on_drain, outer.cancel_scope)
+            async with trio.open_nursery() as nursery:
+                for i, job in enumerate(self.jobs):
+                    assert job.collector is not None
+                    nursery.start_soon(first, i, job.collector, nursery.cancel_scope)
+            outer.cancel_scope.cancel()  # done: stop watching for the cut
+        return None if self._error is not None or self._cut else firsts
 
     # --- the two ways to answer ----------------------------------------------------------
 
@@ -359,9 +380,15 @@ class GenerationResponse(Response):
                 for o in out.outputs:
                     self.renderer.add(job, o)
 
-        async with trio.open_nursery() as nursery:
-            for job in self.jobs:
-                nursery.start_soon(drain, job, nursery.cancel_scope)
+        async with trio.open_nursery() as outer:
+            outer.start_soon(self._cut_on_drain, outer.cancel_scope)
+            async with trio.open_nursery() as nursery:
+                for job in self.jobs:
+                    nursery.start_soon(drain, job, nursery.cancel_scope)
+            outer.cancel_scope.cancel()  # done: stop watching for the cut
+        if self._cut:
+            await self._send_error(drain_cut_error())
+            return
         if self._error is not None:
             await self._send_error(self._api_error(self._error))
             return
@@ -373,8 +400,11 @@ class GenerationResponse(Response):
     async def _respond_stream(self) -> None:
         firsts = await self._first_outputs()
         if firsts is None:
-            assert self._error is not None
-            await self._send_error(self._api_error(self._error))
+            err = drain_cut_error() if self._cut else None
+            if err is None:
+                assert self._error is not None
+                err = self._api_error(self._error)
+            await self._send_error(err)
             return
         await self._start(200, list(sse.HEADERS))
         for chunk in self.renderer.prelude():
@@ -398,20 +428,41 @@ class GenerationResponse(Response):
                         return
                     await ch.send((job, out))
 
+        receiving: trio.CancelScope | None = None
+
+        async def watch_cut() -> None:
+            await self.state.drain_expired.wait()
+            self._cut = True
+            if receiving is not None:  # else the loop is sending and sees the flag next
+                receiving.cancel()
+
         failed = False
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_cut)
             async with send_ch:
                 for job in self.jobs:
                     nursery.start_soon(pump, job, send_ch.clone())
             async with recv_ch:
-                async for job, item in recv_ch:
+                while not self._cut:
+                    # Only the wait is cancellable by the cut, never a send.
+                    with trio.CancelScope() as receiving:
+                        try:
+                            job, item = await recv_ch.receive()
+                        except trio.EndOfChannel:
+                            break
+                    receiving = None
+                    if self._cut:
+                        break
                     if isinstance(item, RequestError):
                         # Headers are gone: the error travels as an event, then [DONE].
                         await self._body(sse.event(self._api_error(item).body()))
                         failed = True
-                        nursery.cancel_scope.cancel()
                         break
                     await self._emit(job, item.outputs)
+            nursery.cancel_scope.cancel()
+        if self._cut and not failed:
+            await self._body(sse.event(drain_cut_error().body()))
+            failed = True
         if self.include_usage and not failed:
             await self._body(sse.event(self.renderer.usage_chunk(self._usage())))
         await self._body(sse.DONE)

@@ -2,10 +2,20 @@
 
 Order of start-up: check the port is free (fail fast, before minutes of loading), load
 the model (``Resources``), start the actors, bind and listen, and only then print
-``actorllm: serving NAME at http://HOST:PORT``. SIGINT/SIGTERM stops accepting, lets
-in-flight requests finish for up to ``--drain-timeout`` seconds, aborts the rest (their
-handlers are cancelled, which aborts them through the Frontend) and exits 0. A second
-signal stops at once.
+``actorllm: serving NAME at http://HOST:PORT``.
+
+Shutdown: SIGINT/SIGTERM starts a drain. The server keeps accepting connections and
+answers 503 ``shutting_down`` to new requests (a client told so can go elsewhere; a
+refused connection says nothing), lets in-flight requests finish for up to
+``--drain-timeout`` seconds, then ends the rest with an error (an SSE error event and
+``[DONE]``, or a 503 body; their engine requests are aborted through the Frontend),
+and only then stops hypercorn and exits 0. A second signal stops at once.
+
+Engine death (a child process exits, an actor raises): every live request has already
+failed with ``engine_dead`` (``AsyncEngine.mark_dead``). With ``--on-engine-death exit``
+(the default) the server lets those answers go out, stops, and exits with
+``EXIT_ENGINE_DEAD``, so that a supervisor restarts it; with ``stay`` it keeps
+answering 503 ``engine_dead`` until signalled.
 """
 
 from __future__ import annotations
@@ -29,6 +39,11 @@ log = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
 EXIT_BIND = 1
+EXIT_ENGINE_DEAD = 3
+# After a shutdown has been decided, how long hypercorn may take to close connections.
+_CLOSE_TIMEOUT = 2.0
+# After an engine death, how long the failed requests get to send their answers.
+_DEATH_GRACE = 5.0
 
 
 def _error(message: str) -> None:
@@ -98,16 +113,18 @@ def serve_main(config: EngineConfig, args: argparse.Namespace) -> int:
         drain_timeout=float(getattr(args, "drain_timeout", 10.0)),
         max_request_bytes=int(getattr(args, "max_request_bytes", 1 << 20)),
         max_pending=int(getattr(args, "max_pending", None) or DEFAULT_MAX_PENDING),
+        on_engine_death=str(getattr(args, "on_engine_death", None) or "exit"),
     )
     return trio.run(_serve, config, resources, options)
 
 
 class _Options:
     def __init__(self, *, host: str, port: int, api_key: str | None, name: str,
-                 drain_timeout: float, max_request_bytes: int, max_pending: int) -> None:
+                 drain_timeout: float, max_request_bytes: int, max_pending: int,
+                 on_engine_death: str = "exit") -> None:
         self.host, self.port, self.api_key, self.name = host, port, api_key, name
         self.drain_timeout, self.max_request_bytes = drain_timeout, max_request_bytes
-        self.max_pending = max_pending
+        self.max_pending, self.on_engine_death = max_pending, on_engine_death
 
 
 def _hypercorn_config(opts: _Options) -> Any:
@@ -115,7 +132,9 @@ def _hypercorn_config(opts: _Options) -> Any:
 
     hc = Config()
     hc.bind = [_bind_address(opts.host, opts.port)]
-    hc.graceful_timeout = max(opts.drain_timeout, 0.0)
+    # The drain happens before hypercorn is told to stop (see _drain): by then only
+    # finished or failed responses and idle connections remain.
+    hc.graceful_timeout = _CLOSE_TIMEOUT
     hc.accesslog = None
     # Through `logging`, so --log-level decides (hypercorn would print to stderr itself).
     hc.errorlog = logging.getLogger("hypercorn.error")
@@ -127,40 +146,54 @@ async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
 
     from actorllm.engine import open_engine
 
+    exit_code = 0
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_engine(config, resources=resources) as engine:
             app = build_app(engine, served_model_name=opts.name, api_key=opts.api_key,
                             max_request_bytes=opts.max_request_bytes,
                             max_pending=opts.max_pending)
             state = app.state.server
-            shutdown = trio.Event()
+            shutdown = trio.Event()  # tells hypercorn to stop accepting and close
 
-            async def on_signals(cancel: trio.CancelScope) -> None:
+            async def on_signals(nursery: trio.Nursery) -> None:
                 async for signum in signals:
-                    if not shutdown.is_set():
+                    if not state.draining:
                         log.warning("%s: draining (up to %.1f s)",
                                     signal.Signals(signum).name, opts.drain_timeout)
                         state.draining = True
-                        shutdown.set()
+                        nursery.start_soon(_drain, state, opts.drain_timeout, shutdown)
                     else:
                         log.warning("second signal: stopping now")
-                        cancel.cancel()
+                        nursery.cancel_scope.cancel()
                         return
+
+            async def on_death() -> None:
+                nonlocal exit_code
+                await engine.died.wait()
+                exit_code = EXIT_ENGINE_DEAD
+                if opts.on_engine_death != "exit":
+                    log.error("the engine is dead; serving 503 engine_dead until signalled "
+                              "(--on-engine-death stay)")
+                    return
+                log.error("the engine is dead; exiting with code %d once the failed "
+                          "requests are answered (--on-engine-death exit)", EXIT_ENGINE_DEAD)
+                with trio.move_on_after(_DEATH_GRACE):
+                    await _until_idle(state)
+                shutdown.set()
 
             started = False
             bind_error: OSError | None = None
             try:
                 async with trio.open_nursery() as nursery:
-
                     async def run_http(task_status: trio.TaskStatus[list[str]]) -> None:
                         await serve(app, _hypercorn_config(opts), shutdown_trigger=shutdown.wait,
                                     task_status=task_status)
                         # hypercorn returns once drained: stop the signal watcher too.
                         nursery.cancel_scope.cancel()
 
-                    nursery.start_soon(on_signals, nursery.cancel_scope)
-                    nursery.start_soon(_watchdog, shutdown, nursery.cancel_scope,
-                                       opts.drain_timeout)
+                    nursery.start_soon(on_signals, nursery)
+                    nursery.start_soon(on_death)
+                    nursery.start_soon(_watchdog, shutdown, nursery.cancel_scope)
                     binds = await nursery.start(run_http)
                     started = True
                     url = binds[0] if binds else f"http://{_bind_address(opts.host, opts.port)}"
@@ -175,13 +208,32 @@ async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
             if bind_error is not None:
                 _error(_bind_message(opts.host, opts.port, bind_error))
                 return EXIT_BIND
-    return 0
+    return exit_code
 
 
-async def _watchdog(shutdown: trio.Event, cancel: trio.CancelScope,
-                    drain_timeout: float) -> None:
-    """After a shutdown signal, give hypercorn the drain time (plus a margin), then stop."""
+async def _until_idle(state: Any) -> None:
+    """Until no HTTP request holds an engine sequence."""
+    while state.inflight > 0:
+        await trio.sleep(0.02)
+
+
+async def _drain(state: Any, drain_timeout: float, shutdown: trio.Event) -> None:
+    """Let in-flight requests finish for ``drain_timeout`` s, end the rest, then stop."""
+    with trio.move_on_after(max(drain_timeout, 0.0)):
+        await _until_idle(state)
+    if state.inflight > 0:
+        log.warning("drain timeout: ending %d sequences with an error", state.inflight)
+        state.drain_expired.set()
+        # Each one sends its error and aborts its engine requests; that takes a moment.
+        with trio.move_on_after(_CLOSE_TIMEOUT):
+            await _until_idle(state)
+    shutdown.set()
+
+
+async def _watchdog(shutdown: trio.Event, cancel: trio.CancelScope) -> None:
+    """Once hypercorn is told to stop, give it its close time (plus a margin), then stop."""
     await shutdown.wait()
-    await trio.sleep(max(drain_timeout, 0.0) + 5.0)
-    log.warning("the server had not stopped 5 s after the drain timeout; stopping now")
+    await trio.sleep(_CLOSE_TIMEOUT + 5.0)
+    log.warning("the server had not stopped %.0f s after shutdown; stopping now",
+                _CLOSE_TIMEOUT + 5.0)
     cancel.cancel()

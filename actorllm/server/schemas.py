@@ -5,17 +5,57 @@ These classes live here alone (DESIGN.md §1): the handlers convert a request in
 ever sees them. Request models ignore unknown fields, the way vLLM does, so a client
 that sends a parameter we do not know (``best_of``, ``parallel_tool_calls``, ...) gets
 an answer instead of an error. Every optional field accepts an explicit ``null``.
+
+The bounds declared here are the ones the server enforces (``SamplingParams.validate``
+checks the same ones again for the Python API), so ``/openapi.json`` tells a client
+what it may send. Integers and floats are strict: ``true`` is not a token id. Every
+string, wherever it sits in a request, must be encodable as UTF-8: JSON can carry a lone
+surrogate (``"\\ud800"``) that Python accepts but no tokenizer or encoder does.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+TokenId = Annotated[int, Strict(), Field(ge=0, le=_INT64_MAX)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+StopString = Annotated[str, Field(min_length=1)]
+
+
+def _has_bad_text(value: Any) -> bool:
+    """Whether a string anywhere in ``value`` (dict keys too) cannot be encoded as UTF-8."""
+    if isinstance(value, str):
+        # isascii() is a fast exit for the usual case; encode() finds lone surrogates.
+        if value.isascii():
+            return False
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, list | tuple):
+        return any(_has_bad_text(v) for v in value if not isinstance(v, int | float))
+    if isinstance(value, dict):
+        return any(_has_bad_text(k) or _has_bad_text(v) for k, v in value.items())
+    return False
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_text(cls, value: Any) -> Any:
+        # Nested models run this for their own fields, so the error names the innermost one.
+        if _has_bad_text(value):
+            raise ValueError("must be valid Unicode text (it holds a lone surrogate)")
+        return value
 
 
 class _Response(BaseModel):
@@ -46,20 +86,26 @@ class _SamplingFields(_Request):
     """Parameters shared by chat and completions (OpenAI names, vLLM extensions)."""
 
     model: str | None = Field(None, description="must name the served model when given")
-    n: int | None = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = Field(None, description="vLLM extension; 0 or -1: off")
-    min_p: float | None = Field(None, description="vLLM extension")
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(None, description="vLLM extension")
-    min_tokens: int | None = Field(0, description="vLLM extension")
+    n: Annotated[Int, Field(ge=1, le=128)] | None = Field(
+        1, description="choices per prompt (prompts x n is also capped by --max-pending)")
+    temperature: Annotated[Float, Field(ge=0.0, le=100.0)] | None = None
+    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[Int, Field(ge=-1, le=_INT64_MAX)] | None = Field(
+        None, description="vLLM extension; 0 or -1: off")
+    min_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = Field(
+        None, description="vLLM extension")
+    seed: Annotated[Int, Field(ge=_INT64_MIN, le=_INT64_MAX)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=16)] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, description="vLLM extension")
+    min_tokens: Annotated[Int, Field(ge=0, le=_INT64_MAX)] | None = Field(
+        0, description="vLLM extension; at most max_tokens")
     ignore_eos: bool | None = Field(False, description="vLLM extension")
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = Field(None, description="vLLM extension")
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = 0.0
+    frequency_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = 0.0
+    repetition_penalty: Annotated[Float, Field(gt=0.0, le=10.0)] | None = Field(
+        None, description="vLLM extension")
+    logit_bias: dict[str, Annotated[Float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="token id (as a string) -> bias")
     include_stop_str_in_output: bool | None = Field(False, description="vLLM extension")
     skip_special_tokens: bool | None = Field(True, description="vLLM extension")
     stream: bool | None = False
@@ -67,32 +113,40 @@ class _SamplingFields(_Request):
     user: str | None = None
 
 
+_MaxTokens = Annotated[Int, Field(ge=1, le=_INT64_MAX)]
+
+
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessageIn]
-    max_tokens: int | None = Field(None, description="deprecated alias of max_completion_tokens")
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
+    max_tokens: _MaxTokens | None = Field(
+        None, description="deprecated alias of max_completion_tokens")
+    max_completion_tokens: _MaxTokens | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = Field(
+        None, description="needs logprobs: true")
     add_generation_prompt: bool | None = Field(True, description="vLLM extension")
 
 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: ``prompt`` is a string, token ids, or a list of either."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool | None = False
+    prompt: (Annotated[str, Field(min_length=1)]
+             | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+             | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1)])
+    max_tokens: _MaxTokens | None = 16
+    logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
+    echo: bool | None = Field(False, description="not together with logprobs")
 
 
 class TokenizeRequest(_Request):
-    """``POST /tokenize``: a ``prompt`` or chat ``messages`` (vLLM's shape)."""
+    """``POST /tokenize``: a ``prompt`` or chat ``messages`` (vLLM's shape), not both."""
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessageIn] | None = None
+    messages: Annotated[list[ChatMessageIn], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = True
     add_generation_prompt: bool | None = True
 
@@ -101,7 +155,7 @@ class DetokenizeRequest(_Request):
     """``POST /detokenize``."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # --- responses --------------------------------------------------------------------------

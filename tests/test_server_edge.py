@@ -1,0 +1,295 @@
+"""The HTTP edge in-process (issue 14): bad text, loop blocking, the drain cut, engine death.
+
+The app runs on the engine's own trio loop, driven through raw ASGI calls (``Call`` from
+test_server_app.py), so each test can look inside afterwards: the engine must be fully
+drained after every refusal, cut and death.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from test_server_app import CONTEXT, Call, app_for
+
+from actorllm.config import EngineConfig
+from actorllm.engine import AsyncEngine, Resources, open_engine
+from actorllm.messages import GenerateRequest, SamplingParams
+from actorllm.messages import TokenizeRequest as EngineTokenizeRequest
+from actorllm.tokenizer import PromptEncoder
+
+LONE = "\ud800"  # a lone surrogate: valid in JSON and in a Python str, not in UTF-8
+
+
+@pytest.fixture(scope="module")
+def resources(tiny_llama_dir: Path) -> Resources:
+    return Resources(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=128))
+
+
+@pytest.fixture
+async def engine(resources: Resources) -> AsyncIterator[AsyncEngine]:
+    async with open_engine(resources.config, resources=resources) as eng:
+        yield eng
+
+
+def _error(call: Call) -> dict[str, Any]:
+    error = call.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    return error  # type: ignore[no-any-return]
+
+
+# --- 1. lone surrogates -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": LONE}, "prompt"),
+    ("/v1/completions", {"prompt": LONE, "stream": True}, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", "a" + LONE]}, "prompt[1]"),
+    ("/v1/completions", {"prompt": "Hi", "model": LONE}, "model"),
+    ("/v1/completions", {"prompt": "Hi", "stop": [LONE]}, "stop[0]"),
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {LONE: 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "Hi", "user": LONE}, "user"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONE}]},
+     "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": LONE, "content": "Hi"}], "stream": True},
+     "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": LONE}]}]}, "messages[0].content[0].text"),
+    ("/tokenize", {"prompt": LONE}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": LONE}]}, "messages[0].content"),
+    ("/tokenize", {"prompt": "Hi", "model": LONE}, "model"),
+    ("/detokenize", {"tokens": [5], "model": LONE}, "model"),
+])
+async def test_lone_surrogates_are_400_naming_the_field(engine: AsyncEngine, path: str,
+                                                        body: dict[str, Any],
+                                                        param: str) -> None:
+    call = await Call(path, body).run(engine_app(engine))
+    assert call.status == 400, call.chunks
+    error = _error(call)
+    assert error["param"] == param and "surrogate" in error["message"], error
+    assert await engine.wait_drained(2.0) == []
+
+
+def engine_app(engine: AsyncEngine) -> Any:
+    return app_for(engine)
+
+
+def test_prompt_encoder_refuses_lone_surrogates(resources: Resources) -> None:
+    """The Python API reaches the Tokenizer without the HTTP schema: it checks too."""
+    enc = PromptEncoder(resources.hf_tokenizer, resources.info)
+    params = SamplingParams(max_tokens=4)
+    from actorllm.messages import ChatMessage, InvalidRequest
+    for req, param in [
+        (EngineTokenizeRequest("a", params, prompt="ok " + LONE), "prompt"),
+        (EngineTokenizeRequest("b", params, messages=(ChatMessage("user", "fine"),
+                                                      ChatMessage("user", LONE))),
+         "messages[1]"),
+    ]:
+        with pytest.raises(InvalidRequest) as info:
+            enc.encode(req)
+        assert info.value.param == param
+
+
+async def test_engine_api_lone_surrogate_is_invalid_request(engine: AsyncEngine) -> None:
+    """Through the engine (the Tokenizer actor), the error is invalid_request, not internal."""
+    from actorllm.frontend import RequestError
+    with pytest.raises(RequestError) as info:
+        async for _ in engine.generate(GenerateRequest("s1", SamplingParams(max_tokens=2),
+                                                       prompt=LONE)):
+            pass
+    assert info.value.code == "invalid_request" and info.value.param == "prompt"
+    assert await engine.wait_drained(2.0) == []
+
+
+# --- 6. booleans are not integers ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/detokenize", {"tokens": [True]}, "tokens[0]"),
+    ("/v1/completions", {"prompt": [[False]]}, "prompt"),
+    ("/v1/completions", {"prompt": [5, True]}, "prompt"),
+    ("/v1/completions", {"prompt": "Hi", "n": True}, "n"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [True]}, "stop_token_ids[0]"),
+    ("/v1/completions", {"prompt": "Hi", "temperature": True}, "temperature"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": False}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [], "max_tokens": 2}, "messages"),
+    ("/v1/completions", {"prompt": "Hi", "stop": [""]}, "stop"),
+])
+async def test_booleans_and_bounds_are_refused(engine: AsyncEngine, path: str,
+                                               body: dict[str, Any], param: str) -> None:
+    call = await Call(path, body).run(engine_app(engine))
+    assert call.status == 400, call.chunks
+    assert _error(call)["param"] == param
+
+
+# --- 2. the loop is not blocked by tokenizing client text --------------------------------
+
+
+class _LoopWatch:
+    """The longest the trio loop went without running a 1 ms heartbeat."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+
+    async def run(self) -> None:
+        last = time.perf_counter()
+        while True:
+            await trio.sleep(0.001)
+            now = time.perf_counter()
+            self.worst = max(self.worst, now - last)
+            last = now
+
+
+def _big_text(resources: Resources, seconds: float = 0.4) -> tuple[str, float]:
+    """A prompt the tiny tokenizer takes at least ``seconds`` for (and how long it took).
+
+    Random words, as an attacker would send: the BPE word cache makes a repeated text
+    fast the second time. ``took`` is the faster of two runs, so the cache is warm.
+    """
+    rng = random.Random(14)
+    words = 20_000
+    while True:
+        text = " ".join("".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 9)))
+                        for _ in range(words))
+        took = min(_timed(resources.hf_tokenizer, text) for _ in range(2))
+        if took >= seconds:
+            return text, took
+        words *= 2
+
+
+def _timed(fn: Any, *args: Any) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+@pytest.mark.parametrize(("path", "make"), [
+    ("/tokenize", lambda t: {"prompt": t}),
+    ("/tokenize", lambda t: {"messages": [{"role": "user", "content": t}]}),
+    # The Tokenizer actor: a chat prompt that is then refused as too long.
+    ("/v1/chat/completions", lambda t: {"messages": [{"role": "user", "content": t}]}),
+    ("/v1/completions", lambda t: {"prompt": t, "stream": True}),
+])
+async def test_tokenizing_a_big_prompt_does_not_block_the_loop(
+        engine: AsyncEngine, resources: Resources, path: str, make: Any) -> None:
+    text, took = _big_text(resources)
+    app = app_for(engine, max_request_bytes=len(text) * 2 + 4096)
+    watch = _LoopWatch()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch.run)
+        await trio.sleep(0.01)
+        call = await Call(path, make(text)).run(app)
+        # Let the heartbeat wake once more: a call that never yields would otherwise hide
+        # its whole duration in the gap the cancellation below cuts short.
+        await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert call.status == (200 if path == "/tokenize" else 400), call.chunks[:1]
+    # On the loop, the heartbeat would have waited the whole tokenization.
+    assert watch.worst < took / 3, (watch.worst, took)
+    assert await engine.wait_drained(2.0) == []
+
+
+# --- 4. the drain cut ----------------------------------------------------------------------
+
+
+async def _until(cond: Any, timeout: float = 30.0) -> None:
+    with trio.fail_after(timeout):
+        while not cond():
+            await trio.sleep(0.001)
+
+
+async def test_drain_cut_ends_a_stream_with_an_error_event(engine: AsyncEngine) -> None:
+    app = app_for(engine)
+    call = Call("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                         "max_tokens": CONTEXT - 20, "ignore_eos": True,
+                                         "stream": True, "n": 2})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call.run, app)
+        await _until(lambda: len(call.chunks) >= 4)
+        app.state.server.drain_expired.set()
+    assert call.status == 200 and call.done  # the chunked body is complete
+    events = call.events()
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "shutting_down" and set(error) == {"message", "type", "param",
+                                                               "code"}
+    assert await engine.wait_drained(2.0) == []
+    assert app.state.server.inflight == 0
+
+
+async def test_drain_cut_answers_a_whole_request_with_503(engine: AsyncEngine) -> None:
+    app = app_for(engine)
+    call = Call("/v1/completions", {"prompt": ["Hello", "The river"], "n": 2,
+                                    "max_tokens": CONTEXT - 20, "ignore_eos": True})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call.run, app)
+        await _until(lambda: engine.frontend.stats.num_running >= 4)
+        app.state.server.drain_expired.set()
+    assert call.status == 503 and _error(call)["code"] == "shutting_down"
+    assert await engine.wait_drained(2.0) == []
+
+
+async def test_drain_cut_before_the_first_token(engine: AsyncEngine) -> None:
+    """Cut while still waiting for prefill: a 503, as the headers are not out yet."""
+    app = app_for(engine)
+    app.state.server.drain_expired.set()
+    call = await Call("/v1/completions", {"prompt": "Hello", "max_tokens": 50,
+                                          "stream": True}).run(app)
+    assert call.status == 503 and _error(call)["code"] == "shutting_down"
+    assert await engine.wait_drained(2.0) == []
+
+
+async def test_draining_refuses_with_shutting_down(engine: AsyncEngine) -> None:
+    app = app_for(engine)
+    app.state.server.draining = True
+    for path, body, method in [("/health", None, "GET"),
+                               ("/v1/completions", {"prompt": "Hi"}, "POST")]:
+        call = await Call(path, body, method=method).run(app)
+        assert call.status == 503 and _error(call)["code"] == "shutting_down"
+        assert call.headers.get("connection") == "close"
+
+
+# --- 5. a dead engine (single topology: an actor raised) ---------------------------------
+
+
+async def test_an_actor_crash_is_engine_death(engine: AsyncEngine) -> None:
+    app = app_for(engine)
+    scheduler = engine.actors["scheduler"]
+    handle = scheduler.handle
+
+    def crash_on_request(msg: Any) -> None:
+        if getattr(msg, "rid", "").startswith("boom"):
+            raise RuntimeError("planted scheduler bug")
+        handle(msg)
+
+    scheduler.handle = crash_on_request
+    running = Call("/v1/completions", {"prompt": "Hello", "max_tokens": CONTEXT - 20,
+                                       "ignore_eos": True, "stream": True})
+    whole = Call("/v1/completions", {"prompt": "Hello", "max_tokens": CONTEXT - 20,
+                                     "ignore_eos": True})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(running.run, app)
+        nursery.start_soon(whole.run, app)
+        await _until(lambda: len(running.chunks) >= 2 and engine.frontend.stats.num_running >= 2)
+        boom = await Call("/v1/completions", {"prompt": "Hi", "max_tokens": 2},
+                          headers={"X-Request-Id": "boom-1"}).run(app)
+    assert engine.died.is_set() and "planted scheduler bug" in (engine.dead_reason or "")
+    # Every request in flight was failed with engine_dead, whichever way it was answering.
+    assert boom.status == 503 and _error(boom)["code"] == "engine_dead"
+    assert whole.status == 503 and _error(whole)["code"] == "engine_dead"
+    events = running.events()
+    assert running.done and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "engine_dead"
+    assert not engine.frontend.registry
+    for path, body, method in [("/health", None, "GET"),
+                               ("/v1/completions", {"prompt": "Hi"}, "POST")]:
+        call = await Call(path, body, method=method).run(app)
+        assert call.status == 503 and _error(call)["code"] == "engine_dead", call.chunks
