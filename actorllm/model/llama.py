@@ -111,10 +111,11 @@ class Attention(nn.Module):
         kv_cache: KVCache,
         backend: AttentionBackend,
     ) -> Tensor:
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = _apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = _apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # q and k heads side by side take one rotation (half the small ops of two).
+        qk = _apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = backend.paged_attention(
