@@ -23,12 +23,12 @@ import torch
 import trio
 
 from actorllm.mailbox import Inbox, Outbox
-from actorllm.messages import SampledToken, StepPlan, StepResult
+from actorllm.messages import PromptLogprobs, SampledToken, StepPlan, StepResult
 from actorllm.model import ForwardBatch, KVCache, eos_token_ids, load_config, load_model
 from actorllm.model import max_model_len as model_max_len
 from actorllm.model.llama import head_dim_of
 from actorllm.ops import select_backend
-from actorllm.sampler import SamplingState, sample
+from actorllm.sampler import SamplingState, prompt_logprobs, sample
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,7 @@ class ModelRunner:
                 raise ValueError(f"rid {seq.rid!r}: sampled before its NewSeqData was sent")
 
         tokens: tuple[SampledToken, ...] = ()
+        prompt_lps: tuple[PromptLogprobs, ...] = ()
         sample_s = 0.0
         if plan.seqs:
             batch = self._prepare(plan)
@@ -160,6 +161,8 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # so forward_s measures the forward
             t1 = time.perf_counter()
+            prompt_lps = prompt_logprobs(hidden, plan.seqs, self._states,
+                                         self.model.compute_logits)
             sampled = [s for s in plan.seqs if s.sample]
             states = [self._states[s.rid] for s in sampled]
             results = sample(logits, states, self.eos_token_ids)
@@ -175,7 +178,8 @@ class ModelRunner:
                 self._states.pop(rid, None)
         forward_s = time.perf_counter() - t0 - sample_s
         return StepResult(
-            step_id=plan.step_id, tokens=tokens, forward_s=forward_s, sample_s=sample_s
+            step_id=plan.step_id, tokens=tokens, forward_s=forward_s, sample_s=sample_s,
+            prompt_logprobs=prompt_lps,
         )
 
     def _prepare(self, plan: StepPlan) -> ForwardBatch:
