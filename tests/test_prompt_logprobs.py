@@ -8,6 +8,7 @@ with and without chunked prefill and preemption.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -330,3 +331,157 @@ async def test_prompt_logprobs_equal_transformers(
         check_against(out.prompt_logprobs[1:], ids, hf_prompt_logprobs(hf, ids), k)
         assert out.finish_reason == "length"
         assert len(out.token_ids) == p.max_tokens
+
+
+# --- the HTTP layer, in process: echo + logprobs, vLLM's prompt_logprobs, validation ---
+
+
+async def post(engine: AsyncEngine, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    from test_server_app import Call, app_for
+
+    call = await Call(path, body).run(app_for(engine))
+    if body.get("stream") and call.status == 200:
+        return call.status or 0, call.events()
+    return call.status or 0, call.json()
+
+
+def check_echo(lp: dict[str, Any], text: str, ids: list[int], ref: torch.Tensor,
+               tokenizer: Any, skip_special: bool) -> None:
+    """The echoed prompt's part of a legacy ``logprobs``, against transformers."""
+    n = len(ids)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for pos in range(1, n):
+        assert lp["token_logprobs"][pos] == pytest.approx(ref[pos - 1, ids[pos]].item(),
+                                                          abs=1e-4)
+        # logprobs: 1 -> the best alternative, plus the prompt's own token.
+        best = int(ref[pos - 1].argmax())
+        top = lp["top_logprobs"][pos]
+        assert top[_piece(tokenizer, best)] == pytest.approx(ref[pos - 1, best].item(),
+                                                             abs=1e-4)
+        assert len(top) == (1 if best == ids[pos] else 2)
+    for pos in range(n):
+        # Where token `pos` begins in the echoed text: the length of the text before it.
+        before = tokenizer.decode(ids[:pos], skip_special_tokens=skip_special)
+        assert text.startswith(before)
+        assert lp["text_offset"][pos] == len(before), pos
+        assert lp["tokens"][pos] == _piece(tokenizer, ids[pos])
+
+
+def _piece(tokenizer: Any, tid: int) -> str:
+    """A token's text the way the server shows it: its bytes, decoded on their own."""
+    from actorllm.server.convert import TokenTexts
+
+    return TokenTexts(tokenizer).get(tid)[0]
+
+
+@pytest.fixture
+async def engine(tiny_llama_dir: Path) -> AsyncIterator[AsyncEngine]:
+    async with engine_for(tiny_llama_dir, num_kv_blocks=256, budget=8) as eng:  # chunked
+        yield eng
+
+
+async def test_completions_echo_with_logprobs(engine: AsyncEngine, tiny_llama_dir: Path) -> None:
+    tokenizer = engine.tokenizer
+    hf = hf_model(tiny_llama_dir)
+    text_prompt = "The river runs past the old mill"
+    id_prompt = [0, *range(40, 52)]
+    for prompt in (text_prompt, id_prompt):
+        status, resp = await post(engine, "/v1/completions", {
+            "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 3,
+            "temperature": 0, "ignore_eos": True})
+        assert status == 200, resp
+        (choice,) = resp["choices"]
+        skip = isinstance(prompt, str)
+        ids = tokenizer(prompt).input_ids if skip else prompt
+        echo = prompt if skip else tokenizer.decode(ids, skip_special_tokens=False)
+        lp = choice["logprobs"]
+        assert choice["text"].startswith(echo)
+        assert len(lp["tokens"]) == len(ids) + 3
+        check_echo(lp, choice["text"], ids, hf_prompt_logprobs(hf, ids), tokenizer, skip)
+        assert lp["text_offset"][len(ids)] == len(echo)  # the completion follows the echo
+        assert all(v is not None for v in lp["token_logprobs"][len(ids):])
+        assert resp["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 3,
+                                 "total_tokens": len(ids) + 3}
+    status, resp = await post(engine, "/v1/completions", {
+        "prompt": text_prompt, "echo": True, "logprobs": 1, "max_tokens": 3,
+        "temperature": 0, "ignore_eos": True})
+
+    # max_tokens 0: the prompt's scores only (what a scoring client asks for).
+    status, zero = await post(engine, "/v1/completions", {
+        "prompt": text_prompt, "echo": True, "logprobs": 1, "max_tokens": 0,
+        "temperature": 0})
+    assert status == 200, zero
+    (choice,) = zero["choices"]
+    assert choice["text"] == text_prompt and choice["finish_reason"] == "length"
+    n = len(tokenizer(text_prompt).input_ids)
+    assert choice["logprobs"] == {k: v[:n] for k, v in resp["choices"][0]["logprobs"].items()}
+    assert zero["usage"]["completion_tokens"] == 0
+
+    # Streamed: the same lists, split over the chunks.
+    status, events = await post(engine, "/v1/completions", {
+        "prompt": text_prompt, "echo": True, "logprobs": 1, "max_tokens": 3,
+        "temperature": 0, "ignore_eos": True, "stream": True})
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    merged = {k: [x for c in chunks if c["logprobs"] for x in c["logprobs"][k]]
+              for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert merged == resp["choices"][0]["logprobs"]
+    assert "".join(c["text"] for c in chunks) == resp["choices"][0]["text"]
+
+
+async def test_vllm_prompt_logprobs_parameter(engine: AsyncEngine, tiny_llama_dir: Path) -> None:
+    tokenizer = engine.tokenizer
+    hf = hf_model(tiny_llama_dir)
+    prompt = "Hello! How are you today?"
+    ids = tokenizer(prompt).input_ids
+    ref = hf_prompt_logprobs(hf, ids)
+    status, resp = await post(engine, "/v1/completions", {
+        "prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2})
+    assert status == 200, resp
+    (choice,) = resp["choices"]
+    assert choice["logprobs"] is None and choice["text"] != ""  # no echo: no prompt text
+    field = choice["prompt_logprobs"]
+    assert len(field) == len(ids) and field[0] is None
+    for pos in range(1, len(ids)):
+        entry = field[pos]
+        assert entry[str(ids[pos])]["logprob"] == pytest.approx(ref[pos - 1, ids[pos]].item(),
+                                                                abs=1e-4)
+        top2 = ref[pos - 1].topk(2).indices.tolist()
+        assert [entry[str(t)]["rank"] for t in top2] == [1, 2]
+        assert set(entry) == {str(ids[pos]), *map(str, top2)}
+
+    # Chat: OpenAI's answer has no prompt logprobs; vLLM's parameter asks for them.
+    messages = [{"role": "user", "content": prompt}]
+    status, plain = await post(engine, "/v1/chat/completions", {
+        "messages": messages, "max_tokens": 1, "temperature": 0})
+    assert status == 200 and "prompt_logprobs" not in plain
+    status, asked = await post(engine, "/v1/chat/completions", {
+        "messages": messages, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0})
+    assert status == 200, asked
+    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"]
+    chat_ref = hf_prompt_logprobs(hf, chat_ids)
+    field = asked["prompt_logprobs"]
+    assert len(field) == len(chat_ids) and field[0] is None
+    for pos in range(1, len(chat_ids)):
+        assert list(field[pos]) == [str(chat_ids[pos])]
+        assert field[pos][str(chat_ids[pos])]["logprob"] == pytest.approx(
+            chat_ref[pos - 1, chat_ids[pos]].item(), abs=1e-4)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": -1}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 1, "stream": True},
+     "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                              "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                              "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+])
+async def test_prompt_logprob_requests_that_are_400(engine: AsyncEngine, path: str,
+                                                    body: dict[str, Any], param: str) -> None:
+    status, resp = await post(engine, path, body)
+    assert status == 400, resp
+    assert resp["error"]["param"] == param
