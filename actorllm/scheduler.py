@@ -141,8 +141,10 @@ class Scheduler:
         self.steps = 0
         self.forward_s = 0.0
         self.sample_s = 0.0
-        # A test-only seam (see tests/test_simulation.py): free on abort before the fence.
+        # Test-only seams (see tests/test_simulation.py): free on abort before the fence;
+        # let preemption forget which prompt positions were reported (so they come twice).
         self.bug_free_before_fence = False
+        self.bug_rereport_prompt_logprobs = False
         if tracer is not None:  # what `actorllm replay --redrive` needs to rebuild us
             tracer.record("config", actor="scheduler", num_blocks=num_blocks,
                           block_size=block_size, max_num_seqs=max_num_seqs,
@@ -319,6 +321,8 @@ class Scheduler:
         self.pool.free(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
+        if self.bug_rereport_prompt_logprobs and seq.prompt_lps_next:
+            seq.prompt_lps_next = 1
         seq.status = "PREEMPTED"
         if seq.worker_knows:
             seq.worker_knows = False
