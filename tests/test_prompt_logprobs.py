@@ -485,3 +485,22 @@ async def test_prompt_logprob_requests_that_are_400(engine: AsyncEngine, path: s
     status, resp = await post(engine, path, body)
     assert status == 400, resp
     assert resp["error"]["param"] == param
+
+
+def test_prompt_logprobs_cross_process_boundaries(tiny_llama_dir: Path) -> None:
+    # `pipeline`: Scheduler + Worker in one child process, the Detokenizer in another, so
+    # the pieces cross two sockets (TokenOut, then TextDelta) through the codec.
+    from actorllm.llm import LLM
+
+    llm = LLM(model=str(tiny_llama_dir), topology="pipeline", num_kv_blocks=64, block_size=4,
+              max_model_len=128, max_num_batched_tokens=8)
+    prompt = "The baker opens at six and makes bread"
+    (res,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=0,
+                                                   prompt_logprobs=2))
+    assert res.error is None
+    (out,) = res.outputs
+    ids = llm.tokenizer(prompt).input_ids
+    assert out.token_ids == () and out.finish_reason == "length"
+    assert list(out.prompt_token_ids) == ids and out.prompt_logprobs[0] is None
+    check_against(out.prompt_logprobs[1:], ids, hf_prompt_logprobs(hf_model(tiny_llama_dir),
+                                                                   ids), 2)
