@@ -430,9 +430,15 @@ class Scheduler:
             got = by_rid.get(s.rid)
             if got is not None:
                 skip = seq.prompt_lps_next - got.start
-                if skip < 0:  # the Worker left a gap: a bug there, not bad input
-                    raise AssertionError(f"{s.rid!r}: prompt logprobs from {got.start}, "
-                                         f"expected {seq.prompt_lps_next}")
+                if skip < 0:
+                    # A gap: a Worker bug. The client must not get a list with holes, and
+                    # the other requests need not die with this one.
+                    why = (f"prompt logprobs resumed at position {got.start}, "
+                           f"expected {seq.prompt_lps_next}")
+                    log.error("%s: %s", s.rid, why)
+                    self.running.remove(seq)
+                    self._finish(seq, "fail", "error", error=why)
+                    continue
                 fresh = got.logprobs[skip:]
                 entries.extend(fresh)
                 seq.prompt_lps_next += len(fresh)

@@ -504,3 +504,19 @@ def test_prompt_logprobs_cross_process_boundaries(tiny_llama_dir: Path) -> None:
     assert list(out.prompt_token_ids) == ids and out.prompt_logprobs[0] is None
     check_against(out.prompt_logprobs[1:], ids, hf_prompt_logprobs(hf_model(tiny_llama_dir),
                                                                    ids), 2)
+
+
+def test_a_gap_in_the_workers_report_fails_only_that_request() -> None:
+    s = scheduler(num_blocks=16, budget=4)
+    s.handle(seq_request("gap", 10, 2, prompt_logprobs=0))
+    s.handle(seq_request("fine", 3, 2))
+    plan = s.schedule()
+    assert plan is not None
+    # The Worker skips position 1 of "gap" (it reports 2..4 where 1..4 was asked for).
+    bad = PromptLogprobs("gap", 2, tuple(TokenLogprob(10 + p, -1.0) for p in range(2, 5)))
+    s.handle(StepResult(plan.step_id, (SampledToken("fine", 7),), prompt_logprobs=(bad,)))
+    batch = s.take_batch()
+    assert batch is not None
+    ends = {o.rid: (o.finish_reason, o.error) for o in batch.outputs if o.finish_reason}
+    assert ends["gap"][0] == "error" and "position 2, expected 1" in ends["gap"][1]
+    assert "gap" not in s.seqs and "fine" in s.seqs
