@@ -8,6 +8,9 @@ distribution ``log_softmax(logits)`` before any of that.
 A seeded row draws with a generator seeded from ``(seed, tokens generated so far)``
 and is filtered on its own, so its tokens depend only on its own logits: not on what
 else is in the batch and not on whether it was preempted and recomputed.
+
+``prompt_logprobs`` scores prompt positions (vLLM's ``prompt_logprobs``) from the
+forward pass's hidden states, for the rows of the sequences that ask only.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ The runner owns the model weights, the paged KV cache tensors (one k/v pair per
 layer, ``[num_blocks, block_size, num_kv_heads, head_dim]``) and each rid's
 sampling state (params plus token history, for penalties and seeded draws). It
 never decides anything: the Scheduler says which tokens to run, where their K/V
-go and which rows to sample; the runner packs that into a :class:`ForwardBatch`,
-runs the model and samples. A failing step becomes ``StepResult(error=...)``.
+go, which rows to sample and which prompt positions to score; the runner packs that
+into a :class:`ForwardBatch`, runs the model, scores and samples. A failing step
+becomes ``StepResult(error=...)``.
 
 ``Worker`` is the trio actor around it; the forward pass runs in a thread so the
 event loop it shares with other actors keeps turning (DESIGN.md section 2).
@@ -148,8 +149,10 @@ class ModelRunner:
                 self._states[seq.rid] = SamplingState(
                     new.params, new.prompt_token_ids, new.output_token_ids
                 )
-            elif seq.sample and seq.rid not in self._states:
-                raise ValueError(f"rid {seq.rid!r}: sampled before its NewSeqData was sent")
+            elif (seq.sample or seq.prompt_logprobs_from is not None) \
+                    and seq.rid not in self._states:
+                raise ValueError(f"rid {seq.rid!r}: sampled or scored before its NewSeqData "
+                                 "was sent")
 
         tokens: tuple[SampledToken, ...] = ()
         prompt_lps: tuple[PromptLogprobs, ...] = ()
