@@ -186,8 +186,11 @@ class Detokenizer:
                 emit, _ = st.matcher.feed(st.decoder.flush(), final=True)
                 text_parts.append(emit)
             text = "".join(text_parts)
-            if text or kept_ids:
-                deltas.append(TextDelta(out.rid, text, tuple(kept_ids), tuple(kept_lps)))
+            if text or kept_ids or out.prompt_logprobs:
+                # Prompt logprobs pass through untouched: they come before any token, so
+                # a stop string can never have cut them off.
+                deltas.append(TextDelta(out.rid, text, tuple(kept_ids), tuple(kept_lps),
+                                        out.prompt_logprobs, out.prompt_token_ids))
         if final:
             reason, stop_reason = out.finish_reason, out.stop_reason
             if st.stopped is not None and reason != "abort" and reason != "error":

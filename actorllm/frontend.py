@@ -67,6 +67,10 @@ class CompletionOutput:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # With params.prompt_logprobs: one entry per prompt position (the first None), and
+    # the prompt's token ids (in the output that carries the first entry).
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 @attrs.frozen
@@ -84,6 +88,8 @@ class _Pending:
     logprobs: list[TokenLogprob] = attrs.Factory(list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[TokenLogprob | None] = attrs.Factory(list)
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 class OutputCollector:
@@ -109,13 +115,17 @@ class OutputCollector:
         return self._error is not None or len(self._done) == self.n
 
     def put_delta(self, index: int, text: str, token_ids: tuple[int, ...],
-                  logprobs: tuple[TokenLogprob, ...]) -> None:
+                  logprobs: tuple[TokenLogprob, ...],
+                  prompt_logprobs: tuple[TokenLogprob | None, ...] = (),
+                  prompt_token_ids: tuple[int, ...] = ()) -> None:
         p = self._pending.setdefault(index, _Pending())
         if self.bug_drop_merged and p.text:
             p.text.clear()
         p.text.append(text)
         p.token_ids.extend(token_ids)
         p.logprobs.extend(logprobs)
+        p.prompt_logprobs.extend(prompt_logprobs)
+        p.prompt_token_ids = p.prompt_token_ids or prompt_token_ids
         self._event.set()
 
     def put_finish(self, index: int, reason: str, stop_reason: str | int | None) -> None:
@@ -138,7 +148,8 @@ class OutputCollector:
             return None
         outs = tuple(
             CompletionOutput(i, "".join(p.text), tuple(p.token_ids), tuple(p.logprobs),
-                             p.finish_reason, p.stop_reason)
+                             p.finish_reason, p.stop_reason, tuple(p.prompt_logprobs),
+                             p.prompt_token_ids)
             for i, p in sorted(self._pending.items())
         )
         self._pending = {}
@@ -362,7 +373,8 @@ class Frontend:
             st.last_token = now
             st.num_output_tokens += len(d.token_ids)
             self.metrics.generation_tokens.inc(len(d.token_ids))
-        st.collector.put_delta(st.index, d.text, d.token_ids, d.logprobs)
+        st.collector.put_delta(st.index, d.text, d.token_ids, d.logprobs, d.prompt_logprobs,
+                               d.prompt_token_ids)
 
     def _on_finished(self, fin: RequestFinished) -> None:
         st = self._live(fin.rid)

@@ -48,7 +48,9 @@ def accumulate(choices: dict[int, CompletionOutput], out: RequestOutput) -> None
         choices[o.index] = CompletionOutput(o.index, old.text + o.text,
                                             old.token_ids + o.token_ids, lps,
                                             o.finish_reason or old.finish_reason,
-                                            o.stop_reason if o.finish_reason else old.stop_reason)
+                                            o.stop_reason if o.finish_reason else old.stop_reason,
+                                            old.prompt_logprobs + o.prompt_logprobs,
+                                            old.prompt_token_ids or o.prompt_token_ids)
 
 
 def make_request(rid: str, prompt: Prompt, params: SamplingParams) -> GenerateRequest:

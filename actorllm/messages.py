@@ -58,12 +58,17 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: the chosen token and k alternatives
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # None: none; k >= 0: each prompt position's own token and k alternatives (vLLM's
+    # prompt_logprobs; position 0 has nothing to condition on and gets None).
+    prompt_logprobs: int | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise :class:`InvalidRequest` naming the first bad value."""
         checks: list[tuple[bool, str, str]] = [
             (1 <= self.n <= 128, "n", "must be between 1 and 128"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            # 0: run the prefill only (for prompt logprobs) and finish with `length`.
+            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens",
+             "must be non-negative"),
             (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
             (
                 self.max_tokens is None or self.min_tokens <= self.max_tokens,
@@ -78,6 +83,8 @@ class SamplingParams:
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             "must be in [0, 20]"),
             (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
             (len(self.stop) <= 16, "stop", "at most 16 stop strings"),
         ]
@@ -189,6 +196,10 @@ class ScheduledSeq:
     block_table: tuple[int, ...]
     sample: bool  # False for a prefill chunk that does not reach the prompt's end
     new: NewSeqData | None = None
+    # Report the logprobs of prompt positions from this one (>= 1) up to the last one
+    # this chunk predicts (position p is predicted by the row of position p - 1). None:
+    # report none (the request did not ask, or every position was reported already).
+    prompt_logprobs_from: int | None = None
 
 
 @attrs.frozen
@@ -215,6 +226,15 @@ class SampledToken:
 
 
 @attrs.frozen
+class PromptLogprobs:
+    """The logprobs of one rid's prompt positions ``start, start + 1, ...`` from one step."""
+
+    rid: str
+    start: int
+    logprobs: tuple[TokenLogprob, ...]
+
+
+@attrs.frozen
 class StepResult:
     """Worker -> Scheduler. ``error`` set means the step failed and sampled nothing."""
 
@@ -223,6 +243,7 @@ class StepResult:
     error: str | None = None
     forward_s: float = 0.0
     sample_s: float = 0.0
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
 
 
 # --- Scheduler -> Detokenizer -> Frontend ---------------------------------------------
@@ -252,6 +273,11 @@ class TokenOut:
     error: str | None = None
     spec: DetokSpec | None = None
     queue_s: float | None = None  # with the finish: arrival to first scheduled
+    # Prompt logprobs, in position order; the rid's pieces concatenate to one entry per
+    # prompt position, the first (position 0) None. The first piece also carries the
+    # prompt's token ids (position 0's token has no logprob entry to name it).
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 @attrs.frozen
@@ -291,6 +317,8 @@ class TextDelta:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()  # as in TokenOut
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 @attrs.frozen
@@ -405,6 +433,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     StepPlan,
     TokenLogprob,
     SampledToken,
+    PromptLogprobs,
     StepResult,
     DetokSpec,
     TokenOut,

@@ -33,6 +33,7 @@ from actorllm.messages import (
     AbortRequest,
     DetokSpec,
     NewSeqData,
+    PromptLogprobs,
     SamplingParams,
     ScheduledSeq,
     SchedulerInput,
@@ -69,10 +70,31 @@ class Sequence:
     spec_sent: bool = False
     first_scheduled: float | None = None
     serial: int = 0  # numbers the rid's incarnations; StopMatched echoes it
+    # With params.prompt_logprobs: the first prompt position not yet reported (position 0
+    # is reported, as None, with the first result). Survives preemption, so a recompute
+    # reports only what is still owed and no position is reported twice.
+    prompt_lps_next: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.prompt_lps_next < len(
+            self.prompt_ids)
+
+    def skippable_prefix(self) -> int:
+        """How many leading tokens may come from a prefix cache instead of being computed.
+
+        Reporting position p's logprob needs the logits of position p - 1, so while prompt
+        logprobs are owed only the tokens before ``prompt_lps_next - 1`` may be skipped
+        (none before the first report); otherwise all of them. (There is no prefix cache
+        yet: this is the rule it must obey. See docs/design-notes.md.)
+        """
+        if self.owes_prompt_logprobs:
+            return max(self.prompt_lps_next - 1, 0)
+        return self.num_tokens
 
     def token(self, i: int) -> int:
         n = len(self.prompt_ids)
@@ -119,8 +141,10 @@ class Scheduler:
         self.steps = 0
         self.forward_s = 0.0
         self.sample_s = 0.0
-        # A test-only seam (see tests/test_simulation.py): free on abort before the fence.
+        # Test-only seams (see tests/test_simulation.py): free on abort before the fence;
+        # let preemption forget which prompt positions were reported (so they come twice).
         self.bug_free_before_fence = False
+        self.bug_rereport_prompt_logprobs = False
         if tracer is not None:  # what `actorllm replay --redrive` needs to rebuild us
             tracer.record("config", actor="scheduler", num_blocks=num_blocks,
                           block_size=block_size, max_num_seqs=max_num_seqs,
@@ -297,6 +321,8 @@ class Scheduler:
         self.pool.free(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
+        if self.bug_rereport_prompt_logprobs and seq.prompt_lps_next:
+            seq.prompt_lps_next = 1
         seq.status = "PREEMPTED"
         if seq.worker_knows:
             seq.worker_knows = False
@@ -311,13 +337,22 @@ class Scheduler:
         if not seq.worker_knows:
             new = NewSeqData(seq.params, tuple(seq.prompt_ids), tuple(seq.output_ids))
             seq.worker_knows = True
+        lp_from = None
+        if seq.owes_prompt_logprobs:
+            # This chunk's rows predict positions start + 1 .. start + n; ask only for the
+            # prompt positions among them that were not reported before a preemption.
+            lo = max(seq.prompt_lps_next, start + 1)
+            if lo <= min(start + n, len(seq.prompt_ids) - 1):
+                lp_from = lo
         return ScheduledSeq(
             rid=seq.rid,
             token_ids=tuple(seq.token(i) for i in range(start, start + n)),
             start_pos=start,
             block_table=tuple(seq.block_table),
-            sample=start + n == seq.num_tokens,
+            # max_tokens 0 (prompt scoring): the prefill runs, nothing is sampled.
+            sample=start + n == seq.num_tokens and seq.max_tokens > 0,
             new=new,
+            prompt_logprobs_from=lp_from,
         )
 
     # --- results ---------------------------------------------------------------------
@@ -354,14 +389,65 @@ class Scheduler:
                     self.running.remove(seq)
                     self._finish(seq, "fail", "error", error=result.error)
             return
+        pieces = self._prompt_pieces(plan, result.prompt_logprobs)
         for tok in result.tokens:
             seq = self.seqs.get(tok.rid)
             if seq is None or seq.status != "RUNNING":
                 self.late_results_dropped += 1  # finished (abort, stop) while the step ran
                 continue
-            self._append(seq, tok.token_id, tok.logprob)
+            self._append(seq, tok.token_id, tok.logprob, pieces.pop(seq.rid, None))
+        for s in plan.seqs:
+            seq = self.seqs.get(s.rid)
+            if seq is None or seq.status != "RUNNING":
+                continue
+            piece = pieces.pop(seq.rid, None)
+            if piece is not None:  # a prefill chunk that sampled nothing
+                self._outputs.append(TokenOut(seq.rid, spec=self._spec_once(seq), **piece))
+            if seq.max_tokens == 0 and seq.num_computed == seq.num_tokens:
+                self.running.remove(seq)  # the prompt is scored; there is nothing to sample
+                self._finish(seq, "finish", "length")
 
-    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+    def _prompt_pieces(self, plan: StepPlan, results: tuple[PromptLogprobs, ...]
+                       ) -> dict[str, dict[str, Any]]:
+        """The prompt logprobs this step reported, per running rid, as TokenOut fields.
+
+        Positions already reported (before a preemption) are skipped, so each position
+        reaches the client exactly once; the first piece opens with position 0 (None)
+        and carries the prompt's token ids.
+        """
+        by_rid = {r.rid: r for r in results}
+        pieces: dict[str, dict[str, Any]] = {}
+        for s in plan.seqs:
+            seq = self.seqs.get(s.rid)
+            if seq is None or seq.status != "RUNNING" or not seq.owes_prompt_logprobs:
+                continue
+            entries: list[TokenLogprob | None] = []
+            fields: dict[str, Any] = {}
+            if seq.prompt_lps_next == 0:
+                entries.append(None)
+                fields["prompt_token_ids"] = tuple(seq.prompt_ids)
+                seq.prompt_lps_next = 1
+            got = by_rid.get(s.rid)
+            if got is not None:
+                skip = seq.prompt_lps_next - got.start
+                if skip < 0:
+                    # A gap: a Worker bug. The client must not get a list with holes, and
+                    # the other requests need not die with this one.
+                    why = (f"prompt logprobs resumed at position {got.start}, "
+                           f"expected {seq.prompt_lps_next}")
+                    log.error("%s: %s", s.rid, why)
+                    self.running.remove(seq)
+                    self._finish(seq, "fail", "error", error=why)
+                    continue
+                fresh = got.logprobs[skip:]
+                entries.extend(fresh)
+                seq.prompt_lps_next += len(fresh)
+            if entries:
+                pieces[s.rid] = {"prompt_logprobs": tuple(entries), **fields}
+        return pieces
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
+                piece: dict[str, Any] | None = None) -> None:
         seq.output_ids.append(token)
         n_out = len(seq.output_ids)
         p = seq.params
@@ -380,6 +466,7 @@ class Scheduler:
                 token_ids=(token,),
                 logprobs=(logprob,) if logprob is not None else (),
                 spec=self._spec_once(seq),
+                **(piece or {}),
             )
         )
         if reason is not None:
@@ -409,7 +496,9 @@ class Scheduler:
         if last is not None and last.rid == seq.rid and last.finish_reason is None:
             self._outputs.pop()
             out = attrs.evolve(out, token_ids=last.token_ids, logprobs=last.logprobs,
-                               spec=last.spec or out.spec)
+                               spec=last.spec or out.spec,
+                               prompt_logprobs=last.prompt_logprobs,
+                               prompt_token_ids=last.prompt_token_ids)
         self._outputs.append(out)
         if seq.in_flight and not self.bug_free_before_fence:
             self.fenced.append(seq)

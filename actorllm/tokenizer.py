@@ -104,7 +104,9 @@ class PromptEncoder:
         limit = self.info.max_model_len
         room = limit - len(ids)
         max_tokens = req.params.max_tokens if req.params.max_tokens is not None else room
-        if room < 1 or max_tokens > room:
+        # A prompt that fills the context fits only when nothing is to be generated
+        # (max_tokens 0: scoring the prompt).
+        if room < (0 if req.params.max_tokens == 0 else 1) or max_tokens > room:
             raise InvalidRequest(
                 f"This model's maximum context length is {limit} tokens. However, you "
                 f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, "

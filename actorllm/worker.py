@@ -4,8 +4,9 @@ The runner owns the model weights, the paged KV cache tensors (one k/v pair per
 layer, ``[num_blocks, block_size, num_kv_heads, head_dim]``) and each rid's
 sampling state (params plus token history, for penalties and seeded draws). It
 never decides anything: the Scheduler says which tokens to run, where their K/V
-go and which rows to sample; the runner packs that into a :class:`ForwardBatch`,
-runs the model and samples. A failing step becomes ``StepResult(error=...)``.
+go, which rows to sample and which prompt positions to score; the runner packs that
+into a :class:`ForwardBatch`, runs the model, scores and samples. A failing step
+becomes ``StepResult(error=...)``.
 
 ``Worker`` is the trio actor around it; the forward pass runs in a thread so the
 event loop it shares with other actors keeps turning (DESIGN.md section 2).
@@ -23,12 +24,12 @@ import torch
 import trio
 
 from actorllm.mailbox import Inbox, Outbox
-from actorllm.messages import SampledToken, StepPlan, StepResult
+from actorllm.messages import PromptLogprobs, SampledToken, StepPlan, StepResult
 from actorllm.model import ForwardBatch, KVCache, eos_token_ids, load_config, load_model
 from actorllm.model import max_model_len as model_max_len
 from actorllm.model.llama import head_dim_of
 from actorllm.ops import select_backend
-from actorllm.sampler import SamplingState, sample
+from actorllm.sampler import SamplingState, prompt_logprobs, sample
 
 log = logging.getLogger(__name__)
 
@@ -153,10 +154,13 @@ class ModelRunner:
                 self._states[seq.rid] = SamplingState(
                     new.params, new.prompt_token_ids, new.output_token_ids
                 )
-            elif seq.sample and seq.rid not in self._states:
-                raise ValueError(f"rid {seq.rid!r}: sampled before its NewSeqData was sent")
+            elif (seq.sample or seq.prompt_logprobs_from is not None) \
+                    and seq.rid not in self._states:
+                raise ValueError(f"rid {seq.rid!r}: sampled or scored before its NewSeqData "
+                                 "was sent")
 
         tokens: tuple[SampledToken, ...] = ()
+        prompt_lps: tuple[PromptLogprobs, ...] = ()
         sample_s = 0.0
         if plan.seqs:
             batch = self._prepare(plan)
@@ -165,6 +169,8 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # so forward_s measures the forward
             t1 = time.perf_counter()
+            prompt_lps = prompt_logprobs(hidden, plan.seqs, self._states,
+                                         self.model.compute_logits)
             sampled = [s for s in plan.seqs if s.sample]
             states = [self._states[s.rid] for s in sampled]
             results = sample(logits, states, self.eos_token_ids)
@@ -180,7 +186,8 @@ class ModelRunner:
                 self._states.pop(rid, None)
         forward_s = time.perf_counter() - t0 - sample_s
         return StepResult(
-            step_id=plan.step_id, tokens=tokens, forward_s=forward_s, sample_s=sample_s
+            step_id=plan.step_id, tokens=tokens, forward_s=forward_s, sample_s=sample_s,
+            prompt_logprobs=prompt_lps,
         )
 
     def _prepare(self, plan: StepPlan) -> ForwardBatch:

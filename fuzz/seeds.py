@@ -21,6 +21,7 @@ from actorllm.messages import (
     GenerateRequest,
     NewSeqData,
     OutputBatch,
+    PromptLogprobs,
     RequestFailed,
     RequestFinished,
     SampledToken,
@@ -67,6 +68,12 @@ def codec_seeds() -> list[bytes]:
         StopMatched("r", "a"),
         OutputBatch((TextDelta("r", "x", (9,), (lp,)),),
                     (RequestFinished("r", "length", None, 3),), ("r",)),
+        # prompt logprobs: asked for in the plan, reported by the Worker, passed on
+        StepPlan(5, (ScheduledSeq("r", (5, 6, 7), 0, (0,), False, None, 1),)),
+        StepResult(5, prompt_logprobs=(PromptLogprobs("r", 1, (lp, lp)),)),
+        TokenBatch((TokenOut("r", finish_reason="length", prompt_logprobs=(None, lp),
+                             prompt_token_ids=(3, 5)),)),
+        OutputBatch((TextDelta("r", "", (), (), (None, lp), (3, 5)),)),
     ]
     return [codec.encode(m) for m in msgs]
 
@@ -82,6 +89,9 @@ def request_seeds() -> list[bytes]:
          "logprobs": True, "top_logprobs": 3, "seed": 1, "logit_bias": {"5": -100}},
         {"prompt": "Once upon a time", "max_tokens": 16},
         {"prompt": [1, 2, 3], "echo": True, "logprobs": 2},
+        {"prompt": [[0, 5, 6], [0, 7]], "echo": True, "logprobs": 1, "max_tokens": 0,
+         "temperature": 0, "seed": 1234},
+        {"messages": [{"role": "user", "content": "Hello"}], "prompt_logprobs": 2},
         {"prompt": ["a", "b"], "n": 3, "stop": "x", "top_k": 40, "min_p": 0.05,
          "repetition_penalty": 1.1, "presence_penalty": -1.0, "frequency_penalty": 0.5},
         {"prompt": [[1, 2], [3]], "stop_token_ids": [2], "min_tokens": 1,

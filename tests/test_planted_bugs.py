@@ -16,6 +16,8 @@ worker.bug_ignore_forget                    4      the Worker keeps state for fr
 frontend.bug_skip_child_abort               5      aborting a n>1 parent misses a child
 frontend.bug_end_parent_early               6      a n>1 parent gathered at its first child's end
 collector.bug_drop_merged                   7      a slow reader's merged text loses a delta
+scheduler.bug_rereport_prompt_logprobs      7      a recompute after preemption reports prompt
+                                                   logprobs the client already has
 ==========================================  =====  ==============================================
 
 Each run stops at the first counterexample (no shrinking: only finding it matters here).
@@ -41,6 +43,7 @@ PLANTED = [
     ("frontend.bug_skip_child_abort", "5"),
     ("frontend.bug_end_parent_early", "6"),
     ("collector.bug_drop_merged", "7"),
+    ("scheduler.bug_rereport_prompt_logprobs", "7"),
 ]
 
 FIND = settings(

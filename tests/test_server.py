@@ -437,7 +437,7 @@ def test_32_concurrent_streams(base: str) -> None:
     ({"prompt": []}, "prompt"),
     ({"prompt": [10**6]}, "prompt"),
     ({"logprobs": 50}, "logprobs"),
-    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
 ])
 def test_bad_completion_requests_are_400(client: openai.OpenAI, kwargs: dict[str, Any],
                                          param: str) -> None:

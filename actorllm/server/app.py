@@ -257,7 +257,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
                                   arrival_time=time.monotonic()))
         renderer = ChatRenderer(response_id=f"chatcmpl-{base}", created=int(time.time()),
                                 model=state.model_name, num_choices=params.n,
-                                texts=state.texts, logprobs=params.logprobs is not None)
+                                texts=state.texts, logprobs=params.logprobs is not None,
+                                prompt_logprobs=body.prompt_logprobs)
         names = ({"max_tokens": "max_completion_tokens"}
                  if body.max_completion_tokens is not None else {})
         names["logprobs"] = "top_logprobs"
@@ -273,9 +274,6 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
         params = sampling_params(body, defaults=info.generation_defaults,
                                  vocab_size=info.vocab_size)
         prompts = completion_prompts(body.prompt)
-        if body.echo and params.logprobs is not None:
-            raise InvalidRequest("echo with logprobs is not supported (no prompt logprobs)",
-                                 "echo")
         base = _request_id(request)
         now = time.monotonic()
         jobs = []
@@ -290,11 +288,14 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
                 if body.echo:
                     _check_vocab(engine, prompt, "prompt")
                     echo = await state.in_thread(_decode, engine, prompt)
-            jobs.append(Job(req, index_base=i * params.n, echo=echo if body.echo else ""))
+            jobs.append(Job(req, index_base=i * params.n, echo=echo if body.echo else "",
+                            echo_skips_special=isinstance(prompt, str)))
+        echo_k = params.logprobs if body.echo else None
         renderer = CompletionRenderer(response_id=f"cmpl-{base}", created=int(time.time()),
                                       model=state.model_name,
                                       num_choices=len(prompts) * params.n, texts=state.texts,
-                                      logprobs=params.logprobs is not None)
+                                      logprobs=params.logprobs is not None,
+                                      prompt_logprobs=body.prompt_logprobs, echo_logprobs=echo_k)
         return GenerationResponse(state, jobs, renderer, stream=bool(body.stream),
                                   include_usage=_include_usage(body), request_id=base)
 

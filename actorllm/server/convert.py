@@ -6,9 +6,10 @@ vocabulary size, generation defaults, the tokenizer) as arguments.
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from actorllm.messages import ChatMessage, InvalidRequest, SamplingParams, TokenLogprob
@@ -74,8 +75,21 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, *,
         max_param, max_tokens, logprobs = "max_tokens", body.max_tokens, body.logprobs
     for value, name in ((body.n, "n"), (max_tokens, max_param), (body.top_k, "top_k"),
                         (body.min_tokens, "min_tokens"), (body.seed, "seed"),
-                        (logprobs, "top_logprobs" if chat else "logprobs")):
+                        (logprobs, "top_logprobs" if chat else "logprobs"),
+                        (body.prompt_logprobs, "prompt_logprobs")):
         _int_in_range(value, name)
+    echo = not chat and bool(getattr(body, "echo", False))
+    if max_tokens == 0 and not echo:
+        # Generating nothing only makes sense when the prompt itself is the answer.
+        raise InvalidRequest(f"{max_param} must be at least 1 (0 only with echo), got 0",
+                             max_param)
+    if body.prompt_logprobs is not None and body.stream:
+        raise InvalidRequest("prompt_logprobs is not available with stream: true",
+                             "prompt_logprobs")
+    prompt_logprobs = body.prompt_logprobs
+    if echo and logprobs is not None:
+        # The echoed prompt tokens get logprobs too (OpenAI's legacy completions, vLLM).
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
     for tid in body.stop_token_ids or ():
         _int_in_range(tid, "stop_token_ids")
     logit_bias = _logit_bias(body.logit_bias)
@@ -99,6 +113,7 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, *,
             logprobs=logprobs,
             include_stop_str_in_output=bool(body.include_stop_str_in_output),
             skip_special_tokens=body.skip_special_tokens is not False,
+            prompt_logprobs=prompt_logprobs,
         )
     except (TypeError, ValueError) as exc:  # a generation_config.json value of a wrong type
         raise InvalidRequest(f"bad sampling parameter: {exc}") from None
@@ -199,6 +214,9 @@ class TokenTexts:
                               if _is_byte_level(tokenizer) else None)
         self._special = set(getattr(tokenizer, "all_special_ids", ()) or ())
 
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special
+
     def get(self, token_id: int) -> tuple[str, bytes]:
         hit = self._cache.get(token_id)
         if hit is not None:
@@ -258,3 +276,79 @@ def completion_logprobs(texts: TokenTexts, lps: tuple[TokenLogprob, ...],
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}, offset
+
+
+class PromptOffsets:
+    """``text_offset`` of echoed prompt tokens: where each token's text begins in the echo.
+
+    The echo is the prompt as the client gave it (text), or its decoding (token ids,
+    special tokens included). Token bytes go through an incremental UTF-8 decoder, so a
+    token that holds part of a character starts where that character does, and a special
+    token that the text prompt does not show (``<|bos|>``) takes no room.
+    """
+
+    def __init__(self, texts: TokenTexts, *, skip_special: bool, limit: int) -> None:
+        self.texts, self.skip_special, self.limit = texts, skip_special, limit
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chars = 0
+
+    def next(self, token_id: int) -> int:
+        """The offset of ``token_id``, the next prompt token; advances past it."""
+        offset = min(self._chars, self.limit)
+        if not (self.skip_special and self.texts.is_special(token_id)):
+            self._chars += len(self._decoder.decode(self.texts.get(token_id)[1]))
+        return offset
+
+
+def echo_logprobs(texts: TokenTexts, lps: Sequence[TokenLogprob | None],
+                  prompt_ids: Sequence[int], start: int, k: int,
+                  offsets: PromptOffsets) -> dict[str, list[Any]]:
+    """Prompt positions ``start, start + 1, ...`` in the legacy completions shape.
+
+    Position 0 has no logprob: ``null`` in ``token_logprobs`` and ``top_logprobs``, as in
+    OpenAI's and vLLM's echo. ``top_logprobs`` holds ``k`` alternatives and the token.
+    """
+    tokens: list[str] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offs: list[int] = []
+    for i, lp in enumerate(lps):
+        tid = prompt_ids[start + i] if lp is None else lp.token_id
+        text, _ = texts.get(tid)
+        tokens.append(text)
+        offs.append(offsets.next(tid))
+        if lp is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(finite(lp.logprob))
+        top = {texts.get(t)[0]: finite(v) for t, v in lp.top[:k]}
+        top.setdefault(text, finite(lp.logprob))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offs}
+
+
+def vllm_prompt_logprobs(texts: TokenTexts, lps: Sequence[TokenLogprob | None],
+                         k: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per position ``{token id: {logprob, rank, decoded_token}}``.
+
+    The prompt's own token and the top ``k``; a rank is known for the top entries only
+    (the prompt token outside them gets ``rank: null``).
+    """
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entry: dict[str, dict[str, Any]] = {}
+        for rank, (tid, value) in enumerate(lp.top[:k], start=1):
+            entry[str(tid)] = {"logprob": finite(value), "rank": rank,
+                               "decoded_token": texts.get(tid)[0]}
+        if str(lp.token_id) not in entry:
+            ranks = [r for r, (tid, _) in enumerate(lp.top, start=1) if tid == lp.token_id]
+            entry[str(lp.token_id)] = {"logprob": finite(lp.logprob),
+                                       "rank": ranks[0] if ranks else None,
+                                       "decoded_token": texts.get(lp.token_id)[0]}
+        out.append(entry)
+    return out

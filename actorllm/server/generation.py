@@ -31,7 +31,14 @@ from starlette.types import Receive, Scope, Send
 from actorllm.frontend import CompletionOutput, EndOfOutput, OutputCollector, RequestError
 from actorllm.messages import GenerateRequest, InvalidRequest
 from actorllm.server import sse
-from actorllm.server.convert import TokenTexts, chat_logprobs, completion_logprobs
+from actorllm.server.convert import (
+    PromptOffsets,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    vllm_prompt_logprobs,
+)
 from actorllm.server.errors import APIError, from_request_error, invalid
 
 if TYPE_CHECKING:
@@ -48,6 +55,9 @@ class Job:
     index_base: int = 0
     echo: str = ""  # completions with echo: text put before each choice's output
     collector: OutputCollector | None = None
+    # The echo is a text prompt as given (its special tokens, like <|bos|>, not shown),
+    # or the decoding of token ids with them: text_offset must know which.
+    echo_skips_special: bool = True
 
     @property
     def cost(self) -> int:
@@ -65,6 +75,12 @@ class ChoiceState:
     completion_lps: dict[str, list[Any]] | None = None  # completions: the legacy lists
     offset: int = 0  # completions: text_offset of the next token
     started: bool = False
+    # Prompt logprobs: the prompt's ids, the next position to render, the echo's offsets,
+    # and the vLLM-shaped `prompt_logprobs` field so far.
+    prompt_ids: tuple[int, ...] = ()
+    prompt_pos: int = 0
+    prompt_offsets: PromptOffsets | None = None
+    prompt_field: list[Any] = attrs.Factory(list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -90,9 +106,13 @@ class Renderer(Protocol):
 
 class _RendererBase:
     def __init__(self, *, response_id: str, created: int, model: str, num_choices: int,
-                 texts: TokenTexts, logprobs: bool) -> None:
+                 texts: TokenTexts, logprobs: bool, prompt_logprobs: int | None = None,
+                 echo_logprobs: int | None = None) -> None:
+        """``prompt_logprobs``: k of vLLM's ``prompt_logprobs`` field, None when not asked;
+        ``echo_logprobs``: k for the echoed prompt in the legacy ``logprobs`` (completions)."""
         self.id, self.created, self.model = response_id, created, model
         self.texts, self.want_logprobs = texts, logprobs
+        self.prompt_k, self.echo_k = prompt_logprobs, echo_logprobs
         self.choices = {i: ChoiceState() for i in range(num_choices)}
 
     def completion_tokens(self) -> int:
@@ -107,7 +127,16 @@ class _RendererBase:
         st.num_tokens += len(out.token_ids)
         if out.finish_reason is not None:
             st.finish_reason, st.stop_reason = out.finish_reason, out.stop_reason
+        st.prompt_ids = st.prompt_ids or out.prompt_token_ids
         return st
+
+    def _prompt_field(self, st: ChoiceState, out: CompletionOutput) -> list[Any] | None:
+        """This output's share of vLLM's ``prompt_logprobs`` (None if not asked)."""
+        if self.prompt_k is None:
+            return None
+        piece = vllm_prompt_logprobs(self.texts, out.prompt_logprobs, self.prompt_k)
+        st.prompt_field += piece
+        return piece
 
 
 class ChatRenderer(_RendererBase):
@@ -123,6 +152,7 @@ class ChatRenderer(_RendererBase):
         index = job.index_base + out.index
         st = self._fold(index, out)
         st.text.append(out.text)
+        self._prompt_field(st, out)
         lps = chat_logprobs(self.texts, out.logprobs) if self.want_logprobs else []
         st.logprobs += lps
         if not out.text and not lps and out.finish_reason is None:
@@ -142,7 +172,11 @@ class ChatRenderer(_RendererBase):
             "logprobs": {"content": st.logprobs} if self.want_logprobs else None,
             "finish_reason": st.finish_reason, "stop_reason": st.stop_reason,
         } for i, st in sorted(self.choices.items())]
-        return {**self._envelope("chat.completion", choices), "usage": usage}
+        response = {**self._envelope("chat.completion", choices), "usage": usage}
+        if self.prompt_k is not None:
+            # vLLM puts them beside the choices: every choice has the same prompt.
+            response["prompt_logprobs"] = self.choices[0].prompt_field
+        return response
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         return {**self._envelope("chat.completion.chunk", []), "usage": usage}
@@ -166,14 +200,27 @@ class CompletionRenderer(_RendererBase):
         lps = None
         if self.want_logprobs:
             lps, st.offset = completion_logprobs(self.texts, out.logprobs, st.offset)
+            if self.echo_k is not None and out.prompt_logprobs:
+                # Prompt positions come before (or with) the first completion token.
+                if st.prompt_offsets is None:
+                    st.prompt_offsets = PromptOffsets(self.texts, limit=len(job.echo),
+                                                      skip_special=job.echo_skips_special)
+                echoed = echo_logprobs(self.texts, out.prompt_logprobs, st.prompt_ids,
+                                       st.prompt_pos, self.echo_k, st.prompt_offsets)
+                st.prompt_pos += len(out.prompt_logprobs)
+                lps = {k: echoed[k] + v for k, v in lps.items()}
             if st.completion_lps is None:
                 st.completion_lps = {k: [] for k in lps}
             for k, v in lps.items():
                 st.completion_lps[k] += v
-        if not text and not out.logprobs and out.finish_reason is None:
+        prompt_field = self._prompt_field(st, out)
+        if not text and not out.logprobs and not out.prompt_logprobs \
+                and out.finish_reason is None:
             return None
         choice: dict[str, Any] = {"index": index, "text": text, "logprobs": lps,
                                   "finish_reason": out.finish_reason}
+        if prompt_field is not None:
+            choice["prompt_logprobs"] = prompt_field
         if out.finish_reason is not None:
             choice["stop_reason"] = out.stop_reason
         return self._envelope("text_completion", [choice])
@@ -185,8 +232,11 @@ class CompletionRenderer(_RendererBase):
             if self.want_logprobs:
                 lps = st.completion_lps or {"tokens": [], "token_logprobs": [],
                                             "top_logprobs": [], "text_offset": []}
-            choices.append({"index": i, "text": "".join(st.text), "logprobs": lps,
-                            "finish_reason": st.finish_reason, "stop_reason": st.stop_reason})
+            choice = {"index": i, "text": "".join(st.text), "logprobs": lps,
+                      "finish_reason": st.finish_reason, "stop_reason": st.stop_reason}
+            if self.prompt_k is not None:
+                choice["prompt_logprobs"] = st.prompt_field
+            choices.append(choice)
         return {**self._envelope("text_completion", choices), "usage": usage}
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:

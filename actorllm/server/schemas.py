@@ -108,6 +108,8 @@ class _SamplingFields(_Request):
         None, description="token id (as a string) -> bias")
     include_stop_str_in_output: bool | None = Field(False, description="vLLM extension")
     skip_special_tokens: bool | None = Field(True, description="vLLM extension")
+    prompt_logprobs: int | None = Field(
+        None, description="vLLM extension: logprobs of each prompt token and k alternatives")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -197,6 +199,14 @@ class ChatChoice(_Response):
     stop_reason: str | int | None = None
 
 
+class PromptLogprob(_Response):
+    """vLLM's shape: ``rank`` is null for a prompt token outside the top alternatives."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class ChatCompletionResponse(_Response):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -204,6 +214,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class DeltaMessage(_Response):
@@ -239,6 +250,7 @@ class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 

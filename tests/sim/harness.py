@@ -87,7 +87,7 @@ from actorllm.scheduler import Scheduler
 from actorllm.tokenizer import PromptEncoder, Tokenizer
 
 from .controlled_transport import ControlledMailbox
-from .scripted_worker import ScriptedWorker
+from .scripted_worker import ScriptedWorker, prompt_score
 
 SPEC = load_spec()
 TERMINAL = SPEC.terminal_events
@@ -296,6 +296,8 @@ class Client:
     abort_marks: list[list[int | None]] = attrs.Factory(list)
     text: dict[int, list[str]] = attrs.Factory(dict)
     ids: dict[int, list[int]] = attrs.Factory(dict)
+    prompt_lps: dict[int, list[Any]] = attrs.Factory(dict)  # per choice, as read
+    prompt_ids: list[int] = attrs.Factory(list)  # what the Tokenizer will make of the prompt
     reason: dict[int, tuple[str, object]] = attrs.Factory(dict)
     final: bool = False
     error: RequestError | None = None
@@ -398,6 +400,8 @@ class World:
                  metrics: EngineMetrics | None = None) -> None:
         self.config = cfg = config or SimConfig()
         self.text = text
+        self.hf_tokenizer = hf_tokenizer  # the Tokenizer's, for the prompt logprobs check
+        self.recompute_skipped_reported = False
         self.violations: list[InvariantViolation] = []
         self.rec = Recorder(self.report)
         self.clients: list[Client] = []
@@ -535,6 +539,7 @@ class World:
     def submit(self, rid: str, params: SamplingParams, prompt: str, stream: bool) -> Client:
         """An API caller submits a request (the call may wait on backpressure)."""
         client = Client(rid, params, stream, self.rec.count)
+        client.prompt_ids = list(self.hf_tokenizer(prompt).input_ids)
         self.clients.append(client)
         req = GenerateRequest(rid, params, prompt=prompt)
         self.call(lambda: self._spawn(self._submit, client, req))
@@ -678,6 +683,12 @@ class World:
             "n>1 gathered": "gather" in events,
             "rid reused": any(inc.number for inc in self.rec.all),
             "backpressure": any(b.high_water >= b.capacity for b in self.boxes.values()),
+            "prompt logprobs read": any(
+                c.params.prompt_logprobs is not None and r[0] != "abort"
+                for c in self.clients for r in c.reason.values()),
+            "prompt scored only": any(c.params.max_tokens == 0 and r[0] == "length"
+                                      for c in self.clients for r in c.reason.values()),
+            "recompute owed prompt logprobs": self.recompute_skipped_reported,
         }
         return [name for name, hit in reached.items() if hit]
 
@@ -713,6 +724,10 @@ class World:
                 self.rec.current[msg.rid].aborts_sent += 1
         elif edge == "scheduler->worker":
             self.outstanding[msg.step_id] = msg
+            # A recompute asking only for prompt positions not reported before preemption.
+            self.recompute_skipped_reported = self.recompute_skipped_reported or any(
+                s.prompt_logprobs_from is not None and s.prompt_logprobs_from > s.start_pos + 1
+                for s in msg.seqs)
         elif edge == "scheduler->detokenizer":
             for out in msg.outputs:
                 if out.rid in self.rec.current:
@@ -835,6 +850,7 @@ class World:
                     self.report("2", f"{client.rid!r}: choice {c.index} output after its finish")
                 client.text.setdefault(c.index, []).append(c.text)
                 client.ids.setdefault(c.index, []).extend(c.token_ids)
+                client.prompt_lps.setdefault(c.index, []).extend(c.prompt_logprobs)
                 if c.finish_reason is not None:
                     client.reason[c.index] = (c.finish_reason, c.stop_reason)
                 self._check_choice(client, c.index)
@@ -868,6 +884,8 @@ class World:
         if not ref.startswith(text):
             self.report("7", f"{where}: the client read {text!r}, decode gives {ref!r}")
             return
+        if not self._check_prompt_logprobs(client, index, where):
+            return
         if index not in client.reason:
             return
         reason, stop_reason = client.reason[index]
@@ -897,6 +915,22 @@ class World:
         if event not in ("fail", "reject") and (reason, stop_reason) != expected:
             self.report("7", f"{where}: the client read finish {(reason, stop_reason)}, "
                         f"expected {expected} ({event})")
+
+    def _check_prompt_logprobs(self, client: Client, index: int, where: str) -> bool:
+        """Each prompt position reported once, in order, before any token (invariant 7)."""
+        got = [None if e is None else (e.token_id, e.logprob)
+               for e in client.prompt_lps.get(index, ())]
+        if client.params.prompt_logprobs is None:
+            want: list[Any] = []
+        else:
+            ids = client.prompt_ids
+            want = [None] + [(ids[p], prompt_score(p)) for p in range(1, len(ids))]
+        complete = bool(client.ids.get(index)) or (
+            index in client.reason and client.reason[index][0] != "abort")
+        if got != want[: len(got)] or (complete and got != want):
+            self.report("7", f"{where}: prompt logprobs read {got}, expected {want}")
+            return False
+        return True
 
     def _check_final(self, client: Client) -> None:
         """The request's end as its client sees it: invariants 2 and 6."""

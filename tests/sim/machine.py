@@ -64,17 +64,19 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(
         rid=st.sampled_from(RIDS),
         n=st.integers(1, 4),
-        max_tokens=st.integers(1, 8),
+        max_tokens=st.integers(0, 8),  # 0: score the prompt only
         prompt=st.sampled_from(PROMPTS),
         stop=st.lists(st.sampled_from(STOP_STRINGS), max_size=2, unique=True).map(tuple),
         include_stop=st.booleans(),
         stream=st.booleans(),
+        prompt_logprobs=st.sampled_from([None, None, 1]),
     )
     @_guarded
     def submit(self, rid: str, n: int, max_tokens: int, prompt: str, stop: tuple[str, ...],
-               include_stop: bool, stream: bool) -> None:
+               include_stop: bool, stream: bool, prompt_logprobs: int | None = None) -> None:
         params = SamplingParams(n=n, max_tokens=max_tokens, stop=stop,
-                                include_stop_str_in_output=include_stop)
+                                include_stop_str_in_output=include_stop,
+                                prompt_logprobs=prompt_logprobs)
         self.world.submit(rid, params, prompt, stream)
 
     @rule(rid=st.sampled_from(RIDS))

@@ -5,7 +5,8 @@ the same per-rid sampling state the real one keeps (``new`` creates it, ``forget
 drops it), so invariant 4 can ask it to be empty after a drain. It never samples:
 the token for a position is a hash of (rid, position) plus a salt the test picks, over
 a small vocabulary of ordinary tokens, so the test can steer outputs into stop
-strings and end-of-sequence without a model.
+strings and end-of-sequence without a model. Asked for prompt logprobs, it reports
+exactly the positions the plan asks for, each as ``-position`` (see ``prompt_score``).
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ from collections.abc import Sequence
 import trio
 
 from actorllm.mailbox import Inbox, Outbox
-from actorllm.messages import SampledToken, StepPlan, StepResult
+from actorllm.messages import PromptLogprobs, SampledToken, StepPlan, StepResult, TokenLogprob
 
 
 def scripted_token(vocab: Sequence[int], rid: str, position: int, salt: int = 0) -> int:
     """The token the scripted Worker samples for ``rid`` at ``position`` (deterministic)."""
     return vocab[(zlib.crc32(f"{rid}/{position}".encode()) + salt) % len(vocab)]
+
+
+def prompt_score(position: int) -> float:
+    """The logprob the scripted Worker reports for prompt position ``position``."""
+    return -float(position)
 
 
 class ScriptedWorker:
@@ -35,6 +41,7 @@ class ScriptedWorker:
         self.vocab, self.eos_id = tuple(vocab), eos_id
         self.pending: deque[StepPlan] = deque()  # received, not yet answered
         self.known: set[str] = set()  # rids whose sampling state it holds (like the real one)
+        self.prompts: dict[str, tuple[int, ...]] = {}  # from NewSeqData, for prompt logprobs
         self.sent: list[StepResult] = []  # every result, duplicates and stale ones included
         self.outgoing: deque[StepResult] = deque()  # decided, not yet on the wire
         self._wake = trio.Event()
@@ -66,6 +73,7 @@ class ScriptedWorker:
         for s in plan.seqs:
             if s.new is not None:
                 self.known.add(s.rid)
+                self.prompts[s.rid] = s.new.prompt_token_ids
             elif s.rid not in self.known:
                 self.protocol_errors.append(
                     f"step {plan.step_id} schedules {s.rid!r} without NewSeqData, "
@@ -84,7 +92,17 @@ class ScriptedWorker:
             pos = s.start_pos + len(s.token_ids)
             tid = self.eos_id if eos_mask >> i & 1 else scripted_token(self.vocab, s.rid, pos, salt)
             tokens.append(SampledToken(s.rid, tid))
-        return self._record(StepResult(plan.step_id, tuple(tokens)))
+        reports = []
+        for s in plan.seqs:
+            if s.prompt_logprobs_from is None:
+                continue
+            prompt = self.prompts[s.rid]
+            lo = max(s.prompt_logprobs_from, s.start_pos + 1)
+            hi = min(s.start_pos + len(s.token_ids), len(prompt) - 1)
+            reports.append(PromptLogprobs(s.rid, lo, tuple(
+                TokenLogprob(prompt[p], prompt_score(p)) for p in range(lo, hi + 1))))
+        return self._record(StepResult(plan.step_id, tuple(tokens),
+                                       prompt_logprobs=tuple(reports)))
 
     def fail(self) -> StepResult:
         """Take the oldest plan; its step failed (sampled nothing)."""
