@@ -342,6 +342,8 @@ async def _run_actor(engine: AsyncEngine, name: str, actor: Any) -> None:
     try:
         await actor.run()
     except Exception as exc:
+        if not engine.alive:  # stopping anyway: let it surface as it always did
+            raise
         log.exception("the %s actor failed", name)
         cause = _sole_error(exc)  # actors run their tasks in nurseries of their own
         engine.mark_dead(f"the {name} actor failed: {type(cause).__name__}: {cause}")

@@ -683,3 +683,35 @@ def test_keep_alive_client_survives_early_errors(base: str) -> None:
                 resp.read()
     finally:
         conn.close()
+
+
+# --- hypercorn's own refusals (issue 14, item 7) ------------------------------------------
+
+
+def _raw_exchange(base: str, data: bytes) -> tuple[int, dict[str, str], bytes]:
+    with socket.create_connection(_host_port(base), timeout=30) as sock:
+        sock.sendall(data)
+        reply = b""
+        while True:
+            part = sock.recv(65536)
+            if not part:
+                break
+            reply += part
+    head, _, body = reply.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    return int(lines[0].split(" ")[1]), headers, body
+
+
+@pytest.mark.parametrize(("data", "status"), [
+    (b"NOT A REQUEST LINE\r\n\r\n", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n", 400),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+])
+def test_protocol_errors_have_openai_bodies(base: str, data: bytes, status: int) -> None:
+    got, headers, body = _raw_exchange(base, data)
+    assert got == status
+    assert headers["content-type"] == "application/json" and headers["connection"] == "close"
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "bad_http_request" and error["type"] == "invalid_request_error"

@@ -7,10 +7,15 @@ drained after every refusal, cut and death.
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import itertools
 import json
+import os
 import random
 import string
 import time
+import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -293,3 +298,71 @@ async def test_an_actor_crash_is_engine_death(engine: AsyncEngine) -> None:
                                ("/v1/completions", {"prompt": "Hi"}, "POST")]:
         call = await Call(path, body, method=method).run(app)
         assert call.status == 503 and _error(call)["code"] == "engine_dead", call.chunks
+
+
+# --- 8. memory: a plateau under a soak of requests ------------------------------------------
+
+
+def _rss() -> int:
+    """Resident memory now, after a collection and returning free heap pages to the OS."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: RSS is noisier, the bound still holds
+        pass
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+_SOAK = [
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 1}),
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                              "max_tokens": 1, "logprobs": True, "top_logprobs": 2}),
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 0}),  # a 400
+    ("/tokenize", {"prompt": "The river"}),
+    ("/detokenize", {"tokens": [5, 6, 7]}),
+]
+
+
+ROUND = 500
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc (Linux)")
+async def test_soak_memory_plateaus(engine: AsyncEngine) -> None:
+    """Issue 14, item 8: ~0.8 KB of RSS per request, no plateau, was reported over HTTP.
+
+    tracemalloc showed the Python heap flat after warm-up; so must both it and RSS be
+    here: 2,100 requests, three measured rounds after a warm-up, 16 at a time.
+    """
+    app = app_for(engine)
+
+    async def round_of(n: int) -> None:
+        async def worker(k: int) -> None:
+            for i in range(k, n, 16):
+                path, body = _SOAK[i % len(_SOAK)]
+                call = await Call(path, body).run(app)
+                assert call.status in (200, 400), call.chunks
+
+        async with trio.open_nursery() as nursery:
+            for k in range(16):
+                nursery.start_soon(worker, k)
+
+    with trio.fail_after(120):
+        await round_of(600)  # warm-up: caches, pools, allocator arenas
+        tracemalloc.start(1)
+        try:
+            rss, heap = [_rss()], [tracemalloc.get_traced_memory()[0]]
+            for _ in range(3):
+                await round_of(ROUND)
+                rss.append(_rss())
+                heap.append(tracemalloc.get_traced_memory()[0])
+        finally:
+            tracemalloc.stop()
+    rss_growth = [b - a for a, b in itertools.pairwise(rss)]
+    heap_growth = [b - a for a, b in itertools.pairwise(heap)]
+    # The first measured round still warms up (about 80 KB of heap, 1 MB of RSS here);
+    # after it, a leak of 30 bytes of heap or 300 bytes of RSS a request would show in
+    # every round. Measured here: under 7 KB of heap and 160 KB of RSS a round.
+    assert max(heap_growth[1:]) < ROUND * 30, heap_growth
+    assert max(rss_growth[1:]) < ROUND * 300, rss_growth
+    assert await engine.wait_drained(2.0) == []

@@ -145,6 +145,9 @@ async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
     from hypercorn.trio import serve
 
     from actorllm.engine import open_engine
+    from actorllm.server import protocol_errors
+
+    protocol_errors.install()
 
     exit_code = 0
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
