@@ -581,46 +581,66 @@ def measure_matmul(rows: Sequence[int], dtype: str, trials: int = 20,
                    seconds: float = 0.03) -> dict[str, Any]:
     """torch's rate for the model's linear layers (x[rows, in] @ w[out, in]^T), in GFLOP/s.
 
-    Runs in this (actorllm's) interpreter with this process's threads. Each shape is
-    timed in ``trials`` short bursts and the fastest burst counts (on a shared machine
-    the limit is what the hardware does when it gets the cores; slower bursts are other
-    load). The model-mix rate weights the shapes as a forward pass runs them (every
-    layer, then the head); the best row count's mix is the limit.
+    Runs in this (actorllm's) interpreter with this process's threads (N), then again
+    with one thread. Each shape is timed in ``trials`` short bursts and the fastest
+    burst counts (on a shared machine the limit is what the hardware does when it gets
+    the cores; slower bursts are other load). The model-mix rate weights the shapes as
+    a forward pass runs them (every layer, then the head). The limit is the better of
+    the best N-thread mix and N x the best 1-thread mix (an OpenMP team of N stalls
+    whenever one of its threads loses its core, so on a loaded machine the N-thread
+    figure alone understates the hardware); ``limit_source`` says which.
     """
     import torch
 
     config = json.loads((MODEL_DIR / "config.json").read_text())
     shapes = model_shapes(config)
     dt = getattr(torch, dtype)
-    out: dict[str, Any] = {"dtype": dtype, "torch_threads": torch.get_num_threads(),
-                           "method": f"best of {trials} bursts of {seconds} s per shape",
-                           "rows": {}}
-    torch.manual_seed(0)
-    for m in rows:
-        per: dict[str, float] = {}
-        total_flops = 0.0
-        total_time = 0.0
-        for name, fan_in, fan_out in [*shapes["per_layer"], shapes["head"]]:
-            x = torch.randn(m, fan_in, dtype=dt)
-            w = torch.randn(fan_out, fan_in, dtype=dt)
-            best = math.inf
-            with torch.inference_mode():
-                for _ in range(10):
-                    torch.nn.functional.linear(x, w)
-                for _ in range(trials):
-                    n, t0 = 0, time.perf_counter()
-                    while (elapsed := time.perf_counter() - t0) < seconds or n < 5:
+    threads = torch.get_num_threads()
+    out: dict[str, Any] = {"dtype": dtype, "torch_threads": threads,
+                           "method": f"best of {trials} bursts of {seconds} s per shape"}
+
+    def sweep() -> dict[str, Any]:
+        table: dict[str, Any] = {}
+        torch.manual_seed(0)
+        for m in rows:
+            per: dict[str, float] = {}
+            total_flops = 0.0
+            total_time = 0.0
+            for name, fan_in, fan_out in [*shapes["per_layer"], shapes["head"]]:
+                x = torch.randn(m, fan_in, dtype=dt)
+                w = torch.randn(fan_out, fan_in, dtype=dt)
+                best = math.inf
+                with torch.inference_mode():
+                    for _ in range(10):
                         torch.nn.functional.linear(x, w)
-                        n += 1
-                    best = min(best, elapsed / n)
-            flops = 2.0 * m * fan_in * fan_out
-            per[name] = round(flops / best / 1e9, 2)
-            weight = 1 if name == "lm_head" else shapes["layers"]
-            total_flops += weight * flops
-            total_time += weight * best
-        out["rows"][str(m)] = {"gflops_per_shape": per,
-                               "gflops_model_mix": round(total_flops / total_time / 1e9, 2)}
-    out["limit_gflops"] = max(r["gflops_model_mix"] for r in out["rows"].values())
+                    for _ in range(trials):
+                        n, t0 = 0, time.perf_counter()
+                        while (elapsed := time.perf_counter() - t0) < seconds or n < 3:
+                            torch.nn.functional.linear(x, w)
+                            n += 1
+                        best = min(best, elapsed / n)
+                flops = 2.0 * m * fan_in * fan_out
+                per[name] = round(flops / best / 1e9, 2)
+                weight = 1 if name == "lm_head" else shapes["layers"]
+                total_flops += weight * flops
+                total_time += weight * best
+            table[str(m)] = {"gflops_per_shape": per,
+                             "gflops_model_mix": round(total_flops / total_time / 1e9, 2)}
+        return table
+
+    out["rows"] = sweep()
+    torch.set_num_threads(1)
+    out["rows_1_thread"] = sweep()
+    torch.set_num_threads(threads)
+    best_n = max(r["gflops_model_mix"] for r in out["rows"].values())
+    best_1 = max(r["gflops_model_mix"] for r in out["rows_1_thread"].values())
+    out["best_n_threads_gflops"], out["best_1_thread_gflops"] = best_n, best_1
+    if best_n >= threads * best_1:
+        out["limit_gflops"], out["limit_source"] = best_n, f"measured with {threads} threads"
+    else:
+        out["limit_gflops"] = round(threads * best_1, 2)
+        out["limit_source"] = (f"{threads} x the 1-thread rate (the {threads}-thread rate, "
+                               f"{best_n}, was lower: a loaded machine)")
     return out
 
 
@@ -794,6 +814,20 @@ def environment(settings: Settings) -> dict[str, Any]:
     }
 
 
+LOG_NOTES = ("Torch threads", "OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "core ids=",
+             "generation_config", "Downcasting", "KV cache size", "model runner:",
+             "attention backend", "loaded LlamaForCausalLM", "libiomp", "oneDNN")
+
+
+def log_notes(path: Path, limit: int = 25) -> list[str]:
+    """The lines of a server's log that say how it ran (threads, dtype, defaults)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [ln.strip()[:400] for ln in lines if any(k in ln for k in LOG_NOTES)][:limit]
+
+
 def server_threads(server: Server) -> dict[str, Any]:
     """Threads and CPU affinity of each process of a running server (from /proc)."""
     if server.proc is None:
@@ -854,6 +888,8 @@ def run_servers(specs: list[ServerSpec], scenarios: list[Scenario], settings: Se
                                     scenario.name, row["failed"], row["raw_file"])
                 if r == 0:
                     runs[spec.name]["processes"] = server_threads(server)
+            if r == 0:
+                runs[spec.name]["log_notes"] = log_notes(server.log_path)
     return runs
 
 
@@ -897,6 +933,36 @@ def compare(runs: dict[str, Any], scenarios: list[Scenario], specs: list[ServerS
         summary[sc.name] = {"endpoint": sc.endpoint, "rate": sc.rate_label,
                             "servers": per, "ratios_vs_vllm": ratios}
     return summary
+
+
+def probe_agreement(runs: dict[str, Any]) -> dict[str, Any]:
+    """Greedy probe of each actorllm server against vLLM's: same prompt tokens, same text?"""
+    peer = (runs.get("vllm") or {}).get("probe") or {}
+    out: dict[str, Any] = {}
+    for name, run in runs.items():
+        mine = run.get("probe") or {}
+        if name == "vllm" or not peer or not mine:
+            continue
+        per: dict[str, Any] = {}
+        for endpoint in ENDPOINTS:
+            a, b = mine.get(endpoint), peer.get(endpoint)
+            if not a or not b:
+                per[endpoint] = {"error": mine.get("error") or peer.get("error")}
+                continue
+            common = 0
+            for x, y in zip(a["text"], b["text"], strict=False):
+                if x != y:
+                    break
+                common += 1
+            per[endpoint] = {
+                "same_prompt_tokens": (a.get("usage") or {}).get("prompt_tokens")
+                == (b.get("usage") or {}).get("prompt_tokens"),
+                "prompt_tokens": [(a.get("usage") or {}).get("prompt_tokens"),
+                                  (b.get("usage") or {}).get("prompt_tokens")],
+                "same_text": a["text"] == b["text"],
+                "common_prefix_chars": common, "chars": [len(a["text"]), len(b["text"])]}
+        out[name] = per
+    return out
 
 
 def targets(summary: dict[str, Any], offline: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -987,12 +1053,29 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", f"Physical limit: {fl['flops_per_generated_token'] / 1e6:.2f} MFLOP per "
               f"generated token (prefill included; a decode step alone "
               f"{fl['decode_flops_per_token'] / 1e6:.2f} MFLOP); torch {lim['dtype']} matmul "
-              f"on the model's shapes with {lim['torch_threads']} threads: "
-              + ", ".join(f"{r} rows {v['gflops_model_mix']} GFLOP/s"
-                          for r, v in lim["rows"].items())
-              + f"; limit {lim['limit_gflops']} GFLOP/s, i.e. at most "
+              f"on the model's shapes (model mix, best burst) with {lim['torch_threads']} "
+              "threads: " + ", ".join(f"{r} rows {v['gflops_model_mix']} GFLOP/s"
+                                      for r, v in lim["rows"].items())
+              + "; with 1 thread: " + ", ".join(f"{r} rows {v['gflops_model_mix']} GFLOP/s"
+                                               for r, v in lim["rows_1_thread"].items())
+              + f"; limit {lim['limit_gflops']} GFLOP/s ({lim['limit_source']}), i.e. at most "
               f"{lim['limit_gflops'] * 1e9 / fl['flops_per_generated_token']:.0f} "
               f"generated tok/s on this workload."]
+    agree = result.get("probe_agreement") or {}
+    if agree:
+        parts = []
+        for server, per in agree.items():
+            for endpoint, a in per.items():
+                if "error" in a:
+                    parts.append(f"{server} {endpoint}: probe failed ({a['error']})")
+                    continue
+                tokens = "same" if a["same_prompt_tokens"] else \
+                    f"DIFFERENT ({a['prompt_tokens'][0]} vs {a['prompt_tokens'][1]})"
+                text = "same text" if a["same_text"] else \
+                    f"texts agree on {a['common_prefix_chars']}/{a['chars'][1]} chars"
+                parts.append(f"{server} {endpoint}: prompt tokens {tokens}, {text}")
+        lines += ["", "Greedy probe (24 tokens, fp32 on both; the servers should agree): "
+                  + "; ".join(parts) + "."]
     lines += ["", "Targets:", ""]
     for t in result["targets"]:
         lines.append(f"- {t['scenario']} {t['server']} {t['metric']}: {fmt(t['ratio'], 3)}x "
@@ -1201,6 +1284,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
     result["targets"] = targets(summary, offline)
+    result["probe_agreement"] = probe_agreement(runs)
     return result
 
 
