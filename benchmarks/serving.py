@@ -175,6 +175,8 @@ class Settings:
     seed: int
     start_timeout: float
     num_warmups: int
+    actorllm_extra_env: dict[str, str] = field(default_factory=dict)
+    vllm_extra_env: dict[str, str] = field(default_factory=dict)
     taskset: str | None = field(default_factory=lambda: shutil.which("taskset"))
 
     def pinned(self, argv: Sequence[str]) -> list[str]:
@@ -205,12 +207,14 @@ class Settings:
         env["VLLM_TARGET_DEVICE"] = "cpu"
         env["VLLM_NO_USAGE_STATS"] = "1"
         env["DO_NOT_TRACK"] = "1"
+        env.update(self.vllm_extra_env)
         return env
 
     def actorllm_env(self) -> dict[str, str]:
         env = self.common_env()
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH"))
                                             if p)
+        env.update(self.actorllm_extra_env)
         return env
 
     def server_settings(self, spec: ServerSpec) -> dict[str, Any]:
@@ -218,7 +222,9 @@ class Settings:
         keys = ["OMP_NUM_THREADS", "LD_PRELOAD"]
         env = self.vllm_env() if spec.is_peer else self.actorllm_env()
         if spec.is_peer:
-            keys += ["VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND"]
+            keys += ["VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", *self.vllm_extra_env]
+        else:
+            keys += list(self.actorllm_extra_env)
         return {"cpus": self.cpus if self.taskset else "unpinned (no taskset)",
                 "dtype": self.dtype, "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
@@ -302,8 +308,9 @@ class Server:
     def __enter__(self) -> Server:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        # Interrupted: vLLM ignores SIGTERM while it compiles; do not make Ctrl-C wait 30 s.
+        self.stop(grace=10.0 if exc_type is KeyboardInterrupt else 30.0)
 
 
 _LIVE: set[Server] = set()
@@ -996,6 +1003,9 @@ def fmt(value: Any, digits: int = 1) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     env, cfg = result["environment"], result["config"]
+    extra_env = "".join(f", {side} also with {' '.join(f'{k}={v}' for k, v in e.items())}"
+                        for side, e in (("actorllm", cfg["actorllm_extra_env"]),
+                                        ("vLLM", cfg["vllm_extra_env"])) if e)
     lines = []
     if cfg["smoke"]:
         lines += ["# SMOKE RUN: not a result (tiny workload, for checking the script only)", ""]
@@ -1005,7 +1015,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"`{cfg['command']}` on {env['cpu_model']} ({env['logical_cpus']} logical CPUs; "
         f"{env['cpu_flags']}), servers pinned to CPUs {cfg['cpus']}, {cfg['threads']} "
         f"OMP threads each, dtype {cfg['dtype']}, tcmalloc "
-        f"{'on' if env['tcmalloc'] else 'off'}. vLLM {env['vllm']} (torch "
+        f"{'on' if env['tcmalloc'] else 'off'} (both){extra_env}. vLLM {env['vllm']} (torch "
         f"{env['torch_vllm']}), actorllm {env['actorllm']} at {env['git_commit'][:10]}"
         f"{' (dirty)' if env['git_dirty'] else ''} (torch {env['torch_actorllm']}). Load "
         f"average before: {env['load_average_before']}.",
@@ -1085,6 +1095,16 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parse_env(items: Sequence[str], flag: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise BenchError(f"{flag} wants KEY=VALUE, got {item!r}")
+        out[key] = value
+    return out
+
+
 def parse_rates(text: str) -> list[float]:
     rates = []
     for part in text.split(","):
@@ -1132,6 +1152,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--no-tcmalloc", action="store_true",
                    help="do not LD_PRELOAD tcmalloc (default: both servers use it if found)")
+    p.add_argument("--actorllm-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment for every actorllm process (repeatable)")
+    p.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment for every vLLM process (repeatable)")
     p.add_argument("--num-warmups", type=int, default=8)
     p.add_argument("--rounds", type=int, default=1,
                    help="start every server this many times, order rotated; medians")
@@ -1150,7 +1174,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_INTERRUPTED: list[int] = []
+
+
 def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM/SIGHUP: unwind like Ctrl-C once; later signals must not cut the clean-up."""
+    if _INTERRUPTED:
+        log.warning("%s again: still stopping the servers", signal.Signals(signum).name)
+        return
+    _INTERRUPTED.append(signum)
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
@@ -1223,7 +1255,9 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         kv_cache_gib=args.kv_cache_gib, tcmalloc=tcmalloc, log_dir=log_dir,
                         seed=args.seed, start_timeout=args.start_timeout,
-                        num_warmups=args.num_warmups)
+                        num_warmups=args.num_warmups,
+                        actorllm_extra_env=parse_env(args.actorllm_env, "--actorllm-env"),
+                        vllm_extra_env=parse_env(args.vllm_env, "--vllm-env"))
     log.info("logs in %s", log_dir)
     env = environment(settings)
     fl = flops_model(config, args.input_len, args.output_len)
@@ -1274,6 +1308,8 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "dtype": args.dtype,
             "cpus": cpus, "threads": threads, "kv_cache_gib": args.kv_cache_gib,
+            "actorllm_extra_env": settings.actorllm_extra_env,
+            "vllm_extra_env": settings.vllm_extra_env, "tcmalloc": tcmalloc,
             "serve_sampling": SERVE_SAMPLING,
             "offline_sampling": {**OFFLINE_SAMPLING, "ignore_eos": True},
             "scenarios": [asdict(s) | {"rate": s.rate_label} for s in scenarios],
