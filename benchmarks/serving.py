@@ -398,9 +398,15 @@ def ensure_vllm_venv(venv: Path, log_dir: Path) -> Path:
     """The vLLM virtualenv's python, building the venv as issue 11 describes if missing."""
     python = venv / "bin" / "python"
     check = [str(python), str(LAUNCHER), "--version"]
-    if python.exists() and subprocess.run(check, capture_output=True, timeout=300,
-                                          env=dict(os.environ, VLLM_TARGET_DEVICE="cpu")
-                                          ).returncode == 0:
+    works = False
+    if python.exists():
+        try:
+            works = subprocess.run(check, capture_output=True, timeout=300,
+                                   env=dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+                                   ).returncode == 0
+        except subprocess.TimeoutExpired:
+            raise BenchError(f"`{' '.join(check)}` took over 300 s") from None
+    if works:
         remove_breakers(python, log_dir)
         return python
     busy = subprocess.run(["pgrep", "-af", f"{venv}/bin/.*pip install"], capture_output=True,

@@ -523,7 +523,9 @@ class GenerationResponse(Response):
                         failed = True
                         break
                     await self._emit(job, item.outputs)
-            nursery.cancel_scope.cancel()
+                # Cancel the pumps while the channel is still open: one that sends into
+                # a closed channel would raise BrokenResourceError instead of stopping.
+                nursery.cancel_scope.cancel()
         if self._cut and not failed:
             await self._body(sse.event(drain_cut_error().body()))
             failed = True
