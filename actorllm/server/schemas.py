@@ -116,6 +116,9 @@ class _SamplingFields(_Request):
 
 
 _MaxTokens = Annotated[Int, Field(ge=1, le=_INT64_MAX)]
+# Completions may ask for 0 tokens together with echo (the prompt's logprobs only);
+# convert.sampling_params refuses 0 without echo, naming max_tokens.
+_CompletionMaxTokens = Annotated[Int, Field(ge=0, le=_INT64_MAX)]
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -138,9 +141,9 @@ class CompletionRequest(_SamplingFields):
              | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
              | TokenIds
              | Annotated[list[TokenIds], Field(min_length=1)])
-    max_tokens: _MaxTokens | None = 16
+    max_tokens: _CompletionMaxTokens | None = Field(16, description="0 only with echo")
     logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
-    echo: bool | None = Field(False, description="not together with logprobs")
+    echo: bool | None = Field(False, description="with logprobs: the prompt's logprobs too")
 
 
 class TokenizeRequest(_Request):
