@@ -361,8 +361,11 @@ async def test_soak_memory_plateaus(engine: AsyncEngine) -> None:
     rss_growth = [b - a for a, b in itertools.pairwise(rss)]
     heap_growth = [b - a for a, b in itertools.pairwise(heap)]
     # The first rounds still warm up (80 KB of heap, 1 MB of RSS, then 7-25 KB of heap
-    # seen); a leak of 40 bytes of heap or 300 bytes of RSS a request would still show
-    # in the last round. Measured there: under 8 KB of heap and 160 KB of RSS.
+    # seen); a leak of 40 bytes of heap a request would still show in the last round
+    # (measured there: under 8 KB). RSS moves by whole pages as the allocator's arenas
+    # grow and shrink (CI saw +233 KB, -4 KB, +303 KB in three rounds), so one round is
+    # not a trend; a steady leak of 300 bytes a request grows *every* round, so the
+    # quietest round must stay under that.
     assert heap_growth[-1] < ROUND * 40, heap_growth
-    assert rss_growth[-1] < ROUND * 300, rss_growth
+    assert min(rss_growth) < ROUND * 300, rss_growth
     assert await engine.wait_drained(2.0) == []
