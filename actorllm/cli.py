@@ -113,7 +113,7 @@ def engine_config(args: argparse.Namespace) -> Any:
 
 
 def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]) -> Any:
-    """Flags first, then the model's generation_config.json, then our defaults."""
+    """Flags first, then the model's defaults (``ModelInfo.sampling_defaults``), then ours."""
     from actorllm.messages import InvalidRequest, SamplingParams
 
     def pick(flag: Any, key: str, fallback: Any) -> Any:
@@ -122,9 +122,10 @@ def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]) -> Any:
     try:
         params = SamplingParams(
             n=args.n,
-            max_tokens=pick(args.max_tokens, "max_new_tokens", 64),
-            temperature=float(pick(args.temperature, "temperature", 1.0))
-            if (args.temperature is not None or defaults.get("do_sample", True)) else 0.0,
+            # None lets the Tokenizer apply the model's max_new_tokens within the context.
+            max_tokens=args.max_tokens if args.max_tokens is not None
+            else (None if "max_tokens" in defaults else 64),
+            temperature=float(pick(args.temperature, "temperature", 1.0)),
             top_p=float(pick(args.top_p, "top_p", 1.0)),
             top_k=int(pick(args.top_k, "top_k", 0)),
             min_p=float(pick(args.min_p, "min_p", 0.0)),
@@ -174,7 +175,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         info = read_model_info(config.model, config.max_model_len)
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    params = sampling_params(args, info.generation_defaults)
+    params = sampling_params(args, info.sampling_defaults)
     resources = load_resources(config)
     stream = len(prompts) == 1 and params.n == 1 and args.output == "text"
     if stream:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.resources
+import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
@@ -59,48 +61,114 @@ class EngineConfig:
 
 @attrs.frozen
 class ModelInfo:
-    """What the non-Worker actors need to know about a checkpoint, read without torch."""
+    """The facts about a checkpoint every actor shares, read once, without torch.
+
+    One object, computed by :func:`read_model_info` and handed to the Tokenizer, the
+    Worker, the CLI, the server and the replay tool, so that no two of them can disagree
+    about the context limit or the end-of-sequence ids.
+    """
 
     path: str
     vocab_size: int
-    max_model_len: int
+    max_model_len: int  # the context this engine serves (see model_context_limit)
     eos_token_ids: tuple[int, ...]
-    generation_defaults: dict[str, object]
+    generation_defaults: dict[str, object]  # generation_config.json as written
+    # What a request leaves out, the model supplies (sampling_defaults below).
+    sampling_defaults: dict[str, object] = attrs.field(factory=dict)
+
+
+# Request fields a model's generation_config.json may supply when a request leaves them
+# out (vLLM's list, with HF's name for the length), as {field: generation_config key}.
+_GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_tokens": "max_new_tokens",
+}
+
+
+def sampling_defaults(generation_config: Mapping[str, object]) -> dict[str, object]:
+    """The defaults a model asks for, as request fields; the CLI and HTTP both use this.
+
+    Only keys the file sets appear. ``do_sample: false`` means greedy in transformers, so
+    it becomes ``temperature: 0`` (an explicit temperature in a request still wins).
+    """
+    out = {field: generation_config[key] for field, key in _GENERATION_KEYS.items()
+           if generation_config.get(key) is not None}
+    if generation_config.get("do_sample") is False:
+        out["temperature"] = 0.0
+    return out
+
+
+def model_context_limit(text_config: Mapping[str, object]) -> int:
+    """The longest context the model serves exactly.
+
+    Sliding-window attention is not implemented, so a windowed model is capped at its
+    window: inside it, windowed and full attention are the same thing. A window counts
+    unless the config turns it off (Qwen2's ``use_sliding_window: false``) or names no
+    sliding layer in ``layer_types``.
+    """
+    limit = int(text_config.get("max_position_embeddings", 2048))  # type: ignore[call-overload]
+    window = text_config.get("sliding_window")
+    layer_types = text_config.get("layer_types")
+    if (
+        window
+        and text_config.get("use_sliding_window", True) is not False
+        and (not isinstance(layer_types, list) or "sliding_attention" in layer_types)
+    ):
+        limit = min(limit, int(window))  # type: ignore[call-overload]
+    return limit
+
+
+def eos_ids(generation_config: Mapping[str, object],
+            text_config: Mapping[str, object]) -> tuple[int, ...]:
+    """End-of-sequence ids as transformers' ``generate`` uses them.
+
+    generation_config.json's ``eos_token_id`` when it sets one, else config.json's: the
+    file replaces the model's value rather than adding to it.
+    """
+    eos = generation_config.get("eos_token_id")
+    if eos is None:
+        eos = text_config.get("eos_token_id")
+    values = eos if isinstance(eos, list | tuple) else ([] if eos is None else [eos])
+    return tuple(dict.fromkeys(int(e) for e in values))  # type: ignore[call-overload]
+
+
+def _read_json(file: Path) -> dict[str, object]:
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {file}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"cannot read {file}: not a JSON object")
+    return data
 
 
 def read_model_info(model_dir: str | Path, max_model_len: int | None = None) -> ModelInfo:
     """Read config.json and generation_config.json; ValueError with a one-line reason."""
-    import json
-
     path = Path(model_dir)
     if not path.is_dir():
         raise ValueError(f"model directory not found: {path}")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"not a model directory (no config.json): {path}")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read {cfg_file}: {exc}") from None
+    cfg = _read_json(cfg_file)
     text_cfg = cfg.get("text_config", cfg)
-    gen: dict[str, object] = {}
+    assert isinstance(text_cfg, dict)
     gen_file = path / "generation_config.json"
-    if gen_file.is_file():
-        try:
-            gen = json.loads(gen_file.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cannot read {gen_file}: {exc}") from None
-    eos: object = gen.get("eos_token_id", text_cfg.get("eos_token_id"))
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))  # type: ignore[arg-type]
-    limit = int(text_cfg.get("max_position_embeddings", 2048))
+    gen = _read_json(gen_file) if gen_file.is_file() else {}
+    limit = model_context_limit(text_cfg)
     if max_model_len is not None:
         if max_model_len > limit:
             raise ValueError(f"--max-model-len {max_model_len} exceeds the model's {limit}")
         limit = max_model_len
     return ModelInfo(
         path=str(path),
-        vocab_size=int(text_cfg["vocab_size"]),
+        vocab_size=int(text_cfg["vocab_size"]),  # type: ignore[call-overload]
         max_model_len=limit,
-        eos_token_ids=tuple(int(e) for e in eos_ids),
+        eos_token_ids=eos_ids(gen, text_cfg),
         generation_defaults=gen,
+        sampling_defaults=sampling_defaults(gen),
     )

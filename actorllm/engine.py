@@ -89,6 +89,7 @@ def build_runner(config: EngineConfig, info: ModelInfo) -> Any:
         dtype=_torch_dtype(config.dtype),
         attention_backend=config.attention_backend,
         num_threads=config.cpu_threads,
+        info=info,
     )
     capacity = runner.num_blocks * config.block_size
     if capacity < info.max_model_len:

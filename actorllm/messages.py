@@ -22,8 +22,6 @@ from typing import Union
 
 import attrs
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
-
 
 class InvalidRequest(ValueError):
     """A request the engine will not run; ``param`` names the offending field."""
@@ -41,7 +39,7 @@ class SamplingParams:
     """How to sample one request (OpenAI/vLLM semantics). ``validate`` says what is wrong."""
 
     n: int = 1
-    max_tokens: int | None = 16  # None: up to the model's context length
+    max_tokens: int | None = 16  # None: the model's max_new_tokens, within the context
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -106,10 +104,6 @@ class SamplingParams:
                 if not -100.0 <= bias <= 100.0:
                     raise InvalidRequest(f"logit_bias: {bias} is not in [-100, 100]",
                                          "logit_bias")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 @attrs.frozen

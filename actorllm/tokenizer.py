@@ -16,6 +16,7 @@ than they do (and the simulation's delivery order stays the test's to choose).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import trio
@@ -25,6 +26,7 @@ from actorllm.lifecycle import Ledger
 from actorllm.mailbox import Inbox, Outbox
 from actorllm.messages import (
     AbortRequest,
+    ChatMessage,
     FrontendInput,
     InvalidRequest,
     RequestFailed,
@@ -84,26 +86,22 @@ class PromptEncoder:
             raise InvalidRequest("give exactly one of prompt, prompt token ids or messages",
                                  "prompt")
         req.params.validate(self.info.vocab_size)
-        if req.messages is not None:
-            ids = self._chat(req)
-        elif req.prompt is not None:
-            if not req.prompt:
-                raise InvalidRequest("prompt must not be empty", "prompt")
-            if not is_text(req.prompt):
-                raise InvalidRequest("prompt must be valid Unicode text (it holds a lone "
-                                     "surrogate)", "prompt")
-            ids = list(self.tok(req.prompt).input_ids)
-        else:
-            ids = list(req.prompt_token_ids or ())
+        if req.prompt_token_ids is not None:
+            ids = list(req.prompt_token_ids)
             bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
             if bad:
                 raise InvalidRequest(f"token id {bad[0]} is not in the vocabulary "
                                      f"(size {self.info.vocab_size})", "prompt")
+        else:
+            ids = self.token_ids(req.prompt, req.messages, req.add_generation_prompt)
         if not ids:
             raise InvalidRequest("prompt must not be empty", "prompt")
         limit = self.info.max_model_len
         room = limit - len(ids)
-        max_tokens = req.params.max_tokens if req.params.max_tokens is not None else room
+        max_tokens = req.params.max_tokens
+        if max_tokens is None:  # the model's max_new_tokens, else the rest of the context
+            default = self.info.sampling_defaults.get("max_tokens")
+            max_tokens = min(room, int(default)) if isinstance(default, int) else room
         # A prompt that fills the context fits only when nothing is to be generated
         # (max_tokens 0: scoring the prompt).
         if room < (0 if req.params.max_tokens == 0 else 1) or max_tokens > room:
@@ -122,19 +120,36 @@ class PromptEncoder:
             arrival_time=req.arrival_time,
         )
 
-    def _chat(self, req: TokenizeRequest) -> list[int]:
-        if not req.messages:
+    def token_ids(self, prompt: str | None, messages: Sequence[ChatMessage] | None,
+                  add_generation_prompt: bool = True, add_special_tokens: bool = True
+                  ) -> list[int]:
+        """The ids of a text prompt or of chat messages through the template.
+
+        The one place text becomes ids: the Tokenizer actor and ``POST /tokenize`` both
+        call it, so they refuse the same inputs with the same messages.
+        """
+        if messages is not None:
+            return self._chat(messages, add_generation_prompt)
+        if not prompt:
+            raise InvalidRequest("prompt must not be empty", "prompt")
+        if not is_text(prompt):
+            raise InvalidRequest("prompt must be valid Unicode text (it holds a lone "
+                                 "surrogate)", "prompt")
+        return list(self.tok(prompt, add_special_tokens=add_special_tokens).input_ids)
+
+    def _chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        if not messages:
             raise InvalidRequest("messages must not be empty", "messages")
         if getattr(self.tok, "chat_template", None) is None:
             raise InvalidRequest("this model has no chat template; use completions", "messages")
-        for i, m in enumerate(req.messages):
+        for i, m in enumerate(messages):
             if not (is_text(m.role) and is_text(m.content)):
                 raise InvalidRequest("messages must be valid Unicode text (a lone surrogate "
                                      f"in message {i})", f"messages[{i}]")
-        convo = [{"role": m.role, "content": m.content} for m in req.messages]
+        convo = [{"role": m.role, "content": m.content} for m in messages]
         try:
             out = self.tok.apply_chat_template(
-                convo, add_generation_prompt=req.add_generation_prompt, tokenize=True
+                convo, add_generation_prompt=add_generation_prompt, tokenize=True
             )
         except Exception as exc:  # a template can raise anything (jinja's raise_exception)
             raise InvalidRequest(f"chat template failed: {exc}", "messages") from None

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 import trio
 
+from actorllm.config import ModelInfo, read_model_info
 from actorllm.mailbox import Inbox, Outbox
 from actorllm.messages import PromptLogprobs, SampledToken, StepPlan, StepResult
-from actorllm.model import ForwardBatch, KVCache, eos_token_ids, load_config, load_model
-from actorllm.model import max_model_len as model_max_len
+from actorllm.model import ForwardBatch, KVCache, load_config, load_model
 from actorllm.model.llama import head_dim_of
 from actorllm.ops import select_backend
 from actorllm.sampler import SamplingState, prompt_logprobs, sample
@@ -44,7 +44,9 @@ class ModelRunner:
     ``num_blocks`` or ``kv_cache_bytes`` sizes the cache (neither: a default budget).
     ``dtype`` defaults to fp32 on CPU and bf16 on CUDA. ``num_threads`` sets torch's
     intra-op threads for the process (None: leave torch's default, one per core).
-    ``execute`` is synchronous and must be called from one thread at a time.
+    ``execute`` is synchronous and must be called from one thread at a time. ``info`` is
+    the engine's one :class:`ModelInfo` (read from ``model_dir`` when not given), so the
+    Worker refuses and stops on exactly what the Tokenizer and the Scheduler do.
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class ModelRunner:
         device: str = "cpu",
         attention_backend: str = "auto",
         num_threads: int | None = None,
+        info: ModelInfo | None = None,
     ) -> None:
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
@@ -76,8 +79,9 @@ class ModelRunner:
         self.backend_name: str = self.backend.name
         self.model = load_model(model_dir, dtype=self.dtype, device=self.device, config=config)
         self.vocab_size: int = config.vocab_size
-        self.max_model_len: int = model_max_len(config)
-        self.eos_token_ids: tuple[int, ...] = eos_token_ids(model_dir, config)
+        info = info if info is not None else read_model_info(model_dir)
+        self.max_model_len: int = info.max_model_len
+        self.eos_token_ids: tuple[int, ...] = info.eos_token_ids
         self.block_size = block_size
 
         num_kv_heads, head_dim = config.num_key_value_heads, head_dim_of(config)

@@ -34,7 +34,7 @@ INFO = read_model_info(default_model_dir())  # the served model's defaults and v
 def _requests(body: Any, schema: type[ChatCompletionRequest | CompletionRequest]
               ) -> list[GenerateRequest]:
     req = schema.model_validate(body)
-    params = sampling_params(req, defaults=INFO.generation_defaults,
+    params = sampling_params(req, defaults=INFO.sampling_defaults,
                              vocab_size=INFO.vocab_size)
     if isinstance(req, ChatCompletionRequest):
         return [GenerateRequest("fuzz", params, messages=chat_messages(req.messages),

@@ -20,10 +20,8 @@ from safetensors.torch import load_file, save_file
 from actorllm.model import (
     ForwardBatch,
     LlamaForCausalLM,
-    eos_token_ids,
     load_config,
     load_model,
-    max_model_len,
 )
 from actorllm.model.llama import head_dim_of
 from actorllm.ops import select_backend
@@ -175,15 +173,6 @@ def test_bf16_load_runs(tiny_llama_dir: Path):
             model(make_batch([(TOKENS[:9], 0, [1, 2, 3])]), caches, BACKEND)
         )
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
-
-
-def test_config_facts(tiny_llama_dir: Path, tmp_path: Path):
-    config = load_config(tiny_llama_dir)
-    assert max_model_len(config) == 256
-    assert eos_token_ids(tiny_llama_dir, config) == (1,)
-    (tmp_path / "config.json").write_text((tiny_llama_dir / "config.json").read_text())
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 1]}))
-    assert eos_token_ids(tmp_path, config) == (7, 1)
 
 
 # ----------------------------------------------------------------------------- loader errors

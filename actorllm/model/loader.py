@@ -89,35 +89,6 @@ def _check_config(config: PretrainedConfig, path: Path) -> None:
         raise ValueError(f"{str(path)!r}: partial rotary embeddings are not supported")
 
 
-def max_model_len(config: PretrainedConfig) -> int:
-    """The longest context the model serves exactly.
-
-    Sliding-window attention is not implemented, so a windowed model is capped at its
-    window: inside it, full attention and windowed attention are the same thing.
-    """
-    limit = config.max_position_embeddings
-    window = getattr(config, "sliding_window", None)
-    return min(limit, window) if window else limit
-
-
-def eos_token_ids(model_dir: str | Path, config: PretrainedConfig) -> tuple[int, ...]:
-    """End-of-sequence ids: ``generation_config.json``'s first, then ``config.json``'s."""
-    ids: list[int] = []
-    gen_file = Path(model_dir) / "generation_config.json"
-    sources: list[object] = []
-    if gen_file.is_file():
-        try:
-            sources.append(json.loads(gen_file.read_text()).get("eos_token_id"))
-        except (OSError, ValueError, AttributeError):
-            log.warning("%s: unreadable, ignoring it", gen_file)
-    sources.append(getattr(config, "eos_token_id", None))
-    for value in sources:
-        for tid in value if isinstance(value, list | tuple) else [value]:
-            if isinstance(tid, int) and tid not in ids:
-                ids.append(tid)
-    return tuple(ids)
-
-
 def rotary_for(config: PretrainedConfig) -> RotaryEmbedding:
     """The rotary embedding, with ``inv_freq`` from transformers' rope init functions."""
     rope = dict(getattr(config, "rope_parameters", None) or {})

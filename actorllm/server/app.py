@@ -54,6 +54,7 @@ from actorllm.server.schemas import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from actorllm.tokenizer import PromptEncoder
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +215,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
     install_handlers(app)
     app.add_middleware(EdgeMiddleware, state=state)
     info = engine.info
+    # /tokenize refuses and templates exactly as the Tokenizer actor does.
+    encoder = PromptEncoder(engine.tokenizer, info)
 
     @app.get("/health", response_class=Response, responses={
         200: {"description": "serving (an empty body)", "content": {}},
@@ -248,7 +251,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """Chat through the model's template; ``stream: true`` answers with SSE chunks."""
         state.check_model(body.model)
-        params = sampling_params(body, defaults=info.generation_defaults,
+        params = sampling_params(body, defaults=info.sampling_defaults,
                                  vocab_size=info.vocab_size)
         messages = chat_messages(body.messages)
         base = _request_id(request)
@@ -271,7 +274,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """Complete a string, token ids, or a list of either (choice = prompt * n + i)."""
         state.check_model(body.model)
-        params = sampling_params(body, defaults=info.generation_defaults,
+        params = sampling_params(body, defaults=info.sampling_defaults,
                                  vocab_size=info.vocab_size)
         prompts = completion_prompts(body.prompt)
         base = _request_id(request)
@@ -305,21 +308,10 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequest("give exactly one of prompt or messages", "prompt")
-        tok = engine.tokenizer
-        if body.prompt is not None:
-            prompt, special = body.prompt, body.add_special_tokens is not False
-            ids = await state.in_thread(lambda: list(tok(prompt, add_special_tokens=special)
-                                                     .input_ids))
-        else:
-            convo = [{"role": m.role, "content": m.content}
-                     for m in chat_messages(body.messages or [])]
-            add = body.add_generation_prompt is not False
-            try:
-                out = await state.in_thread(lambda: tok.apply_chat_template(
-                    convo, add_generation_prompt=add, tokenize=True))
-            except Exception as exc:  # a template may raise anything
-                raise InvalidRequest(f"chat template failed: {exc}", "messages") from None
-            ids = list(out["input_ids"] if hasattr(out, "keys") else out)
+        messages = None if body.messages is None else chat_messages(body.messages)
+        ids = await state.in_thread(
+            encoder.token_ids, body.prompt, messages, body.add_generation_prompt is not False,
+            body.add_special_tokens is not False)
         return {"count": len(ids), "max_model_len": info.max_model_len,
                 "tokens": [int(t) for t in ids]}
 

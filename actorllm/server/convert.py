@@ -49,9 +49,12 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, *,
                     defaults: Mapping[str, Any], vocab_size: int) -> SamplingParams:
     """The request's sampling parameters, with the model's generation config filling gaps.
 
-    Like vLLM, ``generation_config.json`` supplies ``temperature``, ``top_p``, ``top_k``,
-    ``min_p`` and ``repetition_penalty`` when the request leaves them out. Raises
-    :class:`InvalidRequest` naming the request's own parameter.
+    ``defaults`` is ``ModelInfo.sampling_defaults``, the one reading of the model's
+    generation_config.json that the CLI uses too: ``temperature``, ``top_p``, ``top_k``,
+    ``min_p`` and ``repetition_penalty`` fill what the request leaves out; a missing
+    ``max_tokens`` stays None, and the Tokenizer applies the model's ``max_new_tokens``,
+    capped by the room the prompt leaves. Raises :class:`InvalidRequest` naming the
+    request's own parameter.
     """
 
     def pick(value: Any, key: str, fallback: Any) -> Any:
