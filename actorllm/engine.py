@@ -32,19 +32,19 @@ from actorllm.mailbox import Mailbox
 from actorllm.messages import GenerateRequest
 from actorllm.metrics import EngineMetrics
 from actorllm.tokenizer import load_hf_tokenizer
-from actorllm.topology import (
+from actorllm.topology.child import TOKENIZER_FILE
+from actorllm.topology.placement import (
     MAIN,
     PLACEMENTS,
-    TOKENIZER_FILE,
-    EngineStartError,
     Parts,
-    Supervisor,
     Wiring,
     actor_problems,
     build_actors,
+    build_runner,
     child_roles,
     set_hop_hooks,
 )
+from actorllm.topology.supervisor import EngineStartError, Supervisor
 from actorllm.trace import Tracer
 from actorllm.transport import IpcDir
 
@@ -74,43 +74,6 @@ class Resources:
         if self.runner is None:
             self.runner = build_runner(config, self.info)
         return self.runner
-
-
-def build_runner(config: EngineConfig, info: ModelInfo) -> Any:
-    """The ModelRunner for ``config``; ValueError if its KV cache cannot hold one sequence."""
-    from actorllm.worker import ModelRunner  # torch: only where a Worker lives
-
-    runner = ModelRunner(
-        config.model,
-        num_blocks=config.num_kv_blocks,
-        block_size=config.block_size,
-        kv_cache_bytes=None if config.num_kv_blocks is not None else config.kv_cache_memory,
-        device=config.device,
-        dtype=_torch_dtype(config.dtype),
-        attention_backend=config.attention_backend,
-        num_threads=config.cpu_threads,
-        info=info,
-    )
-    capacity = runner.num_blocks * config.block_size
-    if capacity < info.max_model_len:
-        raise ValueError(
-            f"the KV cache holds {capacity} tokens ({runner.num_blocks} blocks of "
-            f"{config.block_size}), less than one sequence of max_model_len "
-            f"{info.max_model_len}: raise --num-kv-blocks or lower --max-model-len"
-        )
-    return runner
-
-
-def _torch_dtype(name: str | None) -> Any:
-    if name is None:
-        return None
-    import torch
-
-    try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                "float16": torch.float16}[name]
-    except KeyError:
-        raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {name}") from None
 
 
 class AsyncEngine:

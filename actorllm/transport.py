@@ -135,7 +135,7 @@ class IpcDir:
 
     The owner (the parent process) removes it with :meth:`remove`, or at interpreter
     exit at the latest. Children open it with ``owner=False`` and never remove it
-    unless their parent is gone (see :mod:`actorllm.topology`).
+    unless their parent is gone (see :mod:`actorllm.topology.child`).
     """
 
     def __init__(self, path: str | None = None, *, owner: bool = True) -> None:

@@ -31,7 +31,9 @@ from actorllm.engine import AsyncEngine, EngineStartError, Resources, open_engin
 from actorllm.frontend import RequestError
 from actorllm.llm import LLM, collect, make_request
 from actorllm.messages import GenerateRequest, SamplingParams
-from actorllm.topology import PLACEMENTS, Supervisor, child_roles
+from actorllm.topology import supervisor as supervisor_module
+from actorllm.topology.placement import PLACEMENTS, child_roles
+from actorllm.topology.supervisor import Supervisor
 from actorllm.transport import PROTOCOL_VERSION, IpcDir, schema_fingerprint
 
 TOPOLOGIES = ("single", "engine", "pipeline")
@@ -415,9 +417,7 @@ async def _run_until_death(argv: list[str], tmp_path: Path) -> list[str]:
 
 async def test_silent_child_is_killed_and_the_engine_declared_dead(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import actorllm.topology as topology_module
-
-    monkeypatch.setattr(topology_module, "CHILD_TIMEOUT", 1.0)
+    monkeypatch.setattr(supervisor_module, "CHILD_TIMEOUT", 1.0)
     # Handshakes and reports ready like a real child, then never speaks again.
     deaths = await _run_until_death([*_impostor(tmp_path, READY_IMPOSTOR), "silent"], tmp_path)
     assert len(deaths) == 1

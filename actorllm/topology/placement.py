@@ -1,0 +1,244 @@
+"""Placement: which actor lives in which process, its mailboxes, and the actors on them.
+
+Sockets. All live in one private 0700 directory (:class:`~actorllm.transport.IpcDir`),
+removed when the engine stops. An inbox that hears from another process is a
+:class:`~actorllm.transport.ZmqInbox` bound at ``<dir>/<actor>.sock``; each edge that
+leaves a process is its own PUSH socket connected there, so every edge keeps its
+FIFO order (an abort never overtakes its request). Edges inside a process stay
+trio memory channels. (Control traffic between parent and child has sockets of its
+own: see :mod:`actorllm.topology.child`.)
+
+Every process builds its part of the graph the same way, ``single`` included:
+:class:`Wiring` for the mailboxes, then :func:`build_actors` from the :class:`Parts`
+that process loaded. So the actors do not know where their peers live.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from actorllm.config import EngineConfig, ModelInfo
+from actorllm.lifecycle import ACTORS
+from actorllm.mailbox import Mailbox, Outbox
+from actorllm.messages import (
+    DetokenizerInput,
+    FrontendInput,
+    MailboxStat,
+    SchedulerInput,
+    TokenizerInput,
+    WorkerInput,
+)
+from actorllm.trace import Tracer
+from actorllm.transport import IpcDir, ZmqInbox, ZmqOutbox
+
+MAIN = "main"
+
+PLACEMENTS: dict[str, dict[str, str]] = {
+    "single": dict.fromkeys(ACTORS, MAIN),
+    "engine": {"frontend": MAIN, "tokenizer": MAIN, "detokenizer": MAIN,
+               "scheduler": "engine", "worker": "engine"},
+    "pipeline": {"frontend": MAIN, "tokenizer": MAIN, "scheduler": "engine",
+                 "worker": "engine", "detokenizer": "detokenizer"},
+}
+
+# (sender, receiving inbox): every edge of DESIGN.md section 1.
+EDGES: tuple[tuple[str, str], ...] = (
+    ("frontend", "tokenizer"),
+    ("tokenizer", "scheduler"),
+    ("tokenizer", "frontend"),
+    ("scheduler", "worker"),
+    ("scheduler", "detokenizer"),
+    ("worker", "scheduler"),
+    ("detokenizer", "frontend"),
+    ("detokenizer", "scheduler"),
+)
+
+INBOX_TYPES: dict[str, Any] = {
+    "tokenizer": TokenizerInput,
+    "scheduler": SchedulerInput,
+    "worker": WorkerInput,
+    "detokenizer": DetokenizerInput,
+    "frontend": FrontendInput,
+}
+
+WORKER_CAPACITY = 2  # one step in flight, one queued: more would only add latency
+
+
+def child_roles(topology: str) -> tuple[str, ...]:
+    """The child processes a topology needs, in start order."""
+    return tuple(dict.fromkeys(r for r in PLACEMENTS[topology].values() if r != MAIN))
+
+
+# --- one process's mailboxes and actors ------------------------------------------------
+
+
+class Wiring:
+    """The mailboxes of one process in one topology.
+
+    ``inboxes[actor]`` for each actor placed here: a :class:`ZmqInbox` (with a bound
+    socket) when some sender lives elsewhere, else a plain :class:`Mailbox`.
+    ``out(sender, target)``: the target's inbox when it is local, else a
+    :class:`ZmqOutbox` of its own for that edge.
+    """
+
+    def __init__(self, role: str, topology: str, capacity: int, ipc: IpcDir | None) -> None:
+        place = PLACEMENTS[topology]
+        self.role = role
+        self.inboxes: dict[str, Mailbox[Any]] = {}
+        self.outboxes: dict[tuple[str, str], Outbox[Any]] = {}
+        self.remote_inboxes: list[ZmqInbox[Any]] = []
+        self.remote_outboxes: list[ZmqOutbox[Any]] = []
+        try:
+            for actor in ACTORS:
+                if place[actor] != role:
+                    continue
+                cap = WORKER_CAPACITY if actor == "worker" else capacity
+                if any(place[s] != role for s, t in EDGES if t == actor):
+                    assert ipc is not None, "a multi-process topology needs an IpcDir"
+                    inbox: Mailbox[Any] = ZmqInbox(actor, INBOX_TYPES[actor], cap,
+                                                   ipc.endpoint(f"{actor}.sock"))
+                    self.remote_inboxes.append(inbox)  # type: ignore[arg-type]
+                else:
+                    inbox = Mailbox(actor, INBOX_TYPES[actor], cap)
+                self.inboxes[actor] = inbox
+            for sender, target in EDGES:
+                if place[sender] != role:
+                    continue
+                if place[target] == role:
+                    self.outboxes[(sender, target)] = self.inboxes[target]
+                else:
+                    assert ipc is not None
+                    box: ZmqOutbox[Any] = ZmqOutbox(
+                        ipc.endpoint(f"{target}.sock"), INBOX_TYPES[target],
+                        name=f"{sender}->{target}", hwm=capacity)
+                    self.outboxes[(sender, target)] = box
+                    self.remote_outboxes.append(box)
+        except BaseException:
+            self.close()
+            raise
+
+    def out(self, sender: str, target: str) -> Outbox[Any]:
+        """Where ``sender`` sends to ``target``."""
+        return self.outboxes[(sender, target)]
+
+    def problems(self) -> list[str]:
+        """Messages still waiting in this process's mailboxes (invariant 4)."""
+        return [f"mailbox {m.name} holds {m.depth}" for m in self.inboxes.values() if m.depth]
+
+    def stats(self) -> tuple[MailboxStat, ...]:
+        """Depth and high-water mark of each inbox, for the parent's metrics."""
+        return tuple(MailboxStat(m.name, m.depth, m.high_water) for m in self.inboxes.values())
+
+    @property
+    def rejected(self) -> int:
+        """Frames refused by this process's data sockets so far."""
+        return sum(box.rejected for box in self.remote_inboxes)
+
+    def close(self) -> None:
+        """Close this process's sockets (memory channels need nothing)."""
+        for box in self.remote_outboxes:
+            box.close()
+        for inbox in self.remote_inboxes:
+            inbox.close()
+
+
+@attrs.define
+class Parts:
+    """What the actors of one process are built from (each process loads only its own)."""
+
+    info: ModelInfo | None = None
+    hf_tokenizer: Any = None
+    runner: Any = None  # actorllm.worker.ModelRunner
+    decode: Any = None  # actorllm.detokenizer.DecodeFn
+
+
+
+def build_runner(config: EngineConfig, info: ModelInfo) -> Any:
+    """The ModelRunner for ``config``; ValueError if its KV cache cannot hold one sequence."""
+    from actorllm.worker import ModelRunner  # torch: only where a Worker lives
+
+    runner = ModelRunner(
+        config.model,
+        num_blocks=config.num_kv_blocks,
+        block_size=config.block_size,
+        kv_cache_bytes=None if config.num_kv_blocks is not None else config.kv_cache_memory,
+        device=config.device,
+        dtype=_torch_dtype(config.dtype),
+        attention_backend=config.attention_backend,
+        num_threads=config.cpu_threads,
+        info=info,
+    )
+    capacity = runner.num_blocks * config.block_size
+    if capacity < info.max_model_len:
+        raise ValueError(
+            f"the KV cache holds {capacity} tokens ({runner.num_blocks} blocks of "
+            f"{config.block_size}), less than one sequence of max_model_len "
+            f"{info.max_model_len}: raise --num-kv-blocks or lower --max-model-len"
+        )
+    return runner
+
+
+def _torch_dtype(name: str | None) -> Any:
+    if name is None:
+        return None
+    import torch
+
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16}[name]
+    except KeyError:
+        raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {name}") from None
+
+
+def build_actors(role: str, wiring: Wiring, config: EngineConfig, parts: Parts,
+                 tracer: Tracer | None) -> dict[str, Any]:
+    """The actors placed in ``role`` by ``config.topology``, wired to ``wiring``."""
+    from actorllm.detokenizer import Detokenizer
+    from actorllm.frontend import Frontend
+    from actorllm.scheduler import Scheduler
+    from actorllm.tokenizer import PromptEncoder, Tokenizer
+
+    place = PLACEMENTS[config.topology]
+    inbox, out = wiring.inboxes, wiring.out
+    actors: dict[str, Any] = {}
+    if place["frontend"] == role:
+        actors["frontend"] = Frontend(inbox["frontend"], out("frontend", "tokenizer"),
+                                      tracer=tracer)
+    if place["tokenizer"] == role:
+        assert parts.info is not None
+        actors["tokenizer"] = Tokenizer(PromptEncoder(parts.hf_tokenizer, parts.info),
+                                        inbox["tokenizer"], out("tokenizer", "scheduler"),
+                                        out("tokenizer", "frontend"), tracer)
+    if place["scheduler"] == role:
+        actors["scheduler"] = Scheduler(
+            inbox["scheduler"], out("scheduler", "worker"), out("scheduler", "detokenizer"),
+            num_blocks=parts.runner.num_blocks, block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, tracer=tracer,
+        )
+    if place["worker"] == role:
+        from actorllm.worker import Worker  # torch: only where a Worker lives
+
+        actors["worker"] = Worker(parts.runner, inbox["worker"], out("worker", "scheduler"))
+    if place["detokenizer"] == role:
+        actors["detokenizer"] = Detokenizer(parts.decode, inbox["detokenizer"],
+                                            out("detokenizer", "frontend"),
+                                            out("detokenizer", "scheduler"))
+    return actors
+
+
+def actor_problems(actors: dict[str, Any]) -> list[str]:
+    """What the actors still hold (invariant 4): each actor's own ``drain_problems``."""
+    problems: list[str] = []
+    for actor in actors.values():
+        problems += actor.drain_problems()
+    return problems
+
+
+def set_hop_hooks(wiring: Wiring, tracer: Tracer | None) -> None:
+    """Record every delivery into this process's inboxes, when the trace asks for hops."""
+    if tracer is not None and tracer.hops:
+        for box in wiring.inboxes.values():
+            box.hop_hook = lambda name, kind, msg: tracer.hop(name, name, kind, msg)

@@ -1,0 +1,365 @@
+"""The parent's side of a multi-process topology: start, watch and stop the children.
+
+Supervision policy: no restart. Both sides send a ``Heartbeat`` every
+``HEARTBEAT_INTERVAL``. The parent learns of a child's exit at once (a pidfd in
+trio's loop). When a child dies after start-up (or stops heart-beating for
+``CHILD_TIMEOUT`` and is killed), the whole engine is dead: ``AsyncEngine.alive``
+becomes False, every live request fails with ``RequestError(code="engine_dead")``
+saying ``"<role> process exited with code N"``, new requests are refused with the
+same message, and the remaining children are stopped when the engine context
+exits. Restarting would need generation numbers on every message and a replay of
+lost requests; a supervisor above actorllm (systemd, Kubernetes) restarts the
+whole server instead, with /health telling it when.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from actorllm import codec
+from actorllm.config import EngineConfig
+from actorllm.messages import (
+    ControlMessage,
+    DrainQuery,
+    DrainReport,
+    Heartbeat,
+    Hello,
+    MailboxStat,
+    Ready,
+    Shutdown,
+    StartFailed,
+)
+from actorllm.topology.child import (
+    CONTROL_CAPACITY,
+    HEARTBEAT_INTERVAL,
+    PARENT_CTL,
+    SHUTDOWN_GRACE,
+    child_argv,
+)
+from actorllm.topology.placement import child_roles
+from actorllm.transport import (
+    HandshakeError,
+    IpcDir,
+    ZmqInbox,
+    ZmqOutbox,
+    check_hello,
+    frame_version,
+    make_hello,
+)
+
+log = logging.getLogger(__name__)
+
+CHILD_TIMEOUT = 10.0  # a child silent this long is killed
+READY_TIMEOUT = 300.0  # loading a large model can take minutes; failures report at once
+
+
+class EngineStartError(RuntimeError):
+    """A child process could not start; the message says which and why."""
+
+
+
+def describe_exit(code: int) -> str:
+    """``1``, or ``-9 (killed by SIGKILL)``."""
+    if code < 0:
+        try:
+            return f"{code} (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return str(code)
+
+
+
+@attrs.define(eq=False)
+class Child:
+    """One child process as its supervisor sees it."""
+
+    role: str
+    proc: subprocess.Popen[bytes]
+    pidfd: int | None
+    exited: trio.Event = attrs.Factory(trio.Event)
+    hello: Hello | None = None
+    ready: bool = False
+    ctl: ZmqOutbox[Any] | None = None
+    last_heard: float = 0.0
+    mailboxes: tuple[MailboxStat, ...] = ()
+    report: DrainReport | None = None
+    kill_reason: str | None = None
+    crash: str | None = None  # what a crashing child said before it exited
+
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self.proc.pid
+
+    @property
+    def running(self) -> bool:
+        """The child has not exited yet (it may still be unreaped)."""
+        return self.proc.poll() is None
+
+
+class Supervisor:
+    """Starts the children of one topology, watches them, and stops them.
+
+    ``on_death(message)`` is called once, when a child dies after start-up. ``argv``
+    overrides the command that starts a child (tests use it to run impostors).
+    """
+
+    def __init__(self, config: EngineConfig, ipc: IpcDir, *,
+                 on_death: Callable[[str], None],
+                 argv: Callable[[str], list[str]] | None = None,
+                 ready_timeout: float = READY_TIMEOUT) -> None:
+        self.config = config
+        self.ipc = ipc
+        self.roles = child_roles(config.topology)
+        self.on_death = on_death
+        self.argv = argv or (lambda role: child_argv(role, config, ipc))
+        self.ready_timeout = ready_timeout
+        self.children: dict[str, Child] = {}
+        self.dead: str | None = None  # why the engine died, once it has
+        self.stopping = False
+        self._start_error: str | None = None
+        self._settled = trio.Event()  # all ready, or a start error
+        self._reports = trio.Event()
+        self._tokens = itertools.count(1)
+        self._ctl_in: ZmqInbox[Any] | None = None
+
+    # --- start ---
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Spawn every child and wait until all are ready; raises EngineStartError."""
+        self._ctl_in = ZmqInbox(PARENT_CTL, ControlMessage, CONTROL_CAPACITY,
+                                self.ipc.endpoint(PARENT_CTL), on_reject=self._on_reject)
+        nursery.start_soon(self._ctl_in.pump)
+        nursery.start_soon(self._control_loop)
+        nursery.start_soon(self._heartbeats)  # a child that is ready early needs them
+        for role in self.roles:
+            child = self._spawn(role)
+            nursery.start_soon(self._watch, child, name=f"watch:{role}")
+        with trio.move_on_after(self.ready_timeout):
+            await self._settled.wait()
+        if not self._settled.is_set():
+            waiting = [c.role for c in self.children.values() if not c.ready]
+            self._fail_start(f"{', '.join(waiting)} process not ready after "
+                             f"{self.ready_timeout:g} s")
+        if self._start_error is not None:
+            raise EngineStartError(self._start_error)
+
+    def _spawn(self, role: str) -> Child:
+        env = dict(os.environ)
+        # The child must import this very actorllm, installed or not: put the directory
+        # that holds the actorllm package (this file is actorllm/topology/supervisor.py)
+        # first on its path.
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        # Popen here, in the trio thread, not trio.lowlevel.open_process: that forks from a
+        # worker thread, and PR_SET_PDEATHSIG fires when the forking *thread* exits.
+        proc = subprocess.Popen(self.argv(role), stdin=subprocess.DEVNULL, env=env)
+        pidfd: int | None = None
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            pass  # no pidfd (old kernel): _watch polls instead
+        child = Child(role, proc, pidfd, last_heard=trio.current_time())
+        self.children[role] = child
+        log.info("started the %s process (pid %d)", role, proc.pid)
+        return child
+
+    def _fail_start(self, message: str) -> None:
+        if self._start_error is None:
+            self._start_error = message
+        self._settled.set()
+
+    def _on_reject(self, data: bytes, why: str) -> None:
+        version = frame_version(data)
+        if version is not None and version != codec.VERSION and not self._settled.is_set():
+            self._fail_start(f"a child process speaks codec version {version}, this process "
+                             f"speaks {codec.VERSION}: mismatched actorllm installations")
+
+    # --- watch ---
+
+    async def _watch(self, child: Child) -> None:
+        if child.pidfd is not None:
+            try:
+                await trio.lowlevel.wait_readable(child.pidfd)
+            except trio.ClosedResourceError:
+                pass  # shutdown() closed it: the child has been reaped
+        else:
+            while child.running:
+                await trio.sleep(0.05)
+        code = child.proc.wait()  # reaps it
+        child.exited.set()
+        if self.stopping:
+            return
+        if not child.ready:
+            with trio.move_on_after(0.5):  # its StartFailed may still be in the socket
+                await self._settled.wait()
+            self._fail_start(f"{child.role} process exited with code {describe_exit(code)} "
+                             "during start-up")
+            return
+        if code > 0 and child.kill_reason is None and child.crash is None:
+            with trio.move_on_after(0.2):  # a crash report may still be in the socket
+                while child.crash is None:
+                    await trio.sleep(0.01)
+        message = child.kill_reason or (f"{child.role} process exited with code "
+                                        f"{describe_exit(code)}")
+        if child.crash is not None:
+            message += f" ({child.crash})"
+        log.error("%s", message)
+        if self.dead is None:
+            self.dead = message
+            self.on_death(message)
+
+    async def _control_loop(self) -> None:
+        assert self._ctl_in is not None
+        async for msg in self._ctl_in:
+            child = self.children.get(getattr(msg, "role", ""))
+            if child is None:
+                log.warning("control message %s from unknown role %r", type(msg).__name__,
+                            getattr(msg, "role", None))
+                continue
+            child.last_heard = trio.current_time()
+            if isinstance(msg, Hello):
+                await self._on_hello(child, msg)
+            elif isinstance(msg, Ready):
+                child.ready = True
+                log.info("the %s process (pid %d) is ready", child.role, msg.pid)
+                if all(c.ready for c in self.children.values()) and \
+                        len(self.children) == len(self.roles):
+                    self._settled.set()
+            elif isinstance(msg, StartFailed):
+                if child.ready:
+                    child.crash = msg.message  # it is about to exit: say why
+                else:
+                    self._fail_start(f"{child.role} process failed to start: {msg.message}")
+            elif isinstance(msg, Heartbeat):
+                child.mailboxes = msg.mailboxes
+            elif isinstance(msg, DrainReport):
+                child.report = msg
+                self._reports.set()
+
+    async def _on_hello(self, child: Child, hello: Hello) -> None:
+        try:
+            check_hello(hello, expect_role=child.role)
+        except HandshakeError as exc:
+            log.error("refusing the %s process: %s", child.role, exc)
+            self._fail_start(str(exc))
+        else:
+            child.hello = hello
+        # Answer either way: a mismatched child then refuses us too, with its own words.
+        child.ctl = ZmqOutbox(self.ipc.endpoint(f"{child.role}.ctl"), ControlMessage,
+                              name=f"parent->{child.role}", hwm=CONTROL_CAPACITY)
+        await child.ctl.send(make_hello("parent"))
+
+    async def _heartbeats(self) -> None:
+        for seq in itertools.count(1):
+            await trio.sleep(HEARTBEAT_INTERVAL)
+            now = trio.current_time()
+            for child in self.children.values():
+                if child.exited.is_set() or child.ctl is None:
+                    continue
+                try:
+                    child.ctl.send_nowait(Heartbeat("parent", seq))
+                except trio.WouldBlock:
+                    pass
+                silent = now - child.last_heard
+                if not child.ready or self.stopping:
+                    continue  # loading a model sends no heartbeats; READY_TIMEOUT covers it
+                if silent > CHILD_TIMEOUT and child.kill_reason is None:
+                    child.kill_reason = (f"{child.role} process stopped responding "
+                                         f"(no heartbeat for {silent:.1f} s)")
+                    log.error("%s: killing it", child.kill_reason)
+                    child.proc.kill()
+
+    # --- drain ---
+
+    async def query_drain(self, timeout: float = 2.0) -> list[str]:
+        """Ask every live child what it still holds; returns their problems."""
+        token = next(self._tokens)
+        live = [c for c in self.children.values()
+                if c.ready and c.ctl is not None and not c.exited.is_set()]
+        for child in live:
+            try:
+                child.ctl.send_nowait(DrainQuery(token))  # type: ignore[union-attr]
+            except trio.WouldBlock:
+                pass
+        with trio.move_on_after(timeout):
+            while any(c.report is None or c.report.token < token for c in live
+                      if not c.exited.is_set()):
+                await self._reports.wait()
+                self._reports = trio.Event()
+        return self.remote_problems()
+
+    def remote_problems(self) -> list[str]:
+        """The children's problems as of their latest DrainReport (see query_drain)."""
+        problems: list[str] = []
+        for child in self.children.values():
+            if child.exited.is_set():
+                continue  # a dead process holds nothing
+            if child.report is None:
+                problems.append(f"{child.role} process: no drain report yet "
+                                "(await engine.wait_drained())")
+            else:
+                problems += [f"{child.role} process: {p}" for p in child.report.problems]
+        return problems
+
+    @property
+    def rejected_frames(self) -> dict[str, int]:
+        """Frames each child's sockets refused, as of its latest DrainReport."""
+        return {c.role: c.report.rejected_frames for c in self.children.values()
+                if c.report is not None}
+
+    # --- stop ---
+
+    async def shutdown(self, reason: str = "engine stopping") -> None:
+        """Stop every child: Shutdown, then SIGTERM, then SIGKILL; reap them all."""
+        self.stopping = True
+        for child in self.children.values():
+            if not child.running:
+                continue
+            try:
+                if not child.ready or child.ctl is None:
+                    # Still loading (it reads no control messages then) or refused: SIGTERM
+                    # ends it as cleanly, and at once.
+                    raise trio.WouldBlock
+                child.ctl.send_nowait(Shutdown(reason))
+            except trio.WouldBlock:
+                child.proc.terminate()
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            live = [c for c in self.children.values() if c.running]
+            if not live:
+                break
+            for child in live:
+                if sig is not None:
+                    log.warning("%s process did not stop; sending %s", child.role, sig.name)
+                    child.proc.send_signal(sig)
+            with trio.move_on_after(SHUTDOWN_GRACE if sig is None else 2.0):
+                while any(c.running for c in live):
+                    await trio.sleep(0.02)
+        for child in self.children.values():
+            child.proc.wait()
+            child.exited.set()
+            if child.ctl is not None:
+                child.ctl.close()
+            if child.pidfd is not None:
+                try:
+                    trio.lowlevel.notify_closing(child.pidfd)
+                except RuntimeError:
+                    pass
+                os.close(child.pidfd)
+                child.pidfd = None
+        if self._ctl_in is not None:
+            self._ctl_in.close()
+
+    def pids(self) -> dict[str, int]:
+        """Each child's process id, by role."""
+        return {role: child.pid for role, child in self.children.items()}
