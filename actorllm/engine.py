@@ -32,7 +32,7 @@ from actorllm.mailbox import Mailbox
 from actorllm.messages import GenerateRequest
 from actorllm.metrics import EngineMetrics
 from actorllm.tokenizer import load_hf_tokenizer
-from actorllm.topology.child import TOKENIZER_FILE
+from actorllm.topology.child import TOKENIZER_FILE, sole_error
 from actorllm.topology.placement import (
     MAIN,
     PLACEMENTS,
@@ -201,12 +201,6 @@ class AsyncEngine:
                     m.mailbox_high_water.labels(mailbox=stat.name).set(stat.high_water)
 
 
-def _sole_error(exc: BaseException) -> BaseException:
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
-
-
 def _may_handle_sigterm() -> bool:
     return (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None))
@@ -291,7 +285,7 @@ async def open_engine(config: EngineConfig | None = None, *,
                 await stop()
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
-        error = _sole_error(group)
+        error = sole_error(group)
         if isinstance(error, EngineStartError):
             raise error from None
         raise
@@ -309,7 +303,7 @@ async def _run_actor(engine: AsyncEngine, name: str, actor: Any) -> None:
         if not engine.alive:  # stopping anyway: let it surface as it always did
             raise
         log.exception("the %s actor failed", name)
-        cause = _sole_error(exc)  # actors run their tasks in nurseries of their own
+        cause = sole_error(exc)  # actors run their tasks in nurseries of their own
         engine.mark_dead(f"the {name} actor failed: {type(cause).__name__}: {cause}")
 
 

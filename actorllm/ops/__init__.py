@@ -16,48 +16,16 @@ CuPy is imported only when the cuda backend is asked for.
 from __future__ import annotations
 
 import logging
-from typing import Protocol
 
 import torch
-from torch import Tensor
 
 from actorllm.ops import checks
+from actorllm.ops.base import AttentionBackend, BackendUnavailable
 from actorllm.ops.torch_backend import TorchBackend
 
 __all__ = ["AttentionBackend", "BackendUnavailable", "TorchBackend", "select_backend"]
 
 log = logging.getLogger(__name__)
-
-
-class AttentionBackend(Protocol):
-    """What the model needs from an attention backend (see ``TorchBackend`` for full docs)."""
-
-    name: str  # "torch", "cpu" or "cuda"
-
-    def write_kv(
-        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
-    ) -> None:
-        """Scatter ``[num_tokens, num_kv_heads, head_dim]`` K/V into the caches; slot -1 skips."""
-        ...
-
-    def paged_attention(
-        self,
-        q: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        block_tables: Tensor,
-        seq_lens: Tensor,
-        cu_seqlens_q: Tensor,
-        scale: float,
-        max_seqlen_q: int | None = None,
-        max_seqlen_k: int | None = None,
-    ) -> Tensor:
-        """Causal attention of packed queries over paged K/V; returns ``[total_q, H, D]``."""
-        ...
-
-
-class BackendUnavailable(RuntimeError):
-    """The requested attention backend cannot run here; the message says why in one line."""
 
 
 def select_backend(

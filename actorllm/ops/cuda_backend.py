@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from actorllm.ops import BackendUnavailable
+from actorllm.ops.base import BackendUnavailable
 from actorllm.ops.checks import check_cuda_paged_attention_args, check_cuda_write_kv_args
 
 log = logging.getLogger(__name__)

@@ -122,7 +122,7 @@ class _ChildExit:
     code: int = EXIT_OK
 
 
-def _sole_error(exc: BaseException) -> BaseException:
+def sole_error(exc: BaseException) -> BaseException:
     """The one exception inside (nested) single-member exception groups."""
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
@@ -211,7 +211,7 @@ async def _child_body(role: str, config: EngineConfig, ipc: IpcDir, parent_pid: 
                 nursery.cancel_scope.cancel()
         except Exception as exc:
             # An actor crashed: tell the parent why before the exit code does.
-            error = _sole_error(exc)
+            error = sole_error(exc)
             try:
                 ctl_out.send_nowait(StartFailed(role, f"{type(error).__name__}: {error}"))
             except trio.WouldBlock:
