@@ -26,11 +26,12 @@ from typing import Any
 import trio
 
 from actorllm.config import EngineConfig, ModelInfo, read_model_info
-from actorllm.frontend import Frontend, OutputCollector, RequestError, RequestOutput
+from actorllm.frontend import Frontend
 from actorllm.lifecycle import load_spec
 from actorllm.mailbox import Mailbox
 from actorllm.messages import GenerateRequest
 from actorllm.metrics import EngineMetrics
+from actorllm.outputs import OutputCollector, RequestError, RequestOutput
 from actorllm.tokenizer import load_hf_tokenizer
 from actorllm.topology.child import TOKENIZER_FILE, sole_error
 from actorllm.topology.placement import (

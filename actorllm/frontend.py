@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
 
 import attrs
 import trio
@@ -37,9 +36,9 @@ from actorllm.messages import (
     TextDelta,
     TokenizeRequest,
     TokenizerInput,
-    TokenLogprob,
 )
 from actorllm.metrics import EngineMetrics
+from actorllm.outputs import OutputCollector, RequestError
 from actorllm.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -47,140 +46,6 @@ log = logging.getLogger(__name__)
 
 class DuplicateRequestId(InvalidRequest):
     """A client-supplied rid collides with a live one."""
-
-
-class RequestError(Exception):
-    """A request ended with an error; ``code`` is ``invalid_request``, ``internal``, ..."""
-
-    def __init__(self, message: str, code: str = "internal", param: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.param = code, param
-
-
-@attrs.frozen
-class CompletionOutput:
-    """One choice's news since the last read (or, in LLM results, its whole output)."""
-
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...] = ()
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    # With params.prompt_logprobs: one entry per prompt position (the first None), and
-    # the prompt's token ids (in the output that carries the first entry).
-    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
-    prompt_token_ids: tuple[int, ...] = ()
-
-
-@attrs.frozen
-class RequestOutput:
-    rid: str
-    outputs: tuple[CompletionOutput, ...]
-    finished: bool
-    num_prompt_tokens: int = 0
-
-
-@attrs.define
-class _Pending:
-    text: list[str] = attrs.Factory(list)
-    token_ids: list[int] = attrs.Factory(list)
-    logprobs: list[TokenLogprob] = attrs.Factory(list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    prompt_logprobs: list[TokenLogprob | None] = attrs.Factory(list)
-    prompt_token_ids: tuple[int, ...] = ()
-
-
-class OutputCollector:
-    """Merges outputs for a reader that may be slow: O(1) pending items per choice.
-
-    Deltas for a choice concatenate; a finish is kept; an error is raised to the
-    reader once everything before it has been read. The writer never waits.
-    """
-
-    def __init__(self, rid: str, n: int) -> None:
-        self.rid, self.n = rid, n
-        self._pending: dict[int, _Pending] = {}
-        self._done: set[int] = set()
-        self._error: RequestError | None = None
-        self._closed = False  # the final output has been read
-        self.num_prompt_tokens = 0
-        self._event = trio.Event()
-        # A test-only seam (tests/test_simulation.py): lose text while merging.
-        self.bug_drop_merged = False
-
-    @property
-    def finished(self) -> bool:
-        return self._error is not None or len(self._done) == self.n
-
-    def put_delta(self, index: int, text: str, token_ids: tuple[int, ...],
-                  logprobs: tuple[TokenLogprob, ...],
-                  prompt_logprobs: tuple[TokenLogprob | None, ...] = (),
-                  prompt_token_ids: tuple[int, ...] = ()) -> None:
-        p = self._pending.setdefault(index, _Pending())
-        if self.bug_drop_merged and p.text:
-            p.text.clear()
-        p.text.append(text)
-        p.token_ids.extend(token_ids)
-        p.logprobs.extend(logprobs)
-        p.prompt_logprobs.extend(prompt_logprobs)
-        p.prompt_token_ids = p.prompt_token_ids or prompt_token_ids
-        self._event.set()
-
-    def put_finish(self, index: int, reason: str, stop_reason: str | int | None) -> None:
-        p = self._pending.setdefault(index, _Pending())
-        p.finish_reason, p.stop_reason = reason, stop_reason
-        self._done.add(index)
-        self._event.set()
-
-    def put_error(self, error: RequestError) -> None:
-        if self._error is None:
-            self._error = error
-        self._event.set()
-
-    def pending_items(self) -> int:
-        return len(self._pending) + (self._error is not None)
-
-    def take(self) -> RequestOutput | None:
-        """What has arrived since the last take, merged; None if nothing."""
-        if not self._pending:
-            return None
-        outs = tuple(
-            CompletionOutput(i, "".join(p.text), tuple(p.token_ids), tuple(p.logprobs),
-                             p.finish_reason, p.stop_reason, tuple(p.prompt_logprobs),
-                             p.prompt_token_ids)
-            for i, p in sorted(self._pending.items())
-        )
-        self._pending = {}
-        finished = len(self._done) == self.n and self._error is None
-        return RequestOutput(self.rid, outs, finished, self.num_prompt_tokens)
-
-    async def get(self) -> RequestOutput:
-        """Wait for news. Raises RequestError after an error, EndOfOutput after the end."""
-        while True:
-            if self._closed:
-                raise EndOfOutput(self.rid)
-            out = self.take()
-            if out is not None:
-                self._closed = out.finished
-                return out
-            if self._error is not None:
-                self._closed = True
-                raise self._error
-            await self._event.wait()
-            self._event = trio.Event()
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while True:
-            try:
-                yield await self.get()
-            except EndOfOutput:
-                return
-
-
-class EndOfOutput(Exception):
-    """The final output of a request has already been read."""
 
 
 @attrs.define(eq=False)

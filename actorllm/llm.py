@@ -15,8 +15,8 @@ import trio
 
 from actorllm.config import EngineConfig, default_model_dir
 from actorllm.engine import AsyncEngine, Resources, open_engine
-from actorllm.frontend import CompletionOutput, RequestError, RequestOutput
-from actorllm.messages import ChatMessage, GenerateRequest, SamplingParams, TokenLogprob
+from actorllm.messages import ChatMessage, GenerateRequest, SamplingParams
+from actorllm.outputs import CompletionOutput, Merged, RequestError, merge_all
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
 
@@ -37,22 +37,6 @@ class GenerationResult:
                 "completion_tokens": sum(len(o.token_ids) for o in self.outputs)}
 
 
-def accumulate(choices: dict[int, CompletionOutput], out: RequestOutput) -> None:
-    """Fold a delta output into whole outputs per choice."""
-    for o in out.outputs:
-        old = choices.get(o.index)
-        if old is None:
-            choices[o.index] = o
-            continue
-        lps: tuple[TokenLogprob, ...] = old.logprobs + o.logprobs
-        choices[o.index] = CompletionOutput(o.index, old.text + o.text,
-                                            old.token_ids + o.token_ids, lps,
-                                            o.finish_reason or old.finish_reason,
-                                            o.stop_reason if o.finish_reason else old.stop_reason,
-                                            old.prompt_logprobs + o.prompt_logprobs,
-                                            old.prompt_token_ids or o.prompt_token_ids)
-
-
 def make_request(rid: str, prompt: Prompt, params: SamplingParams) -> GenerateRequest:
     """Text, token ids or chat messages -> a GenerateRequest."""
     if isinstance(prompt, str):
@@ -66,16 +50,17 @@ def make_request(rid: str, prompt: Prompt, params: SamplingParams) -> GenerateRe
 async def collect(engine: AsyncEngine, rid: str, prompt: Prompt,
                   params: SamplingParams) -> GenerationResult:
     """Run one prompt to the end and return its accumulated result."""
-    choices: dict[int, CompletionOutput] = {}
+    choices: dict[int, Merged] = {}
     n_prompt = 0
+    error: str | None = None
     try:
         async for out in engine.generate(make_request(rid, prompt, params)):
-            accumulate(choices, out)
+            merge_all(choices, out)
             n_prompt = out.num_prompt_tokens or n_prompt
     except RequestError as exc:
-        return GenerationResult(rid, prompt, tuple(choices[i] for i in sorted(choices)),
-                                n_prompt, error=str(exc))
-    return GenerationResult(rid, prompt, tuple(choices[i] for i in sorted(choices)), n_prompt)
+        error = str(exc)
+    outputs = tuple(choices[i].output(i) for i in sorted(choices))
+    return GenerationResult(rid, prompt, outputs, n_prompt, error=error)
 
 
 class LLM:

@@ -17,9 +17,10 @@ from helpers import hf_greedy
 
 from actorllm.config import EngineConfig
 from actorllm.engine import AsyncEngine, Resources, open_engine
-from actorllm.frontend import DuplicateRequestId, RequestError
+from actorllm.frontend import DuplicateRequestId
 from actorllm.llm import GenerationResult, collect
 from actorllm.messages import ChatMessage, GenerateRequest, SamplingParams
+from actorllm.outputs import RequestError
 
 PROMPTS = [
     "hello",

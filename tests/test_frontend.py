@@ -5,7 +5,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from actorllm.frontend import Frontend, OutputCollector
+from actorllm.frontend import Frontend
 from actorllm.mailbox import Mailbox
 from actorllm.messages import (
     AbortRequest,
@@ -16,6 +16,7 @@ from actorllm.messages import (
     TokenizerInput,
     TokenLogprob,
 )
+from actorllm.outputs import OutputCollector
 
 
 def make() -> tuple[Frontend, Mailbox[TokenizerInput]]:

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 from sim import InvariantViolation, SimConfig, TextModel, World, make_machine
 
-from actorllm.frontend import OutputCollector
+from actorllm.outputs import OutputCollector
 
 PLANTED = [
     ("frontend.bug_register_after_dispatch", "1"),

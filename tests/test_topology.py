@@ -28,9 +28,9 @@ import zmq
 from actorllm import codec
 from actorllm.config import EngineConfig
 from actorllm.engine import AsyncEngine, EngineStartError, Resources, open_engine
-from actorllm.frontend import RequestError
 from actorllm.llm import LLM, collect, make_request
 from actorllm.messages import GenerateRequest, SamplingParams
+from actorllm.outputs import RequestError
 from actorllm.topology import supervisor as supervisor_module
 from actorllm.topology.placement import PLACEMENTS, child_roles
 from actorllm.topology.supervisor import Supervisor

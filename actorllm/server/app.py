@@ -36,12 +36,8 @@ from actorllm.server.convert import (
     sampling_params,
 )
 from actorllm.server.errors import APIError, install_handlers
-from actorllm.server.generation import (
-    ChatRenderer,
-    CompletionRenderer,
-    GenerationResponse,
-    Job,
-)
+from actorllm.server.generation import GenerationResponse, Job
+from actorllm.server.render import ChatRenderer, CompletionRenderer
 from actorllm.server.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,

@@ -16,8 +16,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import Send
 
-from actorllm.frontend import DuplicateRequestId, RequestError
+from actorllm.frontend import DuplicateRequestId
 from actorllm.messages import InvalidRequest
+from actorllm.outputs import RequestError
 
 log = logging.getLogger(__name__)
 

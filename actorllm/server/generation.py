@@ -21,25 +21,18 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from actorllm.frontend import CompletionOutput, EndOfOutput, OutputCollector, RequestError
 from actorllm.messages import GenerateRequest, InvalidRequest
+from actorllm.outputs import CompletionOutput, EndOfOutput, OutputCollector, RequestError
 from actorllm.server import sse
-from actorllm.server.convert import (
-    PromptOffsets,
-    TokenTexts,
-    chat_logprobs,
-    completion_logprobs,
-    echo_logprobs,
-    vllm_prompt_logprobs,
-)
 from actorllm.server.errors import APIError, from_request_error, invalid
+from actorllm.server.render import Renderer, usage
 
 if TYPE_CHECKING:
     from actorllm.server.app import ServerState
@@ -63,184 +56,6 @@ class Job:
     def cost(self) -> int:
         """Engine sequences it occupies (what the overload cap counts)."""
         return self.request.params.n
-
-
-@attrs.define
-class ChoiceState:
-    """One choice, accumulated (for the whole response) and its streaming progress."""
-
-    text: list[str] = attrs.Factory(list)
-    num_tokens: int = 0
-    logprobs: list[Any] = attrs.Factory(list)  # chat: content entries
-    completion_lps: dict[str, list[Any]] | None = None  # completions: the legacy lists
-    offset: int = 0  # completions: text_offset of the next token
-    started: bool = False
-    # Prompt logprobs: the prompt's ids, the next position to render, the echo's offsets,
-    # and the vLLM-shaped `prompt_logprobs` field so far.
-    prompt_ids: tuple[int, ...] = ()
-    prompt_pos: int = 0
-    prompt_offsets: PromptOffsets | None = None
-    prompt_field: list[Any] = attrs.Factory(list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-class Renderer(Protocol):
-    """Turns engine outputs into one endpoint's response shapes."""
-
-    def prelude(self) -> list[dict[str, Any]]: ...
-
-    def add(self, job: Job, out: CompletionOutput) -> dict[str, Any] | None: ...
-
-    def final(self, usage: dict[str, int]) -> dict[str, Any]: ...
-
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]: ...
-
-    def completion_tokens(self) -> int: ...
-
-
-class _RendererBase:
-    def __init__(self, *, response_id: str, created: int, model: str, num_choices: int,
-                 texts: TokenTexts, logprobs: bool, prompt_logprobs: int | None = None,
-                 echo_logprobs: int | None = None) -> None:
-        """``prompt_logprobs``: k of vLLM's ``prompt_logprobs`` field, None when not asked;
-        ``echo_logprobs``: k for the echoed prompt in the legacy ``logprobs`` (completions)."""
-        self.id, self.created, self.model = response_id, created, model
-        self.texts, self.want_logprobs = texts, logprobs
-        self.prompt_k, self.echo_k = prompt_logprobs, echo_logprobs
-        self.choices = {i: ChoiceState() for i in range(num_choices)}
-
-    def completion_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.choices.values())
-
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
-
-    def _fold(self, index: int, out: CompletionOutput) -> ChoiceState:
-        st = self.choices[index]
-        st.num_tokens += len(out.token_ids)
-        if out.finish_reason is not None:
-            st.finish_reason, st.stop_reason = out.finish_reason, out.stop_reason
-        st.prompt_ids = st.prompt_ids or out.prompt_token_ids
-        return st
-
-    def _prompt_field(self, st: ChoiceState, out: CompletionOutput) -> list[Any] | None:
-        """This output's share of vLLM's ``prompt_logprobs`` (None if not asked)."""
-        if self.prompt_k is None:
-            return None
-        piece = vllm_prompt_logprobs(self.texts, out.prompt_logprobs, self.prompt_k)
-        st.prompt_field += piece
-        return piece
-
-
-class ChatRenderer(_RendererBase):
-    """``chat.completion`` and ``chat.completion.chunk``."""
-
-    def prelude(self) -> list[dict[str, Any]]:
-        # OpenAI opens each choice with its role before any content.
-        return [self._envelope("chat.completion.chunk", [{
-            "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-            "finish_reason": None}]) for i in self.choices]
-
-    def add(self, job: Job, out: CompletionOutput) -> dict[str, Any] | None:
-        index = job.index_base + out.index
-        st = self._fold(index, out)
-        st.text.append(out.text)
-        self._prompt_field(st, out)
-        lps = chat_logprobs(self.texts, out.logprobs) if self.want_logprobs else []
-        st.logprobs += lps
-        if not out.text and not lps and out.finish_reason is None:
-            return None  # held-back text: nothing to tell the client yet
-        choice: dict[str, Any] = {
-            "index": index, "delta": {"content": out.text} if out.text else {},
-            "logprobs": {"content": lps} if self.want_logprobs else None,
-            "finish_reason": out.finish_reason,
-        }
-        if out.finish_reason is not None:
-            choice["stop_reason"] = out.stop_reason
-        return self._envelope("chat.completion.chunk", [choice])
-
-    def final(self, usage: dict[str, int]) -> dict[str, Any]:
-        choices = [{
-            "index": i, "message": {"role": "assistant", "content": "".join(st.text)},
-            "logprobs": {"content": st.logprobs} if self.want_logprobs else None,
-            "finish_reason": st.finish_reason, "stop_reason": st.stop_reason,
-        } for i, st in sorted(self.choices.items())]
-        response = {**self._envelope("chat.completion", choices), "usage": usage}
-        if self.prompt_k is not None:
-            # vLLM puts them beside the choices: every choice has the same prompt.
-            response["prompt_logprobs"] = self.choices[0].prompt_field
-        return response
-
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
-        return {**self._envelope("chat.completion.chunk", []), "usage": usage}
-
-
-class CompletionRenderer(_RendererBase):
-    """``text_completion``, whole or streamed."""
-
-    def prelude(self) -> list[dict[str, Any]]:
-        return []
-
-    def add(self, job: Job, out: CompletionOutput) -> dict[str, Any] | None:
-        index = job.index_base + out.index
-        st = self._fold(index, out)
-        text = out.text
-        if not st.started:
-            st.started = True
-            text = job.echo + text
-            st.offset = len(job.echo)
-        st.text.append(text)
-        lps = None
-        if self.want_logprobs:
-            lps, st.offset = completion_logprobs(self.texts, out.logprobs, st.offset)
-            if self.echo_k is not None and out.prompt_logprobs:
-                # Prompt positions come before (or with) the first completion token.
-                if st.prompt_offsets is None:
-                    st.prompt_offsets = PromptOffsets(self.texts, limit=len(job.echo),
-                                                      skip_special=job.echo_skips_special)
-                echoed = echo_logprobs(self.texts, out.prompt_logprobs, st.prompt_ids,
-                                       st.prompt_pos, self.echo_k, st.prompt_offsets)
-                st.prompt_pos += len(out.prompt_logprobs)
-                lps = {k: echoed[k] + v for k, v in lps.items()}
-            if st.completion_lps is None:
-                st.completion_lps = {k: [] for k in lps}
-            for k, v in lps.items():
-                st.completion_lps[k] += v
-        prompt_field = self._prompt_field(st, out)
-        if not text and not out.logprobs and not out.prompt_logprobs \
-                and out.finish_reason is None:
-            return None
-        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": lps,
-                                  "finish_reason": out.finish_reason}
-        if prompt_field is not None:
-            choice["prompt_logprobs"] = prompt_field
-        if out.finish_reason is not None:
-            choice["stop_reason"] = out.stop_reason
-        return self._envelope("text_completion", [choice])
-
-    def final(self, usage: dict[str, int]) -> dict[str, Any]:
-        choices = []
-        for i, st in sorted(self.choices.items()):
-            lps = None
-            if self.want_logprobs:
-                lps = st.completion_lps or {"tokens": [], "token_logprobs": [],
-                                            "top_logprobs": [], "text_offset": []}
-            choice = {"index": i, "text": "".join(st.text), "logprobs": lps,
-                      "finish_reason": st.finish_reason, "stop_reason": st.stop_reason}
-            if self.prompt_k is not None:
-                choice["prompt_logprobs"] = st.prompt_field
-            choices.append(choice)
-        return {**self._envelope("text_completion", choices), "usage": usage}
-
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
-        return {**self._envelope("text_completion", []), "usage": usage}
 
 
 class _ClientGone(Exception):

@@ -61,7 +61,7 @@ import trio.testing
 
 from actorllm.config import ModelInfo
 from actorllm.detokenizer import Detokenizer, hf_decode_fn
-from actorllm.frontend import DuplicateRequestId, EndOfOutput, Frontend, RequestError
+from actorllm.frontend import DuplicateRequestId, Frontend
 from actorllm.lifecycle import IllegalTransition, load_spec
 from actorllm.mailbox import MailboxClosed
 from actorllm.messages import (
@@ -83,6 +83,7 @@ from actorllm.messages import (
     WorkerInput,
 )
 from actorllm.metrics import EngineMetrics
+from actorllm.outputs import EndOfOutput, Merged, RequestError
 from actorllm.scheduler import Scheduler
 from actorllm.tokenizer import PromptEncoder, Tokenizer
 
@@ -802,7 +803,7 @@ class World:
         """Invariant 2 at the collector: nothing is put into it after its final output."""
         col = client.collector
         if "collector.bug_drop_merged" in self.config.bugs:
-            col.bug_drop_merged = True
+            col.merged_type = DroppingMerged
         put_delta, put_finish, put_error = col.put_delta, col.put_finish, col.put_error
         done: set[int] = set()
 
@@ -1040,3 +1041,11 @@ class World:
             self.report("3", f"blocks in use {sorted(used)} but held by sequences "
                         f"{sorted(owners)}")
 
+
+class DroppingMerged(Merged):
+    """Planted bug: merging a delta into pending text loses what was pending."""
+
+    def add(self, out: Any) -> None:
+        if self.text:
+            self.text.clear()
+        super().add(out)
