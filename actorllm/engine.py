@@ -25,6 +25,7 @@ from typing import Any
 
 import trio
 
+from actorllm.admission import Admission, Gate
 from actorllm.config import EngineConfig, ModelInfo, read_model_info
 from actorllm.frontend import Frontend
 from actorllm.lifecycle import load_spec
@@ -80,10 +81,11 @@ class Resources:
 class AsyncEngine:
     """The API layer's handle on a running engine. Talks to the Frontend only.
 
-    ``alive`` turns False when the engine stops or one of its processes dies;
-    ``dead_reason`` then says why, and every request fails with that message.
-    ``died`` is set only for a death (a child process exited, or an actor of this
-    process raised), not for an orderly stop: that is what a server restarts for.
+    ``admission`` is the one gate for new work (see ``actorllm.admission``): ``alive``
+    turns False when the engine stops or one of its processes dies; ``dead_reason`` then
+    says why, and every request fails with that message. ``died`` is set only for a
+    death (a child process exited, or an actor of this process raised), not for an
+    orderly stop: that is what a server restarts for.
     """
 
     def __init__(self, config: EngineConfig, resources: Resources, frontend: Frontend,
@@ -98,28 +100,38 @@ class AsyncEngine:
         self.actors = actors  # those in this process
         self.mailboxes = mailboxes  # those in this process
         self.supervisor = supervisor  # None in the single topology
-        self.alive = True
-        self.dead_reason: str | None = None
-        self.died = trio.Event()
-        self.accepting = True  # False while draining for shutdown
+        self.admission = Admission()
         self._streams = 0  # generate() calls in progress
         self._counter = itertools.count()
 
     def new_rid(self, prefix: str = "req") -> str:
         return f"{prefix}-{uuid.uuid4().hex[:12]}-{next(self._counter)}"
 
-    def _check_open(self) -> None:
-        if not self.alive:
-            raise RequestError(self.dead_reason or "the engine is not running", "engine_dead")
-        if not self.accepting:
-            raise RequestError("the engine is shutting down", "engine_dead")
+    @property
+    def alive(self) -> bool:
+        """Not stopped and not dead (it may be draining)."""
+        return self.admission.gate in (Gate.OPEN, Gate.DRAINING)
 
-    async def submit(self, request: GenerateRequest) -> OutputCollector:
+    @property
+    def dead_reason(self) -> str | None:
+        return self.admission.reason
+
+    @property
+    def died(self) -> trio.Event:
+        return self.admission.died
+
+    async def submit(self, request: GenerateRequest, *, reserved: bool = False
+                     ) -> OutputCollector:
         """Register and dispatch; read the returned collector for outputs.
 
         Raises RequestError(code="engine_dead") once the engine is dead or stopping.
+        ``reserved``: the caller holds an ``admission.reserve()`` made before a drain
+        began, so only a stopped or dead engine refuses it.
         """
-        self._check_open()
+        if not (reserved and self.alive):
+            refused = self.admission.refusal()
+            if refused is not None:
+                raise RequestError(str(refused), "engine_dead")
         collector = await self.frontend.submit(request)
         if not self.alive:  # it died while we dispatched: fail what we just registered
             self.frontend.lose_all(self.dead_reason or "the engine is not running")
@@ -143,13 +155,10 @@ class AsyncEngine:
 
     def mark_dead(self, reason: str) -> None:
         """A process of this engine died: fail every live request and refuse new ones."""
-        if self.dead_reason is not None:
+        if not self.admission.kill(reason):
             return
-        self.alive = False
-        self.dead_reason = reason
         lost = self.frontend.lose_all(reason)
         log.error("engine dead: %s; %d live requests failed", reason, lost)
-        self.died.set()
 
     @property
     def busy(self) -> bool:
@@ -281,8 +290,7 @@ async def open_engine(config: EngineConfig | None = None, *,
             try:
                 yield engine
             finally:
-                engine.alive = False
-                engine.dead_reason = engine.dead_reason or "the engine has shut down"
+                engine.admission.stop()
                 await stop()
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
@@ -317,7 +325,7 @@ async def _drain_on_sigterm(engine: AsyncEngine, stop: Any) -> None:
     # (and the children, through their parent-death signal).
     log.warning("SIGTERM: draining %d live requests (at most %g s)",
                 len(engine.frontend.registry), SIGTERM_DRAIN_TIMEOUT)
-    engine.accepting = False
+    engine.admission.drain()
     with trio.move_on_after(SIGTERM_DRAIN_TIMEOUT):
         while engine.busy:
             await trio.sleep(0.02)

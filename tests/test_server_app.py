@@ -158,7 +158,7 @@ async def test_errors_leave_nothing_behind(engine: AsyncEngine) -> None:
         error = call.json()["error"]
         assert error["param"] == param and set(error) == {"message", "type", "param", "code"}
     assert await engine.wait_drained(2.0) == []
-    assert app.state.server.inflight == 0
+    assert app.state.server.admission.held == 0
 
 
 async def test_engine_error_mid_stream_is_an_sse_event(engine: AsyncEngine) -> None:
@@ -200,7 +200,7 @@ async def test_duplicate_live_request_id(engine: AsyncEngine) -> None:
 async def test_health_while_draining(engine: AsyncEngine) -> None:
     app = app_for(engine)
     assert (await Call("/health", method="GET").run(app)).status == 200
-    app.state.server.draining = True
+    app.state.server.admission.drain()
     assert (await Call("/health", method="GET").run(app)).status == 503
     refused = await Call("/v1/completions", {"prompt": "Hi"}).run(app)
     assert refused.status == 503 and refused.json()["error"]["code"] == "shutting_down"
@@ -217,7 +217,7 @@ async def test_overload_is_503_and_frees_its_reservation(engine: AsyncEngine) ->
         refused = await Call("/v1/completions", {"prompt": "Hi", "max_tokens": 2}).run(app)
         assert refused.status == 503 and refused.json()["error"]["code"] == "overloaded"
         running.gone.set()
-    assert app.state.server.inflight == 0
+    assert app.state.server.admission.held == 0
     served = await Call("/v1/completions", {"prompt": "Hi", "max_tokens": 2}).run(app)
     assert served.status == 200
     assert await engine.wait_drained(1.0) == []

@@ -85,9 +85,10 @@ class ServerState:
         self.model_name = served_model_name
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
-        self.max_pending = max_pending
-        self.inflight = 0  # engine sequences held by HTTP requests (the overload cap)
-        self.draining = False  # set on SIGINT/SIGTERM: refuse new work, /health says 503
+        # The engine's one gate: SIGINT/SIGTERM drain it (new work refused, /health 503);
+        # each HTTP request reserves its sequences on it, up to --max-pending.
+        self.admission = engine.admission
+        self.admission.capacity = max_pending
         # Set when --drain-timeout runs out: requests still running end with an error.
         self.drain_expired = trio.Event()
         self.created = int(time.time())
@@ -101,14 +102,14 @@ class ServerState:
 
     def refusal(self) -> APIError | None:
         """Why a new request is refused now (503), or None while serving."""
-        engine = self.engine
-        if engine.died.is_set():
-            return APIError(503, f"the engine is dead: {engine.dead_reason}; the server "
+        refused = self.admission.refusal()
+        if refused is None:
+            return None
+        if refused.code == "engine_dead":
+            return APIError(503, f"the engine is dead: {refused}; the server "
                             "must be restarted", code="engine_dead")
-        if self.draining or not engine.alive:
-            return APIError(503, "the server is shutting down", code="shutting_down",
-                            headers=_CLOSE)
-        return None
+        return APIError(503, "the server is shutting down", code="shutting_down",
+                        headers=_CLOSE)
 
     async def in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run tokenizer work off the event loop (a 1 MB prompt takes about a second)."""

@@ -28,6 +28,7 @@ import trio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from actorllm.admission import Refused
 from actorllm.messages import GenerateRequest, InvalidRequest
 from actorllm.outputs import CompletionOutput, EndOfOutput, OutputCollector, RequestError
 from actorllm.server import sse
@@ -155,7 +156,7 @@ class GenerationResponse(Response):
 
     async def _release(self) -> None:
         """Abort what has not finished and give back the overload reservation."""
-        self.state.inflight -= self._reserved
+        self.state.admission.release(self._reserved)
         self._reserved = 0
         for job in self.jobs:
             if job.collector is not None and not job.collector.finished:
@@ -176,18 +177,18 @@ class GenerationResponse(Response):
         if refusal is not None:
             raise refusal
         cost = sum(j.cost for j in self.jobs)
-        if cost > state.max_pending:  # could never run: retrying would not help
-            raise APIError(400, f"the request needs {cost} sequences (prompts x n), more than "
-                           f"the server's limit of {state.max_pending}", param="n",
-                           code="invalid_request")
-        if state.inflight + cost > state.max_pending:
-            raise APIError(503, f"the server is overloaded ({state.inflight} sequences "
-                           "pending); retry later", code="overloaded")
-        state.inflight += cost
+        try:
+            state.admission.reserve(cost)
+        except Refused as refused:
+            if refused.code == "too_large":  # could never run: retrying would not help
+                raise APIError(400, str(refused), param="n", code="invalid_request") from None
+            if refused.code == "overloaded":
+                raise APIError(503, str(refused), code="overloaded") from None
+            raise state.refusal() or APIError(503, str(refused), code=refused.code) from None
         self._reserved = cost
         for job in self.jobs:
             try:
-                job.collector = await state.engine.submit(job.request)
+                job.collector = await state.engine.submit(job.request, reserved=True)
             except InvalidRequest as exc:  # a live duplicate request id
                 raise invalid(exc) from None
 

@@ -160,10 +160,10 @@ async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
 
             async def on_signals(nursery: trio.Nursery) -> None:
                 async for signum in signals:
-                    if not state.draining:
+                    if state.admission.open:
                         log.warning("%s: draining (up to %.1f s)",
                                     signal.Signals(signum).name, opts.drain_timeout)
-                        state.draining = True
+                        state.admission.drain()
                         nursery.start_soon(_drain, state, opts.drain_timeout, shutdown)
                     else:
                         log.warning("second signal: stopping now")
@@ -216,7 +216,7 @@ async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
 
 async def _until_idle(state: Any) -> None:
     """Until no HTTP request holds an engine sequence."""
-    while state.inflight > 0:
+    while state.admission.held > 0:
         await trio.sleep(0.02)
 
 
@@ -224,8 +224,9 @@ async def _drain(state: Any, drain_timeout: float, shutdown: trio.Event) -> None
     """Let in-flight requests finish for ``drain_timeout`` s, end the rest, then stop."""
     with trio.move_on_after(max(drain_timeout, 0.0)):
         await _until_idle(state)
-    if state.inflight > 0:
-        log.warning("drain timeout: ending %d sequences with an error", state.inflight)
+    if state.admission.held > 0:
+        log.warning("drain timeout: ending %d sequences with an error",
+                    state.admission.held)
         state.drain_expired.set()
         # Each one sends its error and aborts its engine requests; that takes a moment.
         with trio.move_on_after(_CLOSE_TIMEOUT):

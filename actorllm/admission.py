@@ -1,0 +1,100 @@
+"""Admission control: whether new work is taken, and how much is held. One object.
+
+The engine owns it (``AsyncEngine.admission``); the HTTP server reserves sequences on it
+for each request and releases them when the request is done. Its life is a small state
+machine of its own::
+
+    OPEN --drain()--> DRAINING --stop()--> STOPPED
+      \\________________________\\--kill(reason)--> DEAD
+
+``DRAINING`` refuses new work while what is held finishes; ``DEAD`` (a process of the
+engine died) refuses everything with the reason. Nothing here waits: the callers decide
+how long to drain.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import trio
+
+
+class Gate(enum.Enum):
+    OPEN = "open"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    DEAD = "dead"
+
+
+class Refused(Exception):
+    """New work is not taken now. ``code``: ``engine_dead``, ``shutting_down``,
+    ``overloaded`` (retry later) or ``too_large`` (a request that can never fit)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Admission:
+    """The gate and the count of engine sequences held by callers (``capacity`` caps it)."""
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self.capacity = capacity  # None: no cap (the Python API); the server sets one
+        self.held = 0
+        self.gate = Gate.OPEN
+        self.reason: str | None = None  # why DEAD or STOPPED
+        self.died = trio.Event()  # set by kill(): what a server restarts for
+
+    @property
+    def open(self) -> bool:
+        return self.gate is Gate.OPEN
+
+    @property
+    def draining(self) -> bool:
+        return self.gate is Gate.DRAINING
+
+    def refusal(self) -> Refused | None:
+        """Why new work is refused now, or None while open."""
+        if self.gate is Gate.DEAD:
+            return Refused("engine_dead", self.reason or "the engine is dead")
+        if self.gate is not Gate.OPEN:
+            return Refused("shutting_down", self.reason or "the engine is shutting down")
+        return None
+
+    def reserve(self, cost: int) -> None:
+        """Hold ``cost`` sequences; raises :class:`Refused` when closed or full."""
+        refused = self.refusal()
+        if refused is not None:
+            raise refused
+        if self.capacity is not None:
+            if cost > self.capacity:
+                raise Refused("too_large", f"the request needs {cost} sequences (prompts x n), "
+                              f"more than the server's limit of {self.capacity}")
+            if self.held + cost > self.capacity:
+                raise Refused("overloaded", f"the server is overloaded ({self.held} sequences "
+                              "pending); retry later")
+        self.held += cost
+
+    def release(self, cost: int) -> None:
+        """Give back what :meth:`reserve` held."""
+        if not 0 <= cost <= self.held:
+            raise ValueError(f"releasing {cost} of {self.held} held sequences")
+        self.held -= cost
+
+    def drain(self) -> None:
+        """Refuse new work; what is held may finish."""
+        if self.gate is Gate.OPEN:
+            self.gate = Gate.DRAINING
+
+    def stop(self, reason: str = "the engine has shut down") -> None:
+        """An orderly end: refuse everything from now on."""
+        if self.gate in (Gate.OPEN, Gate.DRAINING):
+            self.gate, self.reason = Gate.STOPPED, reason
+
+    def kill(self, reason: str) -> bool:
+        """The engine died; False if it had already died or stopped (nothing changes)."""
+        if self.gate in (Gate.DEAD, Gate.STOPPED):
+            return False
+        self.gate, self.reason = Gate.DEAD, reason
+        self.died.set()
+        return True
