@@ -18,6 +18,7 @@ global property: the whole merged history of a rid is one path through the table
 
 from __future__ import annotations
 
+import enum
 import importlib.resources
 import tomllib
 from collections.abc import Iterable
@@ -27,7 +28,24 @@ import attrs
 
 from actorllm.trace import Tracer
 
+# The one list of actors (actorllm.topology imports it).
 ACTORS = ("frontend", "tokenizer", "scheduler", "worker", "detokenizer")
+
+
+class State(enum.StrEnum):
+    """The states of the table, typed. ``load_spec`` refuses a table that names others, and
+    tests/test_lifecycle.py proves the two lists equal, so code may compare against these."""
+
+    CREATED = "CREATED"
+    TOKENIZING = "TOKENIZING"
+    WAITING = "WAITING"
+    RUNNING = "RUNNING"
+    PREEMPTED = "PREEMPTED"
+    FINISHED = "FINISHED"
+    FREED = "FREED"
+    RESPONDED = "RESPONDED"
+    RELEASED = "RELEASED"
+    GATHERING = "GATHERING"
 
 
 class IllegalTransition(Exception):
@@ -147,27 +165,39 @@ def parse_spec(text: str) -> Spec:
 def load_spec() -> Spec:
     """The spec shipped with the package (``spec/lifecycle.toml`` in a checkout)."""
     text = importlib.resources.files("actorllm.spec").joinpath("lifecycle.toml").read_text()
-    return parse_spec(text)
+    spec = parse_spec(text)
+    if set(spec.states) != set(State):
+        raise ValueError(f"spec states {spec.states} differ from lifecycle.State")
+    return spec
 
 
 class View:
-    """One actor's knowledge of one request's state (see the module docstring)."""
+    """One actor's knowledge of one request's state (see the module docstring).
 
-    __slots__ = ("_spec", "actor", "rid", "states")
+    ``states`` is every global state consistent with what this actor knows; ``local`` is
+    the state its own last event led to (None before its first, or where that event had
+    several targets, e.g. the Frontend's ``respond`` before it knows of ``free``).
+    Decisions read these two, never a flag of their own.
+    """
+
+    __slots__ = ("_spec", "actor", "local", "rid", "states")
 
     def __init__(self, spec: Spec, actor: str, rid: str) -> None:
         self._spec, self.actor, self.rid = spec, actor, rid
         self.states: frozenset[str | None] = spec.closure([None], actor)
+        self.local: State | None = None
 
     @property
     def state(self) -> str:
         """The view as text: one state, or the candidates joined by ``|``."""
         return "|".join(sorted(s or "NONE" for s in self.states))
 
-    def can(self, event: str) -> bool:
-        """Whether this actor may fire ``event`` now."""
-        if self._spec.actor_of(event) != self.actor:
-            return False
+    def within(self, *states: State) -> bool:
+        """Whether the request is certainly in one of ``states``."""
+        return all(s in states for s in self.states)
+
+    def may(self, event: str) -> bool:
+        """Whether ``event`` is legal from at least one candidate state."""
         return any(self._spec.step(s, event) is not None for s in self.states)
 
     def fire(self, event: str) -> tuple[str, str]:
@@ -180,14 +210,28 @@ class View:
             owner = spec.actor_of(event)
         except KeyError:
             raise IllegalTransition(self.rid, self.state, event, self.actor) from None
-        moves = {s: spec.step(s, event) for s in self.states}
-        moves = {s: t for s, t in moves.items() if t is not None}
-        if owner != self.actor or not moves:
+        if owner != self.actor:
             raise IllegalTransition(self.rid, self.state, event, self.actor)
-        self.states = spec.closure(moves.values(), self.actor)
+        before, targets = self._apply(event)
+        self.local = State(targets[0]) if len(targets) == 1 else None
+        return before, "|".join(targets)
+
+    def witness(self, event: str) -> None:
+        """Narrow the view by an event another actor fired, learned from a message (the
+        Frontend reads ``free`` off an OutputBatch). Raises IllegalTransition."""
+        if self._spec.actor_of(event) == self.actor:
+            raise IllegalTransition(self.rid, self.state, event, self.actor)
+        self._apply(event)
+
+    def _apply(self, event: str) -> tuple[str, list[str]]:
+        moves = {s: self._spec.step(s, event) for s in self.states}
+        moves = {s: t for s, t in moves.items() if t is not None}
+        if not moves:
+            raise IllegalTransition(self.rid, self.state, event, self.actor)
+        self.states = self._spec.closure(moves.values(), self.actor)
         # Report only the states the event was legal from: usually exactly one.
         before = "|".join(sorted(s or "NONE" for s in moves))
-        return before, "|".join(sorted(set(moves.values())))
+        return before, sorted({t for t in moves.values() if t is not None})
 
     def __repr__(self) -> str:
         return f"View({self.actor}, {self.rid!r}, {self.state})"
@@ -229,6 +273,10 @@ class Ledger:
         if self.tracer is not None:
             self.tracer.transition(self.actor, rid, event, before, after, details)
         return after
+
+    def view(self, rid: str) -> View:
+        """The view of a rid this actor has fired for. KeyError if none."""
+        return self.views[rid]
 
     def drop(self, rid: str) -> None:
         """Forget ``rid``: this actor holds nothing more for it."""

@@ -62,7 +62,7 @@ import trio.testing
 from actorllm.config import ModelInfo
 from actorllm.detokenizer import Detokenizer, hf_decode_fn
 from actorllm.frontend import DuplicateRequestId, EndOfOutput, Frontend, RequestError
-from actorllm.lifecycle import IllegalTransition, load_spec
+from actorllm.lifecycle import IllegalTransition, State, load_spec
 from actorllm.mailbox import MailboxClosed
 from actorllm.messages import (
     AbortRequest,
@@ -86,6 +86,7 @@ from actorllm.metrics import EngineMetrics
 from actorllm.scheduler import Scheduler
 from actorllm.tokenizer import PromptEncoder, Tokenizer
 
+from .bugs import actor_class
 from .controlled_transport import ControlledMailbox
 from .scripted_worker import ScriptedWorker, prompt_score
 
@@ -132,7 +133,7 @@ class SimConfig:
     capacity: int = 3  # every inbox but the Worker's
     worker_capacity: int = 2  # as in actorllm.engine
     roundtrip: bool = True  # send every delivered message through the codec
-    bugs: frozenset[str] = frozenset()  # planted bugs to switch on: "frontend.bug_...", ...
+    bugs: frozenset[str] = frozenset()  # planted bugs (sim/bugs.py): "frontend.bug_...", ...
 
 
 # --- text: the reference for invariant 7 ---------------------------------------------------
@@ -426,7 +427,10 @@ class World:
             "frontend": box("frontend", FrontendInput),
         }
         b = self.boxes
-        self.frontend = Frontend(b["frontend"], b["tokenizer"].edge("frontend"),
+        def cls(actor: str, base: type[Any]) -> type[Any]:
+            return actor_class(actor, base, cfg.bugs)
+
+        self.frontend = cls("frontend", Frontend)(b["frontend"], b["tokenizer"].edge("frontend"),
                                  metrics=metrics, tracer=self.rec)  # type: ignore[arg-type]
         info = ModelInfo(path="sim", vocab_size=len(hf_tokenizer),
                          max_model_len=cfg.max_model_len, eos_token_ids=(text.eos_id,),
@@ -435,15 +439,15 @@ class World:
                                    b["scheduler"].edge("tokenizer"),
                                    b["frontend"].edge("tokenizer"),
                                    tracer=self.rec)  # type: ignore[arg-type]
-        self.scheduler = Scheduler(b["scheduler"], b["worker"].edge("scheduler"),
+        self.scheduler = cls("scheduler", Scheduler)(b["scheduler"], b["worker"].edge("scheduler"),
                                    b["detokenizer"].edge("scheduler"),
                                    num_blocks=cfg.num_blocks, block_size=cfg.block_size,
                                    max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    tracer=self.rec)  # type: ignore[arg-type]
-        self.worker = ScriptedWorker(b["worker"], b["scheduler"].edge("worker"), text.vocab,
-                                     text.eos_id)
-        self.detokenizer = Detokenizer(text.decode, b["detokenizer"],
+        self.worker = cls("worker", ScriptedWorker)(b["worker"], b["scheduler"].edge("worker"),
+                                                    text.vocab, text.eos_id)
+        self.detokenizer = cls("detokenizer", Detokenizer)(text.decode, b["detokenizer"],
                                        b["frontend"].edge("detokenizer"),
                                        b["scheduler"].edge("detokenizer"))
         self.actors: dict[str, Any] = {
@@ -452,13 +456,6 @@ class World:
             "detokenizer": self.detokenizer,
         }
         self._edges = {e: b[e.split("->")[1]] for e in EDGES}
-        for bug in sorted(cfg.bugs):
-            actor, flag = bug.split(".")
-            if actor == "collector":  # set on each collector as it appears (_watch_collector)
-                continue
-            if not hasattr(self.actors[actor], flag):
-                raise ValueError(f"no test seam {bug!r}")
-            setattr(self.actors[actor], flag, True)
         self._watch_scheduler()
         self.loop = GuestLoop(self._main)
         self.loop.run_until(lambda: self._idle)
@@ -697,10 +694,10 @@ class World:
         problems: list[str] = []
         for actor in self.actors.values():
             problems += actor.drain_problems()
-        if s.waiting or s.running or s.fenced or s.forget:
+        if s.waiting or s.running or s.fenced or s.worker_drops:
             problems.append(f"scheduler queues: waiting={[q.rid for q in s.waiting]} "
                             f"running={[q.rid for q in s.running]} fenced={len(s.fenced)} "
-                            f"forget={s.forget}")
+                            f"worker_drops={s.worker_drops}")
         problems += [f"mailbox {b!r} holds {b.depth}" for b in self.boxes.values() if b.depth]
         if self._running:
             problems.append(f"{self._running} API calls still waiting")
@@ -750,7 +747,7 @@ class World:
                     why = f"a stale or duplicated result of step {msg.step_id}"
             elif isinstance(msg, AbortRequest | StopMatched):
                 seq = s.seqs.get(msg.rid)
-                if seq is None or seq.status == "FINISHED":
+                if seq is None or seq.status is State.FINISHED:
                     why = f"{type(msg).__name__} for {msg.rid!r}, which has already finished"
                 elif isinstance(msg, StopMatched) and self._sched_tag is not self.rec.current.get(
                         msg.rid):
@@ -780,7 +777,7 @@ class World:
                              q.num_computed, q.in_flight) for q in s.seqs.values()))
         return (seqs, tuple(q.rid for q in s.waiting), tuple(q.rid for q in s.running),
                 tuple(q.rid for q in s.fenced), frozenset(s.pool._used),
-                s.in_flight.step_id if s.in_flight else None, tuple(s.forget),
+                s.in_flight.step_id if s.in_flight else None, tuple(s.worker_drops),
                 tuple(s._outputs), tuple(s._freed))
 
     # --- clients ------------------------------------------------------------------------------
