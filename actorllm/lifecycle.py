@@ -12,8 +12,8 @@ keeps a :class:`View` per rid: the *set* of global states consistent with what
 that actor has itself fired, closed over the events that other actors may have
 fired meanwhile (a subset construction over the table). An actor may fire an
 event iff the event is legal from at least one state in its view, and it must be
-the event's actor. The replay tool and the simulation harness check the stronger,
-global property: the whole merged history of a rid is one path through the table.
+the event's actor. The stronger, global property, that the whole merged history of a
+rid is one path through the table, is checked by actorllm/invariants.py.
 """
 
 from __future__ import annotations
@@ -235,21 +235,6 @@ class View:
 
     def __repr__(self) -> str:
         return f"View({self.actor}, {self.rid!r}, {self.state})"
-
-
-def check_history(spec: Spec, events: Iterable[str]) -> tuple[int, str | None, str] | None:
-    """Check one rid's merged event history against the table.
-
-    Returns None when every event is legal, else ``(index, state, event)`` of the first
-    illegal one. Completeness (ending in a final state) is the caller's question.
-    """
-    state: str | None = None
-    for i, event in enumerate(events):
-        nxt = spec.step(state, event)
-        if nxt is None:
-            return i, state, event
-        state = nxt
-    return None
 
 
 class Ledger:

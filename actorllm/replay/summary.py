@@ -22,6 +22,7 @@ from collections import Counter
 
 import attrs
 
+from actorllm.invariants import final_state
 from actorllm.lifecycle import Spec
 from actorllm.replay.tracefile import Life, Session, Trace
 
@@ -196,18 +197,9 @@ def _from_transitions(life: Life, spec: Spec) -> RequestSummary:
             terminal_reason = "error" if event == "reject" else line.data.get("reason")
         elif event == "lose" and terminal_reason is None:
             terminal_reason = "error"
-    s.state = _final_state(life, spec)
+    s.state = final_state(spec, life.events)
     s.reason = respond_reason or terminal_reason
     return s
-
-
-def _final_state(life: Life, spec: Spec) -> str | None:
-    state: str | None = None
-    for event in life.events:
-        state = spec.step(state, event)
-        if state is None:
-            return None
-    return state
 
 
 def percentile(xs: list[float], q: float) -> float | None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import attrs
 
+from actorllm.invariants import fold
 from actorllm.lifecycle import Spec
 from actorllm.replay.check import Violation
 from actorllm.replay.summary import Summary
@@ -136,10 +137,12 @@ def build_timeline(trace: Trace, spec: Spec, summary: Summary,
                                fill="#4b5563" if child else "#111827"))
         state: str | None = None
         lines = life.lines
-        for j, line in enumerate(lines):
-            before, state = state, spec.step(state, str(line.event))
+        # fold() stops at an illegal event: from there on the red outline says so.
+        for j, after in enumerate(fold(spec, life.events)):
+            line = lines[j]
+            before, state = state, after
             if state is None:
-                break  # illegal from here on: the red outline says so
+                break
             if state in spec.final_states:
                 if before not in spec.final_states:  # the end of the request: a bar
                     row.shapes.append(Seg(x_of(line.t), y, x_of(line.t), y + ROW_H, "#374151",

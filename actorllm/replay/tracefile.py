@@ -24,6 +24,7 @@ from typing import Any
 
 import attrs
 
+from actorllm.invariants import final_state
 from actorllm.lifecycle import Spec
 
 
@@ -208,18 +209,13 @@ def _split_lives(session: Session, spec: Spec) -> list[Life]:
     for rid, lines in by_rid.items():
         lines.sort(key=lambda x: (x.t, x.no))
         life = Life(session.index, rid, 1)
-        state: str | None = None
-        ok = True  # the life is legal so far (after an illegal event its state is unknown)
         for line in lines:
-            if line.event == "register" and ok and state in spec.final_states:
+            # A new life begins where the last one ended legally in a final state (after an
+            # illegal event the state is unknown, so the rest stays in that life).
+            if line.event == "register" and final_state(spec, life.events) in spec.final_states:
                 lives.append(life)
                 life = Life(session.index, rid, life.index + 1)
-                state = None
             life.lines.append(line)
-            if ok:
-                nxt = spec.step(state, str(line.event))
-                ok = nxt is not None
-                state = nxt
         lives.append(life)
     lives.sort(key=lambda x: x.first_no)
     return lives

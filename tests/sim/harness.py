@@ -62,6 +62,7 @@ import trio.testing
 from actorllm.config import ModelInfo
 from actorllm.detokenizer import Detokenizer, hf_decode_fn
 from actorllm.frontend import DuplicateRequestId, EndOfOutput, Frontend, RequestError
+from actorllm.invariants import History, check_gather
 from actorllm.lifecycle import IllegalTransition, State, load_spec
 from actorllm.mailbox import MailboxClosed
 from actorllm.messages import (
@@ -187,7 +188,7 @@ class Incarnation:
     rid: str
     number: int
     events: list[tuple[int, str, str]] = attrs.Factory(list)  # (global index, actor, event)
-    state: str | None = None
+    history: History = attrs.Factory(lambda: History(SPEC))  # the checker's fold of it
     terminal: list[tuple[str, object]] = attrs.Factory(list)  # (event, reason)
     children: tuple[str, ...] = ()
     child_incs: dict[int, Incarnation] = attrs.Factory(dict)
@@ -208,7 +209,8 @@ class Incarnation:
 
 
 class Recorder:
-    """A Tracer for every actor: the one merged transition history, checked as it grows."""
+    """A Tracer for every actor: the one merged transition history, checked as it grows
+    by the invariant checker of actorllm/invariants.py."""
 
     def __init__(self, report: Callable[[str, str], None]) -> None:
         self.report = report
@@ -230,16 +232,11 @@ class Recorder:
         index = self.count
         self.count += 1
         inc.events.append((index, actor, event))
-        nxt = SPEC.step(inc.state, event)
-        if nxt is None:
-            self.report("1" if inc.state is None else "2",
-                        f"{actor} fired {event!r} in state {inc.state}: {inc.describe()}")
-        else:
-            inc.state = nxt
+        found = inc.history.push(event, actor)
+        if found is not None:
+            self.report(found.invariant, f"{found.message}: {inc.describe()}")
         if event in TERMINAL:
             inc.terminal.append((event, details.get("reason")))
-            if len(inc.terminal) > 1:
-                self.report("2", f"second terminal event: {inc.describe()}")
         if event == "fan_out":
             inc.children = tuple(details.get("children", ()))  # type: ignore[arg-type]
             for child in inc.children:
@@ -249,11 +246,13 @@ class Recorder:
             inc.parent = parent
             parent.child_incs[parent.children.index(rid)] = inc
         if event == "gather":
-            live = [c.describe() for c in self.children_of(inc) if not c.ended]
-            missing = len(inc.children) - len(inc.child_incs)
-            if live or missing:
-                self.report("6", f"parent {rid!r} gathered while children are live: {live}"
-                            + (f" ({missing} not even registered)" if missing else ""))
+            def state_of(child: str) -> str | None:
+                c = inc.child_incs.get(inc.children.index(child))
+                return c.history.state if c is not None else None
+
+            why = check_gather(SPEC, inc.children, state_of)
+            if why is not None:
+                self.report("6", f"parent {rid!r}: {why}: {inc.describe()}")
 
     def record(self, kind: str, **fields: Any) -> None:
         """Non-transition facts (the Scheduler's plans and inputs): not needed here."""
