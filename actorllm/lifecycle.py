@@ -124,6 +124,32 @@ class Spec:
         return "\n".join(lines)
 
 
+    def promela(self) -> str:
+        """The table as Promela (spec/lifecycle_table.pml, included by spec/lifecycle.pml):
+        a code per state and event, and ``fire(r, e)``, which with -DCHECK_TABLE moves
+        ``ls[r]`` as the table says and asserts that the table has a row for the move. So
+        SPIN proves that every interleaving of the model is a path through this table."""
+        out = ["/* Generated from spec/lifecycle.toml by `python -m actorllm.lifecycle",
+               "   --promela > spec/lifecycle_table.pml`: edit the table, not this file.",
+               "   tests/test_spin.py checks that the two agree. */", "",
+               "#define L_NONE 0"]
+        out += [f"#define L_{s} {i}" for i, s in enumerate(self.states, 1)]
+        out += [f"#define E_{e.upper()} {i}" for i, e in enumerate(self.events(), 1)]
+        out += ["", "#ifdef CHECK_TABLE",
+                "byte ls[NR];           /* each rid's state in the table (L_*) */", "",
+                "inline fire(r, e) {", "    if"]
+        for t in self.transitions:
+            # A request comes into being from nothing, or where its rid's last life ended.
+            sources = t.sources or ("NONE", *sorted(self.final_states))
+            cond = " || ".join(f"ls[r] == L_{s}" for s in sources)
+            out.append(f"    :: e == E_{t.event.upper()} && ({cond}) -> ls[r] = L_{t.target}")
+        out += ["    :: else -> assert(false)  /* the table has no row for this move */",
+                "    fi", "}", "#else",
+                "inline fire(r, e) { skip }  /* without the check the model is unchanged */",
+                "#endif", ""]
+        return "\n".join(out)
+
+
 def parse_spec(text: str) -> Spec:
     """Parse the TOML table; raises ValueError on a table that contradicts itself."""
     raw = tomllib.loads(text)
@@ -276,3 +302,5 @@ if __name__ == "__main__":  # pragma: no cover - a developer's tool
 
     if "--mermaid" in sys.argv:
         sys.stdout.write(load_spec().mermaid() + "\n")
+    if "--promela" in sys.argv:
+        sys.stdout.write(load_spec().promela())

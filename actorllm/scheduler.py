@@ -23,7 +23,6 @@ import time
 from collections import deque
 from typing import Any
 
-import attrs
 import trio
 
 from actorllm.kv import BlockPool
@@ -42,7 +41,7 @@ from actorllm.messages import (
     TokenLogprob,
     TokenOut,
 )
-from actorllm.sequence import Sequence
+from actorllm.sequence import PromptLogprobsGap, Sequence
 from actorllm.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -324,41 +323,24 @@ class Scheduler:
 
     def _prompt_pieces(self, plan: StepPlan, results: tuple[PromptLogprobs, ...]
                        ) -> dict[str, dict[str, Any]]:
-        """The prompt logprobs this step reported, per running rid, as TokenOut fields.
-
-        Positions already reported (before a preemption) are skipped, so each position
-        reaches the client exactly once; the first piece opens with position 0 (None)
-        and carries the prompt's token ids.
-        """
+        """The prompt logprobs this step reported, per running rid, as TokenOut fields."""
         by_rid = {r.rid: r for r in results}
         pieces: dict[str, dict[str, Any]] = {}
         for s in plan.seqs:
             seq = self.seqs.get(s.rid)
             if seq is None or seq.status is not State.RUNNING or not seq.owes_prompt_logprobs:
                 continue
-            entries: list[TokenLogprob | None] = []
-            fields: dict[str, Any] = {}
-            if seq.prompt_lps_next == 0:
-                entries.append(None)
-                fields["prompt_token_ids"] = tuple(seq.prompt_ids)
-                seq.prompt_lps_next = 1
-            got = by_rid.get(s.rid)
-            if got is not None:
-                skip = seq.prompt_lps_next - got.start
-                if skip < 0:
-                    # A gap: a Worker bug. The client must not get a list with holes, and
-                    # the other requests need not die with this one.
-                    why = (f"prompt logprobs resumed at position {got.start}, "
-                           f"expected {seq.prompt_lps_next}")
-                    log.error("%s: %s", s.rid, why)
-                    self.running.remove(seq)
-                    self._finish(seq, "fail", "error", error=why)
-                    continue
-                fresh = got.logprobs[skip:]
-                entries.extend(fresh)
-                seq.prompt_lps_next += len(fresh)
-            if entries:
-                pieces[s.rid] = {"prompt_logprobs": tuple(entries), **fields}
+            try:
+                piece = seq.take_prompt_logprobs(by_rid.get(s.rid))
+            except PromptLogprobsGap as gap:
+                # A Worker bug. The client must not get a list with holes, and the other
+                # requests need not die with this one.
+                log.error("%s: %s", s.rid, gap)
+                self.running.remove(seq)
+                self._finish(seq, "fail", "error", error=str(gap))
+                continue
+            if piece is not None:
+                pieces[s.rid] = piece
         return pieces
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
@@ -381,19 +363,13 @@ class Scheduler:
                 error: str | None = None) -> None:
         """The one terminal transition; blocks go back now or after the fence."""
         self.ledger.fire(seq.rid, event, reason=reason)
-        queued = None
-        if seq.first_scheduled is not None and seq.arrival_time:
-            queued = max(seq.first_scheduled - seq.arrival_time, 0.0)
-        out = TokenOut(seq.rid, finish_reason=reason, stop_reason=stop_reason, error=error,
-                       spec=seq.detok_spec_once(), queue_s=queued)
-        # Merge with this step's token for the rid, if any: one TokenOut per rid per batch.
+        # Merged with this step's token for the rid, if any: one TokenOut per rid per batch.
         last = self._outputs[-1] if self._outputs else None
         if last is not None and last.rid == seq.rid and last.finish_reason is None:
             self._outputs.pop()
-            out = attrs.evolve(out, token_ids=last.token_ids, logprobs=last.logprobs,
-                               spec=last.spec or out.spec,
-                               prompt_logprobs=last.prompt_logprobs,
-                               prompt_token_ids=last.prompt_token_ids)
+        else:
+            last = None
+        out = seq.final_output(reason, stop_reason, error, last)
         self._outputs.append(out)
         if self._fenced(seq):
             self.fenced.append(seq)

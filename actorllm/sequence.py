@@ -7,10 +7,24 @@ and the finish decisions across requests live there; what depends on one sequenc
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from actorllm.lifecycle import State, View, load_spec
-from actorllm.messages import DetokSpec, NewSeqData, SamplingParams, ScheduledSeq
+from actorllm.messages import (
+    DetokSpec,
+    NewSeqData,
+    PromptLogprobs,
+    SamplingParams,
+    ScheduledSeq,
+    TokenLogprob,
+    TokenOut,
+)
+
+
+class PromptLogprobsGap(Exception):
+    """The Worker's prompt logprobs skipped positions still owed (a Worker bug)."""
 
 
 @attrs.define(eq=False)
@@ -114,6 +128,43 @@ class Sequence:
         if n_out >= self.max_tokens:
             return "length", None
         return None, None
+
+    def take_prompt_logprobs(self, got: PromptLogprobs | None) -> dict[str, Any] | None:
+        """A step's prompt logprobs for it, as TokenOut fields; None if nothing is new.
+
+        Positions already reported (before a preemption) are skipped, so each position
+        reaches the client exactly once; the first piece opens with position 0 (None)
+        and carries the prompt's token ids. Raises PromptLogprobsGap.
+        """
+        entries: list[TokenLogprob | None] = []
+        fields: dict[str, Any] = {}
+        if self.prompt_lps_next == 0:
+            entries.append(None)
+            fields["prompt_token_ids"] = tuple(self.prompt_ids)
+            self.prompt_lps_next = 1
+        if got is not None:
+            skip = self.prompt_lps_next - got.start
+            if skip < 0:
+                raise PromptLogprobsGap(f"prompt logprobs resumed at position {got.start}, "
+                                        f"expected {self.prompt_lps_next}")
+            fresh = got.logprobs[skip:]
+            entries.extend(fresh)
+            self.prompt_lps_next += len(fresh)
+        return {"prompt_logprobs": tuple(entries), **fields} if entries else None
+
+    def final_output(self, reason: str, stop_reason: Any, error: str | None,
+                     token: TokenOut | None = None) -> TokenOut:
+        """Its last TokenOut: the finish reason, merged with this step's ``token`` if any."""
+        queued = None
+        if self.first_scheduled is not None and self.arrival_time:
+            queued = max(self.first_scheduled - self.arrival_time, 0.0)
+        out = TokenOut(self.rid, finish_reason=reason, stop_reason=stop_reason, error=error,
+                       spec=self.detok_spec_once(), queue_s=queued)
+        if token is None:
+            return out
+        return attrs.evolve(out, token_ids=token.token_ids, logprobs=token.logprobs,
+                            spec=token.spec or out.spec, prompt_logprobs=token.prompt_logprobs,
+                            prompt_token_ids=token.prompt_token_ids)
 
     def detok_spec_once(self) -> DetokSpec | None:
         """What the Detokenizer needs for this rid, on its first output only."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -195,3 +196,19 @@ def test_check_gather_wants_every_child_released() -> None:
     assert "p-1" in (check_gather(SPEC, ["p-0", "p-1"], states.get) or "")
     assert "not registered" in (check_gather(SPEC, ["p-2"], states.get) or "")
     assert check_gather(SPEC, [], states.get) is not None
+
+
+def test_promela_table_is_generated_from_this_toml() -> None:
+    """spec/lifecycle.pml includes the table as Promela; regenerate it after editing the TOML
+    (``python -m actorllm.lifecycle --promela > spec/lifecycle_table.pml``)."""
+    spec_dir = Path(__file__).parents[1] / "spec"
+    assert (spec_dir / "lifecycle_table.pml").read_text() == SPEC.promela()
+
+
+def test_promela_model_fires_every_event_it_models() -> None:
+    """The model fires each event of the table somewhere (``lose``, an engine process
+    dying, is not modelled), and none the table lacks."""
+    model = (Path(__file__).parents[1] / "spec" / "lifecycle.pml").read_text()
+    fired = {e.lower() for e in re.findall(r"fire\(\w+, E_(\w+)\)", model)}
+    fired |= {"abort", "finish", "fail"} & {e.lower() for e in re.findall(r"E_(\w+)", model)}
+    assert fired == set(SPEC.events()) - {"lose"}

@@ -22,7 +22,7 @@ import trio
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 from sim import ControlledMailbox, InvariantViolation, SimConfig, TextModel, World, make_machine
-from sim.harness import VOCAB_TEXTS
+from sim.common import VOCAB_TEXTS
 from sim.machine import LifecycleMachine
 from sim.profiles import sim_settings
 from sim.scripted_worker import scripted_token
