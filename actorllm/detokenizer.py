@@ -145,15 +145,15 @@ class Detokenizer:
                     OutputBatch(tuple(deltas), tuple(finished), batch.freed, batch.stats)
                 )
 
-    def _state(self, rid: str, spec: DetokSpec | None) -> DecodeState:
+    def _state(self, rid: str, setup: DetokSpec | None) -> DecodeState:
         st = self.states.get(rid)
         if st is None:
-            spec = spec or DetokSpec()
+            setup = setup or DetokSpec()
             st = self.states[rid] = DecodeState(
-                IncrementalDecoder(self.decode, spec.skip_special_tokens),
-                StopMatcher(spec.stop, spec.include_stop_str_in_output),
-                spec.num_prompt_tokens,
-                spec.serial,
+                IncrementalDecoder(self.decode, setup.skip_special_tokens),
+                StopMatcher(setup.stop, setup.include_stop_str_in_output),
+                setup.num_prompt_tokens,
+                setup.serial,
             )
         return st
 

@@ -12,8 +12,13 @@ keeps a :class:`View` per rid: the *set* of global states consistent with what
 that actor has itself fired, closed over the events that other actors may have
 fired meanwhile (a subset construction over the table). An actor may fire an
 event iff the event is legal from at least one state in its view, and it must be
-the event's actor. The stronger, global property, that the whole merged history of a
-rid is one path through the table, is checked by actorllm/invariants.py.
+the event's actor. A message that proves another actor's event (the Frontend reads
+``free`` off an OutputBatch) narrows the view (``View.witness``). Actors decide on
+their views, typed by :class:`State` (``Sequence.status``, ``RequestState.responded``,
+the Frontend's "both owners are done": ``view.within(State.RELEASED)``); they keep no
+flags of their own for what the table already says. The stronger, global property,
+that the whole merged history of a rid is one path through the table, is checked by
+actorllm/invariants.py.
 """
 
 from __future__ import annotations

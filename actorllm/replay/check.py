@@ -21,7 +21,7 @@ import attrs
 from actorllm.invariants import Finding, History, final_state
 from actorllm.invariants import check_gather as check_gather_of
 from actorllm.lifecycle import Spec
-from actorllm.replay.tracefile import Life, Line, Session, Trace
+from actorllm.replay.tracefile import Incarnation, Line, Session, Trace
 
 CONTEXT = 3  # lines of the request's history shown on each side of a violation
 
@@ -30,7 +30,7 @@ CONTEXT = 3  # lines of the request's history shown on each side of a violation
 class Violation:
     """The first thing wrong with one request."""
 
-    rid: str  # the life's display name
+    rid: str  # the incarnation's display name
     kind: str  # illegal | wrong-actor | incomplete | invariant-2 | invariant-6 | format
     message: str
     event: str | None = None  # the offending event (None: the history just stops)
@@ -60,36 +60,36 @@ def check_trace(trace: Trace, spec: Spec) -> list[Violation]:
 
 def check_session(session: Session, spec: Spec) -> list[Violation]:
     found: dict[str, Violation] = {}
-    for life in session.lives:
-        bad = check_life(life, spec)
-        if bad is None and life.is_parent:
-            bad = check_gather(life, session, spec)
+    for incarnation in session.incarnations:
+        bad = check_incarnation(incarnation, spec)
+        if bad is None and incarnation.is_parent:
+            bad = check_gather(incarnation, session, spec)
         if bad is not None:
-            found[life.name] = bad
+            found[incarnation.name] = bad
     return list(found.values())
 
 
-def check_life(life: Life, spec: Spec) -> Violation | None:
-    """One life through the invariant checker: legal events by their owners, exactly one
+def check_incarnation(incarnation: Incarnation, spec: Spec) -> Violation | None:
+    """One incarnation through the invariant checker: legal events by their owners, exactly one
     terminal event, ending RELEASED."""
     history = History(spec)
-    for i, line in enumerate(life.lines):
+    for i, line in enumerate(incarnation.lines):
         found = history.push(str(line.event), line.actor)
         if found is not None:
-            return _at(life, i, found, spec)
-    found = history.end(parent=life.is_parent)
+            return _at(incarnation, i, found, spec)
+    found = history.end(parent=incarnation.is_parent)
     if found is None:
         return None
     return Violation(
-        rid=life.name, kind=found.kind, message=found.message, event=None,
+        rid=incarnation.name, kind=found.kind, message=found.message, event=None,
         state=found.state if found.kind == "incomplete" else None,
         expected=tuple(spec.expected_events(found.state)) if found.kind == "incomplete" else (),
-        line_no=life.lines[-1].no if life.lines else None,
-        context=tuple(life.lines[-CONTEXT:]),
+        line_no=incarnation.lines[-1].no if incarnation.lines else None,
+        context=tuple(incarnation.lines[-CONTEXT:]),
     )
 
 
-def check_gather(parent: Life, session: Session, spec: Spec) -> Violation | None:
+def check_gather(parent: Incarnation, session: Session, spec: Spec) -> Violation | None:
     """Invariant 6: the parent gathers only after every child is RELEASED, and every
     child it names exists."""
     i = next((i for i, line in enumerate(parent.lines) if line.event == "gather"), None)
@@ -98,7 +98,7 @@ def check_gather(parent: Life, session: Session, spec: Spec) -> Violation | None
     at = parent.lines[i]
 
     def state_of(rid: str) -> str | None:
-        child = session.life_at(rid, at.no)
+        child = session.incarnation_at(rid, at.no)
         if child is None:
             return None
         # Its state just before the gather line (by time, then file order).
@@ -112,11 +112,11 @@ def check_gather(parent: Life, session: Session, spec: Spec) -> Violation | None
     return _at(parent, i, Finding("invariant-6", why, i, state), spec)
 
 
-def _at(life: Life, i: int, found: Finding, spec: Spec) -> Violation:
-    """A violation at the i-th line of a life, with its neighbours as context."""
-    line = life.lines[i]
+def _at(incarnation: Incarnation, i: int, found: Finding, spec: Spec) -> Violation:
+    """A violation at the i-th line of a incarnation, with its neighbours as context."""
+    line = incarnation.lines[i]
     return Violation(
-        rid=life.name, kind=found.kind, message=found.message, event=str(line.event),
+        rid=incarnation.name, kind=found.kind, message=found.message, event=str(line.event),
         state=found.state, expected=tuple(spec.expected_events(found.state)), line_no=line.no,
-        context=tuple(life.lines[max(0, i - CONTEXT): i + CONTEXT]),
+        context=tuple(incarnation.lines[max(0, i - CONTEXT): i + CONTEXT]),
     )
