@@ -177,10 +177,6 @@ class Scheduler:
             self.tracer.record("input", actor="scheduler", msg=reason, rid=rid)
         if seq is None or seq.status is State.FINISHED:
             return False  # idempotent: already finished, freed, or never seen
-        if seq.status is State.RUNNING:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
         self._finish(seq, "abort" if reason == "abort" else "finish", reason, stop)
         return True
 
@@ -300,26 +296,24 @@ class Scheduler:
             for s in plan.seqs:
                 seq = self.seqs.get(s.rid)
                 if seq is not None and seq.status is State.RUNNING:
-                    self.running.remove(seq)
                     self._finish(seq, "fail", "error", error=result.error)
             return
         pieces = self._prompt_pieces(plan, result.prompt_logprobs)
         for tok in result.tokens:
-            seq = self.seqs.get(tok.rid)
-            if seq is None or seq.status is not State.RUNNING:
+            seq = self._running(tok.rid)
+            if seq is None:
                 self.late_results_dropped += 1  # finished (abort, stop) while the step ran
                 continue
             self._append(seq, tok.token_id, tok.logprob, pieces.pop(seq.rid, None))
         for s in plan.seqs:
-            seq = self.seqs.get(s.rid)
-            if seq is None or seq.status is not State.RUNNING:
+            seq = self._running(s.rid)
+            if seq is None:
                 continue
             piece = pieces.pop(seq.rid, None)
             if piece is not None:  # a prefill chunk that sampled nothing
                 self._outputs.append(TokenOut(seq.rid, spec=seq.detok_spec_once(), **piece))
             if seq.max_tokens == 0 and seq.num_computed == seq.num_tokens:
-                self.running.remove(seq)  # the prompt is scored; there is nothing to sample
-                self._finish(seq, "finish", "length")
+                self._finish(seq, "finish", "length")  # the prompt is scored: nothing to sample
 
     def _prompt_pieces(self, plan: StepPlan, results: tuple[PromptLogprobs, ...]
                        ) -> dict[str, dict[str, Any]]:
@@ -327,8 +321,8 @@ class Scheduler:
         by_rid = {r.rid: r for r in results}
         pieces: dict[str, dict[str, Any]] = {}
         for s in plan.seqs:
-            seq = self.seqs.get(s.rid)
-            if seq is None or seq.status is not State.RUNNING or not seq.owes_prompt_logprobs:
+            seq = self._running(s.rid)
+            if seq is None or not seq.owes_prompt_logprobs:
                 continue
             try:
                 piece = seq.take_prompt_logprobs(by_rid.get(s.rid))
@@ -336,7 +330,6 @@ class Scheduler:
                 # A Worker bug. The client must not get a list with holes, and the other
                 # requests need not die with this one.
                 log.error("%s: %s", s.rid, gap)
-                self.running.remove(seq)
                 self._finish(seq, "fail", "error", error=str(gap))
                 continue
             if piece is not None:
@@ -356,12 +349,12 @@ class Scheduler:
             )
         )
         if reason is not None:
-            self.running.remove(seq)
             self._finish(seq, "finish", reason, stop_reason)
 
     def _finish(self, seq: Sequence, event: str, reason: str, stop_reason: Any = None,
                 error: str | None = None) -> None:
         """The one terminal transition; blocks go back now or after the fence."""
+        (self.running if seq.status is State.RUNNING else self.waiting).remove(seq)
         self.ledger.fire(seq.rid, event, reason=reason)
         # Merged with this step's token for the rid, if any: one TokenOut per rid per batch.
         last = self._outputs[-1] if self._outputs else None
@@ -375,6 +368,11 @@ class Scheduler:
             self.fenced.append(seq)
         else:
             self._free(seq)
+
+    def _running(self, rid: str) -> Sequence | None:
+        """The rid's Sequence if it is RUNNING: only those take a step's results."""
+        seq = self.seqs.get(rid)
+        return seq if seq is not None and seq.status is State.RUNNING else None
 
     def _reset_for_recompute(self, seq: Sequence) -> None:
         """Preemption: nothing of ``seq`` stays cached; what was reported stays reported."""
