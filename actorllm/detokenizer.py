@@ -115,7 +115,6 @@ class DecodeState:
     num_prompt_tokens: int = 0
     serial: int = 0
     stopped: str | None = None  # the stop string that matched; output is over
-    finish_sent: bool = False
 
 
 class Detokenizer:
@@ -131,8 +130,6 @@ class Detokenizer:
         self.decode = decode
         self.inbox, self.frontend, self.scheduler = inbox, frontend, scheduler
         self.states: dict[str, DecodeState] = {}
-        # A test-only seam (tests/test_simulation.py): keep emitting after a stop string.
-        self.bug_emit_after_stop = False
 
     async def run(self) -> None:
         async for batch in self.inbox:
@@ -148,15 +145,15 @@ class Detokenizer:
                     OutputBatch(tuple(deltas), tuple(finished), batch.freed, batch.stats)
                 )
 
-    def _state(self, rid: str, spec: DetokSpec | None) -> DecodeState:
+    def _state(self, rid: str, setup: DetokSpec | None) -> DecodeState:
         st = self.states.get(rid)
         if st is None:
-            spec = spec or DetokSpec()
+            setup = setup or DetokSpec()
             st = self.states[rid] = DecodeState(
-                IncrementalDecoder(self.decode, spec.skip_special_tokens),
-                StopMatcher(spec.stop, spec.include_stop_str_in_output),
-                spec.num_prompt_tokens,
-                spec.serial,
+                IncrementalDecoder(self.decode, setup.skip_special_tokens),
+                StopMatcher(setup.stop, setup.include_stop_str_in_output),
+                setup.num_prompt_tokens,
+                setup.serial,
             )
         return st
 
@@ -164,7 +161,7 @@ class Detokenizer:
                  stops: list[StopMatched]) -> None:
         st = self._state(out.rid, out.spec)
         final = out.finish_reason is not None
-        if st.stopped is None or self.bug_emit_after_stop:
+        if self._emitting(st):
             kept_ids: list[int] = []
             kept_lps: list[TokenLogprob] = []
             text_parts: list[str] = []
@@ -198,6 +195,10 @@ class Detokenizer:
             finished.append(RequestFinished(out.rid, reason or "error", stop_reason,
                                             st.num_prompt_tokens, out.error, out.queue_s))
             del self.states[out.rid]
+
+    def _emitting(self, st: DecodeState) -> bool:
+        """Nothing reaches the client after a stop string matched (invariant 2)."""
+        return st.stopped is None
 
     def drain_problems(self) -> list[str]:
         return [f"detokenizer holds {sorted(self.states)}"] if self.states else []

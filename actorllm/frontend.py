@@ -22,7 +22,7 @@ import time
 import attrs
 import trio
 
-from actorllm.lifecycle import Ledger
+from actorllm.lifecycle import Ledger, State, View
 from actorllm.mailbox import Inbox, Outbox
 from actorllm.messages import (
     AbortRequest,
@@ -50,8 +50,12 @@ class DuplicateRequestId(InvalidRequest):
 
 @attrs.define(eq=False)
 class RequestState:
+    """One registry entry. Its lifecycle state is ``view``, the Frontend's ledger view;
+    ``dispatched`` and ``abort_sent`` are facts about messages, not states of the table."""
+
     rid: str
     collector: OutputCollector
+    view: View
     parent: str | None = None
     index: int = 0
     children: list[str] = attrs.Factory(list)
@@ -59,10 +63,13 @@ class RequestState:
     first_token: float | None = None
     last_token: float | None = None
     num_output_tokens: int = 0
-    dispatched: bool = False
-    responded: bool = False
-    freed: bool = False
-    abort_sent: bool = False
+    dispatched: bool = False  # its TokenizeRequest has left (an abort may follow it now)
+    abort_sent: bool = False  # an AbortRequest was sent or is owed right after dispatch
+
+    @property
+    def responded(self) -> bool:
+        """The client has its final output: nothing more may reach it."""
+        return self.view.within(State.RESPONDED, State.RELEASED)
 
 
 class Frontend:
@@ -87,11 +94,6 @@ class Frontend:
         # have ended and a new request may be using its rid.
         self._abort_next: list[RequestState] = []
         self._abort_wake = trio.Event()
-        # Test-only seams (tests/test_simulation.py plants these bugs on purpose).
-        self.bug_register_after_dispatch = False
-        self.bug_skip_child_abort = False
-        self.bug_end_parent_early = False  # gather a n>1 parent when its first child ends
-        self.bug_reuse_live_rid = False  # accept a rid that is still live
 
     # --- called by the API layer -------------------------------------------------------
 
@@ -99,47 +101,34 @@ class Frontend:
         """Register ``req`` (and its children), then dispatch. Returns its collector."""
         n = req.params.n
         rids = [req.rid] if n == 1 else [req.rid, *(f"{req.rid}-{i}" for i in range(n))]
-        taken = [r for r in rids if r in self.registry]
-        if taken and not self.bug_reuse_live_rid:
-            raise DuplicateRequestId(f"request id {taken[0]!r} is already in use", "request_id")
+        self._check_unique(rids)
         now = time.monotonic()
         collector = OutputCollector(req.rid, n)
         if n == 1:
             leaves = [(req.rid, req.params, 0)]
         else:
-            parent = RequestState(req.rid, collector, children=rids[1:], arrival=now)
-            self.registry[req.rid] = parent
             self.ledger.fire(req.rid, "register", n=n)
             self.ledger.fire(req.rid, "fan_out", children=rids[1:])
+            self.registry[req.rid] = RequestState(req.rid, collector,
+                                                  self.ledger.view(req.rid),
+                                                  children=rids[1:], arrival=now)
             leaves = [
                 (rid, attrs.evolve(req.params, n=1, seed=None if req.params.seed is None
                                    else req.params.seed + i), i)
                 for i, rid in enumerate(rids[1:])
             ]
         parent_rid = None if n == 1 else req.rid
-
-        def register(rid: str, index: int) -> None:
-            self.registry[rid] = RequestState(rid, collector, parent=parent_rid, index=index,
-                                              arrival=now)
-            self.ledger.fire(rid, "register")
-
         # Every child is registered before the first one leaves: otherwise child 0 could
         # end before child 1 exists, and the parent would gather early (found by spin).
-        if not self.bug_register_after_dispatch:
-            for rid, _, index in leaves:
-                register(rid, index)
+        self._register_leaves([(rid, index) for rid, _, index in leaves], collector,
+                              parent_rid, now)
         # Shielded: once registered, a request is always dispatched, even if the caller
         # is cancelled while the Tokenizer's mailbox is full; otherwise it would leak.
         with trio.CancelScope(shield=True):
-            for rid, params, index in leaves:
+            for rid, params, _ in leaves:
                 msg = TokenizeRequest(rid, params, req.prompt, req.prompt_token_ids,
                                       req.messages, req.add_generation_prompt, now)
-                if self.bug_register_after_dispatch:
-                    await self.tokenizer.send(msg)
-                    register(rid, index)
-                self.ledger.fire(rid, "dispatch")
-                if not self.bug_register_after_dispatch:
-                    await self.tokenizer.send(msg)
+                await self._dispatch(rid, msg)
                 st = self.registry.get(rid)
                 if st is None:
                     continue
@@ -148,6 +137,28 @@ class Frontend:
                     await self.tokenizer.send(AbortRequest(rid))
         self.metrics.on_arrival()
         return collector
+
+    def _check_unique(self, rids: list[str]) -> None:
+        """A rid is unique while live (invariant 2: one terminal output per request)."""
+        taken = [r for r in rids if r in self.registry]
+        if taken:
+            raise DuplicateRequestId(f"request id {taken[0]!r} is already in use", "request_id")
+
+    def _register_leaves(self, leaves: list[tuple[str, int]], collector: OutputCollector,
+                         parent: str | None, now: float) -> None:
+        for rid, index in leaves:
+            self._register(rid, index, collector, parent, now)
+
+    def _register(self, rid: str, index: int, collector: OutputCollector, parent: str | None,
+                  now: float) -> None:
+        self.ledger.fire(rid, "register")
+        self.registry[rid] = RequestState(rid, collector, self.ledger.view(rid), parent=parent,
+                                          index=index, arrival=now)
+
+    async def _dispatch(self, rid: str, msg: TokenizeRequest) -> None:
+        """Send one registered request to the Tokenizer."""
+        self.ledger.fire(rid, "dispatch")
+        await self.tokenizer.send(msg)
 
     async def abort(self, rid: str) -> None:
         """Stop ``rid`` (and its children). Idempotent; a no-op after it ended."""
@@ -159,14 +170,8 @@ class Frontend:
         """Stop this incarnation of a request (and its children), if it is still live."""
         if self.registry.get(st.rid) is not st or st.responded:
             return
-        if st.children:
-            targets = [c for c in map(self.registry.get, st.children) if c is not None]
-            if self.bug_skip_child_abort:
-                targets = targets[:1]
-        else:
-            targets = [st]
         with trio.CancelScope(shield=True):
-            for cst in targets:
+            for cst in self._abort_targets(st):
                 # Compared by identity: while we waited for room in the Tokenizer's
                 # mailbox, this child may have ended and a new request taken its rid.
                 if self.registry.get(cst.rid) is not cst or cst.responded or cst.abort_sent:
@@ -176,6 +181,12 @@ class Frontend:
                 # so it can never overtake it on the FIFO edge.
                 if cst.dispatched:
                     await self.tokenizer.send(AbortRequest(cst.rid))
+
+    def _abort_targets(self, st: RequestState) -> list[RequestState]:
+        """The leaves an abort of ``st`` must reach: its live children, or itself."""
+        if st.children:
+            return [c for c in map(self.registry.get, st.children) if c is not None]
+        return [st]
 
     # --- the actor loop ----------------------------------------------------------------
 
@@ -246,7 +257,6 @@ class Frontend:
         if st is None:
             return
         self.ledger.fire(fin.rid, "respond", reason=fin.finish_reason)
-        st.responded = True
         st.collector.num_prompt_tokens = fin.num_prompt_tokens
         self.metrics.on_finished(fin.finish_reason, fin.num_prompt_tokens,
                                  time.monotonic() - st.arrival)
@@ -264,8 +274,8 @@ class Frontend:
         st = self._live(msg.rid)
         if st is None:
             return
+        st.view.witness("reject")  # rejected before the Scheduler: nothing to free
         self.ledger.fire(msg.rid, "respond", reason="error")
-        st.responded = st.freed = True  # rejected before the Scheduler: nothing to free
         self.metrics.on_finished("error", 0, time.monotonic() - st.arrival)
         st.collector.put_error(RequestError(msg.message, msg.code, msg.param))
         if st.parent is not None:
@@ -277,21 +287,26 @@ class Frontend:
         if st is None:
             self.late_outputs_dropped += 1
             return
-        st.freed = True
+        st.view.witness("free")
         self._maybe_forget(st)
 
     def _maybe_forget(self, st: RequestState) -> None:
-        if not (st.responded and st.freed):
+        """Remove a request both of whose owners are done with it (RELEASED)."""
+        if not st.view.within(State.RELEASED):
             return
         self.ledger.fire(st.rid, "forget")
         self.ledger.drop(st.rid)
         del self.registry[st.rid]
         if st.parent is not None:
             parent = self.registry[st.parent]
-            if self.bug_end_parent_early or all(c not in self.registry for c in parent.children):
+            if self._gatherable(parent):
                 self.ledger.fire(parent.rid, "gather")
                 self.ledger.drop(parent.rid)
                 del self.registry[parent.rid]
+
+    def _gatherable(self, parent: RequestState) -> bool:
+        """Invariant 6: a parent ends iff every child has been released."""
+        return all(c not in self.registry for c in parent.children)
 
     def lose_all(self, message: str) -> int:
         """The engine process died: fail every live request with ``message``."""
@@ -299,13 +314,13 @@ class Frontend:
         for rid, st in list(self.registry.items()):
             if st.children or rid not in self.registry:
                 continue
-            self.ledger.fire(rid, "lose")
-            if not st.responded:
+            answered = st.responded
+            if st.view.may("lose"):  # (not when the engine had already freed it)
+                self.ledger.fire(rid, "lose")
+            if not answered:
                 self.ledger.fire(rid, "respond", reason="error")
-                st.responded = True
                 st.collector.put_error(RequestError(message, "engine_dead"))
                 self.metrics.on_finished("error", 0, time.monotonic() - st.arrival)
-            st.freed = True
             self._maybe_forget(st)
             lost += 1
         return lost

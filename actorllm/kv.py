@@ -23,10 +23,6 @@ class BlockPool:
         self._used: set[int] = set()
 
     @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
     def num_used(self) -> int:
         return len(self._used)
 

@@ -12,12 +12,18 @@ keeps a :class:`View` per rid: the *set* of global states consistent with what
 that actor has itself fired, closed over the events that other actors may have
 fired meanwhile (a subset construction over the table). An actor may fire an
 event iff the event is legal from at least one state in its view, and it must be
-the event's actor. The replay tool and the simulation harness check the stronger,
-global property: the whole merged history of a rid is one path through the table.
+the event's actor. A message that proves another actor's event (the Frontend reads
+``free`` off an OutputBatch) narrows the view (``View.witness``). Actors decide on
+their views, typed by :class:`State` (``Sequence.status``, ``RequestState.responded``,
+the Frontend's "both owners are done": ``view.within(State.RELEASED)``); they keep no
+flags of their own for what the table already says. The stronger, global property,
+that the whole merged history of a rid is one path through the table, is checked by
+actorllm/invariants.py.
 """
 
 from __future__ import annotations
 
+import enum
 import importlib.resources
 import tomllib
 from collections.abc import Iterable
@@ -27,7 +33,24 @@ import attrs
 
 from actorllm.trace import Tracer
 
+# The one list of actors (actorllm.topology imports it).
 ACTORS = ("frontend", "tokenizer", "scheduler", "worker", "detokenizer")
+
+
+class State(enum.StrEnum):
+    """The states of the table, typed. ``load_spec`` refuses a table that names others, and
+    tests/test_lifecycle.py proves the two lists equal, so code may compare against these."""
+
+    CREATED = "CREATED"
+    TOKENIZING = "TOKENIZING"
+    WAITING = "WAITING"
+    RUNNING = "RUNNING"
+    PREEMPTED = "PREEMPTED"
+    FINISHED = "FINISHED"
+    FREED = "FREED"
+    RESPONDED = "RESPONDED"
+    RELEASED = "RELEASED"
+    GATHERING = "GATHERING"
 
 
 class IllegalTransition(Exception):
@@ -106,6 +129,32 @@ class Spec:
         return "\n".join(lines)
 
 
+    def promela(self) -> str:
+        """The table as Promela (spec/lifecycle_table.pml, included by spec/lifecycle.pml):
+        a code per state and event, and ``fire(r, e)``, which with -DCHECK_TABLE moves
+        ``ls[r]`` as the table says and asserts that the table has a row for the move. So
+        SPIN proves that every interleaving of the model is a path through this table."""
+        out = ["/* Generated from spec/lifecycle.toml by `python -m actorllm.lifecycle",
+               "   --promela > spec/lifecycle_table.pml`: edit the table, not this file.",
+               "   tests/test_spin.py checks that the two agree. */", "",
+               "#define L_NONE 0"]
+        out += [f"#define L_{s} {i}" for i, s in enumerate(self.states, 1)]
+        out += [f"#define E_{e.upper()} {i}" for i, e in enumerate(self.events(), 1)]
+        out += ["", "#ifdef CHECK_TABLE",
+                "byte ls[NR];           /* each rid's state in the table (L_*) */", "",
+                "inline fire(r, e) {", "    if"]
+        for t in self.transitions:
+            # A request comes into being from nothing, or where its rid's last life ended.
+            sources = t.sources or ("NONE", *sorted(self.final_states))
+            cond = " || ".join(f"ls[r] == L_{s}" for s in sources)
+            out.append(f"    :: e == E_{t.event.upper()} && ({cond}) -> ls[r] = L_{t.target}")
+        out += ["    :: else -> assert(false)  /* the table has no row for this move */",
+                "    fi", "}", "#else",
+                "inline fire(r, e) { skip }  /* without the check the model is unchanged */",
+                "#endif", ""]
+        return "\n".join(out)
+
+
 def parse_spec(text: str) -> Spec:
     """Parse the TOML table; raises ValueError on a table that contradicts itself."""
     raw = tomllib.loads(text)
@@ -147,27 +196,39 @@ def parse_spec(text: str) -> Spec:
 def load_spec() -> Spec:
     """The spec shipped with the package (``spec/lifecycle.toml`` in a checkout)."""
     text = importlib.resources.files("actorllm.spec").joinpath("lifecycle.toml").read_text()
-    return parse_spec(text)
+    spec = parse_spec(text)
+    if set(spec.states) != set(State):
+        raise ValueError(f"spec states {spec.states} differ from lifecycle.State")
+    return spec
 
 
 class View:
-    """One actor's knowledge of one request's state (see the module docstring)."""
+    """One actor's knowledge of one request's state (see the module docstring).
 
-    __slots__ = ("_spec", "actor", "rid", "states")
+    ``states`` is every global state consistent with what this actor knows; ``local`` is
+    the state its own last event led to (None before its first, or where that event had
+    several targets, e.g. the Frontend's ``respond`` before it knows of ``free``).
+    Decisions read these two, never a flag of their own.
+    """
+
+    __slots__ = ("_spec", "actor", "local", "rid", "states")
 
     def __init__(self, spec: Spec, actor: str, rid: str) -> None:
         self._spec, self.actor, self.rid = spec, actor, rid
         self.states: frozenset[str | None] = spec.closure([None], actor)
+        self.local: State | None = None
 
     @property
     def state(self) -> str:
         """The view as text: one state, or the candidates joined by ``|``."""
         return "|".join(sorted(s or "NONE" for s in self.states))
 
-    def can(self, event: str) -> bool:
-        """Whether this actor may fire ``event`` now."""
-        if self._spec.actor_of(event) != self.actor:
-            return False
+    def within(self, *states: State) -> bool:
+        """Whether the request is certainly in one of ``states``."""
+        return all(s in states for s in self.states)
+
+    def may(self, event: str) -> bool:
+        """Whether ``event`` is legal from at least one candidate state."""
         return any(self._spec.step(s, event) is not None for s in self.states)
 
     def fire(self, event: str) -> tuple[str, str]:
@@ -180,32 +241,31 @@ class View:
             owner = spec.actor_of(event)
         except KeyError:
             raise IllegalTransition(self.rid, self.state, event, self.actor) from None
-        moves = {s: spec.step(s, event) for s in self.states}
-        moves = {s: t for s, t in moves.items() if t is not None}
-        if owner != self.actor or not moves:
+        if owner != self.actor:
             raise IllegalTransition(self.rid, self.state, event, self.actor)
-        self.states = spec.closure(moves.values(), self.actor)
+        before, targets = self._apply(event)
+        self.local = State(targets[0]) if len(targets) == 1 else None
+        return before, "|".join(targets)
+
+    def witness(self, event: str) -> None:
+        """Narrow the view by an event another actor fired, learned from a message (the
+        Frontend reads ``free`` off an OutputBatch). Raises IllegalTransition."""
+        if self._spec.actor_of(event) == self.actor:
+            raise IllegalTransition(self.rid, self.state, event, self.actor)
+        self._apply(event)
+
+    def _apply(self, event: str) -> tuple[str, list[str]]:
+        moves = {s: self._spec.step(s, event) for s in self.states}
+        moves = {s: t for s, t in moves.items() if t is not None}
+        if not moves:
+            raise IllegalTransition(self.rid, self.state, event, self.actor)
+        self.states = self._spec.closure(moves.values(), self.actor)
         # Report only the states the event was legal from: usually exactly one.
         before = "|".join(sorted(s or "NONE" for s in moves))
-        return before, "|".join(sorted(set(moves.values())))
+        return before, sorted({t for t in moves.values() if t is not None})
 
     def __repr__(self) -> str:
         return f"View({self.actor}, {self.rid!r}, {self.state})"
-
-
-def check_history(spec: Spec, events: Iterable[str]) -> tuple[int, str | None, str] | None:
-    """Check one rid's merged event history against the table.
-
-    Returns None when every event is legal, else ``(index, state, event)`` of the first
-    illegal one. Completeness (ending in a final state) is the caller's question.
-    """
-    state: str | None = None
-    for i, event in enumerate(events):
-        nxt = spec.step(state, event)
-        if nxt is None:
-            return i, state, event
-        state = nxt
-    return None
 
 
 class Ledger:
@@ -230,6 +290,10 @@ class Ledger:
             self.tracer.transition(self.actor, rid, event, before, after, details)
         return after
 
+    def view(self, rid: str) -> View:
+        """The view of a rid this actor has fired for. KeyError if none."""
+        return self.views[rid]
+
     def drop(self, rid: str) -> None:
         """Forget ``rid``: this actor holds nothing more for it."""
         self.views.pop(rid, None)
@@ -243,3 +307,5 @@ if __name__ == "__main__":  # pragma: no cover - a developer's tool
 
     if "--mermaid" in sys.argv:
         sys.stdout.write(load_spec().mermaid() + "\n")
+    if "--promela" in sys.argv:
+        sys.stdout.write(load_spec().promela())

@@ -23,19 +23,14 @@ import time
 from collections import deque
 from typing import Any
 
-import attrs
 import trio
 
 from actorllm.kv import BlockPool
-from actorllm.lifecycle import Ledger
+from actorllm.lifecycle import Ledger, State
 from actorllm.mailbox import Inbox, Outbox
 from actorllm.messages import (
     AbortRequest,
-    DetokSpec,
-    NewSeqData,
     PromptLogprobs,
-    SamplingParams,
-    ScheduledSeq,
     SchedulerInput,
     SchedulerStats,
     SequenceRequest,
@@ -46,59 +41,10 @@ from actorllm.messages import (
     TokenLogprob,
     TokenOut,
 )
+from actorllm.sequence import PromptLogprobsGap, Sequence
 from actorllm.trace import Tracer
 
 log = logging.getLogger(__name__)
-
-
-@attrs.define(eq=False)
-class Sequence:
-    """One request as the Scheduler sees it. Lives from ``enqueue`` to ``free``."""
-
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    max_tokens: int
-    eos_ids: frozenset[int]
-    arrival_time: float = 0.0
-    output_ids: list[int] = attrs.Factory(list)
-    status: str = "WAITING"  # WAITING | RUNNING | PREEMPTED | FINISHED
-    block_table: list[int] = attrs.Factory(list)
-    num_computed: int = 0  # tokens whose K/V are in the cache
-    in_flight: bool = False  # the step in flight schedules it (the fence)
-    worker_knows: bool = False  # the Worker holds its sampling state
-    spec_sent: bool = False
-    first_scheduled: float | None = None
-    serial: int = 0  # numbers the rid's incarnations; StopMatched echoes it
-    # With params.prompt_logprobs: the first prompt position not yet reported (position 0
-    # is reported, as None, with the first result). Survives preemption, so a recompute
-    # reports only what is still owed and no position is reported twice.
-    prompt_lps_next: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def owes_prompt_logprobs(self) -> bool:
-        return self.params.prompt_logprobs is not None and self.prompt_lps_next < len(
-            self.prompt_ids)
-
-    def skippable_prefix(self) -> int:
-        """How many leading tokens may come from a prefix cache instead of being computed.
-
-        Reporting position p's logprob needs the logits of position p - 1, so while prompt
-        logprobs are owed only the tokens before ``prompt_lps_next - 1`` may be skipped
-        (none before the first report); otherwise all of them. (There is no prefix cache
-        yet: this is the rule it must obey. See docs/design-notes.md.)
-        """
-        if self.owes_prompt_logprobs:
-            return max(self.prompt_lps_next - 1, 0)
-        return self.num_tokens
-
-    def token(self, i: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
 
 
 class Scheduler:
@@ -129,7 +75,7 @@ class Scheduler:
         self.in_flight: StepPlan | None = None
         self.next_step_id = 0
         self.next_serial = 0
-        self.forget: list[str] = []  # rids whose Worker state may go, sent with the next plan
+        self.worker_drops: list[str] = []  # rids whose Worker state may go (StepPlan.forget)
         self._outputs: list[TokenOut] = []
         self._freed: list[str] = []
         self._stats_dirty = False
@@ -141,10 +87,6 @@ class Scheduler:
         self.steps = 0
         self.forward_s = 0.0
         self.sample_s = 0.0
-        # Test-only seams (see tests/test_simulation.py): free on abort before the fence;
-        # let preemption forget which prompt positions were reported (so they come twice).
-        self.bug_free_before_fence = False
-        self.bug_rereport_prompt_logprobs = False
         if tracer is not None:  # what `actorllm replay --redrive` needs to rebuild us
             tracer.record("config", actor="scheduler", num_blocks=num_blocks,
                           block_size=block_size, max_num_seqs=max_num_seqs,
@@ -209,19 +151,20 @@ class Scheduler:
         if req.rid in self.seqs:
             # The Frontend keeps rids unique while live; a duplicate here is a bug upstream.
             raise AssertionError(f"duplicate live rid {req.rid!r} reached the scheduler")
+        self.ledger.fire(req.rid, "enqueue", prompt_tokens=len(req.prompt_token_ids))
         seq = Sequence(
             rid=req.rid,
             prompt_ids=list(req.prompt_token_ids),
             params=req.params,
             max_tokens=req.max_tokens,
             eos_ids=frozenset(req.eos_token_ids),
+            view=self.ledger.view(req.rid),
             arrival_time=req.arrival_time,
             serial=self.next_serial,
         )
         self.next_serial += 1
         self.seqs[seq.rid] = seq
         self.waiting.append(seq)
-        self.ledger.fire(seq.rid, "enqueue", prompt_tokens=len(seq.prompt_ids))
         if self.tracer is not None:
             self.tracer.record("input", actor="scheduler", msg="SequenceRequest", rid=req.rid,
                                prompt_tokens=len(req.prompt_token_ids), max_tokens=req.max_tokens,
@@ -232,12 +175,8 @@ class Scheduler:
         seq = self.seqs.get(rid)
         if self.tracer is not None:
             self.tracer.record("input", actor="scheduler", msg=reason, rid=rid)
-        if seq is None or seq.status == "FINISHED":
+        if seq is None or seq.status is State.FINISHED:
             return False  # idempotent: already finished, freed, or never seen
-        if seq.status == "RUNNING":
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
         self._finish(seq, "abort" if reason == "abort" else "finish", reason, stop)
         return True
 
@@ -276,7 +215,6 @@ class Scheduler:
             self.waiting.popleft()
             if seq.first_scheduled is None:
                 seq.first_scheduled = time.monotonic()
-            seq.status = "RUNNING"
             self.running.append(seq)
             self.ledger.fire(seq.rid, "schedule")
             planned.append((seq, n))
@@ -285,16 +223,16 @@ class Scheduler:
             if self.waiting and not self.running:
                 # Cannot happen while the pool holds max_model_len tokens (checked at start).
                 raise AssertionError("waiting sequence can never fit in the KV pool")
-            if not self.forget:
+            if not self.worker_drops:
                 return None
             # Nothing to run, but the Worker still holds state for freed rids: an empty
             # step tells it to let go, so a drained engine holds nothing anywhere.
         plan = StepPlan(
             step_id=self.next_step_id,
-            seqs=tuple(self._scheduled(seq, n) for seq, n in planned),
-            forget=tuple(self.forget),
+            seqs=tuple(seq.scheduled(n) for seq, n in planned),
+            forget=tuple(self.worker_drops),
         )
-        self.forget = []
+        self.worker_drops = []
         self.next_step_id += 1
         self.in_flight = plan
         for seq, _ in planned:
@@ -319,41 +257,13 @@ class Scheduler:
         assert not seq.in_flight
         self.running.remove(seq)
         self.pool.free(seq.block_table)
-        seq.block_table = []
-        seq.num_computed = 0
-        if self.bug_rereport_prompt_logprobs and seq.prompt_lps_next:
-            seq.prompt_lps_next = 1
-        seq.status = "PREEMPTED"
+        self._reset_for_recompute(seq)
         if seq.worker_knows:
             seq.worker_knows = False
-            self.forget.append(seq.rid)
+            self.worker_drops.append(seq.rid)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
         self.ledger.fire(seq.rid, "preempt")
-
-    def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
-        start = seq.num_computed
-        new = None
-        if not seq.worker_knows:
-            new = NewSeqData(seq.params, tuple(seq.prompt_ids), tuple(seq.output_ids))
-            seq.worker_knows = True
-        lp_from = None
-        if seq.owes_prompt_logprobs:
-            # This chunk's rows predict positions start + 1 .. start + n; ask only for the
-            # prompt positions among them that were not reported before a preemption.
-            lo = max(seq.prompt_lps_next, start + 1)
-            if lo <= min(start + n, len(seq.prompt_ids) - 1):
-                lp_from = lo
-        return ScheduledSeq(
-            rid=seq.rid,
-            token_ids=tuple(seq.token(i) for i in range(start, start + n)),
-            start_pos=start,
-            block_table=tuple(seq.block_table),
-            # max_tokens 0 (prompt scoring): the prefill runs, nothing is sampled.
-            sample=start + n == seq.num_tokens and seq.max_tokens > 0,
-            new=new,
-            prompt_logprobs_from=lp_from,
-        )
 
     # --- results ---------------------------------------------------------------------
 
@@ -376,7 +286,7 @@ class Scheduler:
             if seq is None:
                 continue
             seq.in_flight = False
-            if seq.status == "RUNNING" and result.error is None:
+            if seq.status is State.RUNNING and result.error is None:
                 seq.num_computed += len(s.token_ids)
         # The fence has passed: sequences that finished meanwhile give their blocks back.
         for seq in self.fenced:
@@ -385,132 +295,99 @@ class Scheduler:
         if result.error is not None:
             for s in plan.seqs:
                 seq = self.seqs.get(s.rid)
-                if seq is not None and seq.status == "RUNNING":
-                    self.running.remove(seq)
+                if seq is not None and seq.status is State.RUNNING:
                     self._finish(seq, "fail", "error", error=result.error)
             return
         pieces = self._prompt_pieces(plan, result.prompt_logprobs)
         for tok in result.tokens:
-            seq = self.seqs.get(tok.rid)
-            if seq is None or seq.status != "RUNNING":
+            seq = self._running(tok.rid)
+            if seq is None:
                 self.late_results_dropped += 1  # finished (abort, stop) while the step ran
                 continue
             self._append(seq, tok.token_id, tok.logprob, pieces.pop(seq.rid, None))
         for s in plan.seqs:
-            seq = self.seqs.get(s.rid)
-            if seq is None or seq.status != "RUNNING":
+            seq = self._running(s.rid)
+            if seq is None:
                 continue
             piece = pieces.pop(seq.rid, None)
             if piece is not None:  # a prefill chunk that sampled nothing
-                self._outputs.append(TokenOut(seq.rid, spec=self._spec_once(seq), **piece))
+                self._outputs.append(TokenOut(seq.rid, spec=seq.detok_spec_once(), **piece))
             if seq.max_tokens == 0 and seq.num_computed == seq.num_tokens:
-                self.running.remove(seq)  # the prompt is scored; there is nothing to sample
-                self._finish(seq, "finish", "length")
+                self._finish(seq, "finish", "length")  # the prompt is scored: nothing to sample
 
     def _prompt_pieces(self, plan: StepPlan, results: tuple[PromptLogprobs, ...]
                        ) -> dict[str, dict[str, Any]]:
-        """The prompt logprobs this step reported, per running rid, as TokenOut fields.
-
-        Positions already reported (before a preemption) are skipped, so each position
-        reaches the client exactly once; the first piece opens with position 0 (None)
-        and carries the prompt's token ids.
-        """
+        """The prompt logprobs this step reported, per running rid, as TokenOut fields."""
         by_rid = {r.rid: r for r in results}
         pieces: dict[str, dict[str, Any]] = {}
         for s in plan.seqs:
-            seq = self.seqs.get(s.rid)
-            if seq is None or seq.status != "RUNNING" or not seq.owes_prompt_logprobs:
+            seq = self._running(s.rid)
+            if seq is None or not seq.owes_prompt_logprobs:
                 continue
-            entries: list[TokenLogprob | None] = []
-            fields: dict[str, Any] = {}
-            if seq.prompt_lps_next == 0:
-                entries.append(None)
-                fields["prompt_token_ids"] = tuple(seq.prompt_ids)
-                seq.prompt_lps_next = 1
-            got = by_rid.get(s.rid)
-            if got is not None:
-                skip = seq.prompt_lps_next - got.start
-                if skip < 0:
-                    # A gap: a Worker bug. The client must not get a list with holes, and
-                    # the other requests need not die with this one.
-                    why = (f"prompt logprobs resumed at position {got.start}, "
-                           f"expected {seq.prompt_lps_next}")
-                    log.error("%s: %s", s.rid, why)
-                    self.running.remove(seq)
-                    self._finish(seq, "fail", "error", error=why)
-                    continue
-                fresh = got.logprobs[skip:]
-                entries.extend(fresh)
-                seq.prompt_lps_next += len(fresh)
-            if entries:
-                pieces[s.rid] = {"prompt_logprobs": tuple(entries), **fields}
+            try:
+                piece = seq.take_prompt_logprobs(by_rid.get(s.rid))
+            except PromptLogprobsGap as gap:
+                # A Worker bug. The client must not get a list with holes, and the other
+                # requests need not die with this one.
+                log.error("%s: %s", s.rid, gap)
+                self._finish(seq, "fail", "error", error=str(gap))
+                continue
+            if piece is not None:
+                pieces[s.rid] = piece
         return pieces
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
                 piece: dict[str, Any] | None = None) -> None:
-        seq.output_ids.append(token)
-        n_out = len(seq.output_ids)
-        p = seq.params
-        reason: str | None = None
-        stop_reason: int | None = None
-        if n_out >= p.min_tokens:
-            if token in seq.eos_ids and not p.ignore_eos:
-                reason = "stop"
-            elif token in p.stop_token_ids:
-                reason, stop_reason = "stop", token
-        if reason is None and n_out >= seq.max_tokens:
-            reason = "length"
+        reason, stop_reason = seq.finish_after(token)
         self._outputs.append(
             TokenOut(
                 rid=seq.rid,
                 token_ids=(token,),
                 logprobs=(logprob,) if logprob is not None else (),
-                spec=self._spec_once(seq),
+                spec=seq.detok_spec_once(),
                 **(piece or {}),
             )
         )
         if reason is not None:
-            self.running.remove(seq)
             self._finish(seq, "finish", reason, stop_reason)
-
-    def _spec_once(self, seq: Sequence) -> DetokSpec | None:
-        if seq.spec_sent:
-            return None
-        seq.spec_sent = True
-        p = seq.params
-        return DetokSpec(p.stop, p.include_stop_str_in_output, p.skip_special_tokens,
-                         len(seq.prompt_ids), seq.serial)
 
     def _finish(self, seq: Sequence, event: str, reason: str, stop_reason: Any = None,
                 error: str | None = None) -> None:
         """The one terminal transition; blocks go back now or after the fence."""
-        seq.status = "FINISHED"
+        (self.running if seq.status is State.RUNNING else self.waiting).remove(seq)
         self.ledger.fire(seq.rid, event, reason=reason)
-        queued = None
-        if seq.first_scheduled is not None and seq.arrival_time:
-            queued = max(seq.first_scheduled - seq.arrival_time, 0.0)
-        out = TokenOut(seq.rid, finish_reason=reason, stop_reason=stop_reason, error=error,
-                       spec=self._spec_once(seq), queue_s=queued)
-        # Merge with this step's token for the rid, if any: one TokenOut per rid per batch.
+        # Merged with this step's token for the rid, if any: one TokenOut per rid per batch.
         last = self._outputs[-1] if self._outputs else None
         if last is not None and last.rid == seq.rid and last.finish_reason is None:
             self._outputs.pop()
-            out = attrs.evolve(out, token_ids=last.token_ids, logprobs=last.logprobs,
-                               spec=last.spec or out.spec,
-                               prompt_logprobs=last.prompt_logprobs,
-                               prompt_token_ids=last.prompt_token_ids)
+        else:
+            last = None
+        out = seq.final_output(reason, stop_reason, error, last)
         self._outputs.append(out)
-        if seq.in_flight and not self.bug_free_before_fence:
+        if self._fenced(seq):
             self.fenced.append(seq)
         else:
             self._free(seq)
+
+    def _running(self, rid: str) -> Sequence | None:
+        """The rid's Sequence if it is RUNNING: only those take a step's results."""
+        seq = self.seqs.get(rid)
+        return seq if seq is not None and seq.status is State.RUNNING else None
+
+    def _reset_for_recompute(self, seq: Sequence) -> None:
+        """Preemption: nothing of ``seq`` stays cached; what was reported stays reported."""
+        seq.reset_for_recompute()
+
+    def _fenced(self, seq: Sequence) -> bool:
+        """Invariant 3: blocks a step in flight reads go back only after its result."""
+        return seq.in_flight
 
     def _free(self, seq: Sequence) -> None:
         self.pool.free(seq.block_table)
         seq.block_table = []
         del self.seqs[seq.rid]
         if seq.worker_knows:
-            self.forget.append(seq.rid)
+            self.worker_drops.append(seq.rid)
         self.ledger.fire(seq.rid, "free")
         self.ledger.drop(seq.rid)
         self._freed.append(seq.rid)

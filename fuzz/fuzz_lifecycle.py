@@ -3,8 +3,8 @@
 Contract (actorllm/lifecycle.py): firing any event, known or not, by any actor, known or
 not, for any rid either moves that actor's view or raises ``IllegalTransition`` naming the
 rid, state and event; nothing else escapes. An accepted event is always one the spec
-gives to that actor, and a view only ever names states of the spec. ``check_history``
-judges any sequence without raising.
+gives to that actor, and a view only ever names states of the spec. The invariant
+checker (actorllm/invariants.py) judges any merged sequence without raising.
 
 Input: pairs of bytes. The first picks the actor (low 3 bits) and the rid (high bits);
 the second picks the event, or, when its top bit is set, takes the next bytes (up to a
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from _harness import main
 
-from actorllm.lifecycle import ACTORS, IllegalTransition, Ledger, check_history, load_spec
+from actorllm.invariants import History, first_illegal
+from actorllm.lifecycle import ACTORS, IllegalTransition, Ledger, load_spec
 
 NAME = "lifecycle"
 SPEC = load_spec()
@@ -56,11 +57,18 @@ def TestOneInput(data: bytes) -> None:
             assert SPEC.actor_of(event) == actor, (actor, event)
             assert set(after.split("|")) <= STATES, after
             merged.setdefault(rid, []).append(event)
-        bad = check_history(SPEC, merged.get(rid, []))
+        bad = first_illegal(SPEC, merged.get(rid, []))
         if bad is not None:
             index, state, what = bad
             assert 0 <= index < len(merged[rid]) and merged[rid][index] == what
             assert state is None or state in STATES
+    for events in merged.values():  # the whole checker: findings, never exceptions
+        history = History(SPEC)
+        found = [f for f in map(history.push, events) if f is not None]
+        end = history.end()
+        assert len(found) + (end is not None) <= 1, (found, end)
+        for f in found:
+            assert f.index is not None and events[f.index] in EVENTS, f
         if len(ledger.views) > 8:
             ledger.drop(rid)
 

@@ -158,6 +158,9 @@ bool gathered;         /* P ended */
 bool drained;          /* the drain check passed (invariant 4) */
 byte clients_done;
 
+/* The table of spec/lifecycle.toml, generated: fire(r, E_...) at each event of it. */
+#include "lifecycle_table.pml"
+
 /* Scratch for loops inside atomic sequences: not part of the state. */
 hidden byte i, j, v, stuck;
 
@@ -167,7 +170,8 @@ inline register(r) {
     assert(!reg[r]);            /* rids are unique while live */
     reg[r] = 1; resp[r] = 0; freed[r] = 0; abort_sent[r] = 0; dispatched[r] = 0;
     released[r] = 0;
-    life[r]++; term[r] = 0
+    life[r]++; term[r] = 0;
+    fire(r, E_REGISTER)
 }
 
 /* Frontend.submit for one leaf: register before dispatch (invariant 1). The send waits
@@ -175,9 +179,10 @@ inline register(r) {
 inline submit_leaf(r) {
 #ifdef BUG_REGISTER_AFTER_DISPATCH
     atomic { nfull(tok_in) -> tok_in ! TOKENIZE, r, life[r] + 1 };
-    atomic { register(r); dispatched[r] = 1 }
+    atomic { register(r); dispatched[r] = 1; fire(r, E_DISPATCH) }
 #else
-    atomic { nfull(tok_in) -> register(r); tok_in ! TOKENIZE, r, life[r]; dispatched[r] = 1 }
+    atomic { nfull(tok_in) -> register(r); tok_in ! TOKENIZE, r, life[r]; dispatched[r] = 1;
+             fire(r, E_DISPATCH) }
 #endif
 }
 
@@ -186,6 +191,7 @@ inline submit_leaf(r) {
 inline dispatch(r) {
     atomic {
         nfull(tok_in) -> tok_in ! TOKENIZE, r, life[r]; dispatched[r] = 1;
+        fire(r, E_DISPATCH);
         if
         :: abort_sent[r] -> ABORT_EDGE ! ABORT, r, life[r]
         :: else -> skip
@@ -217,12 +223,12 @@ active proctype ClientP() {
 #ifdef BUG_LAZY_CHILD_REGISTER
     /* Each child registered just before its own dispatch: child 0 can end, and the parent
        gather, before child 1 exists. */
-    atomic { register(P) };
+    atomic { register(P); fire(P, E_FAN_OUT) };
     submit_leaf(C0);
     submit_leaf(C1);
 #else
     /* register and fan_out: the parent and every child exist before anything is sent */
-    atomic { register(P); register(C0); register(C1) };
+    atomic { register(P); fire(P, E_FAN_OUT); register(C0); register(C1) };
     dispatch(C0);
     dispatch(C1);
 #endif
@@ -253,7 +259,8 @@ active proctype ClientA() {
         if
         :: reg[A] -> skip       /* still live: DuplicateRequestId */
         :: !reg[A] && nfull(tok_in) ->
-            register(A); tok_in ! TOKENIZE, A, life[A]; dispatched[A] = 1
+            register(A); tok_in ! TOKENIZE, A, life[A]; dispatched[A] = 1;
+            fire(A, E_DISPATCH)
         :: skip                 /* or it does not come back */
         fi
     };
@@ -276,7 +283,7 @@ inline maybe_forget(r) {
     if
     :: resp[r] && freed[r] ->
 #endif
-        reg[r] = 0;             /* forget */
+        reg[r] = 0; fire(r, E_FORGET);
         released[r] = (ss[r] == S_NONE);
         if
 #ifdef BUG_GATHER_EARLY
@@ -286,7 +293,7 @@ inline maybe_forget(r) {
 #endif
             /* invariant 6: the parent ends only when every child is RELEASED */
             assert(released[C0] && released[C1]);
-            reg[P] = 0; released[P] = 1; gathered = 1
+            reg[P] = 0; released[P] = 1; gathered = 1; fire(P, E_GATHER)
         :: else -> skip
         fi
     :: else -> skip
@@ -304,7 +311,7 @@ end:
         for (i : FIRST .. LAST) {
             if
             :: (fins | failed) & BIT(i) && reg[i] && !resp[i] ->
-                resp[i] = 1;                    /* respond: the final output */
+                resp[i] = 1; fire(i, E_RESPOND);    /* the final output */
                 freed[i] = freed[i] || (failed & BIT(i));   /* rejected: nothing to free */
                 abort_next = abort_next || ((failed | errs) & BIT(i) && (i == C0 || i == C1));
                 maybe_forget(i)
@@ -345,7 +352,8 @@ end:
             if
             :: sch_in ! SEQ, r, l
 #ifndef NO_REJECT
-            :: r != C0 -> arrived[r] = l; term[r]++; fe_in ! 0, 0, 0, BIT(r), 0  /* reject */
+            :: r != C0 -> arrived[r] = l; term[r]++; fire(r, E_REJECT);
+                fe_in ! 0, 0, 0, BIT(r), 0      /* reject */
 #endif
             fi
         fi;
@@ -374,12 +382,13 @@ inline release(r) {
 
 inline free_seq(r) {
     release(r);
-    ss[r] = S_NONE; pend_freed = pend_freed | BIT(r)
+    ss[r] = S_NONE; pend_freed = pend_freed | BIT(r);
+    fire(r, E_FREE)
 }
 
 /* The one terminal transition (finish, abort or fail): blocks now, or after the fence. */
-inline finish(r) {
-    ss[r] = S_FIN;
+inline finish(r, e) {
+    ss[r] = S_FIN; fire(r, e);
     term[r]++;
     assert(term[r] == 1);       /* invariant 2: exactly one terminal event */
     pend_fin = pend_fin | BIT(r);
@@ -394,11 +403,11 @@ inline finish(r) {
 }
 
 /* Abort or stop string: idempotent; stops future work, never undoes launched work. */
-inline finish_early(r, l) {
+inline finish_early(r, l, e) {
     if
     :: ss[r] == S_WAIT || ss[r] == S_RUN || ss[r] == S_PRE ->
         assert(slife[r] == l);  /* a stale abort or stop never hits a reused rid */
-        finish(r)
+        finish(r, e)
     :: else -> skip             /* already finished or freed, or rejected */
     fi
 }
@@ -421,11 +430,11 @@ inline on_result(mask, eos) {
     for (i : FIRST .. LAST) {
         if
         :: mask & BIT(i) && ss[i] == S_RUN && eos == ERR ->
-            pend_err = pend_err | BIT(i); finish(i)                      /* fail */
+            pend_err = pend_err | BIT(i); finish(i, E_FAIL)
         :: mask & BIT(i) && ss[i] == S_RUN && eos != ERR ->
             commit(i);
             if
-            :: eos & BIT(i) || out[i] >= MAXTOK -> finish(i)     /* EOS, or length */
+            :: eos & BIT(i) || out[i] >= MAXTOK -> finish(i, E_FINISH)  /* EOS, or length */
             :: else -> skip
             fi
 #ifdef BUG_LATE_RESULT_COMMIT
@@ -446,11 +455,11 @@ end:
         if
         :: m == SEQ ->
             assert(ss[a] == S_NONE);            /* a rid is unique while live */
-            ss[a] = S_WAIT; out[a] = 0; slife[a] = x; arrived[a] = x
+            ss[a] = S_WAIT; out[a] = 0; slife[a] = x; arrived[a] = x; fire(a, E_ENQUEUE)
         :: m == ABORT ->
             assert(arrived[a] >= x);            /* an abort never overtakes its request */
-            finish_early(a, x)
-        :: m == STOP -> finish_early(a, x)
+            finish_early(a, x, E_ABORT)
+        :: m == STOP -> finish_early(a, x, E_FINISH)
         :: m == RESULT -> on_result(a, x)
         fi;
         i = 0; m = 0; a = 0; x = 0
@@ -462,7 +471,7 @@ end:
 inline preempt(r) {
     assert(!in_step[r] && !in_flight);
     release(r);
-    ss[r] = S_PRE
+    ss[r] = S_PRE; fire(r, E_PREEMPT)
 }
 
 /* Scheduler.schedule: running leaves first, preempting the newest running one that is not
@@ -498,7 +507,8 @@ inline plan() {
             if
             :: !stuck && ((j == 0 && ss[i] == S_PRE) || (j == 1 && ss[i] == S_WAIT)) ->
                 if
-                :: WANT(i) <= nfree -> alloc(i); ss[i] = S_RUN; pmask = pmask | BIT(i)
+                :: WANT(i) <= nfree -> alloc(i); ss[i] = S_RUN; pmask = pmask | BIT(i);
+                    fire(i, E_SCHEDULE)
                 :: else -> stuck = 1
                 fi
             :: else -> skip

@@ -1,29 +1,33 @@
-"""The spec table, the per-actor views, and the history checker."""
+"""The spec table, the typed states, the per-actor views, and the invariant checker."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actorllm.lifecycle import IllegalTransition, View, check_history, load_spec, parse_spec
+from actorllm.invariants import History, check_gather, final_state, first_illegal, fold
+from actorllm.lifecycle import ACTORS, IllegalTransition, State, View, load_spec, parse_spec
 
 SPEC = load_spec()
 HAPPY = ["register", "dispatch", "enqueue", "schedule", "finish", "respond", "free", "forget"]
 
 
 def test_happy_paths_are_legal_in_both_orders() -> None:
-    assert check_history(SPEC, HAPPY) is None
+    assert first_illegal(SPEC, HAPPY) is None
     other = ["register", "dispatch", "enqueue", "schedule", "finish", "free", "respond", "forget"]
-    assert check_history(SPEC, other) is None
+    assert first_illegal(SPEC, other) is None
 
 
 def test_preempt_and_abort_paths() -> None:
     path = ["register", "dispatch", "enqueue", "schedule", "preempt", "schedule", "preempt",
             "abort", "free", "respond", "forget"]
-    assert check_history(SPEC, path) is None
+    assert first_illegal(SPEC, path) is None
     rejected = ["register", "dispatch", "reject", "respond", "forget"]
-    assert check_history(SPEC, rejected) is None
+    assert first_illegal(SPEC, rejected) is None
 
 
 @pytest.mark.parametrize(
@@ -38,7 +42,7 @@ def test_preempt_and_abort_paths() -> None:
     ],
 )
 def test_illegal_histories_are_caught(events: list[str], bad_index: int) -> None:
-    bad = check_history(SPEC, events)
+    bad = first_illegal(SPEC, events)
     assert bad is not None and bad[0] == bad_index
 
 
@@ -88,7 +92,7 @@ def test_views_never_accept_what_the_global_table_forbids(events: list[str]) -> 
     """Firing a legal global history through per-actor views never raises; and a view
     only raises IllegalTransition, never anything else."""
     views: dict[str, View] = {}
-    legal = check_history(SPEC, events) is None
+    legal = first_illegal(SPEC, events) is None
     try:
         for e in events:
             actor = SPEC.actor_of(e)
@@ -101,3 +105,110 @@ def test_mermaid_names_every_transition() -> None:
     text = SPEC.mermaid()
     for t in SPEC.transitions:
         assert t.event in text
+
+
+def test_state_enum_is_the_table() -> None:
+    """Code compares against lifecycle.State: it must name exactly the table's states."""
+    assert [s.value for s in State] == list(SPEC.states)
+    assert {t.actor for t in SPEC.transitions} <= set(ACTORS)
+
+
+def test_view_local_state_is_where_the_actors_own_event_led() -> None:
+    v = View(SPEC, "scheduler", "r")
+    assert v.local is None
+    v.fire("enqueue")
+    assert v.local is State.WAITING
+    v.fire("schedule")
+    v.fire("preempt")
+    assert v.local is State.PREEMPTED
+    v.fire("abort")
+    assert v.local is State.FINISHED
+    v.fire("free")  # FREED or RELEASED: the Scheduler cannot tell which
+    assert v.local is None and v.within(State.FREED, State.RELEASED)
+
+
+def test_frontend_view_learns_free_from_a_message() -> None:
+    """respond then free, free then respond, reject: RELEASED exactly when both owners
+    are done, which is when the Frontend may forget the rid."""
+    for order in (["respond", "free"], ["free", "respond"], ["reject", "respond"]):
+        v = View(SPEC, "frontend", "r")
+        v.fire("register")
+        v.fire("dispatch")
+        for e in order:
+            assert not v.within(State.RELEASED)
+            if SPEC.actor_of(e) == "frontend":
+                v.fire(e)
+            else:
+                v.witness(e)
+        assert v.within(State.RELEASED), order
+        v.fire("forget")
+    v = View(SPEC, "frontend", "r")
+    v.fire("register")
+    with pytest.raises(IllegalTransition):
+        v.witness("free")  # nothing was ever allocated for it
+    with pytest.raises(IllegalTransition):
+        v.witness("dispatch")  # its own event: fired, never witnessed
+
+
+def test_fold_stops_at_the_first_illegal_event() -> None:
+    assert list(fold(SPEC, ["register", "enqueue", "dispatch"])) == ["CREATED", None]
+    assert final_state(SPEC, HAPPY) == "RELEASED"
+    assert final_state(SPEC, []) is None
+
+
+@pytest.mark.parametrize(
+    ("events", "actors", "kind", "invariant"),
+    [
+        (["dispatch"], None, "illegal", "1"),
+        (["register", "dispatch", "enqueue", "schedule", "free"], None, "illegal", "2"),
+        (["register", "dispatch"], ["frontend", "scheduler"], "wrong-actor", "2"),
+        (HAPPY[:4], None, "incomplete", "4"),
+    ],
+)
+def test_history_names_what_is_wrong(events: list[str], actors: list[str] | None, kind: str,
+                                     invariant: str) -> None:
+    h = History(SPEC)
+    found = [h.push(e, a) for e, a in zip(events, actors or [None] * len(events), strict=True)]
+    bad = [f for f in found if f is not None] or [h.end()]
+    assert len(bad) == 1 and bad[0] is not None
+    assert (bad[0].kind, bad[0].invariant) == (kind, invariant), bad[0]
+
+
+def test_history_wants_exactly_one_terminal_event() -> None:
+    loose = parse_spec((Path(__file__).parents[1] / "spec" / "lifecycle.toml").read_text()
+                       .replace('"finish", "abort"', '"finish", "respond", "abort"'))
+    h = History(loose)
+    found = [h.push(e) for e in HAPPY]
+    assert found[5] is not None and found[5].kind == "invariant-2"  # finish, then respond
+    lost = History(SPEC)
+    for e in ["register", "dispatch", "enqueue", "lose", "respond", "forget"]:
+        assert lost.push(e) is None
+    assert lost.end() is None  # a request the engine lost may have no terminal event
+    parent = History(SPEC)
+    for e in ["register", "fan_out", "gather"]:
+        assert parent.push(e) is None
+    assert parent.end(parent=True) is None
+
+
+def test_check_gather_wants_every_child_released() -> None:
+    states = {"p-0": "RELEASED", "p-1": "RUNNING"}
+    assert check_gather(SPEC, ["p-0"], states.get) is None
+    assert "p-1" in (check_gather(SPEC, ["p-0", "p-1"], states.get) or "")
+    assert "not registered" in (check_gather(SPEC, ["p-2"], states.get) or "")
+    assert check_gather(SPEC, [], states.get) is not None
+
+
+def test_promela_table_is_generated_from_this_toml() -> None:
+    """spec/lifecycle.pml includes the table as Promela; regenerate it after editing the TOML
+    (``python -m actorllm.lifecycle --promela > spec/lifecycle_table.pml``)."""
+    spec_dir = Path(__file__).parents[1] / "spec"
+    assert (spec_dir / "lifecycle_table.pml").read_text() == SPEC.promela()
+
+
+def test_promela_model_fires_every_event_it_models() -> None:
+    """The model fires each event of the table somewhere (``lose``, an engine process
+    dying, is not modelled), and none the table lacks."""
+    model = (Path(__file__).parents[1] / "spec" / "lifecycle.pml").read_text()
+    fired = {e.lower() for e in re.findall(r"fire\(\w+, E_(\w+)\)", model)}
+    fired |= {"abort", "finish", "fail"} & {e.lower() for e in re.findall(r"E_(\w+)", model)}
+    assert fired == set(SPEC.events()) - {"lose"}

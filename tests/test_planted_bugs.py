@@ -1,11 +1,12 @@
-"""Each invariant's check can fail: plant a deliberately wrong variant through a test-only
-seam, and the simulation must find a counterexample that names that invariant.
+"""Each invariant's check can fail: plant a deliberately wrong variant of one actor (a
+subclass in tests/sim/bugs.py; production code has no switches for it), and the
+simulation must find a counterexample that names that invariant.
 
 A property test that cannot fail proves nothing; these show that the harness of
 tests/test_simulation.py would catch each kind of bug DESIGN.md §3 rules out:
 
 ==========================================  =====  ==============================================
-seam                                        inv.   the wrong variant
+bug                                         inv.   the wrong variant
 ==========================================  =====  ==============================================
 frontend.bug_register_after_dispatch        1      TokenizeRequest sent before the rid exists
 detokenizer.bug_emit_after_stop             2      text delivered after the stop string matched
@@ -31,8 +32,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 from sim import InvariantViolation, SimConfig, TextModel, World, make_machine
+from sim.bugs import COLLECTOR_BUGS
+from sim.bugs import PLANTED as PLANTED_BUGS
 
-from actorllm.outputs import OutputCollector
+from actorllm.outputs import Merged, OutputCollector
 
 PLANTED = [
     ("frontend.bug_register_after_dispatch", "1"),
@@ -66,12 +69,25 @@ def test_planted_bug_is_caught(tiny_tokenizer: Any, seam: str, invariant: str) -
     assert found.value.invariant == invariant, str(found.value)
 
 
-def test_every_seam_exists_and_is_off_by_default(tiny_tokenizer: Any) -> None:
+def test_every_bug_is_planted_and_only_where_asked(tiny_tokenizer: Any) -> None:
+    """Each name swaps in its variant for its actor alone; by default every actor is real."""
+    assert {s for s, _ in PLANTED} == PLANTED_BUGS.keys() | COLLECTOR_BUGS.keys()
     world = World(tiny_tokenizer, TextModel(tiny_tokenizer))
     try:
-        owners = {**world.actors, "collector": OutputCollector("probe", 1)}
-        for seam, _ in PLANTED:
-            actor, flag = seam.split(".")
-            assert getattr(owners[actor], flag) is False, seam
+        for actor in world.actors.values():
+            assert not isinstance(actor, tuple(PLANTED_BUGS.values())), actor
+            assert not [a for a in dir(actor) if a.startswith("bug_")], actor
     finally:
         world.close()
+    assert OutputCollector("probe", 1).merged_type is Merged
+    for seam, variant in PLANTED_BUGS.items():
+        world = World(tiny_tokenizer, TextModel(tiny_tokenizer), SimConfig(bugs=frozenset({seam})))
+        try:
+            buggy = [name for name, a in world.actors.items()
+                     if isinstance(a, tuple(PLANTED_BUGS.values()))]
+            assert buggy == [seam.split(".")[0]], seam
+            assert isinstance(world.actors[buggy[0]], variant), seam
+        finally:
+            world.close()
+    with pytest.raises(ValueError, match="no planted bug"):
+        World(tiny_tokenizer, TextModel(tiny_tokenizer), SimConfig(bugs=frozenset({"x.bug_y"})))

@@ -359,14 +359,14 @@ HEADER = {"kind": "header", "spec_version": SPEC.version, "model": "m", "config"
 def test_reused_rid_is_two_lives(tmp_path: Path) -> None:
     path = _write(tmp_path / "reuse.jsonl", [HEADER, *_leaf("r", 1.0), *_leaf("r", 2.0)])
     trace = load_trace(path, SPEC)
-    assert [life.name for life in trace.lives] == ["r", "r#2"]
+    assert [incarnation.name for incarnation in trace.incarnations] == ["r", "r#2"]
     assert check_trace(trace, SPEC) == []
 
 
 def test_several_runs_in_one_file_are_sessions(tmp_path: Path) -> None:
     path = _write(tmp_path / "two.jsonl", [HEADER, *_leaf("r", 1.0), HEADER, *_leaf("r", 2.0)])
     trace = load_trace(path, SPEC)
-    assert [life.name for life in trace.lives] == ["0:r", "1:r"]
+    assert [incarnation.name for incarnation in trace.incarnations] == ["0:r", "1:r"]
     assert check_trace(trace, SPEC) == []
 
 

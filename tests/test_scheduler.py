@@ -6,6 +6,7 @@ Each test plays the Worker: it takes the plan, checks it, and hands back a resul
 from __future__ import annotations
 
 import pytest
+from sim.bugs import FreeBeforeFence
 
 from actorllm.mailbox import Mailbox
 from actorllm.messages import (
@@ -192,8 +193,8 @@ def test_abort_with_a_step_in_flight_frees_only_after_the_fence() -> None:
 
 
 def test_planted_bug_free_before_fence_is_visible() -> None:
-    s = make()
-    s.bug_free_before_fence = True
+    s = FreeBeforeFence(Mailbox("s", SchedulerInput, 8), Mailbox("w", StepPlan, 2),
+                        Mailbox("d", TokenBatch, 8), num_blocks=64, block_size=4)
     s.handle(request("a", 8))
     s.schedule()
     s.handle(AbortRequest("a"))

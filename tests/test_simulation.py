@@ -22,7 +22,7 @@ import trio
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 from sim import ControlledMailbox, InvariantViolation, SimConfig, TextModel, World, make_machine
-from sim.harness import VOCAB_TEXTS
+from sim.common import VOCAB_TEXTS
 from sim.machine import LifecycleMachine
 from sim.profiles import sim_settings
 from sim.scripted_worker import scripted_token
@@ -74,8 +74,9 @@ def test_lifecycle_roomy(tiny_tokenizer: Any) -> None:
 
 
 def replay(tokenizer: Any, steps: list[tuple[str, dict[str, Any]]],
-           config: SimConfig | None = None) -> None:
-    """Run rule calls as hypothesis prints them, checking the invariants after each."""
+           config: SimConfig | None = None) -> World:
+    """Run rule calls as hypothesis prints them, checking the invariants after each, then
+    drain; returns the (closed) World, whose clients and histories the test then judges."""
     machine: LifecycleMachine = make_machine(tokenizer, config)()
     try:
         for name, kwargs in steps:
@@ -86,13 +87,27 @@ def replay(tokenizer: Any, steps: list[tuple[str, dict[str, Any]]],
         raise
     finally:
         machine.teardown()
+    return machine.world
+
+
+def outcome(world: World, rid: str) -> tuple[str, dict[int, tuple[str, object]]]:
+    """How the last request with ``rid`` ended, as its client saw it: (how, reasons)."""
+    client = [c for c in world.clients if c.rid == rid][-1]
+    how = "error" if client.error is not None else "final" if client.final else client.outcome
+    return how, dict(client.reason)
+
+
+def events(world: World, rid: str, number: int = 0) -> list[str]:
+    """The merged history of incarnation ``number`` of ``rid``."""
+    inc = next(i for i in world.rec.all if i.rid == rid and i.number == number)
+    return [e for _, _, e in inc.events]
 
 
 def test_stop_string_matched_while_preempted(tiny_tokenizer: Any) -> None:
     # c-2 is preempted (the pool is full) while the Detokenizer matches "the" in the two
     # tokens it already had; the StopMatched then finds it PREEMPTED. (It used to make the
     # Scheduler fire 'finish' from PREEMPTED, which the spec forbade: IllegalTransition.)
-    replay(tiny_tokenizer, [
+    world = replay(tiny_tokenizer, [
         ("submit", dict(rid="b", n=4, max_tokens=7, prompt="Hi", stop=(), include_stop=False,
                         stream=True)),
         ("submit", dict(rid="c", n=4, max_tokens=8, prompt="Hi", stop=("the", "ab"),
@@ -100,6 +115,10 @@ def test_stop_string_matched_while_preempted(tiny_tokenizer: Any) -> None:
         ("submit", dict(rid="a", n=2, max_tokens=4, prompt="Hello! How are you?", stop=(),
                         include_stop=False, stream=False)),
     ])
+    # c-2 ends by the stop string found before its preemption, from PREEMPTED.
+    assert outcome(world, "c")[1][2] == ("stop", "the")
+    assert events(world, "c-2")[3:6] == ["schedule", "preempt", "finish"]
+    assert outcome(world, "b") == ("final", {i: ("length", None) for i in range(4)})
 
 
 def test_sibling_abort_queued_for_a_finished_parent_spares_the_next_request(
@@ -107,7 +126,7 @@ def test_sibling_abort_queued_for_a_finished_parent_spares_the_next_request(
     # "a" (n=3) is rejected child by child; each rejection queues an abort of "a". By the
     # time the queue drains, "a" has been gathered and submitted again (n=1). (The queue
     # used to hold rids, and the new "a" was aborted.)
-    replay(tiny_tokenizer, [
+    world = replay(tiny_tokenizer, [
         ("submit", dict(rid="a", n=3, max_tokens=6, prompt="Hello! How are you?", stop=(),
                         include_stop=False, stream=False)),
         ("disconnect", dict(rid="a")),
@@ -121,6 +140,9 @@ def test_sibling_abort_queued_for_a_finished_parent_spares_the_next_request(
         ("submit", dict(rid="a", n=1, max_tokens=1, prompt="Hi", stop=(), include_stop=False,
                         stream=False)),
     ], TIGHT)
+    assert all(events(world, f"a-{i}")[2] == "reject" for i in range(3))
+    assert outcome(world, "a") == ("final", {0: ("length", None)})  # the new "a": not aborted
+    assert "abort" not in events(world, "a", 1)
 
 
 def test_parent_abort_waiting_for_room_spares_the_next_request_with_its_rid(

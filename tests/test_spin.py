@@ -1,10 +1,13 @@
-"""Model checking spec/lifecycle.pml with SPIN: the protocol holds, each planted bug is found.
+"""Model checking spec/lifecycle.pml with SPIN: the protocol holds, each planted bug is found,
+and the model moves only as the table of spec/lifecycle.toml allows.
 
 Each check is what spec/README.md ("Model checking") tells a person to run: ``spin -a``
 writes the verifier ``pan.c``, gcc compiles it, ``pan`` explores every interleaving. The
 correct model must give "errors: 0" on a complete search (assertions, invalid end states,
 and each LTL formula); with one ``-DBUG_...`` defined, pan must report the violation of
-the property that bug breaks. Skipped only where spin or a C compiler is missing
+the property that bug breaks. With -DCHECK_TABLE the model also asserts, at each event, that
+spec/lifecycle_table.pml (generated from the TOML; tests/test_lifecycle.py checks it is
+current) has a row for the move. Skipped only where spin or a C compiler is missing
 (CI installs spin: ``apt-get install -y spin``).
 """
 
@@ -17,8 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from actorllm.lifecycle import parse_spec
+
 ROOT = Path(__file__).parents[1]
 MODEL = ROOT / "spec" / "lifecycle.pml"
+TABLE = ROOT / "spec" / "lifecycle_table.pml"
 SPIN = shutil.which("spin")
 CC = shutil.which("gcc") or shutil.which("cc")
 
@@ -27,13 +33,17 @@ pytestmark = pytest.mark.skipif(
 
 DEPTH = "-m200000"  # deeper than any path of the model: a truncated search is a failure
 SAFETY = ["-DSAFETY", "-DNOCLAIM"]  # assertions and end states; no LTL claim compiled in
+CHECK_TABLE = "-DCHECK_TABLE"  # every event the model fires is a move of the TOML table
 LTL_FORMULAS = ("invariants", "drains")
 
 
-def build(workdir: Path, defines: list[str], cflags: list[str]) -> Path:
-    """``spin -a`` and gcc, in ``workdir``; returns the verifier."""
+def build(workdir: Path, defines: list[str], cflags: list[str], table: str | None = None
+          ) -> Path:
+    """``spin -a`` and gcc, in ``workdir``; returns the verifier. ``table``: the generated
+    table to include instead of spec/lifecycle_table.pml."""
     workdir.mkdir(parents=True, exist_ok=True)
     shutil.copy(MODEL, workdir / MODEL.name)
+    (workdir / TABLE.name).write_text(TABLE.read_text() if table is None else table)
     assert SPIN is not None and CC is not None
     _run([SPIN, "-a", *defines, MODEL.name], workdir)
     # -O0: gcc takes seconds at -O2 on pan.c and saves less than that on these searches.
@@ -80,11 +90,27 @@ def _run(cmd: list[str], cwd: Path, check: bool = True) -> str:
 
 @pytest.mark.parametrize("scenario", [[], ["-DREUSE_A"]], ids=["fan-out", "rid-reuse"])
 def test_model_holds(tmp_path: Path, scenario: list[str]) -> None:
-    """Every assertion, no deadlock, and the drain check in every final state."""
-    pan = build(tmp_path, scenario, SAFETY)
+    """Every assertion, no deadlock, the drain check in every final state, and every event
+    a move of the table."""
+    pan = build(tmp_path, [CHECK_TABLE, *scenario], SAFETY)
     out = verify(pan)
-    assert_holds(out, pan, scenario)
+    assert_holds(out, pan, [CHECK_TABLE, *scenario])
     assert "invalid end states\t+" in out  # end states were checked too
+
+
+def test_model_disagreeing_with_its_table_is_found(tmp_path: Path) -> None:
+    """The table check can fail: a table without PREEMPTED -> RUNNING (the model does
+    reschedule preempted leaves) makes the model's own moves illegal."""
+    text = (ROOT / "spec" / "lifecycle.toml").read_text()
+    narrow = text.replace('from = ["WAITING", "PREEMPTED"]\nto = "RUNNING"',
+                          'from = ["WAITING"]\nto = "RUNNING"')
+    assert narrow != text
+    pan = build(tmp_path, [CHECK_TABLE], SAFETY, table=parse_spec(narrow).promela())
+    out = verify(pan)
+    assert errors(out) >= 1 and "assertion violated" in out, out
+    assert SPIN is not None
+    trail = _run([SPIN, "-t", "-p", CHECK_TABLE, MODEL.name], tmp_path, check=False)
+    assert "assertion violated" in trail
 
 
 @pytest.fixture(scope="module")

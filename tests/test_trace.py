@@ -116,7 +116,7 @@ def test_replay_finds_the_run_legal_and_complete(
 
 def test_several_processes_write_one_trace(tiny_llama_dir: Path, tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
-    """``--topology engine``: the Scheduler lives in a child process that appends to the
+    """``--topology engine``: the Scheduler incarnations in a child process that appends to the
     same file; the merged trace is still legal, complete, and re-drives."""
     path = tmp_path / "engine.jsonl"
     with contextlib.redirect_stdout(io.StringIO()):

@@ -5,10 +5,10 @@ header per engine run, one line per state transition of a request, and the Sched
 records of what it was told and what it planned. The package reads it in four passes,
 one module each, all driven by the one table in spec/lifecycle.toml:
 
-- :mod:`.tracefile` parses the file into sessions and request *lives* (a rid's
+- :mod:`.tracefile` parses the file into sessions and request *incarnations* (a rid's
   transitions ordered by time, cut where the rid is reused);
-- :mod:`.check` walks each life through the table (``Spec.step``) and checks invariants
-  2 and 6 across lives;
+- :mod:`.check` walks each incarnation through the table (``Spec.step``) and checks invariants
+  2 and 6 across incarnations;
 - :mod:`.summary` computes queue time, TTFT, ITL, e2e, tokens and late drops;
 - :mod:`.timeline` draws one row per request (HTML with inline SVG, or PNG);
 - :mod:`.redrive` feeds the recorded inputs back into the real Scheduler and compares

@@ -1,4 +1,5 @@
-"""Checking a trace against the spec: each request's history, and invariants 2 and 6.
+"""Checking a trace against the spec: each request's history, and invariants 2 and 6,
+by the one checker of actorllm/invariants.py.
 
 A history is legal when it is one path through the table of spec/lifecycle.toml from
 "no state" (``Spec.step`` from None), each event fired by the actor the table names, and
@@ -17,8 +18,10 @@ from __future__ import annotations
 
 import attrs
 
+from actorllm.invariants import Finding, History, final_state
+from actorllm.invariants import check_gather as check_gather_of
 from actorllm.lifecycle import Spec
-from actorllm.replay.tracefile import Life, Line, Session, Trace
+from actorllm.replay.tracefile import Incarnation, Line, Session, Trace
 
 CONTEXT = 3  # lines of the request's history shown on each side of a violation
 
@@ -27,7 +30,7 @@ CONTEXT = 3  # lines of the request's history shown on each side of a violation
 class Violation:
     """The first thing wrong with one request."""
 
-    rid: str  # the life's display name
+    rid: str  # the incarnation's display name
     kind: str  # illegal | wrong-actor | incomplete | invariant-2 | invariant-6 | format
     message: str
     event: str | None = None  # the offending event (None: the history just stops)
@@ -57,110 +60,63 @@ def check_trace(trace: Trace, spec: Spec) -> list[Violation]:
 
 def check_session(session: Session, spec: Spec) -> list[Violation]:
     found: dict[str, Violation] = {}
-    for life in session.lives:
-        bad = check_life(life, spec)
+    for incarnation in session.incarnations:
+        bad = check_incarnation(incarnation, spec)
+        if bad is None and incarnation.is_parent:
+            bad = check_gather(incarnation, session, spec)
         if bad is not None:
-            found[life.name] = bad
-    for life in session.lives:
-        if life.name in found:
-            continue
-        bad = check_terminal(life, spec) if not life.is_parent else check_gather(
-            life, session, spec)
-        if bad is not None:
-            found[life.name] = bad
+            found[incarnation.name] = bad
     return list(found.values())
 
 
-def check_life(life: Life, spec: Spec) -> Violation | None:
-    """Walk one life through the table: legal events by their owners, ending RELEASED."""
-    state: str | None = None
-    for i, line in enumerate(life.lines):
-        event = str(line.event)
-        nxt = spec.step(state, event)
-        if nxt is None:
-            known = event in spec.events()
-            why = "is not an event of the spec" if not known else f"is illegal in {state or 'NONE'}"
-            return _at(life, i, "illegal", f"event {event!r} {why}", state, spec)
-        owner = spec.actor_of(event)
-        if line.actor != owner:
-            return _at(life, i, "wrong-actor",
-                       f"event {event!r} fired by {line.actor!r}; only {owner!r} may fire it",
-                       state, spec)
-        state = nxt
-    if state not in spec.final_states:
-        last = life.lines[-1] if life.lines else None
-        return Violation(
-            rid=life.name, kind="incomplete",
-            message=f"history ends in {state or 'NONE'}, not in a final state",
-            event=None, state=state, expected=tuple(spec.expected_events(state)),
-            line_no=last.no if last else None, context=tuple(life.lines[-CONTEXT:]),
-        )
-    return None
-
-
-def check_terminal(life: Life, spec: Spec) -> Violation | None:
-    """Invariant 2: exactly one terminal event per leaf request."""
-    terminals = [i for i, line in enumerate(life.lines) if line.event in spec.terminal_events]
-    if len(terminals) == 1 or (not terminals and "lose" in life.events):
+def check_incarnation(incarnation: Incarnation, spec: Spec) -> Violation | None:
+    """One incarnation through the invariant checker: legal events by their owners, exactly one
+    terminal event, ending RELEASED."""
+    history = History(spec)
+    for i, line in enumerate(incarnation.lines):
+        found = history.push(str(line.event), line.actor)
+        if found is not None:
+            return _at(incarnation, i, found, spec)
+    found = history.end(parent=incarnation.is_parent)
+    if found is None:
         return None
-    if not terminals:
-        return Violation(rid=life.name, kind="invariant-2",
-                         message="no terminal event (finish, abort, fail or reject)",
-                         line_no=life.lines[-1].no, context=tuple(life.lines[-CONTEXT:]))
-    i = terminals[1]
-    return _at(life, i, "invariant-2",
-               f"a second terminal event {life.lines[i].event!r} (the first was "
-               f"{life.lines[terminals[0]].event!r} at line {life.lines[terminals[0]].no})",
-               None, spec)
-
-
-def check_gather(parent: Life, session: Session, spec: Spec) -> Violation | None:
-    """Invariant 6: the parent gathers only after every child is RELEASED, and every
-    child it names exists."""
-    gathers = [i for i, line in enumerate(parent.lines) if line.event == "gather"]
-    if not gathers:
-        return None  # an ungathered parent is already "incomplete"
-    i = gathers[0]
-    at = parent.lines[i]
-    children = parent.children
-    if not children:
-        return _at(parent, i, "invariant-6", "the parent gathered but named no children",
-                   None, spec)
-    for rid in children:
-        child = session.life_at(rid, at.no)
-        state = _state_before(child, at, spec) if child is not None else None
-        if state not in spec.final_states:
-            return _at(parent, i, "invariant-6",
-                       f"gather while child {rid!r} is {state or 'not registered'}, "
-                       "not RELEASED", None, spec)
-    return None
-
-
-def _state_before(life: Life, at: Line, spec: Spec) -> str | None:
-    """The state of ``life`` just before line ``at`` (by time, then file order)."""
-    state: str | None = None
-    for line in life.lines:
-        if (line.t, line.no) >= (at.t, at.no):
-            break
-        state = spec.step(state, str(line.event))
-    return state
-
-
-def _at(life: Life, i: int, kind: str, message: str, state: str | None,
-        spec: Spec) -> Violation:
-    """A violation at the i-th line of a life, with its neighbours as context."""
-    if state is None and kind in ("invariant-2", "invariant-6"):
-        state = _replay(life, i, spec)
-    line = life.lines[i]
     return Violation(
-        rid=life.name, kind=kind, message=message, event=str(line.event), state=state,
-        expected=tuple(spec.expected_events(state)), line_no=line.no,
-        context=tuple(life.lines[max(0, i - CONTEXT): i + CONTEXT]),
+        rid=incarnation.name, kind=found.kind, message=found.message, event=None,
+        state=found.state if found.kind == "incomplete" else None,
+        expected=tuple(spec.expected_events(found.state)) if found.kind == "incomplete" else (),
+        line_no=incarnation.lines[-1].no if incarnation.lines else None,
+        context=tuple(incarnation.lines[-CONTEXT:]),
     )
 
 
-def _replay(life: Life, i: int, spec: Spec) -> str | None:
-    state: str | None = None
-    for line in life.lines[:i]:
-        state = spec.step(state, str(line.event))
-    return state
+def check_gather(parent: Incarnation, session: Session, spec: Spec) -> Violation | None:
+    """Invariant 6: the parent gathers only after every child is RELEASED, and every
+    child it names exists."""
+    i = next((i for i, line in enumerate(parent.lines) if line.event == "gather"), None)
+    if i is None:
+        return None  # an ungathered parent is already "incomplete"
+    at = parent.lines[i]
+
+    def state_of(rid: str) -> str | None:
+        child = session.incarnation_at(rid, at.no)
+        if child is None:
+            return None
+        # Its state just before the gather line (by time, then file order).
+        return final_state(spec, [str(c.event) for c in child.lines
+                                  if (c.t, c.no) < (at.t, at.no)])
+
+    why = check_gather_of(spec, parent.children, state_of)
+    if why is None:
+        return None
+    state = final_state(spec, parent.events[:i])
+    return _at(parent, i, Finding("invariant-6", why, i, state), spec)
+
+
+def _at(incarnation: Incarnation, i: int, found: Finding, spec: Spec) -> Violation:
+    """A violation at the i-th line of a incarnation, with its neighbours as context."""
+    line = incarnation.lines[i]
+    return Violation(
+        rid=incarnation.name, kind=found.kind, message=found.message, event=str(line.event),
+        state=found.state, expected=tuple(spec.expected_events(found.state)), line_no=line.no,
+        context=tuple(incarnation.lines[max(0, i - CONTEXT): i + CONTEXT]),
+    )

@@ -22,13 +22,14 @@ from collections import Counter
 
 import attrs
 
+from actorllm.invariants import final_state
 from actorllm.lifecycle import Spec
-from actorllm.replay.tracefile import Life, Session, Trace
+from actorllm.replay.tracefile import Incarnation, Session, Trace
 
 
 @attrs.define
 class RequestSummary:
-    """The numbers for one request life."""
+    """The numbers for one request incarnation."""
 
     rid: str
     parent: str | None = None
@@ -117,7 +118,7 @@ class Summary:
 
 
 def summarize(trace: Trace, spec: Spec) -> Summary:
-    """Every request life of every session, each parent followed by its children."""
+    """Every request incarnation of every session, each parent followed by its children."""
     out = Summary([])
     for session in trace.sessions:
         _summarize_session(session, spec, out)
@@ -126,33 +127,33 @@ def summarize(trace: Trace, spec: Spec) -> Summary:
 
 def _summarize_session(session: Session, spec: Spec, out: Summary) -> None:
     by_life: dict[int, RequestSummary] = {}
-    names = {id(life): life.name for life in session.lives}
-    for life in session.lives:
-        by_life[id(life)] = _from_transitions(life, spec)
-    # Parents and children: a child's parent is the life that fanned out to it.
-    for life in session.lives:
-        if life.is_parent:
-            summary = by_life[id(life)]
-            for rid in life.children:
-                child = session.life_at(rid, life.lines[0].no)
+    names = {id(incarnation): incarnation.name for incarnation in session.incarnations}
+    for incarnation in session.incarnations:
+        by_life[id(incarnation)] = _from_transitions(incarnation, spec)
+    # Parents and children: a child's parent is the incarnation that fanned out to it.
+    for incarnation in session.incarnations:
+        if incarnation.is_parent:
+            summary = by_life[id(incarnation)]
+            for rid in incarnation.children:
+                child = session.incarnation_at(rid, incarnation.lines[0].no)
                 if child is not None:
                     summary.children.append(names[id(child)])
-                    by_life[id(child)].parent = life.name
+                    by_life[id(child)].parent = incarnation.name
     # Records, in file order: the Scheduler wrote them in the order it decided, so a token
     # that comes after the rid's terminal event (also the Scheduler's) is a late drop.
-    terminal_at = {id(life): min((ln.no for ln in life.lines
+    terminal_at = {id(incarnation): min((ln.no for ln in incarnation.lines
                                   if ln.event in spec.terminal_events), default=None)
-                   for life in session.lives}
+                   for incarnation in session.incarnations}
     for line in session.lines:
         if line.kind == "result":
             out.steps += 1
             for rid, _token in line.data.get("tokens") or ():
-                life = session.life_at(str(rid), line.no)
-                if life is None:
+                incarnation = session.incarnation_at(str(rid), line.no)
+                if incarnation is None:
                     out.late_drops += 1
                     continue
-                done = terminal_at[id(life)]
-                summary = by_life[id(life)]
+                done = terminal_at[id(incarnation)]
+                summary = by_life[id(incarnation)]
                 if done is not None and done < line.no:
                     summary.late_drops += 1
                     out.late_drops += 1
@@ -160,12 +161,12 @@ def _summarize_session(session: Session, spec: Spec, out: Summary) -> None:
                     summary.token_times.append(line.t)
         elif line.kind == "input" and line.data.get("msg") == "abort":
             out.abort_inputs += 1
-            life = session.life_at(str(line.rid), line.no)
-            if life is not None:
-                by_life[id(life)].aborts += 1
+            incarnation = session.incarnation_at(str(line.rid), line.no)
+            if incarnation is not None:
+                by_life[id(incarnation)].aborts += 1
     # Each parent directly followed by its children, otherwise in order of registration.
-    for life in session.lives:
-        summary = by_life[id(life)]
+    for incarnation in session.incarnations:
+        summary = by_life[id(incarnation)]
         if summary.parent is None:
             out.requests.append(summary)
             out.requests += [r for r in by_life.values() if r.parent == summary.rid]
@@ -174,11 +175,11 @@ def _summarize_session(session: Session, spec: Spec, out: Summary) -> None:
         out.duration_s += max(line.t for line in session.lines) - start
 
 
-def _from_transitions(life: Life, spec: Spec) -> RequestSummary:
-    s = RequestSummary(life.name)
+def _from_transitions(incarnation: Incarnation, spec: Spec) -> RequestSummary:
+    s = RequestSummary(incarnation.name)
     terminal_reason: str | None = None
     respond_reason: str | None = None
-    for line in life.lines:
+    for line in incarnation.lines:
         event = line.event
         if event == "register":
             s.t_register = line.t
@@ -196,18 +197,9 @@ def _from_transitions(life: Life, spec: Spec) -> RequestSummary:
             terminal_reason = "error" if event == "reject" else line.data.get("reason")
         elif event == "lose" and terminal_reason is None:
             terminal_reason = "error"
-    s.state = _final_state(life, spec)
+    s.state = final_state(spec, incarnation.events)
     s.reason = respond_reason or terminal_reason
     return s
-
-
-def _final_state(life: Life, spec: Spec) -> str | None:
-    state: str | None = None
-    for event in life.events:
-        state = spec.step(state, event)
-        if state is None:
-            return None
-    return state
 
 
 def percentile(xs: list[float], q: float) -> float | None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import attrs
 
+from actorllm.invariants import fold
 from actorllm.lifecycle import Spec
 from actorllm.replay.check import Violation
 from actorllm.replay.summary import Summary
@@ -108,7 +109,7 @@ def build_timeline(trace: Trace, spec: Spec, summary: Summary,
                    violations: list[Violation]) -> Drawing:
     """Lay out the drawing: rows in the order requests were registered, children under
     their parent, the time axis shared by every session of the file."""
-    by_name = {life.name: life for life in trace.lives}
+    by_name = {incarnation.name: incarnation for incarnation in trace.incarnations}
     parent_of = {r.rid: r.parent for r in summary.requests if r.parent}
     order = [r.rid for r in summary.requests]  # each parent followed by its children
     times = [ln.t for s in trace.sessions for ln in s.lines]
@@ -128,18 +129,20 @@ def build_timeline(trace: Trace, spec: Spec, summary: Summary,
     bad = {v.rid: v for v in violations}
     marks = _record_marks(trace, spec)
     for i, name in enumerate(order):
-        life = by_name[name]
+        incarnation = by_name[name]
         y = TOP + i * (ROW_H + ROW_GAP)
         row = Row(name)
         child = name in parent_of  # children sit indented under their parent
         row.shapes.append(Text(MARGIN + (14 if child else 0), y + ROW_H - 4, _short(name), 11,
                                fill="#4b5563" if child else "#111827"))
         state: str | None = None
-        lines = life.lines
-        for j, line in enumerate(lines):
-            before, state = state, spec.step(state, str(line.event))
+        lines = incarnation.lines
+        # fold() stops at an illegal event: from there on the red outline says so.
+        for j, after in enumerate(fold(spec, incarnation.events)):
+            line = lines[j]
+            before, state = state, after
             if state is None:
-                break  # illegal from here on: the red outline says so
+                break
             if state in spec.final_states:
                 if before not in spec.final_states:  # the end of the request: a bar
                     row.shapes.append(Seg(x_of(line.t), y, x_of(line.t), y + ROW_H, "#374151",
@@ -174,20 +177,20 @@ def build_timeline(trace: Trace, spec: Spec, summary: Summary,
 
 
 def _record_marks(trace: Trace, spec: Spec) -> dict[str, list[tuple[str, float, int]]]:
-    """Committed tokens and late drops per life, from the Scheduler's result records."""
+    """Committed tokens and late drops per incarnation, from the Scheduler's result records."""
     out: dict[str, list[tuple[str, float, int]]] = {}
     for session in trace.sessions:
-        terminal_at = {life.name: min((ln.no for ln in life.lines
+        terminal_at = {incarnation.name: min((ln.no for ln in incarnation.lines
                                        if ln.event in spec.terminal_events), default=None)
-                       for life in session.lives}
+                       for incarnation in session.incarnations}
         for line in session.records("result"):
             for rid, _tok in line.data.get("tokens") or ():
-                life = session.life_at(str(rid), line.no)
-                if life is None:
+                incarnation = session.incarnation_at(str(rid), line.no)
+                if incarnation is None:
                     continue
-                done = terminal_at[life.name]
+                done = terminal_at[incarnation.name]
                 kind = "late" if done is not None and done < line.no else "token"
-                out.setdefault(life.name, []).append((kind, line.t, line.no))
+                out.setdefault(incarnation.name, []).append((kind, line.t, line.no))
     return out
 
 

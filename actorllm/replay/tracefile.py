@@ -1,4 +1,4 @@
-"""Reading a trace file: JSON lines, split into sessions, grouped into request lives.
+"""Reading a trace file: JSON lines, split into sessions, grouped into request incarnations.
 
 The format is written by :mod:`actorllm.trace` and described in spec/README.md. Three
 kinds of line matter here:
@@ -11,8 +11,8 @@ kinds of line matter here:
   (``"kind"`` send / recv, with ``--trace-hops``).
 
 A rid may be reused once it is RELEASED, so the transitions of one rid are cut into
-*lives*: a ``register`` after the previous life reached a final state starts a new one.
-Everything downstream (the checker, the summary, the timeline) works on lives.
+*incarnations*: a ``register`` after the previous one reached a final state starts a new
+one. Everything downstream (the checker, the summary, the timeline) works on these.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 
 import attrs
 
+from actorllm.invariants import final_state
 from actorllm.lifecycle import Spec
 
 
@@ -64,12 +65,12 @@ class Line:
 
 
 @attrs.define
-class Life:
-    """One life of one rid: its transition lines ordered by time, and a display name."""
+class Incarnation:
+    """One incarnation of one rid: its transition lines ordered by time, and a display name."""
 
     session: int
     rid: str
-    index: int  # 1 for the first life of the rid in its session
+    index: int  # 1 for the first incarnation of the rid in its session
     lines: list[Line] = attrs.Factory(list)
     name: str = ""
 
@@ -102,7 +103,7 @@ class Session:
     index: int
     header: dict[str, Any] | None
     lines: list[Line] = attrs.Factory(list)
-    lives: list[Life] = attrs.Factory(list)
+    incarnations: list[Incarnation] = attrs.Factory(list)
 
     @property
     def config(self) -> dict[str, Any]:
@@ -118,15 +119,15 @@ class Session:
         """Record lines of the given kinds, in file order."""
         return (line for line in self.lines if line.kind in kinds)
 
-    def life_at(self, rid: str, no: int) -> Life | None:
-        """The life of ``rid`` that a line at file line ``no`` belongs to (the latest one
+    def incarnation_at(self, rid: str, no: int) -> Incarnation | None:
+        """The incarnation of ``rid`` that a line at file line ``no`` belongs to (the latest one
         that began at or before it; the first one for anything earlier)."""
         found = None
-        for life in self.lives:
-            if life.rid != rid:
+        for incarnation in self.incarnations:
+            if incarnation.rid != rid:
                 continue
-            if found is None or life.first_no <= no:
-                found = life
+            if found is None or incarnation.first_no <= no:
+                found = incarnation
         return found
 
 
@@ -139,8 +140,8 @@ class Trace:
     problems: list[tuple[int, str]]  # (line number, what is wrong) for unreadable lines
 
     @property
-    def lives(self) -> list[Life]:
-        return [life for s in self.sessions for life in s.lives]
+    def incarnations(self) -> list[Incarnation]:
+        return [incarnation for s in self.sessions for incarnation in s.incarnations]
 
     @property
     def num_lines(self) -> int:
@@ -158,7 +159,7 @@ def load_trace(path: str | os.PathLike[str], spec: Spec) -> Trace:
 
 
 def parse_trace(lines: Iterable[str], spec: Spec, path: str = "<trace>") -> Trace:
-    """Parse JSON lines into sessions and lives. A bad line is a problem, not an error:
+    """Parse JSON lines into sessions and incarnations. A bad line is a problem, not an error:
     the rest of the file is still worth checking."""
     sessions: list[Session] = []
     problems: list[tuple[int, str]] = []
@@ -191,12 +192,12 @@ def parse_trace(lines: Iterable[str], spec: Spec, path: str = "<trace>") -> Trac
             raise TraceError(f"{path}: no trace lines (line {problems[0][0]}: {problems[0][1]})")
         raise TraceError(f"{path}: empty trace")
     for session in sessions:
-        session.lives = _split_lives(session, spec)
-    _name_lives(sessions)
+        session.incarnations = _split_incarnations(session, spec)
+    _name_incarnations(sessions)
     return Trace(path, sessions, problems)
 
 
-def _split_lives(session: Session, spec: Spec) -> list[Life]:
+def _split_incarnations(session: Session, spec: Spec) -> list[Incarnation]:
     """Group transitions by rid, order by time (file order breaks ties: one process writes
     its lines in order, several processes merge by their shared monotonic clock), and cut
     each rid's history where a ``register`` follows a final state."""
@@ -204,32 +205,27 @@ def _split_lives(session: Session, spec: Spec) -> list[Life]:
     for line in session.lines:
         if line.is_transition:
             by_rid.setdefault(str(line.rid), []).append(line)
-    lives: list[Life] = []
+    incarnations: list[Incarnation] = []
     for rid, lines in by_rid.items():
         lines.sort(key=lambda x: (x.t, x.no))
-        life = Life(session.index, rid, 1)
-        state: str | None = None
-        ok = True  # the life is legal so far (after an illegal event its state is unknown)
+        inc = Incarnation(session.index, rid, 1)
         for line in lines:
-            if line.event == "register" and ok and state in spec.final_states:
-                lives.append(life)
-                life = Life(session.index, rid, life.index + 1)
-                state = None
-            life.lines.append(line)
-            if ok:
-                nxt = spec.step(state, str(line.event))
-                ok = nxt is not None
-                state = nxt
-        lives.append(life)
-    lives.sort(key=lambda x: x.first_no)
-    return lives
+            # A new one begins where the last one ended legally in a final state (after an
+            # illegal event the state is unknown, so the rest stays in that one).
+            if line.event == "register" and final_state(spec, inc.events) in spec.final_states:
+                incarnations.append(inc)
+                inc = Incarnation(session.index, rid, inc.index + 1)
+            inc.lines.append(line)
+        incarnations.append(inc)
+    incarnations.sort(key=lambda x: x.first_no)
+    return incarnations
 
 
-def _name_lives(sessions: list[Session]) -> None:
-    """Display names: the rid, with ``#life`` when reused and ``session:`` when the file
+def _name_incarnations(sessions: list[Session]) -> None:
+    """Display names: the rid, with ``#incarnation`` when reused and ``session:`` when the file
     holds several runs."""
     many = len(sessions) > 1
     for session in sessions:
-        for life in session.lives:
-            name = life.rid if life.index == 1 else f"{life.rid}#{life.index}"
-            life.name = f"{session.index}:{name}" if many else name
+        for inc in session.incarnations:
+            name = inc.rid if inc.index == 1 else f"{inc.rid}#{inc.index}"
+            inc.name = f"{session.index}:{name}" if many else name

@@ -4,10 +4,11 @@ transport whose delivery order the test chooses, and checks for every invariant 
 Import as ``from sim import ...`` from tests (``tests/`` is on ``sys.path`` there).
 """
 
+from .common import EDGES, InvariantViolation, SimConfig, TextModel
 from .controlled_transport import ControlledMailbox, EdgeOutbox
-from .harness import EDGES, InvariantViolation, SimConfig, TextModel, World
 from .machine import LifecycleMachine, make_machine
 from .scripted_worker import ScriptedWorker
+from .world import World
 
 __all__ = [
     "EDGES",

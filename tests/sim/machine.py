@@ -19,7 +19,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from actorllm.messages import SamplingParams
 from actorllm.metrics import EngineMetrics
 
-from .harness import EDGES, PROMPTS, STOP_STRINGS, SimConfig, TextModel, World
+from .common import EDGES, PROMPTS, STOP_STRINGS, SimConfig, TextModel
+from .world import World
 
 RIDS = ("a", "b", "c")  # few, so rids collide while live and are reused once released
 

@@ -46,9 +46,6 @@ class ScriptedWorker:
         self.outgoing: deque[StepResult] = deque()  # decided, not yet on the wire
         self._wake = trio.Event()
         self.protocol_errors: list[str] = []
-        # A test-only seam (tests/test_planted_bugs.py): keep sampling state for forgotten
-        # rids, so a drained engine still holds something (invariant 4).
-        self.bug_ignore_forget = False
 
     async def run(self) -> None:
         """Receive plans in one task, send results in order from another."""
@@ -67,9 +64,7 @@ class ScriptedWorker:
 
     def on_plan(self, plan: StepPlan) -> None:
         """Apply ``new``/``forget`` as ``actorllm.worker.ModelRunner`` does; queue the step."""
-        last_step = {s.rid for s in plan.seqs if s.new is None}
-        if not self.bug_ignore_forget:
-            self.known.difference_update(r for r in plan.forget if r not in last_step)
+        self._drop(plan, last_step=False)
         for s in plan.seqs:
             if s.new is not None:
                 self.known.add(s.rid)
@@ -78,9 +73,14 @@ class ScriptedWorker:
                 self.protocol_errors.append(
                     f"step {plan.step_id} schedules {s.rid!r} without NewSeqData, "
                     "but the Worker holds no state for it")
-        if not self.bug_ignore_forget:
-            self.known.difference_update(r for r in plan.forget if r in last_step)
+        self._drop(plan, last_step=True)
         self.pending.append(plan)
+
+    def _drop(self, plan: StepPlan, last_step: bool) -> None:
+        """Let go of the rids in ``plan.forget``: before the step those it does not run,
+        after it those it runs one last time (as ModelRunner does)."""
+        runs = {s.rid for s in plan.seqs if s.new is None}
+        self.known.difference_update(r for r in plan.forget if (r in runs) == last_step)
 
     # --- what the test calls (inside the trio run); results leave in call order ---------
 

@@ -1,0 +1,60 @@
+/* Generated from spec/lifecycle.toml by `python -m actorllm.lifecycle
+   --promela > spec/lifecycle_table.pml`: edit the table, not this file.
+   tests/test_spin.py checks that the two agree. */
+
+#define L_NONE 0
+#define L_CREATED 1
+#define L_TOKENIZING 2
+#define L_WAITING 3
+#define L_RUNNING 4
+#define L_PREEMPTED 5
+#define L_FINISHED 6
+#define L_FREED 7
+#define L_RESPONDED 8
+#define L_RELEASED 9
+#define L_GATHERING 10
+#define E_REGISTER 1
+#define E_DISPATCH 2
+#define E_FAN_OUT 3
+#define E_GATHER 4
+#define E_REJECT 5
+#define E_ENQUEUE 6
+#define E_SCHEDULE 7
+#define E_PREEMPT 8
+#define E_FINISH 9
+#define E_ABORT 10
+#define E_FAIL 11
+#define E_LOSE 12
+#define E_FREE 13
+#define E_RESPOND 14
+#define E_FORGET 15
+
+#ifdef CHECK_TABLE
+byte ls[NR];           /* each rid's state in the table (L_*) */
+
+inline fire(r, e) {
+    if
+    :: e == E_REGISTER && (ls[r] == L_NONE || ls[r] == L_RELEASED) -> ls[r] = L_CREATED
+    :: e == E_DISPATCH && (ls[r] == L_CREATED) -> ls[r] = L_TOKENIZING
+    :: e == E_FAN_OUT && (ls[r] == L_CREATED) -> ls[r] = L_GATHERING
+    :: e == E_GATHER && (ls[r] == L_GATHERING) -> ls[r] = L_RELEASED
+    :: e == E_REJECT && (ls[r] == L_TOKENIZING) -> ls[r] = L_FREED
+    :: e == E_ENQUEUE && (ls[r] == L_TOKENIZING) -> ls[r] = L_WAITING
+    :: e == E_SCHEDULE && (ls[r] == L_WAITING || ls[r] == L_PREEMPTED) -> ls[r] = L_RUNNING
+    :: e == E_PREEMPT && (ls[r] == L_RUNNING) -> ls[r] = L_PREEMPTED
+    :: e == E_FINISH && (ls[r] == L_RUNNING || ls[r] == L_PREEMPTED) -> ls[r] = L_FINISHED
+    :: e == E_ABORT && (ls[r] == L_WAITING || ls[r] == L_RUNNING || ls[r] == L_PREEMPTED) -> ls[r] = L_FINISHED
+    :: e == E_FAIL && (ls[r] == L_WAITING || ls[r] == L_RUNNING || ls[r] == L_PREEMPTED) -> ls[r] = L_FINISHED
+    :: e == E_LOSE && (ls[r] == L_TOKENIZING || ls[r] == L_WAITING || ls[r] == L_RUNNING || ls[r] == L_PREEMPTED || ls[r] == L_FINISHED) -> ls[r] = L_FREED
+    :: e == E_LOSE && (ls[r] == L_RESPONDED) -> ls[r] = L_RELEASED
+    :: e == E_FREE && (ls[r] == L_FINISHED) -> ls[r] = L_FREED
+    :: e == E_FREE && (ls[r] == L_RESPONDED) -> ls[r] = L_RELEASED
+    :: e == E_RESPOND && (ls[r] == L_FINISHED) -> ls[r] = L_RESPONDED
+    :: e == E_RESPOND && (ls[r] == L_FREED) -> ls[r] = L_RELEASED
+    :: e == E_FORGET && (ls[r] == L_RELEASED) -> ls[r] = L_RELEASED
+    :: else -> assert(false)  /* the table has no row for this move */
+    fi
+}
+#else
+inline fire(r, e) { skip }  /* without the check the model is unchanged */
+#endif

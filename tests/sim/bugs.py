@@ -1,0 +1,122 @@
+"""Planted bugs: deliberately wrong variants of the actors, for tests that must fail.
+
+Production modules carry no switches for these. Each bug is a mixin that overrides one
+hook of the real actor (``Frontend._check_unique``, ``Scheduler._fenced``, ...); the
+simulation (``SimConfig.bugs``) builds each actor from its class plus the mixins named
+for it, so the rest of the actor is the real code. tests/test_planted_bugs.py shows that
+the harness catches each; the names are ``"<actor>.bug_<what>"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actorllm.detokenizer import DecodeState, Detokenizer
+from actorllm.frontend import Frontend, RequestState
+from actorllm.messages import StepPlan, TokenizeRequest
+from actorllm.outputs import Merged, OutputCollector
+from actorllm.scheduler import Scheduler
+from actorllm.sequence import Sequence
+
+from .scripted_worker import ScriptedWorker
+
+
+class RegisterAfterDispatch(Frontend):
+    """Invariant 1: the TokenizeRequest leaves before the rid is registered."""
+
+    def _register_leaves(self, leaves: list[tuple[str, int]], collector: OutputCollector,
+                         parent: str | None, now: float) -> None:
+        self._late = {rid: (index, collector, parent, now) for rid, index in leaves}
+
+    async def _dispatch(self, rid: str, msg: TokenizeRequest) -> None:
+        await self.tokenizer.send(msg)
+        self._register(rid, *self._late.pop(rid))
+        self.ledger.fire(rid, "dispatch")
+
+
+class ReuseLiveRid(Frontend):
+    """Invariant 2: a rid accepted while it is still live."""
+
+    def _check_unique(self, rids: list[str]) -> None:
+        pass
+
+
+class SkipChildAbort(Frontend):
+    """Invariant 5: aborting a n>1 parent reaches only its first live child."""
+
+    def _abort_targets(self, st: RequestState) -> list[RequestState]:
+        return super()._abort_targets(st)[:1]
+
+
+class EndParentEarly(Frontend):
+    """Invariant 6: a n>1 parent gathered when its first child is released."""
+
+    def _gatherable(self, parent: RequestState) -> bool:
+        return True
+
+
+class FreeBeforeFence(Scheduler):
+    """Invariant 3: a finished sequence's blocks freed while a step still reads them."""
+
+    def _fenced(self, seq: Sequence) -> bool:
+        return False
+
+
+class RereportPromptLogprobs(Scheduler):
+    """Invariant 7: a recompute after preemption reports prompt logprobs again."""
+
+    def _reset_for_recompute(self, seq: Sequence) -> None:
+        super()._reset_for_recompute(seq)
+        if seq.prompt_lps_next:
+            seq.prompt_lps_next = 1
+
+
+class EmitAfterStop(Detokenizer):
+    """Invariant 2: text delivered after the stop string matched."""
+
+    def _emitting(self, st: DecodeState) -> bool:
+        return True
+
+
+class IgnoreForget(ScriptedWorker):
+    """Invariant 4: the Worker keeps sampling state for freed rids."""
+
+    def _drop(self, plan: StepPlan, last_step: bool) -> None:
+        pass
+
+
+PLANTED: dict[str, type[Any]] = {
+    "frontend.bug_register_after_dispatch": RegisterAfterDispatch,
+    "frontend.bug_reuse_live_rid": ReuseLiveRid,
+    "frontend.bug_skip_child_abort": SkipChildAbort,
+    "frontend.bug_end_parent_early": EndParentEarly,
+    "scheduler.bug_free_before_fence": FreeBeforeFence,
+    "scheduler.bug_rereport_prompt_logprobs": RereportPromptLogprobs,
+    "detokenizer.bug_emit_after_stop": EmitAfterStop,
+    "worker.bug_ignore_forget": IgnoreForget,
+}
+
+
+class DroppingMerged(Merged):
+    """collector.bug_drop_merged: merging a delta into pending text loses what was pending."""
+
+    def add(self, out: Any) -> None:
+        if self.text:
+            self.text.clear()
+        super().add(out)
+
+
+# Planted on each OutputCollector as it appears (the harness's _watch_collector), as the
+# fold it merges with.
+COLLECTOR_BUGS: dict[str, type[Merged]] = {"collector.bug_drop_merged": DroppingMerged}
+
+
+def actor_class(actor: str, base: type[Any], bugs: frozenset[str]) -> type[Any]:
+    """``base``, or a class combining it with the bugs planted in ``actor``."""
+    unknown = bugs - PLANTED.keys() - COLLECTOR_BUGS.keys()
+    if unknown:
+        raise ValueError(f"no planted bug {sorted(unknown)}")
+    mixins = [PLANTED[b] for b in sorted(bugs) if b.split(".")[0] == actor]
+    if not mixins:
+        return base
+    return type(f"Buggy{base.__name__}", (*mixins, base), {})

@@ -1,0 +1,125 @@
+"""What every part of the simulation shares: its sizes, its vocabulary, the reference
+for invariant 7 (:class:`TextModel`) and the error a violated invariant raises."""
+
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from actorllm.detokenizer import hf_decode_fn
+from actorllm.lifecycle import load_spec
+from actorllm.messages import (
+    AbortRequest,
+    OutputBatch,
+    RequestFailed,
+    SequenceRequest,
+    StepPlan,
+    StepResult,
+    StopMatched,
+    TokenBatch,
+    TokenizeRequest,
+)
+
+SPEC = load_spec()
+TERMINAL = SPEC.terminal_events
+
+# Every edge of the single topology, in the order a drain delivers them.
+EDGES = (
+    "frontend->tokenizer",
+    "tokenizer->frontend",
+    "tokenizer->scheduler",
+    "scheduler->worker",
+    "worker->scheduler",
+    "scheduler->detokenizer",
+    "detokenizer->scheduler",
+    "detokenizer->frontend",
+)
+
+# The scripted Worker's vocabulary: short ASCII pieces of the tiny tokenizer, so decoding is
+# concatenative (see TextModel) and the stop strings below are easy to hit.
+VOCAB_TEXTS = ("a", "b", "t", "he", " ", "!")
+STOP_STRINGS = ("!", "ab", "the", "b b", "hehe")
+PROMPTS = ("Hi", "The river runs", "Hello! How are you?")  # 3, 8 and 11 tokens
+
+
+class InvariantViolation(AssertionError):
+    """A DESIGN.md §3 invariant does not hold. ``invariant`` is its number, as text."""
+
+    def __init__(self, invariant: str, message: str) -> None:
+        self.invariant = invariant
+        title = SPEC.invariants.get(invariant, invariant)
+        super().__init__(f"invariant {invariant} ({title}): {message}")
+
+
+@attrs.frozen
+class SimConfig:
+    """Sizes small enough that preemption, chunked prefill and backpressure all happen."""
+
+    num_blocks: int = 8
+    block_size: int = 4
+    max_num_seqs: int = 3
+    max_num_batched_tokens: int = 8
+    max_model_len: int = 16
+    capacity: int = 3  # every inbox but the Worker's
+    worker_capacity: int = 2  # as in actorllm.engine
+    roundtrip: bool = True  # send every delivered message through the codec
+    bugs: frozenset[str] = frozenset()  # planted bugs (sim/bugs.py): "frontend.bug_...", ...
+
+# --- text: the reference for invariant 7 ---------------------------------------------------
+
+
+class TextModel:
+    """Decoding as the Detokenizer does it, and the stop-string reference.
+
+    The scripted Worker only emits ``VOCAB_TEXTS`` tokens (and eos), each a complete UTF-8
+    string, so ``decode(ids) == "".join(piece(t) for t in ids)`` (asserted here). That
+    makes the reference simple: a stop string matches at the first token whose piece
+    completes it, exactly where the incremental matcher sees it.
+    """
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.decode = hf_decode_fn(hf_tokenizer)
+        self.eos_id: int = hf_tokenizer.eos_token_id
+        by_text: dict[str, int] = {}
+        for tid in range(len(hf_tokenizer)):
+            by_text.setdefault(self.decode([tid], True), tid)
+        self.vocab = tuple(by_text[t] for t in VOCAB_TEXTS)
+        self._piece = {t: self.decode([t], True) for t in (*self.vocab, self.eos_id)}
+        for a in self._piece:
+            for b in self._piece:
+                assert self.decode([a, b], True) == self._piece[a] + self._piece[b], (a, b)
+
+    def piece(self, tid: int) -> str:
+        return self._piece.get(tid) if tid in self._piece else self.decode([tid], True)
+
+    def reference(self, ids: Sequence[int], stops: Sequence[str],
+                  include: bool) -> tuple[int | None, str, str | None]:
+        """(tokens up to the stop match or None, the text a client must read, the stop)."""
+        buf = ""
+        for k, tid in enumerate(ids, 1):
+            buf += self.piece(tid)
+            hits = [(i, s) for s in stops if (i := buf.find(s)) >= 0]
+            if hits:
+                # The one complete first, then the one begun first (as the Detokenizer).
+                i, stop = min(hits, key=lambda h: (h[0] + len(h[1]), h[0]))
+                return k, buf[: i + len(stop)] if include else buf[:i], stop
+        return None, buf, None
+
+
+def message_rids(msg: Any) -> list[str]:
+    """Every rid a message concerns."""
+    if isinstance(msg, TokenizeRequest | AbortRequest | SequenceRequest | RequestFailed
+                  | StopMatched):
+        return [msg.rid]
+    if isinstance(msg, StepPlan):
+        return [s.rid for s in msg.seqs] + list(msg.forget)
+    if isinstance(msg, StepResult):
+        return [t.rid for t in msg.tokens]
+    if isinstance(msg, TokenBatch):
+        return [o.rid for o in msg.outputs] + list(msg.freed)
+    if isinstance(msg, OutputBatch):
+        return [d.rid for d in msg.deltas] + [f.rid for f in msg.finished] + list(msg.freed)
+    return []

@@ -1,0 +1,198 @@
+"""The World's hooks: what it sees of messages, of the Scheduler and of each client's
+collector as they happen (inside trio: they record violations, never raise)."""
+
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+import trio.testing
+
+from actorllm.lifecycle import State
+from actorllm.messages import (
+    AbortRequest,
+    StepPlan,
+    StepResult,
+    StopMatched,
+)
+from actorllm.outputs import EndOfOutput, RequestError
+
+from .bugs import COLLECTOR_BUGS
+from .common import InvariantViolation, SimConfig, TextModel, message_rids
+from .recorder import Client, Recorder
+
+
+class Watches:
+    """Mixed into :class:`~sim.world.World`."""
+
+    # Set by World.__init__.
+    config: SimConfig
+    text: TextModel
+    hf_tokenizer: Any
+    rec: Recorder
+    clients: list[Client]
+    violations: list[InvariantViolation]
+    outstanding: dict[int, StepPlan]
+    recompute_skipped_reported: bool
+    frontend: Any
+    scheduler: Any
+    _sched_tag: Any
+
+    def report(self, invariant: str, message: str) -> None:
+        raise NotImplementedError
+
+    # --- hooks (run inside trio: record, never raise) ----------------------------------------
+
+    def _on_send(self, edge: str, msg: Any) -> Any:
+        """A message leaves its sender (it may still wait for room before its wire)."""
+        rids = message_rids(msg)
+        for rid in rids:
+            if rid not in self.rec.current:
+                self.report("1", f"{type(msg).__name__} for {rid!r} was sent on {edge} before "
+                            "the Frontend registered it")
+        if edge == "frontend->tokenizer":
+            fe = self.frontend
+            if msg.rid not in fe.registry or msg.rid not in fe.ledger.views:
+                self.report("1", f"the Frontend sent {type(msg).__name__} for {msg.rid!r} "
+                            "while its registry does not hold it")
+            elif isinstance(msg, AbortRequest):
+                self.rec.current[msg.rid].aborts_sent += 1
+        elif edge == "scheduler->worker":
+            self.outstanding[msg.step_id] = msg
+            # A recompute asking only for prompt positions not reported before preemption.
+            self.recompute_skipped_reported = self.recompute_skipped_reported or any(
+                s.prompt_logprobs_from is not None and s.prompt_logprobs_from > s.start_pos + 1
+                for s in msg.seqs)
+        elif edge == "scheduler->detokenizer":
+            for out in msg.outputs:
+                if out.rid in self.rec.current:
+                    self.rec.current[out.rid].committed.extend(out.token_ids)
+        return self.rec.current.get(rids[0]) if len(rids) == 1 else None
+
+    def _on_recv(self, box: str, msg: Any, tag: Any) -> None:
+        if box == "scheduler":
+            self._sched_tag = tag
+
+    def _watch_scheduler(self) -> None:
+        """Wrap the Scheduler's ``handle`` and its pool's ``free`` (invariants 3 and 5)."""
+        s = self.scheduler
+        handle, free = s.handle, s.pool.free
+
+        def checked_handle(msg: Any) -> None:
+            why = None  # set: the message must leave the Scheduler exactly as it was
+            if isinstance(msg, StepResult):
+                if self.outstanding.pop(msg.step_id, None) is None:
+                    why = f"a stale or duplicated result of step {msg.step_id}"
+            elif isinstance(msg, AbortRequest | StopMatched):
+                seq = s.seqs.get(msg.rid)
+                if seq is None or seq.status is State.FINISHED:
+                    why = f"{type(msg).__name__} for {msg.rid!r}, which has already finished"
+                elif isinstance(msg, StopMatched) and self._sched_tag is not self.rec.current.get(
+                        msg.rid):
+                    why = (f"StopMatched({msg.rid!r}, {msg.stop!r}) sent for an earlier request "
+                           f"with this rid, arriving while {self.rec.current[msg.rid].describe()}"
+                           " is live")
+            before = self._scheduler_snapshot() if why else None
+            handle(msg)
+            if why and self._scheduler_snapshot() != before:
+                self.report("5", f"{why} changed the Scheduler's state")
+
+        def checked_free(blocks: list[int]) -> None:
+            for b in blocks:
+                for step, plan in self.outstanding.items():
+                    for seq in plan.seqs:
+                        if b in seq.block_table:
+                            self.report("3", f"block {b} freed while step {step} (which "
+                                        f"uses it for {seq.rid!r}) is in flight")
+            free(blocks)
+
+        s.handle = checked_handle  # type: ignore[method-assign]
+        s.pool.free = checked_free  # type: ignore[method-assign]
+
+    def _scheduler_snapshot(self) -> tuple[object, ...]:
+        s = self.scheduler
+        seqs = tuple(sorted((q.rid, q.status, tuple(q.output_ids), tuple(q.block_table),
+                             q.num_computed, q.in_flight) for q in s.seqs.values()))
+        return (seqs, tuple(q.rid for q in s.waiting), tuple(q.rid for q in s.running),
+                tuple(q.rid for q in s.fenced), frozenset(s.pool._used),
+                s.in_flight.step_id if s.in_flight else None, tuple(s.worker_drops),
+                tuple(s._outputs), tuple(s._freed))
+
+    # --- clients ------------------------------------------------------------------------------
+
+    def _link_clients(self) -> None:
+        """Find each new client's incarnation and collector (both exist before any output)."""
+        for client in self.clients:
+            if client.inc is not None or client.expect_duplicate:
+                continue
+            inc = self.rec.current.get(client.rid)
+            st = self.frontend.registry.get(client.rid)
+            if inc is None or inc.events[0][0] < client.mark or st is None:
+                continue
+            client.inc = inc
+            client.collector = st.collector
+            self._watch_collector(client)
+
+    def _watch_collector(self, client: Client) -> None:
+        """Invariant 2 at the collector: nothing is put into it after its final output."""
+        col = client.collector
+        for bug, fold in COLLECTOR_BUGS.items():
+            if bug in self.config.bugs:
+                col.merged_type = fold
+        put_delta, put_finish, put_error = col.put_delta, col.put_finish, col.put_error
+        done: set[int] = set()
+
+        def delta(index: int, *args: Any) -> None:
+            if index in done:
+                self.report("2", f"{client.rid!r}: output for choice {index} after its finish")
+            put_delta(index, *args)
+
+        def finish(index: int, *args: Any) -> None:
+            if index in done:
+                self.report("2", f"{client.rid!r}: choice {index} finished twice")
+            done.add(index)
+            put_finish(index, *args)
+
+        def error(exc: RequestError) -> None:
+            if len(done) == client.n:
+                self.report("2", f"{client.rid!r}: an error after the final output")
+            put_error(exc)
+
+        col.put_delta, col.put_finish, col.put_error = delta, finish, error
+
+    async def _read(self, client: Client) -> None:
+        """Read everything the collector has now, through its public ``get``.
+
+        ``get`` returns without a checkpoint when there is news, and waits otherwise; an
+        already-cancelled scope turns that wait into "nothing new" at once.
+        """
+        while not client.final:
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                try:
+                    out = await client.collector.get()
+                except RequestError as exc:
+                    client.error = exc
+                    client.final = True
+                    self._check_final(client)
+                    return
+                except EndOfOutput:
+                    self.report("2", f"{client.rid!r}: output ended without a final output")
+                    return
+            if scope.cancelled_caught:
+                return
+            for c in out.outputs:
+                if c.index in client.reason:
+                    self.report("2", f"{client.rid!r}: choice {c.index} output after its finish")
+                client.text.setdefault(c.index, []).append(c.text)
+                client.ids.setdefault(c.index, []).extend(c.token_ids)
+                client.prompt_lps.setdefault(c.index, []).extend(c.prompt_logprobs)
+                if c.finish_reason is not None:
+                    client.reason[c.index] = (c.finish_reason, c.stop_reason)
+                self._check_choice(client, c.index)
+            if out.finished:
+                client.final = True
+                if len(client.reason) != client.n:
+                    self.report("2", f"{client.rid!r}: final output with choices unfinished")
+                self._check_final(client)

@@ -1,0 +1,349 @@
+"""One simulated engine: the real actors wired through controlled mailboxes, and the
+steps a test may take (see tests/sim/harness.py for the theory of operation)."""
+
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+import trio.testing
+
+from actorllm.config import ModelInfo
+from actorllm.detokenizer import Detokenizer
+from actorllm.frontend import DuplicateRequestId, Frontend
+from actorllm.lifecycle import IllegalTransition
+from actorllm.mailbox import MailboxClosed
+from actorllm.messages import (
+    DetokenizerInput,
+    FrontendInput,
+    GenerateRequest,
+    SamplingParams,
+    SchedulerInput,
+    StepPlan,
+    TokenizerInput,
+    WorkerInput,
+)
+from actorllm.metrics import EngineMetrics
+from actorllm.scheduler import Scheduler
+from actorllm.tokenizer import PromptEncoder, Tokenizer
+
+from .bugs import actor_class
+from .checks import Checks
+from .common import EDGES, STOP_STRINGS, InvariantViolation, SimConfig, TextModel
+from .controlled_transport import ControlledMailbox
+from .guest import GuestLoop
+from .recorder import Client, Recorder
+from .scripted_worker import ScriptedWorker
+from .watch import Watches
+
+
+class World(Watches, Checks):
+    """One simulated engine. Each public method is one step the test may take."""
+
+    def __init__(self, hf_tokenizer: Any, text: TextModel, config: SimConfig | None = None,
+                 metrics: EngineMetrics | None = None) -> None:
+        self.config = cfg = config or SimConfig()
+        self.text = text
+        self.hf_tokenizer = hf_tokenizer  # the Tokenizer's, for the prompt logprobs check
+        self.recompute_skipped_reported = False
+        self.violations: list[InvariantViolation] = []
+        self.rec = Recorder(self.report)
+        self.clients: list[Client] = []
+        self.live_client: dict[str, Client] = {}
+        self.outstanding: dict[int, StepPlan] = {}  # steps sent, result not yet received
+        self._sched_tag: Any = None
+        self._running = 0  # harness tasks (submit, abort) not yet finished
+        self._closing = False
+        self._idle = False
+
+        def box(name: str, kind: Any, capacity: int = cfg.capacity) -> ControlledMailbox:
+            b = ControlledMailbox(name, kind, capacity, roundtrip=cfg.roundtrip)
+            b.on_send = self._on_send
+            b.on_recv = self._on_recv
+            return b
+
+        self.boxes = {
+            "tokenizer": box("tokenizer", TokenizerInput),
+            "scheduler": box("scheduler", SchedulerInput),
+            "worker": box("worker", WorkerInput, cfg.worker_capacity),
+            "detokenizer": box("detokenizer", DetokenizerInput),
+            "frontend": box("frontend", FrontendInput),
+        }
+        b = self.boxes
+        def cls(actor: str, base: type[Any]) -> type[Any]:
+            return actor_class(actor, base, cfg.bugs)
+
+        self.frontend = cls("frontend", Frontend)(b["frontend"], b["tokenizer"].edge("frontend"),
+                                 metrics=metrics, tracer=self.rec)  # type: ignore[arg-type]
+        info = ModelInfo(path="sim", vocab_size=len(hf_tokenizer),
+                         max_model_len=cfg.max_model_len, eos_token_ids=(text.eos_id,),
+                         generation_defaults={})
+        self.tokenizer = Tokenizer(PromptEncoder(hf_tokenizer, info), b["tokenizer"],
+                                   b["scheduler"].edge("tokenizer"),
+                                   b["frontend"].edge("tokenizer"),
+                                   tracer=self.rec)  # type: ignore[arg-type]
+        self.scheduler = cls("scheduler", Scheduler)(b["scheduler"], b["worker"].edge("scheduler"),
+                                   b["detokenizer"].edge("scheduler"),
+                                   num_blocks=cfg.num_blocks, block_size=cfg.block_size,
+                                   max_num_seqs=cfg.max_num_seqs,
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                   tracer=self.rec)  # type: ignore[arg-type]
+        self.worker = cls("worker", ScriptedWorker)(b["worker"], b["scheduler"].edge("worker"),
+                                                    text.vocab, text.eos_id)
+        self.detokenizer = cls("detokenizer", Detokenizer)(text.decode, b["detokenizer"],
+                                       b["frontend"].edge("detokenizer"),
+                                       b["scheduler"].edge("detokenizer"))
+        self.actors: dict[str, Any] = {
+            "frontend": self.frontend, "tokenizer": self.tokenizer,
+            "scheduler": self.scheduler, "worker": self.worker,
+            "detokenizer": self.detokenizer,
+        }
+        self._edges = {e: b[e.split("->")[1]] for e in EDGES}
+        self._watch_scheduler()
+        self.loop = GuestLoop(self._main)
+        self.loop.run_until(lambda: self._idle)
+
+    # --- plumbing ---------------------------------------------------------------------------
+
+    async def _main(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self._token = trio.lowlevel.current_trio_token()
+            for name, actor in self.actors.items():
+                nursery.start_soon(actor.run, name=f"actor:{name}")
+            await trio.testing.wait_all_tasks_blocked()
+            self._idle = True
+            await trio.sleep_forever()
+
+    def call(self, action: Callable[[], object]) -> None:
+        """Run ``action()`` inside trio, let everything settle, let clients read."""
+        self._idle = False
+
+        async def command() -> None:
+            action()
+            await trio.testing.wait_all_tasks_blocked()
+            self._link_clients()
+            for client in self.clients:
+                if client.readable():
+                    await self._read(client)
+            self._idle = True
+
+        self._token.run_sync_soon(self._nursery.start_soon, command)
+        try:
+            self.loop.run_until(lambda: self._idle)
+        except Exception as crash:
+            if self.violations:  # what went wrong first, not the crash it led to
+                raise self.violations[0] from crash
+            raise
+
+    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        self._running += 1
+
+        async def task() -> None:
+            try:
+                await fn(*args)
+            except MailboxClosed:
+                if not self._closing:
+                    raise
+            finally:
+                self._running -= 1
+
+        self._nursery.start_soon(task)
+
+    def close(self, reraise: bool = True) -> None:
+        """Stop every task and end the trio run; ``reraise``: report an actor's crash.
+
+        The Frontend's sends are shielded (a registered request is always dispatched), so
+        cancelling is not enough: closing the mailboxes fails the sends that still wait.
+        """
+
+        def stop() -> None:
+            self._closing = True
+            self._nursery.cancel_scope.cancel()  # first: the unshielded waiters get Cancelled
+            for box in self.boxes.values():
+                box.close()
+
+        if self.loop.result is None:
+            self._token.run_sync_soon(stop)
+        try:
+            self.loop.finish()
+        except BaseException:
+            if reraise:
+                raise
+
+    def report(self, invariant: str, message: str) -> None:
+        self.violations.append(InvariantViolation(invariant, message))
+
+    # --- what the test does -----------------------------------------------------------------
+
+    def submit(self, rid: str, params: SamplingParams, prompt: str, stream: bool) -> Client:
+        """An API caller submits a request (the call may wait on backpressure)."""
+        client = Client(rid, params, stream, self.rec.count)
+        client.prompt_ids = list(self.hf_tokenizer(prompt).input_ids)
+        self.clients.append(client)
+        req = GenerateRequest(rid, params, prompt=prompt)
+        self.call(lambda: self._spawn(self._submit, client, req))
+        return client
+
+    async def _submit(self, client: Client, req: GenerateRequest) -> None:
+        rids = [req.rid] + [f"{req.rid}-{i}" for i in range(req.params.n if req.params.n > 1
+                                                            else 0)]
+        client.expect_duplicate = any(self.rec.live(r) for r in rids)
+        if not client.expect_duplicate:
+            self.live_client[req.rid] = client
+        try:
+            client.collector = await self.frontend.submit(req)
+        except DuplicateRequestId:
+            client.outcome = "duplicate"
+        except IllegalTransition as exc:  # the ledger refusing what the Frontend let through
+            client.outcome = f"raised {exc!r}"
+        else:
+            client.outcome = "accepted"
+        client.submit_returned = True
+        if client.expect_duplicate and client.outcome != "duplicate":
+            self.report("2", f"{req.rid!r} was live, yet submit {client.outcome}: a live rid "
+                        "must be refused with DuplicateRequestId")
+        elif not client.expect_duplicate and client.outcome != "accepted":
+            self.report("4", f"{req.rid!r} was released, yet submit {client.outcome}")
+
+    def abort(self, rid: str) -> None:
+        """An API caller aborts ``rid`` (idempotent; a no-op after it ended)."""
+        self.call(lambda: self._spawn(self._abort, rid))
+
+    async def _abort(self, rid: str) -> None:
+        client = self.live_client.get(rid)
+        mark: list[int | None] = [self.rec.count, None]
+        if client is not None:
+            client.abort_marks.append(mark)
+        await self.frontend.abort(rid)
+        mark[1] = self.rec.count
+        if client is not None:
+            self._check_abort_reached(client, mark, drained=False)
+
+    def disconnect(self, rid: str) -> None:
+        """The client goes away: it stops reading and, like ``AsyncEngine.generate``, aborts
+        the request if its final output has not arrived."""
+        client = self.live_client.get(rid)
+        if client is None or client.disconnected:
+            return
+        client.disconnected = True
+        if client.submit_returned and client.collector is not None \
+                and not client.collector.finished:
+            self.abort(rid)
+
+    def set_paused(self, rid: str, paused: bool) -> None:
+        """A slow reader stops (or resumes) reading; outputs merge in its collector."""
+        client = self.live_client.get(rid)
+        if client is not None:
+            client.paused = paused
+            self.call(lambda: None)
+
+    def pending_edges(self) -> list[str]:
+        return [e for e in EDGES if self._edges[e].wires.get(e)]
+
+    def deliver(self, edge: str) -> None:
+        """Deliver the oldest message waiting on ``edge``."""
+        self.call(lambda: self._edges[edge].deliver(edge))
+
+    def pump(self, hold: frozenset[str] = frozenset(), limit: int = 64) -> None:
+        """Deliver one message at a time, edge by edge, until only held edges have any."""
+        for _ in range(limit):
+            edges = [e for e in self.pending_edges() if e not in hold]
+            if not edges:
+                return
+            self.deliver(edges[0])
+
+    def complete_step(self, salt: int = 0, eos_mask: int = 0) -> None:
+        self.call(lambda: self.worker.answer(salt, eos_mask))
+
+    def fail_step(self) -> None:
+        self.call(self.worker.fail)
+
+    def duplicate_result(self) -> None:
+        self.call(self.worker.duplicate)
+
+    def late_result(self, back: int) -> None:
+        self.call(lambda: self.worker.late(back))
+
+    # --- drain --------------------------------------------------------------------------------
+
+    def quiet(self) -> bool:
+        return not (self._running or self.worker.pending or self.worker.outgoing
+                    or any(b.depth for b in self.boxes.values()))
+
+    def drain(self, max_rounds: int = 2000) -> None:
+        """Resume every reader, then deliver everything and answer every step until nothing
+        moves; then check invariant 4. (A step takes a few rounds to travel the whole loop,
+        and a tight pool can make a few dozen requests take a few hundred steps.)"""
+        for client in self.clients:
+            client.paused = False
+
+        def round_() -> None:
+            for edge in EDGES:
+                for _ in range(len(self._edges[edge].wires[edge])):
+                    self._edges[edge].deliver(edge)
+            while self.worker.pending:
+                self.worker.answer()
+
+        for _ in range(max_rounds):
+            self.check()
+            if self.quiet():
+                break
+            self.call(round_)
+        if not self.quiet():
+            self.report("4", f"no drain after {max_rounds} rounds: {self.drain_problems()}")
+        self.call(lambda: None)  # the readers resumed above read what is left
+        self.check()
+        problems = self.drain_problems()
+        if problems:
+            self.report("4", "after drain: " + "; ".join(problems))
+        for inc in self.rec.all:
+            if not inc.ended:
+                self.report("4", f"history never ended: {inc.describe()}")
+        for client in self.clients:
+            if client.outcome == "accepted" and not client.disconnected and not client.final:
+                self.report("2", f"client of {client.rid!r} never got a final output")
+            for mark in client.abort_marks:
+                self._check_abort_reached(client, mark, drained=True)
+            if client.n > 1 and client.inc is not None:
+                self._check_siblings_aborted(client)
+        self.check()
+
+    def coverage(self) -> list[str]:
+        """Which corners this run reached (for hypothesis' statistics)."""
+        s, events = self.scheduler, [e for inc in self.rec.all for _, _, e in inc.events]
+        reached = {
+            "preempted": s.num_preemptions > 0,
+            "late or duplicate result dropped": s.late_results_dropped > 0,
+            "stop string matched": any(r[1] in STOP_STRINGS for c in self.clients
+                                       for r in c.reason.values()),
+            "rejected": "reject" in events,
+            "step failed": "fail" in events,
+            "aborted": "abort" in events,
+            "n>1 gathered": "gather" in events,
+            "rid reused": any(inc.number for inc in self.rec.all),
+            "backpressure": any(b.high_water >= b.capacity for b in self.boxes.values()),
+            "prompt logprobs read": any(
+                c.params.prompt_logprobs is not None and r[0] != "abort"
+                for c in self.clients for r in c.reason.values()),
+            "prompt scored only": any(c.params.max_tokens == 0 and r[0] == "length"
+                                      for c in self.clients for r in c.reason.values()),
+            "recompute owed prompt logprobs": self.recompute_skipped_reported,
+        }
+        return [name for name, hit in reached.items() if hit]
+
+    def drain_problems(self) -> list[str]:
+        s = self.scheduler
+        problems: list[str] = []
+        for actor in self.actors.values():
+            problems += actor.drain_problems()
+        if s.waiting or s.running or s.fenced or s.worker_drops:
+            problems.append(f"scheduler queues: waiting={[q.rid for q in s.waiting]} "
+                            f"running={[q.rid for q in s.running]} fenced={len(s.fenced)} "
+                            f"worker_drops={s.worker_drops}")
+        problems += [f"mailbox {b!r} holds {b.depth}" for b in self.boxes.values() if b.depth]
+        if self._running:
+            problems.append(f"{self._running} API calls still waiting")
+        return problems
