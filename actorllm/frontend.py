@@ -34,7 +34,6 @@ from actorllm.messages import (
     RequestFinished,
     SchedulerStats,
     TextDelta,
-    TokenizeRequest,
     TokenizerInput,
 )
 from actorllm.metrics import EngineMetrics
@@ -63,7 +62,7 @@ class RequestState:
     first_token: float | None = None
     last_token: float | None = None
     num_output_tokens: int = 0
-    dispatched: bool = False  # its TokenizeRequest has left (an abort may follow it now)
+    dispatched: bool = False  # its request has left for the Tokenizer (an abort may follow it now)
     abort_sent: bool = False  # an AbortRequest was sent or is owed right after dispatch
 
     @property
@@ -126,8 +125,7 @@ class Frontend:
         # is cancelled while the Tokenizer's mailbox is full; otherwise it would leak.
         with trio.CancelScope(shield=True):
             for rid, params, _ in leaves:
-                msg = TokenizeRequest(rid, params, req.prompt, req.prompt_token_ids,
-                                      req.messages, req.add_generation_prompt, now)
+                msg = attrs.evolve(req, rid=rid, params=params, arrival_time=now)
                 await self._dispatch(rid, msg)
                 st = self.registry.get(rid)
                 if st is None:
@@ -155,7 +153,7 @@ class Frontend:
         self.registry[rid] = RequestState(rid, collector, self.ledger.view(rid), parent=parent,
                                           index=index, arrival=now)
 
-    async def _dispatch(self, rid: str, msg: TokenizeRequest) -> None:
+    async def _dispatch(self, rid: str, msg: GenerateRequest) -> None:
         """Send one registered request to the Tokenizer."""
         self.ledger.fire(rid, "dispatch")
         await self.tokenizer.send(msg)

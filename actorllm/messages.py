@@ -6,7 +6,7 @@ any of them across a process boundary. Mutable, long-lived objects (the
 Frontend's ``RequestState``, the Scheduler's ``Sequence``, the Worker's
 ``ForwardBatch``) live in the module of their owner and never travel.
 
-    API layer --GenerateRequest--> Frontend --TokenizeRequest/AbortRequest--> Tokenizer
+    API layer --GenerateRequest--> Frontend --GenerateRequest/AbortRequest--> Tokenizer
     Tokenizer --SequenceRequest/AbortRequest--> Scheduler   (RequestFailed --> Frontend)
     Scheduler --StepPlan--> Worker --StepResult--> Scheduler
     Scheduler --TokenBatch--> Detokenizer --OutputBatch--> Frontend
@@ -114,7 +114,9 @@ class ChatMessage:
 
 @attrs.frozen
 class GenerateRequest:
-    """API layer -> Frontend. Exactly one of prompt, prompt_token_ids, messages is set."""
+    """API layer -> Frontend -> Tokenizer. Exactly one of prompt, prompt_token_ids,
+    messages is set. The Frontend forwards one per leaf: a ``n > 1`` request's children
+    go as ``{rid}-{i}`` with ``n = 1`` and their own seeds."""
 
     rid: str
     params: SamplingParams
@@ -133,17 +135,6 @@ class AbortRequest:
 
 
 # --- Frontend -> Tokenizer -> Scheduler -------------------------------------------
-
-
-@attrs.frozen
-class TokenizeRequest:
-    rid: str
-    params: SamplingParams
-    prompt: str | None = None
-    prompt_token_ids: tuple[int, ...] | None = None
-    messages: tuple[ChatMessage, ...] | None = None
-    add_generation_prompt: bool = True
-    arrival_time: float = 0.0
 
 
 @attrs.frozen
@@ -405,7 +396,7 @@ class Shutdown:
 
 # --- what each actor's inbox accepts --------------------------------------------------
 
-TokenizerInput = Union[TokenizeRequest, AbortRequest]  # noqa: UP007 - used at run time
+TokenizerInput = Union[GenerateRequest, AbortRequest]  # noqa: UP007 - used at run time
 SchedulerInput = Union[SequenceRequest, AbortRequest, StepResult, StopMatched]  # noqa: UP007
 WorkerInput = StepPlan
 DetokenizerInput = TokenBatch
@@ -419,7 +410,6 @@ MESSAGE_TYPES: tuple[type, ...] = (
     ChatMessage,
     GenerateRequest,
     AbortRequest,
-    TokenizeRequest,
     SequenceRequest,
     RequestFailed,
     NewSeqData,

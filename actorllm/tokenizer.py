@@ -1,6 +1,6 @@
 """The Tokenizer actor: turns text or chat messages into validated token ids.
 
-Owns nothing long-lived. Every ``TokenizeRequest`` leaves as exactly one
+Owns nothing long-lived. Every ``GenerateRequest`` leaves as exactly one
 ``SequenceRequest`` (to the Scheduler) or one ``RequestFailed`` (to the Frontend).
 ``AbortRequest`` is forwarded to the Scheduler on the same FIFO edge as the
 requests, so it always arrives after the request it cancels.
@@ -28,11 +28,11 @@ from actorllm.messages import (
     AbortRequest,
     ChatMessage,
     FrontendInput,
+    GenerateRequest,
     InvalidRequest,
     RequestFailed,
     SchedulerInput,
     SequenceRequest,
-    TokenizeRequest,
     TokenizerInput,
 )
 from actorllm.trace import Tracer
@@ -65,7 +65,7 @@ def is_text(value: str) -> bool:
     return True
 
 
-def input_chars(req: TokenizeRequest) -> int:
+def input_chars(req: GenerateRequest) -> int:
     """How much text ``req`` gives the tokenizer (what decides inline or in a thread)."""
     if req.prompt is not None:
         return len(req.prompt)
@@ -79,7 +79,7 @@ class PromptEncoder:
         self.tok = hf_tokenizer
         self.info = info
 
-    def encode(self, req: TokenizeRequest) -> SequenceRequest:
+    def encode(self, req: GenerateRequest) -> SequenceRequest:
         """Validate and tokenize; raises InvalidRequest with a clear message."""
         given = [x is not None for x in (req.prompt, req.prompt_token_ids, req.messages)]
         if sum(given) != 1:

@@ -4,7 +4,7 @@ and their conversion to engine requests (actorllm/server/schemas.py, convert.py)
 Contract: a body that is JSON either becomes ``GenerateRequest``s or is refused with one
 of the typed validation errors the server turns into a 4xx: ``pydantic.ValidationError``
 (the schema) or ``InvalidRequest`` (the values). Nothing else escapes. And what is
-accepted must be able to cross a process boundary intact: its ``TokenizeRequest``
+accepted must be able to cross a process boundary intact: its ``GenerateRequest``
 round-trips through the codec. (Bodies that are not JSON never get this far: FastAPI
 answers them itself.)
 
@@ -23,7 +23,7 @@ from _harness import main
 
 from actorllm import codec
 from actorllm.config import default_model_dir, read_model_info
-from actorllm.messages import GenerateRequest, InvalidRequest, TokenizeRequest
+from actorllm.messages import GenerateRequest, InvalidRequest
 from actorllm.server.convert import chat_messages, completion_prompts, sampling_params
 from actorllm.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -59,9 +59,8 @@ def TestOneInput(data: bytes) -> None:
         except (pydantic.ValidationError, InvalidRequest):
             continue
         for r in reqs:
-            msg = TokenizeRequest(r.rid, r.params, r.prompt, r.prompt_token_ids, r.messages,
-                                  r.add_generation_prompt, r.arrival_time)
-            assert codec.decode(codec.encode(msg)) == msg, msg
+            # What the Frontend forwards to the Tokenizer: the request itself.
+            assert codec.decode(codec.encode(r)) == r, r
 
 
 if __name__ == "__main__":

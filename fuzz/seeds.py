@@ -34,7 +34,6 @@ from actorllm.messages import (
     StopMatched,
     TextDelta,
     TokenBatch,
-    TokenizeRequest,
     TokenLogprob,
     TokenOut,
 )
@@ -55,8 +54,8 @@ def codec_seeds() -> list[bytes]:
     msgs = [
         p, ChatMessage("user", "hi"), AbortRequest("r"),
         GenerateRequest("r", p, messages=(ChatMessage("user", "héllo"),)),
-        TokenizeRequest("r", p, prompt="hello"),
-        TokenizeRequest("r", p, prompt_token_ids=(1, 2, 3)),
+        GenerateRequest("r", p, prompt="hello"),
+        GenerateRequest("r", p, prompt_token_ids=(1, 2, 3)),
         SequenceRequest("r", (0, 5, 6), p, 16, (1,), 2.5),
         RequestFailed("r", "bad", "invalid_request", "max_tokens"),
         StepPlan(3, (ScheduledSeq("r", (5, 6), 0, (0, 1), True,

@@ -47,11 +47,11 @@
  *   BUG_FREE_BEFORE_FENCE        a finished leaf's blocks are freed while a step uses them
  *   BUG_ABORT_BYPASS             aborts go Frontend -> Scheduler directly, off the FIFO edge
  *   BUG_ABORT_BEFORE_DISPATCH    an abort of a registered child is sent before the child's
- *                                own TokenizeRequest was
+ *                                own GenerateRequest was
  *   BUG_LATE_RESULT_COMMIT       a late result's token is committed to a finished leaf
  *   BUG_FORGET_BEFORE_FREE       the Frontend forgets a rid once answered, before the free
  *   BUG_GATHER_EARLY             a n > 1 parent ends when its first child ends
- *   BUG_REGISTER_AFTER_DISPATCH  the Frontend sends TokenizeRequest before registering
+ *   BUG_REGISTER_AFTER_DISPATCH  the Frontend sends GenerateRequest before registering
  *   BUG_LAZY_CHILD_REGISTER      each n > 1 child is registered just before its own
  *                                dispatch, so the parent can gather before its last child
  *                                exists
@@ -132,7 +132,7 @@ bool reg[NR];          /* the rid is live */
 bool resp[NR];         /* the client has its final output (respond) */
 bool freed[NR];        /* the Scheduler freed it, or it never reached the Scheduler */
 bool abort_sent[NR];
-bool dispatched[NR];   /* its TokenizeRequest is queued for the Tokenizer */
+bool dispatched[NR];   /* its GenerateRequest is queued for the Tokenizer */
 
 /* The Scheduler (actorllm/scheduler.py). */
 byte ss[NR];           /* S_* */
@@ -186,7 +186,7 @@ inline submit_leaf(r) {
 #endif
 }
 
-/* The TokenizeRequest of a child registered earlier; then the abort asked for meanwhile,
+/* The GenerateRequest of a child registered earlier; then the abort asked for meanwhile,
    if any, right behind it (an abort must never overtake its request). */
 inline dispatch(r) {
     atomic {

@@ -12,7 +12,6 @@ from actorllm.messages import (
     FrontendInput,
     GenerateRequest,
     SamplingParams,
-    TokenizeRequest,
     TokenizerInput,
     TokenLogprob,
 )
@@ -52,10 +51,10 @@ async def test_abort_during_submit_follows_the_request_it_cancels() -> None:
             got.append(await tok.receive())
             await trio.testing.wait_all_tasks_blocked()
     kinds = [(type(m).__name__, m.rid) for m in got]
-    assert kinds.index(("TokenizeRequest", "p-1")) < kinds.index(("AbortRequest", "p-1"))
-    assert sorted(kinds) == sorted([("TokenizeRequest", "p-0"), ("TokenizeRequest", "p-1"),
+    assert kinds.index(("GenerateRequest", "p-1")) < kinds.index(("AbortRequest", "p-1"))
+    assert sorted(kinds) == sorted([("GenerateRequest", "p-0"), ("GenerateRequest", "p-1"),
                                     ("AbortRequest", "p-0"), ("AbortRequest", "p-1")])
-    assert [m.params.seed for m in got if isinstance(m, TokenizeRequest)] == [5, 6]
+    assert [m.params.seed for m in got if isinstance(m, GenerateRequest)] == [5, 6]
     await front.abort("p")  # idempotent: nothing more is sent
     assert tok.depth == 0
     assert not any(isinstance(m, AbortRequest) and m.rid == "p" for m in got)

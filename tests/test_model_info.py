@@ -27,7 +27,7 @@ from actorllm.config import (
 )
 from actorllm.engine import Resources, open_engine
 from actorllm.llm import collect
-from actorllm.messages import SamplingParams, TokenizeRequest
+from actorllm.messages import GenerateRequest, SamplingParams
 from actorllm.server.convert import sampling_params as http_sampling_params
 from actorllm.server.schemas import ChatCompletionRequest
 from actorllm.tokenizer import PromptEncoder
@@ -150,9 +150,9 @@ def test_the_models_max_new_tokens_is_capped_by_the_context(tmp_path: Path,
     info = read_model_info(model)
     encoder = PromptEncoder(AutoTokenizer.from_pretrained(str(model)), info)
     unset = SamplingParams(max_tokens=None)
-    assert encoder.encode(TokenizeRequest("a", unset, prompt_token_ids=(5,) * 4)).max_tokens == 20
+    assert encoder.encode(GenerateRequest("a", unset, prompt_token_ids=(5,) * 4)).max_tokens == 20
     # 28 tokens leave room for 4: the default shrinks rather than failing the request.
-    assert encoder.encode(TokenizeRequest("b", unset, prompt_token_ids=(5,) * 28)).max_tokens == 4
+    assert encoder.encode(GenerateRequest("b", unset, prompt_token_ids=(5,) * 28)).max_tokens == 4
     given = SamplingParams(max_tokens=10)
     with pytest.raises(Exception, match="maximum context length"):
-        encoder.encode(TokenizeRequest("c", given, prompt_token_ids=(5,) * 28))
+        encoder.encode(GenerateRequest("c", given, prompt_token_ids=(5,) * 28))

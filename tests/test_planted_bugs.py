@@ -8,7 +8,7 @@ tests/test_simulation.py would catch each kind of bug DESIGN.md §3 rules out:
 ==========================================  =====  ==============================================
 bug                                         inv.   the wrong variant
 ==========================================  =====  ==============================================
-frontend.bug_register_after_dispatch        1      TokenizeRequest sent before the rid exists
+frontend.bug_register_after_dispatch        1      GenerateRequest sent before the rid exists
 detokenizer.bug_emit_after_stop             2      text delivered after the stop string matched
 frontend.bug_reuse_live_rid                 2      a rid accepted while it is still live
 scheduler.bug_free_before_fence             3      an aborted sequence's blocks freed while a

@@ -27,7 +27,6 @@ from test_server_app import CONTEXT, Call, app_for
 from actorllm.config import EngineConfig
 from actorllm.engine import AsyncEngine, Resources, open_engine
 from actorllm.messages import GenerateRequest, SamplingParams
-from actorllm.messages import TokenizeRequest as EngineTokenizeRequest
 from actorllm.tokenizer import PromptEncoder
 
 LONE = "\ud800"  # a lone surrogate: valid in JSON and in a Python str, not in UTF-8
@@ -92,8 +91,8 @@ def test_prompt_encoder_refuses_lone_surrogates(resources: Resources) -> None:
     params = SamplingParams(max_tokens=4)
     from actorllm.messages import ChatMessage, InvalidRequest
     for req, param in [
-        (EngineTokenizeRequest("a", params, prompt="ok " + LONE), "prompt"),
-        (EngineTokenizeRequest("b", params, messages=(ChatMessage("user", "fine"),
+        (GenerateRequest("a", params, prompt="ok " + LONE), "prompt"),
+        (GenerateRequest("b", params, messages=(ChatMessage("user", "fine"),
                                                       ChatMessage("user", LONE))),
          "messages[1]"),
     ]:

@@ -179,7 +179,7 @@ def test_garbage_frames_are_rejected_and_counted(frames: list[bytes]) -> None:
 @settings(max_examples=40, deadline=None)
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
                     lambda inner: st.lists(inner, max_size=4), max_leaves=12),
-       st.sampled_from(["AbortRequest", "TokenizeRequest", "StepResult", "Hello", "Nope"]))
+       st.sampled_from(["AbortRequest", "GenerateRequest", "StepResult", "Hello", "Nope"]))
 def test_structured_garbage_is_rejected(fields: Any, name: str) -> None:
     frame = msgpack.packb([codec.VERSION, [name, fields]])
     received, rejected = _push_garbage([frame, frame])

@@ -13,7 +13,7 @@ from typing import Any
 
 from actorllm.detokenizer import DecodeState, Detokenizer
 from actorllm.frontend import Frontend, RequestState
-from actorllm.messages import StepPlan, TokenizeRequest
+from actorllm.messages import GenerateRequest, StepPlan
 from actorllm.outputs import Merged, OutputCollector
 from actorllm.scheduler import Scheduler
 from actorllm.sequence import Sequence
@@ -22,13 +22,13 @@ from .scripted_worker import ScriptedWorker
 
 
 class RegisterAfterDispatch(Frontend):
-    """Invariant 1: the TokenizeRequest leaves before the rid is registered."""
+    """Invariant 1: the GenerateRequest leaves before the rid is registered."""
 
     def _register_leaves(self, leaves: list[tuple[str, int]], collector: OutputCollector,
                          parent: str | None, now: float) -> None:
         self._late = {rid: (index, collector, parent, now) for rid, index in leaves}
 
-    async def _dispatch(self, rid: str, msg: TokenizeRequest) -> None:
+    async def _dispatch(self, rid: str, msg: GenerateRequest) -> None:
         await self.tokenizer.send(msg)
         self._register(rid, *self._late.pop(rid))
         self.ledger.fire(rid, "dispatch")

@@ -13,6 +13,7 @@ from actorllm.detokenizer import hf_decode_fn
 from actorllm.lifecycle import load_spec
 from actorllm.messages import (
     AbortRequest,
+    GenerateRequest,
     OutputBatch,
     RequestFailed,
     SequenceRequest,
@@ -20,7 +21,6 @@ from actorllm.messages import (
     StepResult,
     StopMatched,
     TokenBatch,
-    TokenizeRequest,
 )
 
 SPEC = load_spec()
@@ -111,7 +111,7 @@ class TextModel:
 
 def message_rids(msg: Any) -> list[str]:
     """Every rid a message concerns."""
-    if isinstance(msg, TokenizeRequest | AbortRequest | SequenceRequest | RequestFailed
+    if isinstance(msg, GenerateRequest | AbortRequest | SequenceRequest | RequestFailed
                   | StopMatched):
         return [msg.rid]
     if isinstance(msg, StepPlan):
