@@ -22,7 +22,7 @@ import attrs
 from actorllm.mailbox import Inbox, Outbox
 from actorllm.messages import (
     DetokenizerInput,
-    DetokSpec,
+    DetokSetup,
     FrontendInput,
     OutputBatch,
     RequestFinished,
@@ -113,7 +113,7 @@ class DecodeState:
     decoder: IncrementalDecoder
     matcher: StopMatcher
     num_prompt_tokens: int = 0
-    serial: int = 0
+    incarnation: int = 0
     stopped: str | None = None  # the stop string that matched; output is over
 
 
@@ -145,15 +145,15 @@ class Detokenizer:
                     OutputBatch(tuple(deltas), tuple(finished), batch.freed, batch.stats)
                 )
 
-    def _state(self, rid: str, setup: DetokSpec | None) -> DecodeState:
+    def _state(self, rid: str, setup: DetokSetup | None) -> DecodeState:
         st = self.states.get(rid)
         if st is None:
-            setup = setup or DetokSpec()
+            setup = setup or DetokSetup()
             st = self.states[rid] = DecodeState(
                 IncrementalDecoder(self.decode, setup.skip_special_tokens),
                 StopMatcher(setup.stop, setup.include_stop_str_in_output),
                 setup.num_prompt_tokens,
-                setup.serial,
+                setup.incarnation,
             )
         return st
 
@@ -177,7 +177,7 @@ class Detokenizer:
                 text_parts.append(emit)
                 if stop is not None and st.stopped is None:
                     st.stopped = stop
-                    stops.append(StopMatched(out.rid, stop, st.serial))
+                    stops.append(StopMatched(out.rid, stop, st.incarnation))
                     break
             if not out.token_ids and final:
                 emit, _ = st.matcher.feed(st.decoder.flush(), final=True)

@@ -193,7 +193,7 @@ class StepPlan:
 
     step_id: int
     seqs: tuple[ScheduledSeq, ...]
-    forget: tuple[str, ...] = ()
+    drop: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -235,7 +235,7 @@ class StepResult:
 
 
 @attrs.frozen
-class DetokSpec:
+class DetokSetup:
     """Sent with a rid's first TokenOut: how the Detokenizer must treat its text."""
 
     stop: tuple[str, ...] = ()
@@ -245,7 +245,7 @@ class DetokSpec:
     # Which incarnation of the rid this is (the Scheduler numbers its arrivals): a
     # StopMatched echoes it, so a stop found for an ended request cannot stop a new
     # request that reuses the rid.
-    serial: int = 0
+    incarnation: int = 0
 
 
 @attrs.frozen
@@ -256,7 +256,7 @@ class TokenOut:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
-    spec: DetokSpec | None = None
+    spec: DetokSetup | None = None
     queue_s: float | None = None  # with the finish: arrival to first scheduled
     # Prompt logprobs, in position order; the rid's pieces concatenate to one entry per
     # prompt position, the first (position 0) None. The first piece also carries the
@@ -293,7 +293,7 @@ class StopMatched:
 
     rid: str
     stop: str
-    serial: int = 0  # DetokSpec.serial of the incarnation the stop was found in
+    incarnation: int = 0  # DetokSetup.incarnation of the incarnation the stop was found in
 
 
 @attrs.frozen
@@ -419,7 +419,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     SampledToken,
     PromptLogprobs,
     StepResult,
-    DetokSpec,
+    DetokSetup,
     TokenOut,
     SchedulerStats,
     TokenBatch,

@@ -74,8 +74,8 @@ class Scheduler:
         self.fenced: list[Sequence] = []  # finished, waiting for the step in flight
         self.in_flight: StepPlan | None = None
         self.next_step_id = 0
-        self.next_serial = 0
-        self.worker_drops: list[str] = []  # rids whose Worker state may go (StepPlan.forget)
+        self.next_incarnation = 0
+        self.worker_drops: list[str] = []  # rids whose Worker state may go (StepPlan.drop)
         self._outputs: list[TokenOut] = []
         self._freed: list[str] = []
         self._stats_dirty = False
@@ -138,7 +138,7 @@ class Scheduler:
         elif isinstance(msg, StopMatched):
             seq = self.seqs.get(msg.rid)
             # A stop found for an earlier request under this rid must not end this one.
-            if seq is None or seq.serial != msg.serial or not self.finish_early(
+            if seq is None or seq.incarnation != msg.incarnation or not self.finish_early(
                     msg.rid, "stop", msg.stop):
                 self.late_stops_dropped += 1
         else:  # the mailbox's type check makes this unreachable
@@ -160,9 +160,9 @@ class Scheduler:
             eos_ids=frozenset(req.eos_token_ids),
             view=self.ledger.view(req.rid),
             arrival_time=req.arrival_time,
-            serial=self.next_serial,
+            incarnation=self.next_incarnation,
         )
-        self.next_serial += 1
+        self.next_incarnation += 1
         self.seqs[seq.rid] = seq
         self.waiting.append(seq)
         if self.tracer is not None:
@@ -230,7 +230,7 @@ class Scheduler:
         plan = StepPlan(
             step_id=self.next_step_id,
             seqs=tuple(seq.scheduled(n) for seq, n in planned),
-            forget=tuple(self.worker_drops),
+            drop=tuple(self.worker_drops),
         )
         self.worker_drops = []
         self.next_step_id += 1

@@ -13,7 +13,7 @@ import attrs
 
 from actorllm.lifecycle import State, View, load_spec
 from actorllm.messages import (
-    DetokSpec,
+    DetokSetup,
     NewSeqData,
     PromptLogprobs,
     SamplingParams,
@@ -44,7 +44,7 @@ class Sequence:
     worker_knows: bool = False  # the Worker holds its sampling state
     detok_spec_sent: bool = False
     first_scheduled: float | None = None
-    serial: int = 0  # numbers the rid's incarnations; StopMatched echoes it
+    incarnation: int = 0  # numbers the rid's incarnations; StopMatched echoes it
     # With params.prompt_logprobs: the first prompt position not yet reported (position 0
     # is reported, as None, with the first result). Survives preemption, so a recompute
     # reports only what is still owed and no position is reported twice.
@@ -166,11 +166,11 @@ class Sequence:
                             spec=token.spec or out.spec, prompt_logprobs=token.prompt_logprobs,
                             prompt_token_ids=token.prompt_token_ids)
 
-    def detok_spec_once(self) -> DetokSpec | None:
+    def detok_spec_once(self) -> DetokSetup | None:
         """What the Detokenizer needs for this rid, on its first output only."""
         if self.detok_spec_sent:
             return None
         self.detok_spec_sent = True
         p = self.params
-        return DetokSpec(p.stop, p.include_stop_str_in_output, p.skip_special_tokens,
-                         len(self.prompt_ids), self.serial)
+        return DetokSetup(p.stop, p.include_stop_str_in_output, p.skip_special_tokens,
+                         len(self.prompt_ids), self.incarnation)

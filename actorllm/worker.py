@@ -123,7 +123,7 @@ class ModelRunner:
         full_seqs = _CPU_KV_FULL_SEQS * math.ceil(self.max_model_len / self.block_size)
         return min(_CPU_KV_BYTES // block_bytes, full_seqs)
 
-    def forget_all(self) -> None:
+    def drop_all(self) -> None:
         """Drop every rid's sampling state (a new Scheduler starts from nothing)."""
         self._states.clear()
 
@@ -146,10 +146,10 @@ class ModelRunner:
 
     def _execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
-        # A rid both forgotten and scheduled without `new` is running its last step: forget
-        # it afterwards. Every other forget (incl. one re-sent with `new`) happens first.
+        # A rid both dropped and scheduled without `new` is running its last step: drop it
+        # afterwards. Every other drop (incl. one re-sent with `new`) happens first.
         last_step = {s.rid for s in plan.seqs if s.new is None}
-        for rid in plan.forget:
+        for rid in plan.drop:
             if rid not in last_step:
                 self._states.pop(rid, None)
         for seq in plan.seqs:
@@ -185,7 +185,7 @@ class ModelRunner:
                 for s, (token_id, logprob) in zip(sampled, results, strict=True)
             )
             sample_s = time.perf_counter() - t1
-        for rid in plan.forget:
+        for rid in plan.drop:
             if rid in last_step:
                 self._states.pop(rid, None)
         forward_s = time.perf_counter() - t0 - sample_s
@@ -277,7 +277,7 @@ class Worker:
         """Serve plans until the inbox closes; the forward pass runs in a worker thread."""
         # A runner may outlive an engine (LLM reuses its weights): a new Scheduler knows
         # nothing of rids an earlier one left behind, so neither may we.
-        self.runner.forget_all()
+        self.runner.drop_all()
         async for plan in self.inbox:
             result = await trio.to_thread.run_sync(self.runner.execute, plan)
             await self.results.send(result)

@@ -26,7 +26,7 @@ from _harness import main
 
 from actorllm.config import default_model_dir
 from actorllm.detokenizer import Detokenizer, hf_decode_fn
-from actorllm.messages import DetokSpec, RequestFinished, StopMatched, TextDelta, TokenOut
+from actorllm.messages import DetokSetup, RequestFinished, StopMatched, TextDelta, TokenOut
 
 NAME = "detokenizer"
 _TOKENIZER = tokenizers.Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))
@@ -73,7 +73,7 @@ def TestOneInput(data: bytes) -> None:
     while r.more():
         ids.append(r.token())
     detok = Detokenizer(DECODE, None, None, None)  # type: ignore[arg-type]  # no mailboxes
-    spec = DetokSpec(stops, include, skip, 0)
+    spec = DetokSetup(stops, include, skip, 0)
     deltas: list[TextDelta] = []
     finished: list[RequestFinished] = []
     matched: list[StopMatched] = []

@@ -17,7 +17,7 @@ from actorllm.lifecycle import ACTORS, load_spec
 from actorllm.messages import (
     AbortRequest,
     ChatMessage,
-    DetokSpec,
+    DetokSetup,
     GenerateRequest,
     NewSeqData,
     OutputBatch,
@@ -62,7 +62,7 @@ def codec_seeds() -> list[bytes]:
                                   NewSeqData(p, (5, 6), (7,))),), ("old",)),
         StepResult(3, (SampledToken("r", 9, lp),), None, 0.01, 0.002),
         StepResult(4, error="boom"),
-        TokenBatch((TokenOut("r", (9,), (lp,), "stop", "a", None, DetokSpec(("a",))),),
+        TokenBatch((TokenOut("r", (9,), (lp,), "stop", "a", None, DetokSetup(("a",))),),
                    ("r",), SchedulerStats(1, 2, 3, 4)),
         StopMatched("r", "a"),
         OutputBatch((TextDelta("r", "x", (9,), (lp,)),),

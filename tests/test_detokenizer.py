@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from actorllm.detokenizer import Detokenizer, IncrementalDecoder, StopMatcher, hf_decode_fn
 from actorllm.mailbox import Mailbox
 from actorllm.messages import (
-    DetokSpec,
+    DetokSetup,
     FrontendInput,
     OutputBatch,
     SchedulerInput,
@@ -109,7 +109,7 @@ async def test_actor_stops_across_token_boundaries_and_reports_to_scheduler(
 ) -> None:
     text = "the cat sat on the mat and then"
     ids = tiny_tokenizer(text, add_special_tokens=False).input_ids
-    spec = DetokSpec(stop=("on the",), num_prompt_tokens=3)
+    spec = DetokSetup(stop=("on the",), num_prompt_tokens=3)
     outs = [TokenOut("r", (t,), spec=spec if i == 0 else None) for i, t in enumerate(ids)]
     outs.append(TokenOut("r", (), finish_reason="stop", stop_reason="on the"))
     batches, stops = await run_detok(tiny_tokenizer, outs)

@@ -216,11 +216,11 @@ def test_runner_reports_the_prompt_positions_each_chunk_asks_for(
     again = runner.execute(StepPlan(3, (ScheduledSeq("a", (*ids, out), 0, table, True,
                                                      NewSeqData(params, tuple(ids), (out,)),
                                                      prompt_logprobs_from=15),),
-                                    forget=("a",)))
+                                    drop=("a",)))
     (p3,) = again.prompt_logprobs
     assert p3.start == 15 and len(p3.logprobs) == 9
     check_against(p3.logprobs, ids, ref, 3, first=15)
-    runner.execute(StepPlan(4, (), forget=("a",)))
+    runner.execute(StepPlan(4, (), drop=("a",)))
     assert runner.num_states == 0
 
 

@@ -239,7 +239,7 @@ def test_stop_matched_finishes_a_preempted_sequence() -> None:
     victim = next(q for q in s.seqs.values() if q.status == "PREEMPTED")
     assert victim.output_ids, "it had made tokens before it was preempted"
     s.take_batch()
-    s.handle(StopMatched(victim.rid, "xy", victim.serial))
+    s.handle(StopMatched(victim.rid, "xy", victim.incarnation))
     batch = s.take_batch()
     assert [(o.rid, o.finish_reason, o.stop_reason) for o in batch.outputs] == [
         (victim.rid, "stop", "xy")]
@@ -254,16 +254,16 @@ def test_stop_matched_for_an_ended_request_spares_a_new_one_with_its_rid() -> No
     first = s.take_batch()
     assert first is not None and first.outputs[-1].finish_reason == "length"
     assert first.outputs[-1].spec is not None
-    old_serial = first.outputs[-1].spec.serial
+    old_incarnation = first.outputs[-1].spec.incarnation
     run_to_end(s)  # ... and is freed
     s.handle(request("a", 2, max_tokens=10))  # a new request reuses the rid
     s.handle(answer(s.schedule()))
     s.take_batch()
     # ... while a stop the Detokenizer found in the old one's last token arrives late.
-    s.handle(StopMatched("a", "xy", old_serial))
+    s.handle(StopMatched("a", "xy", old_incarnation))
     assert s.take_batch().outputs == ()
     assert s.seqs["a"].status == "RUNNING" and s.late_stops_dropped == 1
-    s.handle(StopMatched("a", "xy", s.seqs["a"].serial))  # its own stop still works
+    s.handle(StopMatched("a", "xy", s.seqs["a"].incarnation))  # its own stop still works
     assert [o.finish_reason for o in s.take_batch().outputs] == ["stop"]
 
 
@@ -283,7 +283,7 @@ def test_freed_rids_reach_the_worker_as_forget() -> None:
     s.handle(request("a", 2, max_tokens=1))
     s.handle(answer(s.schedule()))
     plan = s.schedule()  # nothing to run, but the Worker must let go of "a"
-    assert plan is not None and plan.seqs == () and plan.forget == ("a",)
+    assert plan is not None and plan.seqs == () and plan.drop == ("a",)
     s.handle(StepResult(plan.step_id))
     assert s.schedule() is None
 

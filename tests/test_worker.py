@@ -45,9 +45,9 @@ class Script:
             table.append(self.free.pop())
         return ScheduledSeq(rid, tuple(tokens), start, tuple(table), sample, new)
 
-    def step(self, *seqs: ScheduledSeq, forget: tuple[str, ...] = ()) -> StepResult:
+    def step(self, *seqs: ScheduledSeq, drop: tuple[str, ...] = ()) -> StepResult:
         self.step_id += 1
-        result = self.runner.execute(StepPlan(self.step_id, seqs, forget))
+        result = self.runner.execute(StepPlan(self.step_id, seqs, drop))
         assert result.error is None, result.error
         return result
 
@@ -86,7 +86,7 @@ def test_two_sequences_chunked_prefill_then_decode(runner: ModelRunner, tiny_lla
         assert got[rid] == want[rid][0]
         assert [lp.logprob for lp in lps[rid]] == pytest.approx(want[rid][1], abs=1e-4)
         assert all(lp.top[0][0] == lp.token_id and len(lp.top) == 2 for lp in lps[rid])
-    s.step(forget=("a", "b"))
+    s.step(drop=("a", "b"))
     assert runner.num_states == 0
 
 
@@ -101,7 +101,7 @@ def test_preempted_sequence_resumes_identically(runner: ModelRunner, tiny_llama_
     ids = [t.token_id for t in out]
     # Preempt: blocks and state go; the sequence comes back as a prefill of prompt + output.
     s.release("p")
-    s.step(forget=("p",))
+    s.step(drop=("p",))
     assert runner.num_states == 0
     new = NewSeqData(GREEDY, tuple(prompt), tuple(ids))
     ids.append(s.step(s.seq("p", prompt + ids, 0, True, new)).tokens[0].token_id)
@@ -109,22 +109,22 @@ def test_preempted_sequence_resumes_identically(runner: ModelRunner, tiny_llama_
         pos = len(prompt) + len(ids) - 1
         ids.append(s.step(s.seq("p", [ids[-1]], pos, True, None)).tokens[0].token_id)
     assert ids == want
-    s.step(forget=("p",))
+    s.step(drop=("p",))
 
 
 def test_forget_together_with_the_same_rid(runner: ModelRunner):
     s = Script(runner, seed=2)
     # With `new`: the old state goes first, the new one stays (a preempted rid re-sent).
-    r = s.step(s.seq("x", [0, 1, 2], 0, True, NewSeqData(GREEDY, (0, 1, 2))), forget=("x",))
+    r = s.step(s.seq("x", [0, 1, 2], 0, True, NewSeqData(GREEDY, (0, 1, 2))), drop=("x",))
     assert len(r.tokens) == 1 and runner.num_states == 1
     # Without `new`: this is the rid's last step; it samples, then its state goes.
-    r = s.step(s.seq("x", [r.tokens[0].token_id], 3, True, None), forget=("x",))
+    r = s.step(s.seq("x", [r.tokens[0].token_id], 3, True, None), drop=("x",))
     assert len(r.tokens) == 1 and runner.num_states == 0
 
 
 def test_failing_step_returns_an_error_and_the_runner_goes_on(runner: ModelRunner):
     short_table = ScheduledSeq("bad", tuple(range(10)), 0, (1,), True, NewSeqData(GREEDY, (1,)))
-    result = runner.execute(StepPlan(7, (short_table,), forget=()))
+    result = runner.execute(StepPlan(7, (short_table,), drop=()))
     assert result.step_id == 7 and result.tokens == ()
     assert result.error is not None and "block table" in result.error
     unknown = runner.execute(StepPlan(8, (ScheduledSeq("ghost", (5,), 3, (0,), True),)))
@@ -132,7 +132,7 @@ def test_failing_step_returns_an_error_and_the_runner_goes_on(runner: ModelRunne
     fine = ScheduledSeq("bad", (1, 2), 0, (4,), True, NewSeqData(GREEDY, (1, 2)))
     ok = runner.execute(StepPlan(9, (fine,)))
     assert ok.error is None and len(ok.tokens) == 1
-    runner.execute(StepPlan(10, (), forget=("bad",)))
+    runner.execute(StepPlan(10, (), drop=("bad",)))
     assert runner.num_states == 0
 
 
@@ -159,7 +159,7 @@ def test_worker_actor_runs_plans_from_its_inbox(runner: ModelRunner):
             nursery.start_soon(worker.run)
             seq = ScheduledSeq("w", (0, 7, 8), 0, (3,), True, NewSeqData(GREEDY, (0, 7, 8)))
             await plans.send(StepPlan(1, (seq,)))
-            await plans.send(StepPlan(2, (), forget=("w",)))
+            await plans.send(StepPlan(2, (), drop=("w",)))
             got.append(await results.receive())
             got.append(await results.receive())
             plans.close()  # the worker drains and returns, ending the nursery

@@ -221,10 +221,10 @@ def _apply(sched: Any, line: Line, default_eos: tuple[int, ...],
         sched.handle(AbortRequest(str(d["rid"])))
     elif d.get("msg") == "stop":
         # Only a stop meant for the live incarnation is recorded (a stale one is dropped
-        # before the Scheduler logs it), so it carries that incarnation's serial.
+        # before the Scheduler logs it), so it carries that incarnation's incarnation.
         live = sched.seqs.get(str(d["rid"]))
         sched.handle(StopMatched(str(d["rid"]), str(d.get("stop", "")),
-                                 live.serial if live is not None else -1))
+                                 live.incarnation if live is not None else -1))
     else:
         raise RuntimeError(f"unknown input record {d.get('msg')!r}")
 

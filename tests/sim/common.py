@@ -115,7 +115,7 @@ def message_rids(msg: Any) -> list[str]:
                   | StopMatched):
         return [msg.rid]
     if isinstance(msg, StepPlan):
-        return [s.rid for s in msg.seqs] + list(msg.forget)
+        return [s.rid for s in msg.seqs] + list(msg.drop)
     if isinstance(msg, StepResult):
         return [t.rid for t in msg.tokens]
     if isinstance(msg, TokenBatch):

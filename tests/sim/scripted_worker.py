@@ -77,10 +77,10 @@ class ScriptedWorker:
         self.pending.append(plan)
 
     def _drop(self, plan: StepPlan, last_step: bool) -> None:
-        """Let go of the rids in ``plan.forget``: before the step those it does not run,
+        """Let go of the rids in ``plan.drop``: before the step those it does not run,
         after it those it runs one last time (as ModelRunner does)."""
         runs = {s.rid for s in plan.seqs if s.new is None}
-        self.known.difference_update(r for r in plan.forget if (r in runs) == last_step)
+        self.known.difference_update(r for r in plan.drop if (r in runs) == last_step)
 
     # --- what the test calls (inside the trio run); results leave in call order ---------
 
