@@ -75,7 +75,7 @@ class Sequence:
         Reporting position p's logprob needs the logits of position p - 1, so while prompt
         logprobs are owed only the tokens before ``prompt_lps_next - 1`` may be skipped
         (none before the first report); otherwise all of them. (There is no prefix cache
-        yet: this is the rule it must obey. See docs/design-notes.md.)
+        yet: this is the rule it must obey. See docs/architecture.md.)
         """
         if self.owes_prompt_logprobs:
             return max(self.prompt_lps_next - 1, 0)
