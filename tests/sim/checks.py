@@ -6,33 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from actorllm.messages import (
-    StepPlan,
-)
-
-from .common import InvariantViolation, SimConfig, TextModel
-from .recorder import Client, Incarnation, Recorder
+from .recorder import Client, Incarnation, Recorder, WorldFields
 from .scripted_worker import prompt_score
 
 
-class Checks:
+class Checks(WorldFields):
     """Mixed into :class:`~sim.world.World`."""
-
-    # Set by World.__init__.
-    config: SimConfig
-    text: TextModel
-    hf_tokenizer: Any
-    rec: Recorder
-    clients: list[Client]
-    violations: list[InvariantViolation]
-    outstanding: dict[int, StepPlan]
-    recompute_skipped_reported: bool
-    frontend: Any
-    scheduler: Any
-    _sched_tag: Any
-
-    def report(self, invariant: str, message: str) -> None:
-        raise NotImplementedError
 
     # --- checks ------------------------------------------------------------------------------
 

@@ -10,12 +10,10 @@ from typing import Any
 import attrs
 
 from actorllm.invariants import History, check_gather
-from actorllm.messages import (
-    SamplingParams,
-)
+from actorllm.messages import SamplingParams, StepPlan
 from actorllm.outputs import RequestError
 
-from .common import SPEC, TERMINAL
+from .common import SPEC, TERMINAL, InvariantViolation, SimConfig, TextModel
 
 # --- the merged history ---------------------------------------------------------------------
 
@@ -155,3 +153,22 @@ class Client:
         if self.collector is None or self.final or self.disconnected or self.paused:
             return False
         return self.stream or self.collector.finished
+
+
+class WorldFields:
+    """What the World's mixins (checks, watches) read of it; World.__init__ sets them."""
+
+    config: SimConfig
+    text: TextModel
+    hf_tokenizer: Any
+    rec: Recorder
+    clients: list[Client]
+    violations: list[InvariantViolation]
+    outstanding: dict[int, StepPlan]
+    recompute_skipped_reported: bool
+    frontend: Any
+    scheduler: Any
+    _sched_tag: Any
+
+    def report(self, invariant: str, message: str) -> None:
+        raise NotImplementedError

@@ -12,35 +12,18 @@ import trio.testing
 from actorllm.lifecycle import State
 from actorllm.messages import (
     AbortRequest,
-    StepPlan,
     StepResult,
     StopMatched,
 )
 from actorllm.outputs import EndOfOutput, RequestError
 
 from .bugs import COLLECTOR_BUGS
-from .common import InvariantViolation, SimConfig, TextModel, message_rids
-from .recorder import Client, Recorder
+from .common import message_rids
+from .recorder import Client, WorldFields
 
 
-class Watches:
+class Watches(WorldFields):
     """Mixed into :class:`~sim.world.World`."""
-
-    # Set by World.__init__.
-    config: SimConfig
-    text: TextModel
-    hf_tokenizer: Any
-    rec: Recorder
-    clients: list[Client]
-    violations: list[InvariantViolation]
-    outstanding: dict[int, StepPlan]
-    recompute_skipped_reported: bool
-    frontend: Any
-    scheduler: Any
-    _sched_tag: Any
-
-    def report(self, invariant: str, message: str) -> None:
-        raise NotImplementedError
 
     # --- hooks (run inside trio: record, never raise) ----------------------------------------
 
