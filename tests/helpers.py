@@ -237,6 +237,11 @@ def hf_greedy(
 CONTEXT = 256  # the tiny models' max_position_embeddings
 
 
+def sse_events(body: bytes) -> list[str]:
+    """The ``data:`` payloads of a server-sent-event body, in order (``[DONE]`` included)."""
+    return [e.removeprefix("data: ") for e in body.decode().split("\n\n") if e]
+
+
 class Call:
     """One ASGI request: the body is sent at once; ``disconnect`` makes the client leave."""
 
@@ -282,8 +287,7 @@ class Call:
         return json.loads(b"".join(self.chunks))
 
     def events(self) -> list[Any]:
-        text = b"".join(self.chunks).decode()
-        return [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+        return sse_events(b"".join(self.chunks))
 
 
 def app_for(engine: AsyncEngine, **kw: Any) -> Any:
