@@ -5,11 +5,14 @@
 ``tiny_llama_dir``: Llama, GQA 4/2 heads, head_dim 16, 2 layers, untied embeddings.
 ``tiny_qwen2_dir``: Qwen2, qkv bias, tied embeddings. Both hold the tokenizer files and a
 generation config, so each is a complete model directory. Builders live in ``helpers.py``.
+
+``resources`` (per module) and ``engine`` (per test): the tiny Llama behind a single-topology
+engine; leaving ``engine`` asserts the engine drained (invariant 4) unless the test killed it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,9 @@ from helpers import build_tiny_model, build_tokenizer, hf_greedy
 from hypothesis import settings
 from sim.profiles import register_profiles
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from actorllm.config import EngineConfig
+from actorllm.engine import AsyncEngine, Resources, open_engine
 
 # The tiny models are all per-op overhead: one intra-op thread is ~5x faster than two
 # threads spinning against each other on a busy 2-core box (and right under pytest-xdist).
@@ -64,3 +70,20 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
 def hf_greedy_fn() -> Callable[..., tuple[list[int], list[float]]]:
     """``hf_greedy(model_dir, prompt_ids, max_new_tokens) -> (new_ids, logprobs)``."""
     return hf_greedy
+
+
+@pytest.fixture(scope="module")
+def resources(tiny_llama_dir: Path) -> Resources:
+    """The tiny Llama's loaded weights and tokenizer, shared by the engines of one module."""
+    return Resources(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=128))
+
+
+@pytest.fixture
+async def engine(resources: Resources) -> AsyncIterator[AsyncEngine]:
+    """An engine over ``resources``; on exit it must hold nothing (unless a test killed it)."""
+    async with open_engine(resources.config, resources=resources) as eng:
+        yield eng
+        # A dead engine fails its requests rather than draining them; the tests that
+        # kill it check that themselves.
+        if not eng.died.is_set():
+            assert await eng.wait_drained(5.0) == []

@@ -8,10 +8,15 @@ in session-scoped fixtures; import them directly when a test needs a variant.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import trio
+
+if TYPE_CHECKING:
+    from actorllm.engine import AsyncEngine
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>")
 BOS, EOS = "<|bos|>", "<|eos|>"
@@ -225,3 +230,68 @@ def hf_greedy(
         for step_logits, tid in zip(out.logits, new_ids, strict=True)
     ]
     return new_ids, logprobs
+
+
+# --- raw ASGI calls (the in-process server tests) -----------------------------------------
+
+CONTEXT = 256  # the tiny models' max_position_embeddings
+
+
+def sse_events(body: bytes) -> list[str]:
+    """The ``data:`` payloads of a server-sent-event body, in order (``[DONE]`` included)."""
+    return [e.removeprefix("data: ") for e in body.decode().split("\n\n") if e]
+
+
+class Call:
+    """One ASGI request: the body is sent at once; ``disconnect`` makes the client leave."""
+
+    def __init__(self, path: str, body: Any = None, method: str = "POST",
+                 headers: dict[str, str] | None = None) -> None:
+        self.scope = {
+            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.1"},
+            "http_version": "1.1", "method": method, "scheme": "http", "path": path,
+            "raw_path": path.encode(), "query_string": b"", "root_path": "",
+            "headers": [(b"content-type", b"application/json"),
+                        *((k.lower().encode(), v.encode()) for k, v in (headers or {}).items())],
+            "client": ("127.0.0.1", 1234), "server": ("127.0.0.1", 8000), "state": {},
+        }
+        self.body = b"" if body is None else json.dumps(body).encode()
+        self.sent_body = False
+        self.gone = trio.Event()
+        self.status: int | None = None
+        self.headers: dict[str, str] = {}
+        self.chunks: list[bytes] = []
+        self.done = False
+
+    async def receive(self) -> dict[str, Any]:
+        if not self.sent_body:
+            self.sent_body = True
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self.headers = {k.decode(): v.decode() for k, v in message["headers"]}
+        elif message["type"] == "http.response.body":
+            if message.get("body"):
+                self.chunks.append(message["body"])
+            self.done = not message.get("more_body", False)
+
+    async def run(self, app: Any) -> Call:
+        await app(self.scope, self.receive, self.send)
+        return self
+
+    def json(self) -> Any:
+        return json.loads(b"".join(self.chunks))
+
+    def events(self) -> list[Any]:
+        return sse_events(b"".join(self.chunks))
+
+
+def app_for(engine: AsyncEngine, **kw: Any) -> Any:
+    """The ASGI app over ``engine``, serving the model as ``m``."""
+    from actorllm.server import build_app  # the server stack only for the tests that ask
+
+    return build_app(engine, served_model_name="m", **kw)

@@ -15,7 +15,7 @@ import pytest
 import trio
 from helpers import hf_greedy
 
-from actorllm.config import EngineConfig
+from actorllm.config import TOPOLOGIES, EngineConfig
 from actorllm.engine import AsyncEngine, Resources, open_engine
 from actorllm.frontend import DuplicateRequestId
 from actorllm.llm import GenerationResult, collect
@@ -34,6 +34,12 @@ PROMPTS = [
     "The state machine is a table you can read top to bottom, and so is this prompt.",
     "x y z",
 ]
+
+# The contract every topology keeps, whether the worker and detokenizer run here or in child
+# processes: streamed text, abort, errors. Each process engine costs ~5 s to start on a busy
+# box, so only these run on all three; the rest stay single (test_topology.py compares the
+# greedy answers of every topology).
+ALL_TOPOLOGIES = pytest.mark.parametrize("topology", TOPOLOGIES)
 
 _resources: dict[tuple[str, int, int | None], Resources] = {}
 
@@ -165,10 +171,11 @@ async def test_stop_string_across_token_boundaries(tiny_llama_dir: Path,
     assert delivered.startswith(full.outputs[0].text[: first + 4])
 
 
-async def test_streamed_deltas_are_whole_characters_and_add_up(tiny_llama_dir: Path,
+@ALL_TOPOLOGIES
+async def test_streamed_deltas_are_whole_characters_and_add_up(tiny_llama_dir: Path, topology: str,
                                                                tiny_tokenizer: Any) -> None:
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True)
-    async with engine_for(tiny_llama_dir) as engine:
+    async with engine_for(tiny_llama_dir, topology=topology) as engine:
         for k, prompt in enumerate(["世界 🙂 café", "naïve → ünïcödé"]):
             texts, ids = [], []
             async for out in engine.generate(GenerateRequest(f"u{k}", params, prompt=prompt)):
@@ -210,10 +217,11 @@ async def test_abort_of_a_waiting_request(tiny_llama_dir: Path) -> None:
             pass
 
 
-async def test_abort_mid_stream_double_abort_and_abort_after_finish(tiny_llama_dir: Path
-                                                                    ) -> None:
+@ALL_TOPOLOGIES
+async def test_abort_mid_stream_double_abort_and_abort_after_finish(tiny_llama_dir: Path,
+                                                                    topology: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
-    async with engine_for(tiny_llama_dir) as engine:
+    async with engine_for(tiny_llama_dir, topology=topology) as engine:
         col = await engine.submit(GenerateRequest("r", params, prompt="abort me"))
         got = 0
         while got < 3:
@@ -242,8 +250,9 @@ async def test_leaving_the_stream_early_aborts(tiny_llama_dir: Path) -> None:
         assert engine.metrics.registry.get_sample_value("actorllm:aborted_requests_total") == 1
 
 
-async def test_bad_inputs_fail_alone_with_clear_errors(tiny_llama_dir: Path) -> None:
-    async with engine_for(tiny_llama_dir, max_model_len=64) as engine:
+@ALL_TOPOLOGIES
+async def test_bad_inputs_fail_alone_with_clear_errors(tiny_llama_dir: Path, topology: str) -> None:
+    async with engine_for(tiny_llama_dir, max_model_len=64, topology=topology) as engine:
         ok = SamplingParams(temperature=0.0, max_tokens=4)
         results = await run_all(
             engine,

@@ -337,7 +337,7 @@ async def test_prompt_logprobs_equal_transformers(
 
 
 async def post(engine: AsyncEngine, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-    from test_server_app import Call, app_for
+    from helpers import Call, app_for
 
     call = await Call(path, body).run(app_for(engine))
     if body.get("stream") and call.status == 200:

@@ -8,82 +8,12 @@ inside: after every error and every disconnect the engine must be fully drained
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
-import pytest
 import trio
+from helpers import CONTEXT, Call, app_for
 
-from actorllm.config import EngineConfig
-from actorllm.engine import AsyncEngine, Resources, open_engine
-from actorllm.server import build_app
-
-CONTEXT = 256
-
-
-@pytest.fixture(scope="module")
-def resources(tiny_llama_dir: Path) -> Resources:
-    return Resources(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=128))
-
-
-@pytest.fixture
-async def engine(resources: Resources) -> AsyncIterator[AsyncEngine]:
-    async with open_engine(resources.config, resources=resources) as eng:
-        yield eng
-
-
-class Call:
-    """One ASGI request: the body is sent at once; ``disconnect`` makes the client leave."""
-
-    def __init__(self, path: str, body: Any = None, method: str = "POST",
-                 headers: dict[str, str] | None = None) -> None:
-        self.scope = {
-            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.1"},
-            "http_version": "1.1", "method": method, "scheme": "http", "path": path,
-            "raw_path": path.encode(), "query_string": b"", "root_path": "",
-            "headers": [(b"content-type", b"application/json"),
-                        *((k.lower().encode(), v.encode()) for k, v in (headers or {}).items())],
-            "client": ("127.0.0.1", 1234), "server": ("127.0.0.1", 8000), "state": {},
-        }
-        self.body = b"" if body is None else json.dumps(body).encode()
-        self.sent_body = False
-        self.gone = trio.Event()
-        self.status: int | None = None
-        self.headers: dict[str, str] = {}
-        self.chunks: list[bytes] = []
-        self.done = False
-
-    async def receive(self) -> dict[str, Any]:
-        if not self.sent_body:
-            self.sent_body = True
-            return {"type": "http.request", "body": self.body, "more_body": False}
-        await self.gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(self, message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            self.status = message["status"]
-            self.headers = {k.decode(): v.decode() for k, v in message["headers"]}
-        elif message["type"] == "http.response.body":
-            if message.get("body"):
-                self.chunks.append(message["body"])
-            self.done = not message.get("more_body", False)
-
-    async def run(self, app: Any) -> Call:
-        await app(self.scope, self.receive, self.send)
-        return self
-
-    def json(self) -> Any:
-        return json.loads(b"".join(self.chunks))
-
-    def events(self) -> list[Any]:
-        text = b"".join(self.chunks).decode()
-        return [e.removeprefix("data: ") for e in text.split("\n\n") if e]
-
-
-def app_for(engine: AsyncEngine, **kw: Any) -> Any:
-    return build_app(engine, served_model_name="m", **kw)
+from actorllm.engine import AsyncEngine
 
 
 async def test_whole_and_streamed_answers(engine: AsyncEngine) -> None:

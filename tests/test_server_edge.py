@@ -1,7 +1,7 @@
 """The HTTP edge in-process (issue 14): bad text, loop blocking, the drain cut, engine death.
 
 The app runs on the engine's own trio loop, driven through raw ASGI calls (``Call`` from
-test_server_app.py), so each test can look inside afterwards: the engine must be fully
+helpers.py), so each test can look inside afterwards: the engine must be fully
 drained after every refusal, cut and death.
 """
 
@@ -16,31 +16,18 @@ import random
 import string
 import time
 import tracemalloc
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
-from test_server_app import CONTEXT, Call, app_for
+from helpers import CONTEXT, Call, app_for
 
-from actorllm.config import EngineConfig
-from actorllm.engine import AsyncEngine, Resources, open_engine
+from actorllm.engine import AsyncEngine, Resources
 from actorllm.messages import GenerateRequest, SamplingParams
 from actorllm.tokenizer import PromptEncoder
 
 LONE = "\ud800"  # a lone surrogate: valid in JSON and in a Python str, not in UTF-8
-
-
-@pytest.fixture(scope="module")
-def resources(tiny_llama_dir: Path) -> Resources:
-    return Resources(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=128))
-
-
-@pytest.fixture
-async def engine(resources: Resources) -> AsyncIterator[AsyncEngine]:
-    async with open_engine(resources.config, resources=resources) as eng:
-        yield eng
 
 
 def _error(call: Call) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import build_tiny_model
+from helpers import build_tiny_model, sse_events
 from test_server import ServerProcess, http
 
 LONG_CONTEXT = 8192
@@ -104,10 +104,6 @@ def _dechunk(data: bytes) -> bytes:
     raise AssertionError("the chunked body was cut short (no last chunk)")
 
 
-def _events(body: bytes) -> list[str]:
-    return [e.removeprefix("data: ") for e in body.decode().split("\n\n") if e]
-
-
 def _long(stream: bool, **extra: Any) -> dict[str, Any]:
     return {"prompt": "Hello", "max_tokens": LONG_CONTEXT - 16, "ignore_eos": True,
             "stream": stream, **extra}
@@ -163,7 +159,7 @@ def test_drain_answers_503_then_cuts_with_an_error(long_llama_dir: Path, topolog
         assert status == 503 and _error_of(body)["code"] == "shutting_down"
         # At the drain timeout the stream ends with an error event and [DONE] ...
         status, body = stream.finish()
-        events = _events(body)
+        events = sse_events(body)
         assert status == 200 and events[-1] == "[DONE]", events[-3:]
         assert _error_of(events[-2].encode())["code"] == "shutting_down"
         # ... and the whole request with a 503 body.
@@ -205,7 +201,7 @@ def test_engine_death_fails_in_flight_requests_then_exits(long_llama_dir: Path,
         stream, whole = _in_flight(base)
         _kill_engine(srv, base, topology)
         status, body = stream.finish()
-        events = _events(body)
+        events = sse_events(body)
         assert status == 200 and events[-1] == "[DONE]", events[-3:]
         assert _error_of(events[-2].encode())["code"] == "engine_dead"
         status, body = whole.finish()
