@@ -36,6 +36,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     g.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads in the Worker's process (default: one per core)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="plan the next step while one runs, feeding each sampled token "
+                        "forward in the Worker (default: on)")
     g.add_argument("--topology", choices=["single", "engine", "pipeline"], default="single")
     g.add_argument("--trace", metavar="FILE", help="write every state transition as JSON lines")
     g.add_argument("--trace-hops", action="store_true", help="with --trace: every mailbox hop too")
@@ -104,6 +107,7 @@ def engine_config(args: argparse.Namespace) -> Any:
             device=args.device,
             dtype=args.dtype,
             cpu_threads=args.cpu_threads,
+            async_scheduling=args.async_scheduling,
             topology=args.topology,
             trace=args.trace,
             trace_hops=args.trace_hops,

@@ -32,6 +32,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     cpu_threads: int | None = None  # torch threads of the Worker's process; None: torch's
+    async_scheduling: bool = True  # plan step N+1 while step N runs (two steps in flight)
     mailbox_capacity: int = 256
     topology: str = "single"
     trace: str | None = None

@@ -171,9 +171,19 @@ class NewSeqData:
     output_token_ids: tuple[int, ...] = ()
 
 
+#: In ``ScheduledSeq.token_ids``: the token the Worker sampled for this rid last.
+FEED_LAST_SAMPLE = -1
+
+
 @attrs.frozen
 class ScheduledSeq:
-    """One sequence's share of one step."""
+    """One sequence's share of one step.
+
+    With overlap scheduling a step is planned before the previous one has returned, so
+    the token that step samples is not known yet: it is sent as ``FEED_LAST_SAMPLE``,
+    and the Worker, which runs plans in order, feeds the token it sampled for this rid
+    last. Only a one-token decode row ever carries it.
+    """
 
     rid: str
     token_ids: tuple[int, ...]  # the tokens to run now (a prefill chunk, or the last token)

@@ -7,13 +7,18 @@ Detokenizer (``StopMatched``); it speaks ``StepPlan`` to the Worker and
 ``TokenBatch`` to the Detokenizer.
 
 Theory of operation:
-- One step is in flight at a time. Planning happens only when none is, so a plan
-  never races a result.
+- At most ``max_steps_in_flight`` steps are in flight (1, or 2 for overlap scheduling).
+  With 2, the next step is planned while one runs: a sequence whose token the running
+  step samples is planned again with that token left for the Worker to feed forward
+  (``FEED_LAST_SAMPLE``), so the Worker never waits for a round trip through us. Planning
+  ahead never preempts; under KV pressure the pipeline drains to one step and the plain
+  path (which may preempt) takes over.
 - Handling a message is synchronous (``handle``); a separate task does the sending.
   So the inbox always drains, even while the Detokenizer is slow: the cycle
   Scheduler -> Detokenizer -> Scheduler (``StopMatched``) cannot deadlock.
-- The step fence: a sequence that finishes while a step that uses it is in flight
-  (abort, stop string) keeps its blocks until that step's result is back.
+- The step fence: a sequence that finishes while steps that use it are in flight
+  (abort, stop string, or an end found in the older of two steps) keeps its blocks
+  until every one of those steps' results is back.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from actorllm.kv import BlockPool
 from actorllm.lifecycle import Ledger, State
 from actorllm.mailbox import Inbox, Outbox
 from actorllm.messages import (
+    FEED_LAST_SAMPLE,
     AbortRequest,
     PromptLogprobs,
     SchedulerInput,
@@ -60,8 +66,11 @@ class Scheduler:
         block_size: int = 16,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
+        max_steps_in_flight: int = 1,
         tracer: Tracer | None = None,
     ) -> None:
+        if max_steps_in_flight not in (1, 2):
+            raise ValueError(f"max_steps_in_flight must be 1 or 2, got {max_steps_in_flight}")
         self.inbox, self.worker, self.detokenizer = inbox, worker, detokenizer
         self.pool = BlockPool(num_blocks, block_size)
         self.max_num_seqs = max_num_seqs
@@ -72,7 +81,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.fenced: list[Sequence] = []  # finished, waiting for the step in flight
-        self.in_flight: StepPlan | None = None
+        self.max_steps_in_flight = max_steps_in_flight
+        self.in_flight: deque[StepPlan] = deque()  # sent, result not yet back; oldest first
         self.next_step_id = 0
         self.next_incarnation = 0
         self.worker_drops: list[str] = []  # rids whose Worker state may go (StepPlan.drop)
@@ -83,6 +93,7 @@ class Scheduler:
         # Counters (exported through SchedulerStats).
         self.num_preemptions = 0
         self.late_results_dropped = 0
+        self.ahead_tokens_dropped = 0  # planned ahead for a sequence that ended meanwhile
         self.late_stops_dropped = 0
         self.steps = 0
         self.forward_s = 0.0
@@ -90,7 +101,8 @@ class Scheduler:
         if tracer is not None:  # what `actorllm replay --redrive` needs to rebuild us
             tracer.record("config", actor="scheduler", num_blocks=num_blocks,
                           block_size=block_size, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens)
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          max_steps_in_flight=max_steps_in_flight)
 
     # --- the actor --------------------------------------------------------------
 
@@ -107,11 +119,12 @@ class Scheduler:
             await self._wake.wait()
             self._wake = trio.Event()
             await self.flush()
-            if self.in_flight is None:
+            while len(self.in_flight) < self.max_steps_in_flight:
                 plan = self.schedule()
-                if plan is not None:
-                    await self.worker.send(plan)
-                await self.flush()
+                if plan is None:
+                    break
+                await self.worker.send(plan)
+            await self.flush()
 
     async def flush(self) -> None:
         """Send what the decisions so far produced to the Detokenizer."""
@@ -183,16 +196,31 @@ class Scheduler:
     # --- planning ------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
-        """Plan the next step: running sequences first, then admissions. None if idle."""
-        assert self.in_flight is None
+        """Plan the next step: running sequences first, then admissions. None if idle.
+
+        With a step in flight this plans *ahead* (overlap scheduling): it runs what does
+        not wait on that step's results and never preempts; if a running sequence needs
+        blocks there are none of, it plans nothing (see the module docstring).
+        """
+        assert len(self.in_flight) < self.max_steps_in_flight
+        ahead = bool(self.in_flight)
         budget = self.max_num_batched_tokens
         planned: list[tuple[Sequence, int]] = []
         queue = list(self.running)
         preempted = False
         while queue and budget > 0:
             seq = queue.pop(0)
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            if ahead and not seq.may_plan_ahead():
+                continue
+            n = min(seq.num_unscheduled, budget)
+            if n <= 0:
+                continue
             while not self._reserve(seq, n):
+                if ahead:
+                    # No preemption while a step runs. Rather than run younger sequences
+                    # past an older one, plan nothing: the pipeline drains to one step
+                    # and the plain path preempts the newest, as without overlap.
+                    return None
                 # Take blocks from the newest running sequence not yet in this step.
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
@@ -220,7 +248,9 @@ class Scheduler:
             planned.append((seq, n))
             budget -= n
         if not planned:
-            if self.waiting and not self.running:
+            if ahead:
+                return None  # drops, if any, go with a later plan
+            if self.waiting and not self.running and not self.fenced:
                 # Cannot happen while the pool holds max_model_len tokens (checked at start).
                 raise AssertionError("waiting sequence can never fit in the KV pool")
             if not self.worker_drops:
@@ -234,9 +264,7 @@ class Scheduler:
         )
         self.worker_drops = []
         self.next_step_id += 1
-        self.in_flight = plan
-        for seq, _ in planned:
-            seq.in_flight = True
+        self.in_flight.append(plan)
         if self.tracer is not None:
             self.tracer.record("plan", actor="scheduler", step=plan.step_id,
                                seqs=[[s.rid, len(s.token_ids), s.sample] for s in plan.seqs])
@@ -244,7 +272,7 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         """Make sure ``seq`` has blocks for ``n`` more computed tokens."""
-        need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
+        need = self.pool.blocks_for(seq.num_scheduled + n) - len(seq.block_table)
         if need <= 0:
             return True
         if not self.pool.can_allocate(need):
@@ -254,7 +282,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: give back the blocks now (no step is in flight)."""
-        assert not seq.in_flight
+        assert not seq.in_flight and not self.in_flight
         self.running.remove(seq)
         self.pool.free(seq.block_table)
         self._reset_for_recompute(seq)
@@ -268,12 +296,12 @@ class Scheduler:
     # --- results ---------------------------------------------------------------------
 
     def on_result(self, result: StepResult) -> None:
-        plan = self.in_flight
-        if plan is None or result.step_id != plan.step_id:
+        # The Worker runs plans in order, so a result answers the oldest plan in flight.
+        if not self.in_flight or result.step_id != self.in_flight[0].step_id:
             self.late_results_dropped += 1  # a duplicate or stale result: never an error
             log.debug("dropped result of step %d", result.step_id)
             return
-        self.in_flight = None
+        plan = self.in_flight.popleft()
         self.steps += 1
         self.forward_s += result.forward_s
         self.sample_s += result.sample_s
@@ -285,13 +313,16 @@ class Scheduler:
             seq = self.seqs.get(s.rid)
             if seq is None:
                 continue
-            seq.in_flight = False
+            seq.step_returned(s)
             if seq.status is State.RUNNING and result.error is None:
                 seq.num_computed += len(s.token_ids)
-        # The fence has passed: sequences that finished meanwhile give their blocks back.
+        # The fence has passed for sequences no other step in flight names: those that
+        # finished meanwhile give their blocks back.
+        still = [seq for seq in self.fenced if seq.in_flight]
         for seq in self.fenced:
-            self._free(seq)
-        self.fenced = []
+            if not seq.in_flight:
+                self._free(seq)
+        self.fenced = still
         if result.error is not None:
             for s in plan.seqs:
                 seq = self.seqs.get(s.rid)
@@ -299,10 +330,14 @@ class Scheduler:
                     self._finish(seq, "fail", "error", error=result.error)
             return
         pieces = self._prompt_pieces(plan, result.prompt_logprobs)
+        fed = {s.rid for s in plan.seqs if s.token_ids[:1] == (FEED_LAST_SAMPLE,)}
         for tok in result.tokens:
             seq = self._running(tok.rid)
             if seq is None:
-                self.late_results_dropped += 1  # finished (abort, stop) while the step ran
+                if tok.rid in fed:
+                    self.ahead_tokens_dropped += 1  # planned ahead past its end
+                else:
+                    self.late_results_dropped += 1  # finished (abort, stop) while it ran
                 continue
             self._append(seq, tok.token_id, tok.logprob, pieces.pop(seq.rid, None))
         for s in plan.seqs:
@@ -312,7 +347,8 @@ class Scheduler:
             piece = pieces.pop(seq.rid, None)
             if piece is not None:  # a prefill chunk that sampled nothing
                 self._outputs.append(TokenOut(seq.rid, spec=seq.detok_spec_once(), **piece))
-            if seq.max_tokens == 0 and seq.num_computed == seq.num_tokens:
+            if seq.max_tokens == 0 and seq.num_computed == seq.num_tokens \
+                    and not seq.in_flight:
                 self._finish(seq, "finish", "length")  # the prompt is scored: nothing to sample
 
     def _prompt_pieces(self, plan: StepPlan, results: tuple[PromptLogprobs, ...]
@@ -380,7 +416,7 @@ class Scheduler:
 
     def _fenced(self, seq: Sequence) -> bool:
         """Invariant 3: blocks a step in flight reads go back only after its result."""
-        return seq.in_flight
+        return seq.in_flight > 0
 
     def _free(self, seq: Sequence) -> None:
         self.pool.free(seq.block_table)
@@ -414,8 +450,8 @@ class Scheduler:
             problems.append(f"scheduler holds sequences {sorted(self.seqs)}")
         if self.pool.num_used:
             problems.append(f"{self.pool.num_used} KV blocks still in use")
-        if self.in_flight is not None:
-            problems.append(f"step {self.in_flight.step_id} still in flight")
+        if self.in_flight:
+            problems.append(f"steps {[p.step_id for p in self.in_flight]} still in flight")
         if len(self.ledger):
             problems.append(f"scheduler ledger holds {sorted(self.ledger.views)}")
         return problems

@@ -13,6 +13,7 @@ import attrs
 
 from actorllm.lifecycle import State, View, load_spec
 from actorllm.messages import (
+    FEED_LAST_SAMPLE,
     DetokSetup,
     NewSeqData,
     PromptLogprobs,
@@ -39,8 +40,10 @@ class Sequence:
     arrival_time: float = 0.0
     output_ids: list[int] = attrs.Factory(list)
     block_table: list[int] = attrs.Factory(list)
-    num_computed: int = 0  # tokens whose K/V are in the cache
-    in_flight: bool = False  # the step in flight schedules it (the fence)
+    num_computed: int = 0  # tokens whose K/V are in the cache (steps returned)
+    num_scheduled: int = 0  # ... or will be once the steps in flight return
+    in_flight: int = 0  # steps in flight that schedule it (the fence)
+    samples_in_flight: int = 0  # tokens those steps will sample for it
     worker_knows: bool = False  # the Worker holds its sampling state
     detok_spec_sent: bool = False
     first_scheduled: float | None = None
@@ -87,12 +90,34 @@ class Sequence:
 
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: the cache keeps nothing of it (its blocks went back)."""
+        assert not self.in_flight
         self.block_table = []
-        self.num_computed = 0
+        self.num_computed = self.num_scheduled = 0
+
+    @property
+    def num_unscheduled(self) -> int:
+        """Tokens to run that no step has been given yet, counting those still to be
+        sampled by the steps in flight (a step planned ahead feeds them forward)."""
+        return self.num_tokens + self.samples_in_flight - self.num_scheduled
+
+    def may_plan_ahead(self) -> bool:
+        """Whether a step may be planned for it before the one in flight returns: not if
+        the tokens in flight already reach ``max_tokens`` (it ends there for sure)."""
+        return len(self.output_ids) + self.samples_in_flight < self.max_tokens
+
+    def step_returned(self, s: ScheduledSeq) -> None:
+        """A step that scheduled it has returned (with a result or an error)."""
+        self.in_flight -= 1
+        self.samples_in_flight -= s.sample
 
     def scheduled(self, n: int) -> ScheduledSeq:
-        """The next ``n`` tokens as the Worker gets them (NewSeqData the first time)."""
-        start = self.num_computed
+        """The next ``n`` tokens as the Worker gets them (NewSeqData the first time).
+
+        A token that a step in flight is still to sample goes as ``FEED_LAST_SAMPLE``:
+        the Worker feeds the one it sampled for this rid last.
+        """
+        start = self.num_scheduled
+        known = self.num_tokens
         new = None
         if not self.worker_knows:
             new = NewSeqData(self.params, tuple(self.prompt_ids), tuple(self.output_ids))
@@ -104,13 +129,21 @@ class Sequence:
             lo = max(self.prompt_lps_next, start + 1)
             if lo <= min(start + n, len(self.prompt_ids) - 1):
                 lp_from = lo
+        if start + n > known:
+            # Only ever the one token a step in flight samples, and only that step's.
+            assert start + n == known + 1 == start + 1 and self.samples_in_flight, self
+        sample = start + n == known + self.samples_in_flight and self.max_tokens > 0
+        self.num_scheduled += n
+        self.in_flight += 1
+        self.samples_in_flight += sample
         return ScheduledSeq(
             rid=self.rid,
-            token_ids=tuple(self.token(i) for i in range(start, start + n)),
+            token_ids=tuple(self.token(i) if i < known else FEED_LAST_SAMPLE
+                            for i in range(start, start + n)),
             start_pos=start,
             block_table=tuple(self.block_table),
             # max_tokens 0 (prompt scoring): the prefill runs, nothing is sampled.
-            sample=start + n == self.num_tokens and self.max_tokens > 0,
+            sample=sample,
             new=new,
             prompt_logprobs_from=lp_from,
         )

@@ -25,7 +25,13 @@ import trio
 
 from actorllm.config import ModelInfo, read_model_info
 from actorllm.mailbox import Inbox, Outbox
-from actorllm.messages import PromptLogprobs, SampledToken, StepPlan, StepResult
+from actorllm.messages import (
+    FEED_LAST_SAMPLE,
+    PromptLogprobs,
+    SampledToken,
+    StepPlan,
+    StepResult,
+)
 from actorllm.model import ForwardBatch, KVCache, load_config, load_model
 from actorllm.model.llama import head_dim_of
 from actorllm.ops import select_backend
@@ -103,6 +109,10 @@ class ModelRunner:
             for _ in range(num_layers)
         ]
         self._states: dict[str, SamplingState] = {}
+        # Rids of the last step if it failed: it sampled nothing for them, so a step
+        # planned ahead that feeds them their last sample gets a stand-in (see
+        # _last_sample).
+        self._failed_rids: frozenset[str] = frozenset()
         log.info(
             "model runner: %s on %s (%s, %s attention), %d KV blocks of %d tokens (%.1f MiB)",
             config.architectures[0],
@@ -139,10 +149,13 @@ class ModelRunner:
         """
         try:
             with torch.inference_mode():
-                return self._execute(plan)
+                result = self._execute(plan)
         except Exception as exc:
             log.exception("step %d failed", plan.step_id)
+            self._failed_rids = frozenset(s.rid for s in plan.seqs)
             return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
+        self._failed_rids = frozenset()
+        return result
 
     def _execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
@@ -194,6 +207,24 @@ class ModelRunner:
             prompt_logprobs=prompt_lps,
         )
 
+    def _last_sample(self, rid: str, position: int) -> int:
+        """The token this runner sampled for ``rid`` last, fed forward to ``position``.
+
+        If the step that was to sample it failed, the Scheduler has failed the sequence
+        and drops what this step makes for it: any token will do (its blocks are still
+        fenced, so writing its K/V harms nobody).
+        """
+        if rid in self._failed_rids:
+            return 0
+        state = self._states.get(rid)
+        if state is None or not state.output_token_ids:
+            raise ValueError(f"rid {rid!r}: fed its last sample, but none was sampled")
+        expected = len(state.prompt_token_ids) + len(state.output_token_ids) - 1
+        if position != expected:
+            raise ValueError(f"rid {rid!r}: its last sample is at position {expected}, "
+                             f"fed to {position}")
+        return state.output_token_ids[-1]
+
     def _prepare(self, plan: StepPlan) -> ForwardBatch:
         """Pack the plan into device tensors: flat int arrays built in one pass, one copy each.
 
@@ -225,7 +256,10 @@ class ModelRunner:
             if needed and (min(table[:needed]) < 0 or max(table[:needed]) >= num_blocks):
                 raise ValueError(f"block table entry out of range [0, {num_blocks})")
             tables.append(table[:needed])
-            input_ids.extend(s.token_ids)
+            if s.token_ids[0] == FEED_LAST_SAMPLE:
+                input_ids.append(self._last_sample(s.rid, s.start_pos))
+            else:
+                input_ids.extend(s.token_ids)
             if q_len == 1:
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)

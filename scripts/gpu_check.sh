@@ -4,9 +4,9 @@
 #      if `import cupy` fails; from $CUPY_WHEEL_DIR without an index when that is set, for
 #      machines without network) and check that NVRTC compiles a trivial kernel;
 #   2. the GPU tests (tests/gpu) and the CPU tests of the ops, with skip reasons shown;
-#   3. benchmarks/kernels.py (writes benchmarks/results/kernels.{json,md}).
+#   3. benchmarks/cuda_kernels.py (writes benchmarks/results/kernels.{json,md}).
 # Everything printed is also written to benchmarks/results/gpu_check.log.
-# Usage: scripts/gpu_check.sh [extra args for benchmarks/kernels.py, e.g. --quick]
+# Usage: scripts/gpu_check.sh [extra args for benchmarks/cuda_kernels.py, e.g. --quick]
 # Exit status: 0 when tests and benchmark pass, 2 without a GPU, else the first failure's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,7 +54,7 @@ EOF
   local status=0
   "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/gpu tests/test_ops_reference.py \
     tests/test_ops_cuda_host.py || status=$?
-  "$PYTHON" benchmarks/kernels.py "$@" || { [ "$status" -ne 0 ] || status=$?; }
+  "$PYTHON" benchmarks/cuda_kernels.py "$@" || { [ "$status" -ne 0 ] || status=$?; }
   return "$status"
 }
 

@@ -1,4 +1,5 @@
-"""CUDA backend: CuPy ``RawModule`` kernels from ``actorllm/kernels/*.cu`` on torch's memory and stream.
+"""CUDA backend: CuPy ``RawModule`` kernels from ``actorllm/kernels/*.cu`` on torch's memory
+and stream.
 
 Each kernel source is compiled by NVRTC once per process and configuration (dtype, head
 size, block size) and cached on disk by CuPy (``CUPY_CACHE_DIR``, default
@@ -40,7 +41,7 @@ KERNEL_DIR = Path(
     os.environ.get("ACTORLLM_KERNEL_DIR") or str(importlib.resources.files("actorllm.kernels"))
 )
 
-# Tile shapes baked into the kernels (actorllm/kernels/paged_decode.cu, actorllm/kernels/paged_prefill.cu).
+# Tile shapes baked into the kernels (actorllm/kernels/paged_decode.cu and paged_prefill.cu).
 DECODE_THREADS = 128
 DECODE_KEYS = 64  # keys per CTA tile
 DECODE_ROWS = 16  # query heads per CTA

@@ -138,6 +138,7 @@ def redrive_session(session: Session, report: RedriveReport) -> None:
         num_blocks=int(num_blocks), block_size=int(config.get("block_size") or 16),
         max_num_seqs=int(config.get("max_num_seqs") or 64),
         max_num_batched_tokens=int(config.get("max_num_batched_tokens") or 2048),
+        max_steps_in_flight=int(config.get("max_steps_in_flight") or 1),
         tracer=capture,  # type: ignore[arg-type]
     )
     default_eos = _model_eos(session, report)
@@ -186,6 +187,7 @@ def _scheduler_config(session: Session) -> dict[str, Any]:
         "block_size": header.get("block_size"),
         "max_num_seqs": header.get("max_num_seqs"),
         "max_num_batched_tokens": header.get("max_num_batched_tokens"),
+        "max_steps_in_flight": 2 if header.get("async_scheduling") else None,
     }
     for line in session.records("config"):
         if line.actor == "scheduler":

@@ -216,7 +216,8 @@ def build_actors(role: str, wiring: Wiring, config: EngineConfig, parts: Parts,
             inbox["scheduler"], out("scheduler", "worker"), out("scheduler", "detokenizer"),
             num_blocks=parts.runner.num_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, tracer=tracer,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_steps_in_flight=2 if config.async_scheduling else 1, tracer=tracer,
         )
     if place["worker"] == role:
         from actorllm.worker import Worker  # torch: only where a Worker lives

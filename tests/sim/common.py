@@ -65,6 +65,7 @@ class SimConfig:
     max_model_len: int = 16
     capacity: int = 3  # every inbox but the Worker's
     worker_capacity: int = 2  # as in actorllm.engine
+    max_steps_in_flight: int = 2  # overlap scheduling, as the engine's default
     roundtrip: bool = True  # send every delivered message through the codec
     bugs: frozenset[str] = frozenset()  # planted bugs (sim/bugs.py): "frontend.bug_...", ...
 

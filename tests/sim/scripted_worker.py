@@ -18,7 +18,14 @@ from collections.abc import Sequence
 import trio
 
 from actorllm.mailbox import Inbox, Outbox
-from actorllm.messages import PromptLogprobs, SampledToken, StepPlan, StepResult, TokenLogprob
+from actorllm.messages import (
+    FEED_LAST_SAMPLE,
+    PromptLogprobs,
+    SampledToken,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+)
 
 
 def scripted_token(vocab: Sequence[int], rid: str, position: int, salt: int = 0) -> int:
@@ -46,6 +53,9 @@ class ScriptedWorker:
         self.outgoing: deque[StepResult] = deque()  # decided, not yet on the wire
         self._wake = trio.Event()
         self.protocol_errors: list[str] = []
+        # rid -> (position, token) of its last sample, for plans that feed it forward.
+        self.last_sample: dict[str, tuple[int, int]] = {}
+        self.fed_forward = 0
 
     async def run(self) -> None:
         """Receive plans in one task, send results in order from another."""
@@ -87,11 +97,17 @@ class ScriptedWorker:
     def answer(self, salt: int = 0, eos_mask: int = 0) -> StepResult:
         """Take the oldest plan and build its result; bit i of ``eos_mask``: seq i samples eos."""
         plan = self.pending.popleft()
+        for s in plan.seqs:
+            if s.new is not None:
+                self.last_sample.pop(s.rid, None)  # a fresh state: nothing sampled yet
+            if FEED_LAST_SAMPLE in s.token_ids:
+                self._check_fed(plan.step_id, s.rid, s.start_pos, s.token_ids)
         tokens = []
         for i, s in enumerate(x for x in plan.seqs if x.sample):
             pos = s.start_pos + len(s.token_ids)
             tid = self.eos_id if eos_mask >> i & 1 else scripted_token(self.vocab, s.rid, pos, salt)
             tokens.append(SampledToken(s.rid, tid))
+            self.last_sample[s.rid] = (pos, tid)
         reports = []
         for s in plan.seqs:
             if s.prompt_logprobs_from is None:
@@ -104,9 +120,23 @@ class ScriptedWorker:
         return self._record(StepResult(plan.step_id, tuple(tokens),
                                        prompt_logprobs=tuple(reports)))
 
+    def _check_fed(self, step: int, rid: str, start: int, ids: tuple[int, ...]) -> None:
+        """A fed-forward row must be one token, at the position this Worker sampled last
+        for the rid, in a step after the one that sampled it (as ModelRunner checks). After
+        a failed step the real Worker feeds a stand-in (token -1 here): the Scheduler has
+        failed those sequences and drops whatever the later step makes for them."""
+        last = self.last_sample.get(rid)
+        if ids != (FEED_LAST_SAMPLE,) or last is None or last[0] != start:
+            self.protocol_errors.append(
+                f"step {step} feeds {rid!r} its last sample at position {start} "
+                f"(tokens {ids}), but its last sample was {last}")
+        self.fed_forward += 1
+
     def fail(self) -> StepResult:
         """Take the oldest plan; its step failed (sampled nothing)."""
         plan = self.pending.popleft()
+        for s in plan.seqs:  # sampled nothing: a later step may feed these a stand-in
+            self.last_sample[s.rid] = (s.start_pos + len(s.token_ids), -1)
         return self._record(StepResult(plan.step_id, error="scripted step failure"))
 
     def duplicate(self) -> StepResult:

@@ -99,7 +99,7 @@ class Watches(WorldFields):
                              q.num_computed, q.in_flight) for q in s.seqs.values()))
         return (seqs, tuple(q.rid for q in s.waiting), tuple(q.rid for q in s.running),
                 tuple(q.rid for q in s.fenced), frozenset(s.pool._used),
-                s.in_flight.step_id if s.in_flight else None, tuple(s.worker_drops),
+                tuple(p.step_id for p in s.in_flight), tuple(s.worker_drops),
                 tuple(s._outputs), tuple(s._freed))
 
     # --- clients ------------------------------------------------------------------------------

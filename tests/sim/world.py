@@ -89,6 +89,7 @@ class World(Watches, Checks):
                                    num_blocks=cfg.num_blocks, block_size=cfg.block_size,
                                    max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                   max_steps_in_flight=cfg.max_steps_in_flight,
                                    tracer=self.rec)  # type: ignore[arg-type]
         self.worker = cls("worker", ScriptedWorker)(b["worker"], b["scheduler"].edge("worker"),
                                                     text.vocab, text.eos_id)
@@ -331,6 +332,8 @@ class World(Watches, Checks):
             "prompt scored only": any(c.params.max_tokens == 0 and r[0] == "length"
                                       for c in self.clients for r in c.reason.values()),
             "recompute owed prompt logprobs": self.recompute_skipped_reported,
+            "token fed forward": self.worker.fed_forward > 0,
+            "planned past the end": s.ahead_tokens_dropped > 0,
         }
         return [name for name, hit in reached.items() if hit]
 

@@ -8,7 +8,7 @@ beside a device-to-device copy measured in the same run and beside torch
 prompts, causal): TFLOP/s beside SDPA with the flash backend. Every row also reports the
 largest difference from SDPA's output, a cheap check that the numbers are for right answers.
 
-    python benchmarks/kernels.py [--dtype bf16|fp16] [--quick] [--out benchmarks/results]
+    python benchmarks/cuda_kernels.py [--dtype bf16|fp16] [--quick] [--out benchmarks/results]
 
 Writes ``kernels.json`` and ``kernels.md`` to the output folder. Exits with code 2 and one
 line on stderr where there is no usable GPU.
@@ -250,7 +250,7 @@ def main() -> int:
 
     if not torch.cuda.is_available():
         print(
-            "benchmarks/kernels.py: no CUDA GPU visible to torch; nothing to measure",
+            "benchmarks/cuda_kernels.py: no CUDA GPU visible to torch; nothing to measure",
             file=sys.stderr,
         )
         return 2
@@ -262,7 +262,7 @@ def main() -> int:
             "cuda", "cuda", dtype=dtype, head_dim=HEAD_DIM, block_size=BLOCK_SIZE
         )
     except BackendUnavailable as exc:
-        print(f"benchmarks/kernels.py: cuda backend unavailable: {exc}", file=sys.stderr)
+        print(f"benchmarks/cuda_kernels.py: cuda backend unavailable: {exc}", file=sys.stderr)
         return 2
     import cupy
 
