@@ -35,6 +35,7 @@ from actorllm.messages import (
 from actorllm.model import ForwardBatch, KVCache, load_config, load_model
 from actorllm.model.llama import head_dim_of
 from actorllm.ops import select_backend
+from actorllm.ops.cpu_linear import pack_linears
 from actorllm.sampler import SamplingState, prompt_logprobs, sample
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class ModelRunner:
                                       head_dim=head_dim_of(config), block_size=block_size)
         self.backend_name: str = self.backend.name
         self.model = load_model(model_dir, dtype=self.dtype, device=self.device, config=config)
+        self.packed_linears = pack_linears(self.model) if self.device.type == "cpu" else 0
         self.vocab_size: int = config.vocab_size
         info = info if info is not None else read_model_info(model_dir)
         self.max_model_len: int = info.max_model_len
@@ -114,11 +116,13 @@ class ModelRunner:
         # _last_sample).
         self._failed_rids: frozenset[str] = frozenset()
         log.info(
-            "model runner: %s on %s (%s, %s attention), %d KV blocks of %d tokens (%.1f MiB)",
+            "model runner: %s on %s (%s, %s attention, %s), %d KV blocks of %d tokens "
+            "(%.1f MiB)",
             config.architectures[0],
             self.device,
             self.dtype,
             self.backend_name,
+            "oneDNN packed linears" if self.packed_linears else "torch linears",
             num_blocks,
             block_size,
             num_blocks * block_bytes / 2**20,
@@ -312,6 +316,9 @@ class Worker:
         # A runner may outlive an engine (LLM reuses its weights): a new Scheduler knows
         # nothing of rids an earlier one left behind, so neither may we.
         self.runner.drop_all()
+        import os
+        import sys
+        sys.setswitchinterval(float(os.environ.get("ACTORLLM_SWITCH", "0.005")))
         async for plan in self.inbox:
             result = await trio.to_thread.run_sync(self.runner.execute, plan)
             await self.results.send(result)
