@@ -302,11 +302,20 @@ async def test_tool_results_go_back_into_the_conversation(engine: AsyncEngine) -
     call = await Call("/v1/chat/completions", {"messages": messages, "tools": [WEATHER],
                                                "max_tokens": 4}).run(app)
     assert call.status == 200, call.chunks
-    prompt = engine.tokenizer.decode(
-        (await Call("/tokenize", {"messages": messages[:1]}).run(app)).json()["tokens"])
-    assert "get_weather" not in prompt  # /tokenize without tools: the old prompt
-    missing = await Call("/v1/chat/completions", {"messages": messages[:2] + [
-        {"role": "tool", "content": "x"}], "max_tokens": 4}).run(app)
+    # The prompt is the template's, with the tools and the call and its result in it.
+    convo = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": "", "tool_calls": [
+                 {"id": "call_1", "type": "function", "function": {
+                     "name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}}]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21"}]
+    text = engine.tokenizer.apply_chat_template(convo, tools=[WEATHER], tokenize=False,
+                                                add_generation_prompt=True)
+    assert '[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}]' in text
+    assert "sunny, 21" in text and "Weather in a city" in text
+    ids = engine.tokenizer(text, add_special_tokens=False).input_ids
+    assert call.json()["usage"]["prompt_tokens"] == len(ids)
+    missing = await Call("/v1/chat/completions", {"messages": [
+        *messages[:2], {"role": "tool", "content": "x"}], "max_tokens": 4}).run(app)
     assert missing.status == 400 and missing.json()["error"]["param"] == "messages[2].tool_call_id"
 
 
