@@ -72,10 +72,14 @@ class StreamOptions(_Request):
 
 
 class ContentPart(_Request):
-    """One part of a message's content; only ``text`` parts are supported."""
+    """One part of a message's content; only ``text`` parts are supported (the other
+    kinds' fields are declared so that the 400 says which part is not text)."""
 
     type: str
     text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
 
 
 class FunctionCallIn(_Request):
