@@ -185,9 +185,9 @@ def process_logits(
             stops = [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]
             stops = [t for t in stops if 0 <= t < vocab]
             if stops:
-                kept = logits[i, stops].clone()
+                kept = logits[i, stops].clone() if state.grammar is not None else None
                 logits[i, stops] = float("-inf")
-                if state.grammar is not None and bool(torch.isinf(logits[i]).all()):
+                if kept is not None and bool(torch.isinf(logits[i]).all()):
                     # A complete grammar allows only EOS (its mask came first): the
                     # grammar wins, or there would be no token left to draw.
                     logits[i, stops] = kept

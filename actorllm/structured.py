@@ -176,6 +176,18 @@ class LLGuidanceBackend:
         return _LLGuidanceGrammar(matcher, (self._tokenizer().vocab_size + 31) // 32)
 
 
+_EXECUTOR: Any = None
+
+
+def _executor() -> Any:
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        from llguidance import LLExecutor
+
+        _EXECUTOR = LLExecutor()
+    return _EXECUTOR
+
+
 def apply_grammar_masks(logits: Tensor, grammars: Sequence[Grammar | None]) -> None:
     """Set ``logits[i, t] = -inf`` for every token ``t`` row ``i``'s grammar does not allow.
 
@@ -190,8 +202,14 @@ def apply_grammar_masks(logits: Tensor, grammars: Sequence[Grammar | None]) -> N
     vocab = logits.shape[1]
     words = max(grammars[i].words for i in rows)  # type: ignore[union-attr]
     bitmask = torch.zeros((len(rows), words), dtype=torch.int32)
+    batched = [(g.matcher, j) for j, i in enumerate(rows)
+               if isinstance(g := grammars[i], _LLGuidanceGrammar) and g.words == words]
+    if len(batched) > 1:  # llguidance fills many rows on its own threads, without the GIL
+        _executor().unsafe_compute_mask_ptr(batched, bitmask.data_ptr(), words * 4, len(rows))
+    done = {j for _, j in batched} if len(batched) > 1 else set()
     for j, i in enumerate(rows):
-        grammars[i].fill_bitmask(bitmask[j])  # type: ignore[union-attr]
+        if j not in done:
+            grammars[i].fill_bitmask(bitmask[j])  # type: ignore[union-attr]
     shifts = torch.arange(32, dtype=torch.int32)
     allowed = ((bitmask[:, :, None] >> shifts) & 1).view(len(rows), words * 32)[:, :vocab]
     if allowed.shape[1] < vocab:  # ids past the grammar's vocabulary are never allowed

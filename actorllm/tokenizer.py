@@ -74,6 +74,13 @@ def input_chars(req: GenerateRequest) -> int:
     return sum(len(m.role) + len(m.content) for m in req.messages or ())
 
 
+def _json(text: str, param: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequest(f"{param}: not JSON: {exc}", param) from None
+
+
 class PromptEncoder:
     """Pure tokenization and validation; the actor below only moves messages."""
 
@@ -102,7 +109,7 @@ class PromptEncoder:
                 raise InvalidRequest(f"token id {bad[0]} is not in the vocabulary "
                                      f"(size {self.info.vocab_size})", "prompt")
         else:
-            tools = None if req.tools is None else json.loads(req.tools)
+            tools = None if req.tools is None else _json(req.tools, "tools")
             ids = self.token_ids(req.prompt, req.messages, req.add_generation_prompt,
                                  tools=tools)
         if not ids:
@@ -160,7 +167,8 @@ class PromptEncoder:
                                      f"in message {i})", f"messages[{i}]")
         # `extra` (tool calls, tool_call_id) was made from a JSON object by the edge.
         convo = [{"role": m.role, "content": m.content,
-                  **(json.loads(m.extra) if m.extra else {})} for m in messages]
+                  **(_json(m.extra, f"messages[{i}]") if m.extra else {})}
+                 for i, m in enumerate(messages)]
         kwargs: dict[str, Any] = {"tools": tools} if tools else {}
         try:
             out = self.tok.apply_chat_template(

@@ -109,6 +109,8 @@ async def test_json_object_regex_and_choice(engine: AsyncEngine) -> None:
         ({"structured_outputs": {"regex": pattern}}, lambda t: re.fullmatch(pattern, t)),
         ({"guided_choice": ["yes", "no", "maybe so"]}, lambda t: t in ("yes", "no", "maybe so")),
         ({"structured_outputs": {"choice": ["alpha", "beta"]}}, lambda t: t in ("alpha", "beta")),
+        # min_tokens past the grammar's end: the grammar wins, EOS is still allowed.
+        ({"guided_choice": ["ok"], "min_tokens": 6}, lambda t: t == "ok"),
     ):
         for seed in range(3):
             call = await Call("/v1/completions", {"prompt": "Answer:", "max_tokens": 12,
@@ -170,6 +172,16 @@ def test_masks_touch_only_constrained_rows(resources: Resources) -> None:
     texts = {resources.hf_tokenizer.decode([t]) for t in allowed}
     assert allowed and all("yes".startswith(t) or "no".startswith(t) for t in texts), texts
     assert torch.equal(logits[0, allowed], before[0, allowed])
+    # Several constrained rows are filled together (llguidance's threads): each row must
+    # get exactly the mask it gets alone.
+    other = backend.grammar(StructuredOutput("regex", "[0-9]+"))
+    batch = torch.randn(3, resources.info.vocab_size)
+    alone = [batch[i : i + 1].clone() for i in range(3)]
+    apply_grammar_masks(batch, [grammar, None, other])
+    apply_grammar_masks(alone[0], [grammar])
+    apply_grammar_masks(alone[2], [other])
+    for i in range(3):
+        assert torch.equal(batch[i], alone[i][0])
 
 
 async def test_preemption_mid_structure_replays_the_grammar() -> None:
@@ -393,3 +405,16 @@ async def test_labels_are_accepted(engine: AsyncEngine) -> None:
         "response_format": {"type": "text"}, "tool_choice": "none"}).run(app_for(engine))
     assert call.status == 200, call.chunks
     assert ChatMessage("user", "x").extra == ""
+
+
+async def test_grammar_crosses_processes() -> None:
+    # topology "engine": the spec travels through the codec to the Worker's process,
+    # which compiles its own matcher.
+    config = EngineConfig(model=str(default_model_dir()), topology="engine", num_kv_blocks=64)
+    params = SamplingParams(max_tokens=40, seed=2,
+                            structured=StructuredOutput("json", json.dumps(SCHEMAS[1])))
+    async with open_engine(config) as eng:
+        res = await collect(eng, "x", "Colors:", params)
+        assert await eng.wait_drained(5.0) == []
+    assert res.error is None and res.outputs[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(res.outputs[0].text), SCHEMAS[1])
