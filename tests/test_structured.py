@@ -347,7 +347,6 @@ def test_template_renders_tools_and_leaves_plain_chats_alone(resources: Resource
 # --- no silent ignores ----------------------------------------------------------------------
 
 @pytest.mark.parametrize(("path", "field", "value"), [
-    ("/v1/completions", "best_of", 2),
     ("/v1/completions", "suffix", "x"),
     ("/v1/completions", "use_beam_search", True),
     ("/v1/chat/completions", "best_of", 1),
@@ -395,6 +394,30 @@ async def test_nested_unsupported_fields_are_400_too(engine: AsyncEngine) -> Non
         call = await Call("/v1/chat/completions", {**body, "max_tokens": 2}).run(app)
         assert call.status == 400, call.chunks
         assert call.json()["error"]["param"] == param, call.json()
+
+
+async def test_best_of_keeps_the_candidates_with_the_highest_cumulative_logprob(
+        engine: AsyncEngine) -> None:
+    app = app_for(engine)
+    base = {"prompt": ["The module", "A list"], "max_tokens": 6, "temperature": 1.0,
+            "seed": 4, "ignore_eos": True}
+    # The same seeds make the same candidates (child i draws with seed + i).
+    every = await Call("/v1/completions", {**base, "n": 3, "logprobs": 0}).run(app)
+    best = await Call("/v1/completions", {**base, "n": 2, "best_of": 3}).run(app)
+    assert every.status == 200 and best.status == 200, (every.chunks, best.chunks)
+    candidates = every.json()["choices"]
+    got = best.json()
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+    for p in range(2):
+        group = candidates[p * 3 : p * 3 + 3]
+        ranked = sorted(group, key=lambda c: -sum(c["logprobs"]["token_logprobs"]))
+        assert [c["text"] for c in got["choices"][p * 2 : p * 2 + 2]] == \
+            [c["text"] for c in ranked[:2]]
+    assert all(c["logprobs"] is None for c in got["choices"])  # not asked for
+    assert got["usage"]["completion_tokens"] == 2 * 3 * 6  # every candidate was made
+    for body in ({"n": 3, "best_of": 2}, {"best_of": 2, "stream": True}):
+        call = await Call("/v1/completions", {**base, **body}).run(app)
+        assert call.status == 400 and call.json()["error"]["param"] == "best_of", call.chunks
 
 
 async def test_labels_are_accepted(engine: AsyncEngine) -> None:

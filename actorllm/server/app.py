@@ -307,12 +307,14 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
                     echo = await state.in_thread(_decode, engine, prompt)
             jobs.append(Job(req, index_base=i * params.n, echo=echo if body.echo else "",
                             echo_skips_special=isinstance(prompt, str)))
-        echo_k = params.logprobs if body.echo else None
+        echo_k = body.logprobs if body.echo else None
+        n = body.n or 1
         renderer = CompletionRenderer(response_id=f"cmpl-{base}", created=int(time.time()),
                                       model=state.model_name,
                                       num_choices=len(prompts) * params.n, texts=state.texts,
-                                      logprobs=params.logprobs is not None,
-                                      prompt_logprobs=body.prompt_logprobs, echo_logprobs=echo_k)
+                                      logprobs=body.logprobs is not None,
+                                      prompt_logprobs=body.prompt_logprobs, echo_logprobs=echo_k,
+                                      best_of=(n, params.n) if params.n != n else None)
         return GenerationResponse(state, jobs, renderer, stream=bool(body.stream),
                                   include_usage=_include_usage(body), request_id=base)
 

@@ -99,13 +99,23 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, *,
     if echo and logprobs is not None:
         # The echoed prompt tokens get logprobs too (OpenAI's legacy completions, vLLM).
         prompt_logprobs = max(prompt_logprobs or 0, logprobs)
+    n = body.n if body.n is not None else 1
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and best_of != n:
+        # vLLM's best_of: best_of candidates, of which the renderer returns the n with
+        # the highest cumulative logprob; so each token's logprob is needed.
+        if best_of < n:
+            raise InvalidRequest(f"best_of must be at least n ({n}), got {best_of}", "best_of")
+        if body.stream:
+            raise InvalidRequest("best_of is not available with stream: true", "best_of")
+        n, logprobs = best_of, 0 if logprobs is None else logprobs
     for tid in body.stop_token_ids or ():
         _int_in_range(tid, "stop_token_ids")
     logit_bias = _logit_bias(body.logit_bias)
     structured = structured_output(body)
     try:
         params = SamplingParams(
-            n=body.n if body.n is not None else 1,
+            n=n,
             max_tokens=max_tokens,
             min_tokens=body.min_tokens or 0,
             temperature=float(pick(body.temperature, "temperature", 1.0)),

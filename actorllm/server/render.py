@@ -46,6 +46,7 @@ class ChoiceState:
     prompt_pos: int = 0
     prompt_offsets: PromptOffsets | None = None
     prompt_field: list[Any] = attrs.Factory(list)
+    cum_logprob: float = 0.0  # of the sampled tokens (best_of ranks choices by it)
 
     @property
     def text(self) -> str:
@@ -188,7 +189,13 @@ def _tool_finish(finish: str | None, called: bool) -> str | None:
 
 
 class CompletionRenderer(_RendererBase):
-    """``text_completion``, whole or streamed."""
+    """``text_completion``, whole or streamed. ``best_of=(n, k)``: each prompt's ``k``
+    choices are candidates, and the whole answer keeps the ``n`` with the highest
+    cumulative logprob (vLLM's ``best_of``; never streamed)."""
+
+    def __init__(self, *, best_of: tuple[int, int] | None = None, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.best_of = best_of
 
     def prelude(self) -> list[dict[str, Any]]:
         return []
@@ -197,6 +204,7 @@ class CompletionRenderer(_RendererBase):
         index = job.index_base + out.index
         st = self.choices[index]
         text = out.text
+        st.cum_logprob += sum(lp.logprob for lp in out.logprobs)
         if not st.started:
             st.started = True
             text = job.echo + text
@@ -230,9 +238,22 @@ class CompletionRenderer(_RendererBase):
             choice["stop_reason"] = out.stop_reason
         return self._envelope("text_completion", [choice])
 
+    def _kept(self) -> list[tuple[int, ChoiceState]]:
+        """The choices the answer shows, in order (with best_of, the best of each prompt's)."""
+        ordered = sorted(self.choices.items())
+        if self.best_of is None:
+            return ordered
+        n, k = self.best_of
+        kept: list[tuple[int, ChoiceState]] = []
+        for p in range(0, len(ordered), k):
+            group = sorted((st for _, st in ordered[p : p + k]),
+                           key=lambda st: -st.cum_logprob)  # stable: ties keep their order
+            kept += [(p // k * n + j, st) for j, st in enumerate(group[:n])]
+        return kept
+
     def final(self, usage: dict[str, int]) -> dict[str, Any]:
         choices = []
-        for i, st in sorted(self.choices.items()):
+        for i, st in self._kept():
             lps = None
             if self.want_logprobs:
                 lps = st.completion_lps or {"tokens": [], "token_logprobs": [],

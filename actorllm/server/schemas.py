@@ -239,6 +239,9 @@ class CompletionRequest(_SamplingFields):
     max_tokens: _CompletionMaxTokens | None = Field(16, description="0 only with echo")
     logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
     echo: bool | None = Field(False, description="with logprobs: the prompt's logprobs too")
+    best_of: Annotated[Int, Field(ge=1, le=128)] | None = Field(
+        None, description="candidates per prompt (at least n); the n with the highest "
+        "cumulative logprob are returned; not with stream")
 
 
 class TokenizeRequest(_Request):
