@@ -3,7 +3,7 @@
 These classes live here alone (DESIGN.md §1): the handlers convert a request into a
 :class:`~actorllm.messages.GenerateRequest` at the edge, and nothing past the Frontend
 ever sees them. A field is honoured or refused: request models forbid unknown fields,
-so a client that sends one we do not implement (``best_of``, ``logit_processors``, ...)
+so a client that sends one we do not implement (``use_beam_search``, ``logits_processors``, ...)
 gets a 400 naming it instead of an answer that quietly ignored it. The few fields that
 are accepted and ignored on purpose (``user``, ``metadata``, ...) are declared below,
 each with its reason. Every optional field accepts an explicit ``null``.
