@@ -712,9 +712,10 @@ Byte-level BPE trained with `tokenizers` on the training split, vocabulary {m['v
 (ByteLevel pre-tokenizer and decoder, so decoding an encoding gives back the text). Special
 tokens: {', '.join(f'`{t}`' for t in SPECIAL_TOKENS)}. Encoding prepends `<|bos|>`; documents
 end with `<|eos|>`. Chat template (in `tokenizer_config.json`):
-`<|bos|><|system|>\\n...<|end|>\\n<|user|>\\n...<|end|>\\n<|assistant|>\\n`. With `tools` it lists them in a system
-turn and writes calls as a JSON list of `{"name", "arguments"}` (the model was not trained on
-tools; chats without tools render as they always did).
+`<|bos|><|system|>\\n...<|end|>\\n<|user|>\\n...<|end|>\\n<|assistant|>\\n`.
+With `tools` it lists them in a system turn and writes calls as a JSON list of
+`{{"name", "arguments"}}` (the model was not trained on tools; chats without tools render as
+they always did).
 
 ## Architecture
 
