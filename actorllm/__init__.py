@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from actorllm.messages import SamplingParams
+from actorllm.messages import SamplingParams, StructuredOutput
 
-__all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "open_engine"]
+__all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "StructuredOutput",
+           "open_engine"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:

@@ -34,6 +34,22 @@ class InvalidRequest(ValueError):
 # --- what the caller asks for -------------------------------------------------------
 
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+
+
+@attrs.frozen
+class StructuredOutput:
+    """A grammar the output must match (vLLM's structured outputs; :mod:`actorllm.structured`).
+
+    ``kind``: "json" (``spec`` a JSON schema), "regex", "choice" (a JSON list of strings)
+    or "grammar" (Lark or GBNF). ``param``: the request field it came from, for errors.
+    """
+
+    kind: str
+    spec: str
+    param: str = "structured_outputs"
+
+
 @attrs.frozen
 class SamplingParams:
     """How to sample one request (OpenAI/vLLM semantics). ``validate`` says what is wrong."""
@@ -59,6 +75,7 @@ class SamplingParams:
     # None: none; k >= 0: each prompt position's own token and k alternatives (vLLM's
     # prompt_logprobs; position 0 has nothing to condition on and gets None).
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None  # constrain the output to a grammar
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise :class:`InvalidRequest` naming the first bad value."""
@@ -89,6 +106,9 @@ class SamplingParams:
         for ok, param, why in checks:
             if not ok:
                 raise InvalidRequest(f"{param} {why}, got {getattr(self, param)!r}", param)
+        if self.structured is not None and self.structured.kind not in STRUCTURED_KINDS:
+            raise InvalidRequest(f"{self.structured.param}: unknown kind "
+                                 f"{self.structured.kind!r}", self.structured.param)
         for name, v in (("temperature", self.temperature), ("top_p", self.top_p)):
             if v != v:  # NaN
                 raise InvalidRequest(f"{name} must be a number", name)
@@ -110,6 +130,7 @@ class SamplingParams:
 class ChatMessage:
     role: str
     content: str
+    extra: str = ""  # a JSON object of further template keys (tool_calls, tool_call_id, name)
 
 
 @attrs.frozen
@@ -125,6 +146,7 @@ class GenerateRequest:
     messages: tuple[ChatMessage, ...] | None = None
     add_generation_prompt: bool = True
     arrival_time: float = 0.0
+    tools: str | None = None  # chat: a JSON list of tool definitions for the template
 
 
 @attrs.frozen
@@ -416,33 +438,9 @@ ControlMessage = Union[  # noqa: UP007
 ]
 
 MESSAGE_TYPES: tuple[type, ...] = (
-    SamplingParams,
-    ChatMessage,
-    GenerateRequest,
-    AbortRequest,
-    SequenceRequest,
-    RequestFailed,
-    NewSeqData,
-    ScheduledSeq,
-    StepPlan,
-    TokenLogprob,
-    SampledToken,
-    PromptLogprobs,
-    StepResult,
-    DetokSetup,
-    TokenOut,
-    SchedulerStats,
-    TokenBatch,
-    StopMatched,
-    TextDelta,
-    RequestFinished,
-    OutputBatch,
-    Hello,
-    Ready,
-    StartFailed,
-    MailboxStat,
-    Heartbeat,
-    DrainQuery,
-    DrainReport,
-    Shutdown,
+    StructuredOutput, SamplingParams, ChatMessage, GenerateRequest, AbortRequest,
+    SequenceRequest, RequestFailed, NewSeqData, ScheduledSeq, StepPlan, TokenLogprob,
+    SampledToken, PromptLogprobs, StepResult, DetokSetup, TokenOut, SchedulerStats, TokenBatch,
+    StopMatched, TextDelta, RequestFinished, OutputBatch, Hello, Ready, StartFailed,
+    MailboxStat, Heartbeat, DrainQuery, DrainReport, Shutdown,
 )

@@ -16,28 +16,38 @@ forward pass's hidden states, for the rows of the sequences that ask only.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from actorllm.messages import PromptLogprobs, SamplingParams, ScheduledSeq, TokenLogprob
 
+if TYPE_CHECKING:
+    from actorllm.structured import Grammar
+
 _MASK64 = (1 << 64) - 1
 _GREEDY_BELOW = 1e-5  # temperatures this small are argmax (dividing by them overflows)
 
 
 class SamplingState:
-    """What the sampler remembers about one sequence: its params and token history."""
+    """What the sampler remembers about one sequence: its params and token history.
+
+    ``grammar`` (structured output) must already have been advanced past
+    ``output_token_ids``; ``append`` advances it with each new token.
+    """
 
     def __init__(
         self,
         params: SamplingParams,
         prompt_token_ids: Sequence[int],
         output_token_ids: Sequence[int] = (),
+        grammar: Grammar | None = None,
     ) -> None:
         self.params = params
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.output_token_ids = list(output_token_ids)
+        self.grammar = grammar
         # Built lazily, only for rows that use penalties, then kept up to date by append.
         self._output_counts: Tensor | None = None
         self._seen: Tensor | None = None
@@ -45,6 +55,8 @@ class SamplingState:
     def append(self, token_id: int) -> None:
         """Record a sampled token (it counts for penalties and the seeded position)."""
         self.output_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if self._output_counts is not None:
             self._output_counts[token_id] += 1
         if self._seen is not None:
@@ -173,7 +185,12 @@ def process_logits(
             stops = [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]
             stops = [t for t in stops if 0 <= t < vocab]
             if stops:
+                kept = logits[i, stops].clone() if state.grammar is not None else None
                 logits[i, stops] = float("-inf")
+                if kept is not None and bool(torch.isinf(logits[i]).all()):
+                    # A complete grammar allows only EOS (its mask came first): the
+                    # grammar wins, or there would be no token left to draw.
+                    logits[i, stops] = kept
         if p.logit_bias:
             ids, biases = zip(*p.logit_bias, strict=True)
             logits[i].index_add_(

@@ -15,6 +15,7 @@ than they do (and the simulation's delivery order stays the test's to choose).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +36,7 @@ from actorllm.messages import (
     SequenceRequest,
     TokenizerInput,
 )
+from actorllm.structured import LLGuidanceBackend
 from actorllm.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -72,12 +74,20 @@ def input_chars(req: GenerateRequest) -> int:
     return sum(len(m.role) + len(m.content) for m in req.messages or ())
 
 
+def _json(text: str, param: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequest(f"{param}: not JSON: {exc}", param) from None
+
+
 class PromptEncoder:
     """Pure tokenization and validation; the actor below only moves messages."""
 
     def __init__(self, hf_tokenizer: Any, info: ModelInfo) -> None:
         self.tok = hf_tokenizer
         self.info = info
+        self._grammars: LLGuidanceBackend | None = None  # built on the first grammar
 
     def encode(self, req: GenerateRequest) -> SequenceRequest:
         """Validate and tokenize; raises InvalidRequest with a clear message."""
@@ -86,6 +96,12 @@ class PromptEncoder:
             raise InvalidRequest("give exactly one of prompt, prompt token ids or messages",
                                  "prompt")
         req.params.validate(self.info.vocab_size)
+        if req.params.structured is not None:
+            # Compiled here (and cached) so the Worker never meets a grammar that fails.
+            if self._grammars is None:
+                self._grammars = LLGuidanceBackend(self.tok, self.info.vocab_size,
+                                                   self.info.eos_token_ids)
+            self._grammars.check(req.params.structured)
         if req.prompt_token_ids is not None:
             ids = list(req.prompt_token_ids)
             bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
@@ -93,7 +109,9 @@ class PromptEncoder:
                 raise InvalidRequest(f"token id {bad[0]} is not in the vocabulary "
                                      f"(size {self.info.vocab_size})", "prompt")
         else:
-            ids = self.token_ids(req.prompt, req.messages, req.add_generation_prompt)
+            tools = None if req.tools is None else _json(req.tools, "tools")
+            ids = self.token_ids(req.prompt, req.messages, req.add_generation_prompt,
+                                 tools=tools)
         if not ids:
             raise InvalidRequest("prompt must not be empty", "prompt")
         limit = self.info.max_model_len
@@ -121,15 +139,15 @@ class PromptEncoder:
         )
 
     def token_ids(self, prompt: str | None, messages: Sequence[ChatMessage] | None,
-                  add_generation_prompt: bool = True, add_special_tokens: bool = True
-                  ) -> list[int]:
+                  add_generation_prompt: bool = True, add_special_tokens: bool = True,
+                  tools: list[Any] | None = None) -> list[int]:
         """The ids of a text prompt or of chat messages through the template.
 
         The one place text becomes ids: the Tokenizer actor and ``POST /tokenize`` both
         call it, so they refuse the same inputs with the same messages.
         """
         if messages is not None:
-            return self._chat(messages, add_generation_prompt)
+            return self._chat(messages, add_generation_prompt, tools)
         if not prompt:
             raise InvalidRequest("prompt must not be empty", "prompt")
         if not is_text(prompt):
@@ -137,7 +155,8 @@ class PromptEncoder:
                                  "surrogate)", "prompt")
         return list(self.tok(prompt, add_special_tokens=add_special_tokens).input_ids)
 
-    def _chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def _chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+              tools: list[Any] | None = None) -> list[int]:
         if not messages:
             raise InvalidRequest("messages must not be empty", "messages")
         if getattr(self.tok, "chat_template", None) is None:
@@ -146,10 +165,14 @@ class PromptEncoder:
             if not (is_text(m.role) and is_text(m.content)):
                 raise InvalidRequest("messages must be valid Unicode text (a lone surrogate "
                                      f"in message {i})", f"messages[{i}]")
-        convo = [{"role": m.role, "content": m.content} for m in messages]
+        # `extra` (tool calls, tool_call_id) was made from a JSON object by the edge.
+        convo = [{"role": m.role, "content": m.content,
+                  **(_json(m.extra, f"messages[{i}]") if m.extra else {})}
+                 for i, m in enumerate(messages)]
+        kwargs: dict[str, Any] = {"tools": tools} if tools else {}
         try:
             out = self.tok.apply_chat_template(
-                convo, add_generation_prompt=add_generation_prompt, tokenize=True
+                convo, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
             )
         except Exception as exc:  # a template can raise anything (jinja's raise_exception)
             raise InvalidRequest(f"chat template failed: {exc}", "messages") from None
@@ -179,7 +202,8 @@ class Tokenizer:
                 await self.scheduler.send(msg)
                 continue
             try:
-                if input_chars(msg) <= INLINE_CHARS:
+                # A grammar's first compile may take milliseconds: never on the loop.
+                if input_chars(msg) <= INLINE_CHARS and msg.params.structured is None:
                     seq = self.encoder.encode(msg)
                 else:
                     seq = await trio.to_thread.run_sync(self.encoder.encode, msg)

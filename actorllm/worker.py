@@ -27,6 +27,7 @@ from actorllm.config import ModelInfo, read_model_info
 from actorllm.mailbox import Inbox, Outbox
 from actorllm.messages import (
     FEED_LAST_SAMPLE,
+    NewSeqData,
     PromptLogprobs,
     SampledToken,
     StepPlan,
@@ -37,6 +38,7 @@ from actorllm.model.llama import head_dim_of
 from actorllm.ops import select_backend
 from actorllm.ops.cpu_linear import pack_linears
 from actorllm.sampler import SamplingState, prompt_logprobs, sample
+from actorllm.structured import Grammar, GrammarBackend, LLGuidanceBackend, apply_grammar_masks
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,9 @@ class ModelRunner:
         self.max_model_len: int = info.max_model_len
         self.eos_token_ids: tuple[int, ...] = info.eos_token_ids
         self.block_size = block_size
+        self._model_dir = str(model_dir)
+        self._grammars: GrammarBackend | None = None  # built on the first grammar
+        self._constrained: set[str] = set()  # rids whose state has a grammar
 
         num_kv_heads, head_dim = config.num_key_value_heads, head_dim_of(config)
         num_layers = config.num_hidden_layers
@@ -140,6 +145,7 @@ class ModelRunner:
     def drop_all(self) -> None:
         """Drop every rid's sampling state (a new Scheduler starts from nothing)."""
         self._states.clear()
+        self._constrained.clear()
 
     @property
     def num_states(self) -> int:
@@ -168,12 +174,13 @@ class ModelRunner:
         last_step = {s.rid for s in plan.seqs if s.new is None}
         for rid in plan.drop:
             if rid not in last_step:
-                self._states.pop(rid, None)
+                self._drop(rid)
         for seq in plan.seqs:
             if seq.new is not None:
                 new = seq.new
                 self._states[seq.rid] = SamplingState(
-                    new.params, new.prompt_token_ids, new.output_token_ids
+                    new.params, new.prompt_token_ids, new.output_token_ids,
+                    self._grammar(seq.rid, new),
                 )
             elif (seq.sample or seq.prompt_logprobs_from is not None) \
                     and seq.rid not in self._states:
@@ -194,6 +201,8 @@ class ModelRunner:
                                          self.model.compute_logits)
             sampled = [s for s in plan.seqs if s.sample]
             states = [self._states[s.rid] for s in sampled]
+            if self._constrained:  # unconstrained batches skip this altogether
+                apply_grammar_masks(logits, [s.grammar for s in states])
             results = sample(logits, states, self.eos_token_ids)
             for state, (token_id, _) in zip(states, results, strict=True):
                 state.append(token_id)
@@ -204,7 +213,7 @@ class ModelRunner:
             sample_s = time.perf_counter() - t1
         for rid in plan.drop:
             if rid in last_step:
-                self._states.pop(rid, None)
+                self._drop(rid)
         forward_s = time.perf_counter() - t0 - sample_s
         return StepResult(
             step_id=plan.step_id, tokens=tokens, forward_s=forward_s, sample_s=sample_s,
@@ -228,6 +237,27 @@ class ModelRunner:
             raise ValueError(f"rid {rid!r}: its last sample is at position {expected}, "
                              f"fed to {position}")
         return state.output_token_ids[-1]
+
+    def _drop(self, rid: str) -> None:
+        self._states.pop(rid, None)
+        self._constrained.discard(rid)
+
+    def _grammar(self, rid: str, new: NewSeqData) -> Grammar | None:
+        """A fresh matcher for a structured-output sequence, advanced past what it has made
+        (a preempted sequence comes back with its output tokens). The Tokenizer checked the
+        spec, so a failure here is a bug and fails the step."""
+        self._constrained.discard(rid)
+        spec = new.params.structured
+        if spec is None:
+            return None
+        if self._grammars is None:
+            from actorllm.tokenizer import load_hf_tokenizer
+
+            self._grammars = LLGuidanceBackend(load_hf_tokenizer(self._model_dir),
+                                               self.vocab_size, self.eos_token_ids)
+        grammar = self._grammars.grammar(spec, new.output_token_ids)
+        self._constrained.add(rid)
+        return grammar
 
     def _prepare(self, plan: StepPlan) -> ForwardBatch:
         """Pack the plan into device tensors: flat int arrays built in one pass, one copy each.

@@ -61,11 +61,29 @@ SPECIAL_TOKENS = [BOS, EOS, PAD, SYSTEM, USER, ASSISTANT, END]
 # sees at training time exactly the strings that apply_chat_template produces at run time.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    # Tools (added after training; chats without tools render exactly as before): a system
+    # turn lists them, an assistant's calls are a JSON list of {"name", "arguments"}
+    # (actorllm's `json` tool-call parser reads that back), a tool's result is a system turn.
+    "{% if tools %}{{ '<|system|>\\nYou can call these functions. To call them, answer with "
+    "only a JSON list of calls: [{\"name\": ..., \"arguments\": {...}}].\\n' }}"
+    "{% for tool in tools %}{{ (tool['function'] if tool['function'] is defined else tool)"
+    " | tojson }}{{ '\\n' }}{% endfor %}{{ '<|end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('roles must be system, user or assistant') }}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('roles must be system, user, assistant or tool') }}"
     "{% endif %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|system|>\\nResult of ' + (message['name'] or message['tool_call_id'] or 'a call')"
+    " + ': ' + (message['content'] | trim) + '<|end|>\\n' }}"
+    "{% elif message['tool_calls'] %}"
+    "{{ '<|assistant|>\\n' }}{% if message['content'] %}{{ (message['content'] | trim)"
+    " + '\\n' }}{% endif %}[{% for call in message['tool_calls'] %}"
+    "{% if not loop.first %}, {% endif %}{% set f = call['function'] if call['function']"
+    " is defined else call %}{\"name\": {{ f['name'] | tojson }}, \"arguments\": "
+    "{{ f['arguments'] | tojson }}}{% endfor %}]{{ '<|end|>\\n' }}"
+    "{% else %}"
     "{{ '<|' + message['role'] + '|>\\n' + (message['content'] | trim) + '<|end|>\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
@@ -695,6 +713,9 @@ Byte-level BPE trained with `tokenizers` on the training split, vocabulary {m['v
 tokens: {', '.join(f'`{t}`' for t in SPECIAL_TOKENS)}. Encoding prepends `<|bos|>`; documents
 end with `<|eos|>`. Chat template (in `tokenizer_config.json`):
 `<|bos|><|system|>\\n...<|end|>\\n<|user|>\\n...<|end|>\\n<|assistant|>\\n`.
+With `tools` it lists them in a system turn and writes calls as a JSON list of
+`{{"name", "arguments"}}` (the model was not trained on tools; chats without tools render as
+they always did).
 
 ## Architecture
 

@@ -361,17 +361,27 @@ def test_max_tokens_one(client: openai.OpenAI) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 1
 
 
-def test_unknown_fields_are_ignored(client: openai.OpenAI) -> None:
+def test_unknown_fields_are_refused_and_labels_accepted(client: openai.OpenAI) -> None:
+    # A field the server does not implement is a 400 naming it, never quietly ignored.
+    for extra, param in (({"best_of": 1}, "best_of"), ({"foo": {"bar": 1}}, "foo")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=chat(), max_tokens=2,
+                                           extra_body=extra)
+        assert err.value.body["param"] == param  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2,
+                                  extra_body={"whatever": 3})
+    assert err.value.body["param"] == "whatever"  # type: ignore[index]
+    # Labels are accepted and ignored on purpose (README: request fields).
     resp = client.chat.completions.create(
-        model=MODEL, messages=chat(), max_tokens=2,
-        extra_body={"best_of": 1, "foo": {"bar": 1}, "parallel_tool_calls": True},
+        model=MODEL, messages=chat(), max_tokens=2, parallel_tool_calls=True,
         user="someone", presence_penalty=0.5, frequency_penalty=0.5,
         logit_bias={"5": 2.0}, top_p=0.9, stop=None)
     assert resp.choices[0].finish_reason in ("stop", "length")
     resp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, user="x",
                                      extra_body={"top_k": 5, "min_p": 0.1, "min_tokens": 1,
                                                  "repetition_penalty": 1.1,
-                                                 "stop_token_ids": [1], "whatever": 3})
+                                                 "stop_token_ids": [1]})
     assert resp.usage is not None and resp.usage.completion_tokens >= 1
 
 

@@ -33,6 +33,7 @@ from actorllm.messages import (
     SequenceRequest,
     StepResult,
     StopMatched,
+    StructuredOutput,
 )
 from actorllm.replay.tracefile import Line, Session, Trace
 
@@ -242,6 +243,8 @@ def _params(raw: dict[str, Any] | None, max_tokens: int) -> SamplingParams:
             continue
         if isinstance(v, list):
             v = tuple(tuple(x) if isinstance(x, list) else x for x in v)
+        if k == "structured" and isinstance(v, dict):
+            v = StructuredOutput(**v)
         kw[k] = v
     return SamplingParams(**kw)
 

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import attrs
 import trio
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -50,6 +51,7 @@ from actorllm.server.schemas import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from actorllm.server.tools import PARSERS, plan_tools
 from actorllm.tokenizer import PromptEncoder
 
 log = logging.getLogger(__name__)
@@ -80,8 +82,10 @@ class ServerState:
     """What the routes share: the engine, the settings, and the live-request count."""
 
     def __init__(self, engine: AsyncEngine, *, served_model_name: str, api_key: str | None,
-                 max_request_bytes: int, max_pending: int) -> None:
+                 max_request_bytes: int, max_pending: int,
+                 tool_call_parser: str = "json") -> None:
         self.engine = engine
+        self.tool_call_parser = tool_call_parser  # a key of server.tools.PARSERS
         self.model_name = served_model_name
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
@@ -202,10 +206,14 @@ def _request_id(request: Request) -> str:
 
 def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | None = None,
               max_request_bytes: int = 1 << 20,
-              max_pending: int = DEFAULT_MAX_PENDING) -> FastAPI:
+              max_pending: int = DEFAULT_MAX_PENDING,
+              tool_call_parser: str = "json") -> FastAPI:
     """The OpenAI-compatible app for ``engine`` (``app.state.server`` is its ServerState)."""
+    if tool_call_parser not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {tool_call_parser!r}")
     state = ServerState(engine, served_model_name=served_model_name, api_key=api_key,
-                        max_request_bytes=max_request_bytes, max_pending=max_pending)
+                        max_request_bytes=max_request_bytes, max_pending=max_pending,
+                        tool_call_parser=tool_call_parser)
     app = FastAPI(title="actorllm", version=__version__,
                   description="An OpenAI-compatible LLM inference server.")
     app.state.server = state
@@ -250,15 +258,24 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
         state.check_model(body.model)
         params = sampling_params(body, defaults=info.sampling_defaults,
                                  vocab_size=info.vocab_size)
+        tools = plan_tools(body, state.tool_call_parser)
+        if tools is not None and tools.structured is not None:
+            if params.structured is not None:
+                raise InvalidRequest(f"tool_choice {body.tool_choice!r} forces the output; "
+                                     f"it cannot be combined with {params.structured.param}",
+                                     "tool_choice")
+            params = attrs.evolve(params, structured=tools.structured)
         messages = chat_messages(body.messages)
         base = _request_id(request)
         job = Job(GenerateRequest(base, params, messages=messages,
                                   add_generation_prompt=body.add_generation_prompt is not False,
-                                  arrival_time=time.monotonic()))
+                                  arrival_time=time.monotonic(),
+                                  tools=None if tools is None else tools.tools_json))
         renderer = ChatRenderer(response_id=f"chatcmpl-{base}", created=int(time.time()),
                                 model=state.model_name, num_choices=params.n,
                                 texts=state.texts, logprobs=params.logprobs is not None,
-                                prompt_logprobs=body.prompt_logprobs)
+                                prompt_logprobs=body.prompt_logprobs,
+                                tools=None if tools is None or tools.mode == "none" else tools)
         names = ({"max_tokens": "max_completion_tokens"}
                  if body.max_completion_tokens is not None else {})
         names["logprobs"] = "top_logprobs"
@@ -290,12 +307,14 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
                     echo = await state.in_thread(_decode, engine, prompt)
             jobs.append(Job(req, index_base=i * params.n, echo=echo if body.echo else "",
                             echo_skips_special=isinstance(prompt, str)))
-        echo_k = params.logprobs if body.echo else None
+        echo_k = body.logprobs if body.echo else None
+        n = body.n or 1
         renderer = CompletionRenderer(response_id=f"cmpl-{base}", created=int(time.time()),
                                       model=state.model_name,
                                       num_choices=len(prompts) * params.n, texts=state.texts,
-                                      logprobs=params.logprobs is not None,
-                                      prompt_logprobs=body.prompt_logprobs, echo_logprobs=echo_k)
+                                      logprobs=body.logprobs is not None,
+                                      prompt_logprobs=body.prompt_logprobs, echo_logprobs=echo_k,
+                                      best_of=(n, params.n) if params.n != n else None)
         return GenerationResponse(state, jobs, renderer, stream=bool(body.stream),
                                   include_usage=_include_usage(body), request_id=base)
 

@@ -12,7 +12,13 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from actorllm.messages import ChatMessage, InvalidRequest, SamplingParams, TokenLogprob
+from actorllm.messages import (
+    ChatMessage,
+    InvalidRequest,
+    SamplingParams,
+    TokenLogprob,
+)
+from actorllm.server.constraints import structured_output
 from actorllm.server.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest
 
 _INT64 = 2**63
@@ -93,12 +99,23 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, *,
     if echo and logprobs is not None:
         # The echoed prompt tokens get logprobs too (OpenAI's legacy completions, vLLM).
         prompt_logprobs = max(prompt_logprobs or 0, logprobs)
+    n = body.n if body.n is not None else 1
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and best_of != n:
+        # vLLM's best_of: best_of candidates, of which the renderer returns the n with
+        # the highest cumulative logprob; so each token's logprob is needed.
+        if best_of < n:
+            raise InvalidRequest(f"best_of must be at least n ({n}), got {best_of}", "best_of")
+        if body.stream:
+            raise InvalidRequest("best_of is not available with stream: true", "best_of")
+        n, logprobs = best_of, 0 if logprobs is None else logprobs
     for tid in body.stop_token_ids or ():
         _int_in_range(tid, "stop_token_ids")
     logit_bias = _logit_bias(body.logit_bias)
+    structured = structured_output(body)
     try:
         params = SamplingParams(
-            n=body.n if body.n is not None else 1,
+            n=n,
             max_tokens=max_tokens,
             min_tokens=body.min_tokens or 0,
             temperature=float(pick(body.temperature, "temperature", 1.0)),
@@ -117,6 +134,7 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, *,
             include_stop_str_in_output=bool(body.include_stop_str_in_output),
             skip_special_tokens=body.skip_special_tokens is not False,
             prompt_logprobs=prompt_logprobs,
+            structured=structured,
         )
     except (TypeError, ValueError) as exc:  # a generation_config.json value of a wrong type
         raise InvalidRequest(f"bad sampling parameter: {exc}") from None
@@ -129,8 +147,29 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, *,
     return params
 
 
+def _extra(m: ChatMessageIn) -> str:
+    """A message's template keys beyond role and content, as JSON (empty: none)."""
+    extra: dict[str, Any] = {}
+    if m.tool_calls:
+        calls = []
+        for c in m.tool_calls:
+            try:  # the template gets arguments as an object (HF's convention)
+                args: Any = json.loads(c.function.arguments)
+            except ValueError:
+                args = c.function.arguments
+            calls.append({"id": c.id, "type": "function",
+                          "function": {"name": c.function.name, "arguments": args}})
+        extra["tool_calls"] = calls
+    if m.tool_call_id is not None:
+        extra["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        extra["name"] = m.name
+    return json.dumps(extra, ensure_ascii=False) if extra else ""
+
+
 def chat_messages(messages: list[ChatMessageIn]) -> tuple[ChatMessage, ...]:
-    """OpenAI messages -> engine messages; text content only."""
+    """OpenAI messages -> engine messages: text content, and the tool calls an assistant
+    made or the call a ``tool`` message answers, for the chat template."""
     if not messages:
         raise InvalidRequest("messages must not be empty", "messages")
     out = []
@@ -147,7 +186,10 @@ def chat_messages(messages: list[ChatMessageIn]) -> tuple[ChatMessage, ...]:
                                          "only text", f"messages[{i}].content[{j}]")
                 pieces.append(part.text)
             text = "".join(pieces)
-        out.append(ChatMessage(m.role, text))
+        if m.role == "tool" and m.tool_call_id is None:
+            raise InvalidRequest("a tool message needs tool_call_id",
+                                 f"messages[{i}].tool_call_id")
+        out.append(ChatMessage(m.role, text, _extra(m)))
     return tuple(out)
 
 

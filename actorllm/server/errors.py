@@ -127,6 +127,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
                         code="invalid_json")
     param = _param(first.get("loc", ()))
     where = f"{param}: " if param else ""
+    if first.get("type") == "extra_forbidden":
+        # Refused rather than ignored: an answer that quietly ignored it would be wrong.
+        first = {**first, "msg": "this server does not support this field (see the README's "
+                 "table of request fields)"}
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return APIError(400, f"{where}{first.get('msg', 'invalid value')}{more}", param=param,
                     code="invalid_request")

@@ -114,6 +114,7 @@ def serve_main(config: EngineConfig, args: argparse.Namespace) -> int:
         max_request_bytes=int(getattr(args, "max_request_bytes", 1 << 20)),
         max_pending=int(getattr(args, "max_pending", None) or DEFAULT_MAX_PENDING),
         on_engine_death=str(getattr(args, "on_engine_death", None) or "exit"),
+        tool_call_parser=str(getattr(args, "tool_call_parser", None) or "json"),
     )
     return trio.run(_serve, config, resources, options)
 
@@ -121,10 +122,11 @@ def serve_main(config: EngineConfig, args: argparse.Namespace) -> int:
 class _Options:
     def __init__(self, *, host: str, port: int, api_key: str | None, name: str,
                  drain_timeout: float, max_request_bytes: int, max_pending: int,
-                 on_engine_death: str = "exit") -> None:
+                 on_engine_death: str = "exit", tool_call_parser: str = "json") -> None:
         self.host, self.port, self.api_key, self.name = host, port, api_key, name
         self.drain_timeout, self.max_request_bytes = drain_timeout, max_request_bytes
         self.max_pending, self.on_engine_death = max_pending, on_engine_death
+        self.tool_call_parser = tool_call_parser
 
 
 def _hypercorn_config(opts: _Options) -> Any:
@@ -154,7 +156,8 @@ async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
         async with open_engine(config, resources=resources) as engine:
             app = build_app(engine, served_model_name=opts.name, api_key=opts.api_key,
                             max_request_bytes=opts.max_request_bytes,
-                            max_pending=opts.max_pending)
+                            max_pending=opts.max_pending,
+                            tool_call_parser=opts.tool_call_parser)
             state = app.state.server
             shutdown = trio.Event()  # tells hypercorn to stop accepting and close
 

@@ -21,6 +21,7 @@ from actorllm.server.convert import (
     echo_logprobs,
     vllm_prompt_logprobs,
 )
+from actorllm.server.tools import ToolPlan, ToolStream
 
 
 class JobView(Protocol):
@@ -45,6 +46,7 @@ class ChoiceState:
     prompt_pos: int = 0
     prompt_offsets: PromptOffsets | None = None
     prompt_field: list[Any] = attrs.Factory(list)
+    cum_logprob: float = 0.0  # of the sampled tokens (best_of ranks choices by it)
 
     @property
     def text(self) -> str:
@@ -101,7 +103,13 @@ class _RendererBase:
 
 
 class ChatRenderer(_RendererBase):
-    """``chat.completion`` and ``chat.completion.chunk``."""
+    """``chat.completion`` and ``chat.completion.chunk``; with ``tools`` (a plan whose
+    mode is not ``none``) the text is read for tool calls (``server/tools.py``)."""
+
+    def __init__(self, *, tools: ToolPlan | None = None, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.tools = tools
+        self._tool_streams: dict[int, ToolStream] = {}
 
     def prelude(self) -> list[dict[str, Any]]:
         # OpenAI opens each choice with its role before any content.
@@ -116,23 +124,55 @@ class ChatRenderer(_RendererBase):
         self._prompt_field(st, out)
         lps = chat_logprobs(self.texts, out.logprobs) if self.want_logprobs else []
         st.logprobs += lps
-        if not out.text and not lps and out.finish_reason is None:
+        delta: dict[str, Any] = {"content": out.text} if out.text else {}
+        finish = out.finish_reason
+        if self.tools is not None:
+            delta, finish = self._tool_delta(index, out)
+        if not delta and not lps and out.finish_reason is None:
             return None  # held-back text: nothing to tell the client yet
         choice: dict[str, Any] = {
-            "index": index, "delta": {"content": out.text} if out.text else {},
+            "index": index, "delta": delta,
             "logprobs": {"content": lps} if self.want_logprobs else None,
-            "finish_reason": out.finish_reason,
+            "finish_reason": finish,
         }
         if out.finish_reason is not None:
             choice["stop_reason"] = out.stop_reason
         return self._envelope("chat.completion.chunk", [choice])
 
+    def _tool_delta(self, index: int, out: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+        assert self.tools is not None
+        ts = self._tool_streams.setdefault(index, ToolStream(self.tools))
+        content, calls = ts.feed(out.text)
+        finish = out.finish_reason
+        if finish is not None:
+            rest, more = ts.finish()
+            content, calls = content + rest, calls + more
+            finish = _tool_finish(finish, ts.found)
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return delta, finish
+
+    def _message(self, st: ChoiceState) -> tuple[dict[str, Any], str | None]:
+        if self.tools is None:
+            return {"role": "assistant", "content": st.text}, st.merged.finish_reason
+        content, calls = self.tools.message(st.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.as_dict() for c in calls]
+        return message, _tool_finish(st.merged.finish_reason, bool(calls))
+
     def final(self, usage: dict[str, int]) -> dict[str, Any]:
-        choices = [{
-            "index": i, "message": {"role": "assistant", "content": st.text},
-            "logprobs": {"content": st.logprobs} if self.want_logprobs else None,
-            "finish_reason": st.merged.finish_reason, "stop_reason": st.merged.stop_reason,
-        } for i, st in sorted(self.choices.items())]
+        choices = []
+        for i, st in sorted(self.choices.items()):
+            message, finish = self._message(st)
+            choices.append({
+                "index": i, "message": message,
+                "logprobs": {"content": st.logprobs} if self.want_logprobs else None,
+                "finish_reason": finish, "stop_reason": st.merged.stop_reason,
+            })
         response = {**self._envelope("chat.completion", choices), "usage": usage}
         if self.prompt_k is not None:
             # vLLM puts them beside the choices: every choice has the same prompt.
@@ -143,8 +183,19 @@ class ChatRenderer(_RendererBase):
         return {**self._envelope("chat.completion.chunk", []), "usage": usage}
 
 
+def _tool_finish(finish: str | None, called: bool) -> str | None:
+    """OpenAI's ``tool_calls`` for an answer that ended by itself with calls."""
+    return "tool_calls" if called and finish == "stop" else finish
+
+
 class CompletionRenderer(_RendererBase):
-    """``text_completion``, whole or streamed."""
+    """``text_completion``, whole or streamed. ``best_of=(n, k)``: each prompt's ``k``
+    choices are candidates, and the whole answer keeps the ``n`` with the highest
+    cumulative logprob (vLLM's ``best_of``; never streamed)."""
+
+    def __init__(self, *, best_of: tuple[int, int] | None = None, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.best_of = best_of
 
     def prelude(self) -> list[dict[str, Any]]:
         return []
@@ -153,6 +204,7 @@ class CompletionRenderer(_RendererBase):
         index = job.index_base + out.index
         st = self.choices[index]
         text = out.text
+        st.cum_logprob += sum(lp.logprob for lp in out.logprobs)
         if not st.started:
             st.started = True
             text = job.echo + text
@@ -186,9 +238,22 @@ class CompletionRenderer(_RendererBase):
             choice["stop_reason"] = out.stop_reason
         return self._envelope("text_completion", [choice])
 
+    def _kept(self) -> list[tuple[int, ChoiceState]]:
+        """The choices the answer shows, in order (with best_of, the best of each prompt's)."""
+        ordered = sorted(self.choices.items())
+        if self.best_of is None:
+            return ordered
+        n, k = self.best_of
+        kept: list[tuple[int, ChoiceState]] = []
+        for p in range(0, len(ordered), k):
+            group = sorted((st for _, st in ordered[p : p + k]),
+                           key=lambda st: -st.cum_logprob)  # stable: ties keep their order
+            kept += [(p // k * n + j, st) for j, st in enumerate(group[:n])]
+        return kept
+
     def final(self, usage: dict[str, int]) -> dict[str, Any]:
         choices = []
-        for i, st in sorted(self.choices.items()):
+        for i, st in self._kept():
             lps = None
             if self.want_logprobs:
                 lps = st.completion_lps or {"tokens": [], "token_logprobs": [],

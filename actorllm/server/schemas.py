@@ -2,9 +2,11 @@
 
 These classes live here alone (DESIGN.md §1): the handlers convert a request into a
 :class:`~actorllm.messages.GenerateRequest` at the edge, and nothing past the Frontend
-ever sees them. Request models ignore unknown fields, the way vLLM does, so a client
-that sends a parameter we do not know (``best_of``, ``parallel_tool_calls``, ...) gets
-an answer instead of an error. Every optional field accepts an explicit ``null``.
+ever sees them. A field is honoured or refused: request models forbid unknown fields,
+so a client that sends one we do not implement (``use_beam_search``, ``logits_processors``, ...)
+gets a 400 naming it instead of an answer that quietly ignored it. The few fields that
+are accepted and ignored on purpose (``user``, ``metadata``, ...) are declared below,
+each with its reason. Every optional field accepts an explicit ``null``.
 
 The bounds declared here are the ones the server enforces (``SamplingParams.validate``
 checks the same ones again for the Python API), so ``/openapi.json`` tells a client
@@ -47,7 +49,7 @@ def _has_bad_text(value: Any) -> bool:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     @field_validator("*", mode="after")
     @classmethod
@@ -70,16 +72,87 @@ class StreamOptions(_Request):
 
 
 class ContentPart(_Request):
-    """One part of a message's content; only ``text`` parts are supported."""
+    """One part of a message's content; only ``text`` parts are supported (the other
+    kinds' fields are declared so that the 400 says which part is not text)."""
 
     type: str
     text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+
+
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object, in a string")
+
+
+class ToolCallIn(_Request):
+    """A call the assistant made, sent back in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
 
 
 class ChatMessageIn(_Request):
-    role: str
+    role: str = Field(description="system, user, assistant or tool")
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="assistant messages")
+    tool_call_id: str | None = Field(None, description="tool messages: the call answered")
+    # What the openai client puts in an assistant message it hands back: accepted when
+    # null (a real value would have to be honoured, and is not).
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: None = None
+
+
+class FunctionDef(_Request):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema")
+    strict: bool | None = Field(None, description="calls always match the schema when "
+                                "tool_choice forces them; ignored otherwise")
+
+
+class ToolDef(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = Field(None, description="output always matches the schema")
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``: free text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsIn(_Request):
+    """vLLM's ``structured_outputs``: exactly one constraint."""
+
+    json_: dict[str, Any] | str | bool | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = Field(None, description="Lark or GBNF")
+    json_object: bool | None = None
 
 
 class _SamplingFields(_Request):
@@ -112,7 +185,24 @@ class _SamplingFields(_Request):
         None, description="vLLM extension: logprobs of each prompt token and k alternatives")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsIn | None = Field(None, description="vLLM extension")
+    guided_json: dict[str, Any] | str | bool | None = Field(
+        None, description="vLLM extension (older name of structured_outputs.json)")
+    guided_regex: str | None = Field(None, description="vLLM extension")
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = Field(
+        None, description="vLLM extension")
+    guided_grammar: str | None = Field(None, description="vLLM extension")
+    # Accepted and ignored on purpose: they label the request for the caller's own
+    # records or another service's policies and change nothing about the answer.
+    user: str | None = Field(None, description="accepted, ignored (an end-user label)")
+    metadata: dict[str, str] | None = Field(None, description="accepted, ignored (labels)")
+    safety_identifier: str | None = Field(None, description="accepted, ignored (a label)")
+    prompt_cache_key: str | None = Field(
+        None, description="accepted, ignored (a cache hint; the answer does not change)")
+    store: Literal[False] | None = Field(None, description="storing answers is not offered")
+    service_tier: Literal["auto", "default"] | None = Field(
+        None, description="one tier only")
 
 
 _MaxTokens = Annotated[Int, Field(ge=1, le=_INT64_MAX)]
@@ -132,6 +222,11 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = Field(
         None, description="needs logprobs: true")
     add_generation_prompt: bool | None = Field(True, description="vLLM extension")
+    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without")
+    parallel_tool_calls: bool | None = Field(True, description="false: at most one call")
+    modalities: list[Literal["text"]] | None = Field(None, description="text only")
 
 
 class CompletionRequest(_SamplingFields):
@@ -144,6 +239,9 @@ class CompletionRequest(_SamplingFields):
     max_tokens: _CompletionMaxTokens | None = Field(16, description="0 only with echo")
     logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
     echo: bool | None = Field(False, description="with logprobs: the prompt's logprobs too")
+    best_of: Annotated[Int, Field(ge=1, le=128)] | None = Field(
+        None, description="candidates per prompt (at least n); the n with the highest "
+        "cumulative logprob are returned; not with stream")
 
 
 class TokenizeRequest(_Request):
@@ -189,9 +287,21 @@ class ChatLogprobs(_Response):
     content: list[ChatLogprobToken] | None = None
 
 
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(_Response):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_Response):
@@ -220,9 +330,22 @@ class ChatCompletionResponse(_Response):
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
+class FunctionCallDelta(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Response):

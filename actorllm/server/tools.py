@@ -1,0 +1,247 @@
+"""Tool calling for ``/v1/chat/completions``: what the request asks, and calls read back.
+
+``tool_choice`` decides how the output is made and read (as vLLM does):
+
+- ``none``: plain text; nothing is parsed.
+- ``auto`` (the default with tools): the model writes freely and the server's tool-call
+  parser (``--tool-call-parser``) finds calls in the text.
+- ``required``: structured output forces a JSON list of ``{"name", "arguments"}`` objects,
+  one per call (one at most without ``parallel_tool_calls``), each matching its tool's
+  schema; the list is read back as the calls.
+- a named function: structured output forces that function's ``parameters`` schema; the
+  whole output is the call's arguments.
+
+A parser is the format one family of models writes calls in. Two ship: ``json`` (the
+embedded model's template: the answer is a JSON list of ``{"name", "arguments"}``) and
+``hermes`` (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, many open models).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any, Protocol
+
+import attrs
+
+from actorllm.messages import InvalidRequest, StructuredOutput
+from actorllm.server.schemas import ChatCompletionRequest, NamedToolChoice
+
+
+@attrs.frozen
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text
+    id: str = attrs.field(factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _calls_from(items: Any) -> list[ToolCall] | None:
+    """``[{"name": str, "arguments": object}, ...]`` -> calls; None for anything else."""
+    if isinstance(items, dict):
+        items = [items]
+    if not isinstance(items, list) or not items:
+        return None
+    calls = []
+    for item in items:
+        if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
+            return None
+        args = item.get("arguments", item.get("parameters", {}))
+        if not isinstance(args, dict):
+            return None
+        calls.append(ToolCall(item["name"], json.dumps(args, ensure_ascii=False)))
+    return calls
+
+
+class ToolParser(Protocol):
+    """Reads tool calls out of a model's text, whole or as it streams."""
+
+    name: str
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The content left and the calls found (none: the whole text is content)."""
+
+    def split(self, text: str) -> tuple[int, bool]:
+        """Streaming: how much of ``text`` (all the output so far) is surely content, and
+        whether a call has begun (then everything after that prefix waits for the end)."""
+
+
+class JsonListParser:
+    """The answer is a JSON list of calls (a lone call object too), and nothing else."""
+
+    name = "json"
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = text.strip()
+        if body[:1] in ("[", "{"):
+            try:
+                calls = _calls_from(json.loads(body))
+            except ValueError:
+                calls = None
+            if calls:
+                return None, calls
+        return text, []
+
+    def split(self, text: str) -> tuple[int, bool]:
+        body = text.lstrip()
+        if not body:
+            return 0, False  # only whitespace yet: it may still open a list
+        if body[0] in "[{":
+            return 0, True
+        return len(text), False
+
+
+class HermesParser:
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, after optional text."""
+
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        start = text.find(self.OPEN)
+        if start < 0:
+            return text, []
+        calls: list[ToolCall] = []
+        for block in self._BLOCK.findall(text[start:]):
+            try:
+                found = _calls_from(json.loads(block.strip()))
+            except ValueError:
+                found = None
+            if not found:
+                return text, []  # a malformed call: the text stays the answer
+            calls += found
+        content = text[:start].strip()
+        return (content or None), calls
+
+    def split(self, text: str) -> tuple[int, bool]:
+        start = text.find(self.OPEN)
+        if start >= 0:
+            return start, True
+        # Hold back a tail that may be the beginning of "<tool_call>".
+        for keep in range(min(len(self.OPEN) - 1, len(text)), 0, -1):
+            if self.OPEN.startswith(text[-keep:]):
+                return len(text) - keep, False
+        return len(text), False
+
+
+PARSERS: dict[str, ToolParser] = {p.name: p for p in (JsonListParser(), HermesParser())}
+
+
+@attrs.frozen
+class ToolPlan:
+    """What a request's tools mean for its prompt, its constraint and its output."""
+
+    mode: str  # "none", "auto", "required", "named"
+    tools_json: str  # the tool definitions handed to the chat template
+    parser: ToolParser
+    function: str | None = None  # mode "named"
+    parallel: bool = True
+    structured: StructuredOutput | None = None
+
+    def message(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A whole answer's ``content`` and ``tool_calls``."""
+        if self.mode == "named":
+            assert self.function is not None
+            return None, [ToolCall(self.function, text)]
+        if self.mode == "none":
+            return text, []
+        content, calls = (PARSERS["json"] if self.mode == "required" else self.parser).parse(text)
+        return content, calls if self.parallel else calls[:1]
+
+
+def _function_schema(params: dict[str, Any] | None) -> dict[str, Any]:
+    return params if params else {"type": "object", "properties": {}}
+
+
+def plan_tools(body: ChatCompletionRequest, parser: str) -> ToolPlan | None:
+    """The request's tool plan, or None when it has no tools. Raises InvalidRequest."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice is not None and choice != "none":
+            raise InvalidRequest("tool_choice needs tools", "tool_choice")
+        return None
+    tools = [t.function for t in body.tools]
+    names = [f.name for f in tools]
+    if len(set(names)) != len(names):
+        raise InvalidRequest("tools: function names must be unique", "tools")
+    parallel = body.parallel_tool_calls is not False
+    # Arguments as objects for the template (the HF convention for tool definitions).
+    tools_json = json.dumps([t.model_dump(exclude_none=True) for t in body.tools],
+                            ensure_ascii=False)
+    mode = "auto" if choice is None else choice if isinstance(choice, str) else "named"
+    if mode in ("none", "auto"):
+        return ToolPlan(mode, tools_json, PARSERS[parser], parallel=parallel)
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise InvalidRequest(f"tool_choice: no tool is named {choice.function.name!r}",
+                                 "tool_choice")
+        fn = tools[names.index(choice.function.name)]
+        spec = json.dumps(_function_schema(fn.parameters))
+        return ToolPlan("named", tools_json, PARSERS[parser], function=fn.name,
+                        parallel=parallel,
+                        structured=StructuredOutput("json", spec, "tool_choice"))
+    call = {"anyOf": [{"type": "object", "properties": {
+        "name": {"const": f.name}, "arguments": _function_schema(f.parameters)},
+        "required": ["name", "arguments"], "additionalProperties": False} for f in tools]}
+    schema: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return ToolPlan("required", tools_json, PARSERS[parser], parallel=parallel,
+                    structured=StructuredOutput("json", json.dumps(schema), "tool_choice"))
+
+
+@attrs.define
+class ToolStream:
+    """One streamed choice: content goes out as it comes until a call may begin; from
+    there the text waits, and the calls (or, failing that, the text) go out at the end."""
+
+    plan: ToolPlan
+    text: str = ""
+    sent: int = 0  # characters of text sent as content
+    holding: bool = False  # a call has begun
+    opened: bool = False  # named: the call's header went out
+    found: bool = False  # the answer was tool calls
+
+    def feed(self, piece: str) -> tuple[str, list[dict[str, Any]]]:
+        """Content to send now and tool-call deltas, for the next piece of text."""
+        self.text += piece
+        if self.plan.mode == "named":
+            assert self.plan.function is not None
+            self.found = True
+            delta: dict[str, Any] = {"index": 0, "function": {"arguments": piece}}
+            if not self.opened:
+                self.opened = True
+                call = ToolCall(self.plan.function, "")
+                delta = {"index": 0, "id": call.id, "type": "function",
+                         "function": {"name": call.name, "arguments": piece}}
+            return "", [delta] if piece or len(delta) > 2 else []
+        if self.plan.mode == "required":
+            return "", []  # the whole list arrives at the end
+        if self.holding:
+            return "", []
+        safe, self.holding = self.plan.parser.split(self.text)
+        out = self.text[self.sent:safe] if safe > self.sent else ""
+        self.sent = max(self.sent, safe)
+        return out, []
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """What is left to send when the choice ends."""
+        if self.plan.mode == "named":
+            return "", []
+        rest = self.text[self.sent:]
+        if self.plan.mode == "auto" and not self.holding:
+            # Never began a call; anything held back (a partial tag) is content.
+            self.sent = len(self.text)
+            return rest, []
+        _, calls = self.plan.message(self.text)
+        if not calls:
+            self.sent = len(self.text)
+            return rest, []
+        self.found = True
+        # The content before the calls went out already (all the parsers keep it first).
+        return "", [{"index": i, **c.as_dict()} for i, c in enumerate(calls)]

@@ -1,0 +1,124 @@
+"""Tool-call parsers and the streamed tool calls, without a model (``server/tools.py``).
+
+A model-driven test (tests/test_structured.py) covers forced calls; the parsers of
+``tool_choice: auto`` read free text, which the embedded model never writes as calls,
+so here they get text written by hand. Every stream is cut at every position, and what
+the official ``openai`` client reassembles must equal the whole answer's parse.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from actorllm.outputs import CompletionOutput
+from actorllm.server.render import ChatRenderer
+from actorllm.server.schemas import ChatCompletionRequest
+from actorllm.server.tools import PARSERS, plan_tools
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}}}},
+    {"type": "function", "function": {"name": "g"}}]
+
+HERMES = ('Let me look. <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>\n'
+          '<tool_call>{"name": "g", "arguments": {}}</tool_call>')
+JSON = ' [{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]'
+
+
+def _plan(parser: str, **kw: Any) -> Any:
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, **kw})
+    return plan_tools(body, parser)
+
+
+@pytest.mark.parametrize(("parser", "text", "content"), [
+    ("hermes", HERMES, "Let me look."), ("json", JSON, None)])
+def test_parsers_find_the_calls(parser: str, text: str, content: str | None) -> None:
+    got, calls = PARSERS[parser].parse(text)
+    assert got == content
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1}), ("g", {})]
+    assert len({c.id for c in calls}) == 2
+
+
+@pytest.mark.parametrize("parser", ["hermes", "json"])
+@pytest.mark.parametrize("text", [
+    "Plain words, no call.", "[1, 2, 3]", '<tool_call>{"name": 3}</tool_call>',
+    "<tool_call>not json", "a < b and [c]", ""])
+def test_text_that_is_not_a_call_stays_content(parser: str, text: str) -> None:
+    assert PARSERS[parser].parse(text) == (text, [])
+
+
+def _stream(plan: Any, pieces: list[str]) -> tuple[Any, list[dict[str, Any]]]:
+    renderer = ChatRenderer(response_id="chatcmpl-x", created=0, model="m", num_choices=1,
+                            texts=None, logprobs=False, tools=plan)  # type: ignore[arg-type]
+
+    class Job:
+        index_base = 0
+        echo = ""
+        echo_skips_special = True
+
+    state = ChatCompletionStreamState()
+    chunks = renderer.prelude()
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        out = CompletionOutput(0, piece, (1,), finish_reason="stop" if last else None)
+        chunk = renderer.add(Job(), out)  # type: ignore[arg-type]
+        if chunk is not None:
+            chunks.append(chunk)
+    for chunk in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    return state.get_final_completion(), chunks
+
+
+@pytest.mark.parametrize(("parser", "text"), [("hermes", HERMES), ("json", JSON),
+                                              ("hermes", "No <tool_call here, a < b."),
+                                              ("json", "Not a call [x]")])
+def test_streamed_calls_reassemble_to_the_whole_answer(parser: str, text: str) -> None:
+    plan = _plan(parser)
+    want_content, want_calls = plan.message(text)
+    for cut in range(len(text) + 1):
+        for pieces in ([text[:cut], text[cut:]], list(text)) if cut == 0 else \
+                ([text[:cut], text[cut:]],):
+            completion, _ = _stream(plan, pieces)
+            message = completion.choices[0].message
+            calls = message.tool_calls or []
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == \
+                [(c.name, json.loads(c.arguments)) for c in want_calls]
+            assert (message.content or "").strip() == (want_content or "").strip()
+            assert completion.choices[0].finish_reason == ("tool_calls" if want_calls
+                                                           else "stop")
+
+
+def test_content_before_a_call_streams_before_the_end() -> None:
+    plan = _plan("hermes")
+    _, chunks = _stream(plan, ["Let me ", "look. <tool", "_call>{", '"name": "g"', "}</tool_call>"])
+    contents = [c["choices"][0]["delta"].get("content") for c in chunks[1:]]
+    assert contents[:2] == ["Let me ", "look. "]  # "<tool" was held back, then never sent
+
+
+def test_whole_answer_and_parallel_off() -> None:
+    plan = _plan("hermes", parallel_tool_calls=False)
+    renderer = ChatRenderer(response_id="chatcmpl-x", created=0, model="m", num_choices=1,
+                            texts=None, logprobs=False, tools=plan)  # type: ignore[arg-type]
+    renderer.choices[0].merged.add(CompletionOutput(0, HERMES, (1,), finish_reason="stop"))
+    completion = ChatCompletion.model_validate(renderer.final({"prompt_tokens": 1,
+                                                               "completion_tokens": 1,
+                                                               "total_tokens": 2}))
+    calls = completion.choices[0].message.tool_calls
+    assert calls is not None and [c.function.name for c in calls] == ["f"]
+
+
+def test_forced_modes_constrain_the_output() -> None:
+    required = _plan("hermes", tool_choice="required", parallel_tool_calls=False)
+    assert required.structured is not None and required.structured.param == "tool_choice"
+    schema = json.loads(required.structured.spec)
+    assert schema["minItems"] == 1 and schema["maxItems"] == 1
+    assert [a["properties"]["name"]["const"] for a in schema["items"]["anyOf"]] == ["f", "g"]
+    named = _plan("json", tool_choice={"type": "function", "function": {"name": "g"}})
+    assert named.mode == "named" and json.loads(named.structured.spec)["type"] == "object"
+    none = _plan("json", tool_choice="none")
+    assert none.structured is None and none.message(JSON) == (JSON, [])
