@@ -59,6 +59,9 @@ class SamplingParams:
     # None: none; k >= 0: each prompt position's own token and k alternatives (vLLM's
     # prompt_logprobs; position 0 has nothing to condition on and gets None).
     prompt_logprobs: int | None = None
+    # Lower runs first (vLLM's meaning), ties by arrival; only with --scheduling-policy
+    # priority (AsyncEngine.submit refuses a non-zero one under fcfs).
+    priority: int = 0
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise :class:`InvalidRequest` naming the first bad value."""
@@ -258,6 +261,7 @@ class TokenOut:
     error: str | None = None
     spec: DetokSetup | None = None
     queue_s: float | None = None  # with the finish: arrival to first scheduled
+    cached_tokens: int | None = None  # with the finish: prompt tokens the prefix cache gave
     # Prompt logprobs, in position order; the rid's pieces concatenate to one entry per
     # prompt position, the first (position 0) None. The first piece also carries the
     # prompt's token ids (position 0's token has no logprob entry to name it).
@@ -276,6 +280,8 @@ class SchedulerStats:
     steps: int = 0
     forward_s: float = 0.0  # Worker time in forward passes, summed over steps
     sample_s: float = 0.0  # ... and in sampling
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache, at admissions
+    prefix_cache_hits: int = 0  # ... and found there
 
 
 @attrs.frozen
@@ -314,6 +320,7 @@ class RequestFinished:
     num_prompt_tokens: int = 0
     error: str | None = None
     queue_s: float | None = None
+    cached_tokens: int | None = None
 
 
 @attrs.frozen

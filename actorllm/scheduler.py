@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from typing import Any
 
 import trio
 
+from actorllm import blocks
 from actorllm.kv import BlockPool
 from actorllm.lifecycle import Ledger, State
 from actorllm.mailbox import Inbox, Outbox
@@ -41,6 +41,7 @@ from actorllm.messages import (
     TokenLogprob,
     TokenOut,
 )
+from actorllm.policy import POLICIES, WaitingQueue, arrival_victim, order
 from actorllm.sequence import PromptLogprobsGap, Sequence
 from actorllm.trace import Tracer
 
@@ -48,7 +49,10 @@ log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    """Continuous batching with chunked prefill and preemption by recompute."""
+    """Continuous batching with chunked prefill, preemption by recompute, prefix caching
+    and an optional priority order."""
+
+    pool_class = BlockPool  # a seam for the simulation's planted bugs (tests/sim/bugs.py)
 
     def __init__(
         self,
@@ -60,16 +64,21 @@ class Scheduler:
         block_size: int = 16,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
         tracer: Tracer | None = None,
     ) -> None:
         self.inbox, self.worker, self.detokenizer = inbox, worker, detokenizer
-        self.pool = BlockPool(num_blocks, block_size)
+        self.pool = self.pool_class(num_blocks, block_size, enable_prefix_caching)
+        if scheduling_policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {scheduling_policy!r}")
+        self.priority = scheduling_policy == "priority"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.tracer = tracer
         self.ledger = Ledger("scheduler", tracer)
         self.seqs: dict[str, Sequence] = {}
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue(by_priority=self.priority)
         self.running: list[Sequence] = []
         self.fenced: list[Sequence] = []  # finished, waiting for the step in flight
         self.in_flight: StepPlan | None = None
@@ -87,10 +96,14 @@ class Scheduler:
         self.steps = 0
         self.forward_s = 0.0
         self.sample_s = 0.0
+        self.prefix_cache_queries = 0  # tokens, at each admission (vLLM's counters)
+        self.prefix_cache_hits = 0
         if tracer is not None:  # what `actorllm replay --redrive` needs to rebuild us
             tracer.record("config", actor="scheduler", num_blocks=num_blocks,
                           block_size=block_size, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens)
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          enable_prefix_caching=enable_prefix_caching,
+                          scheduling_policy=scheduling_policy)
 
     # --- the actor --------------------------------------------------------------
 
@@ -164,7 +177,7 @@ class Scheduler:
         )
         self.next_incarnation += 1
         self.seqs[seq.rid] = seq
-        self.waiting.append(seq)
+        self.waiting.add(seq)
         if self.tracer is not None:
             self.tracer.record("input", actor="scheduler", msg="SequenceRequest", rid=req.rid,
                                prompt_tokens=len(req.prompt_token_ids), max_tokens=req.max_tokens,
@@ -187,12 +200,15 @@ class Scheduler:
         assert self.in_flight is None
         budget = self.max_num_batched_tokens
         planned: list[tuple[Sequence, int]] = []
-        queue = list(self.running)
+        while self.priority and (v := arrival_victim(self.waiting, self.running, self._can_start)):
+            self._preempt(v)
+        # Victims come from the end: the newest (fcfs) or the lowest priority, then newest.
+        queue = sorted(self.running, key=order) if self.priority else list(self.running)
         preempted = False
         while queue and budget > 0:
             seq = queue.pop(0)
             n = min(seq.num_tokens - seq.num_computed, budget)
-            while not self._reserve(seq, n):
+            while not blocks.reserve(self.pool, seq, n):
                 # Take blocks from the newest running sequence not yet in this step.
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
@@ -206,18 +222,24 @@ class Scheduler:
         # back in with a chunk and preempted again next step, recomputing for nothing.
         # (Unless nothing runs any more: then the front of the queue may start over.)
         admit = not preempted or not self.running
+        computing = blocks.computing(self.pool, planned) if admit and self.waiting else set()
         # Preempted sequences sit at the front of `waiting`, so they come back first.
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens, budget)
-            if not self._reserve(seq, n):
+            hits = blocks.cache_hits(self.pool, seq)
+            if blocks.next_block_computing(self.pool, seq, hits, computing):
+                break  # it waits a step, then starts from that block too
+            n = min(seq.num_tokens - len(hits) * self.pool.block_size, budget)
+            if not blocks.admit(self.pool, seq, hits, n):
                 break
+            self._count_hits(seq)
             self.waiting.popleft()
             if seq.first_scheduled is None:
                 seq.first_scheduled = time.monotonic()
             self.running.append(seq)
             self.ledger.fire(seq.rid, "schedule")
             planned.append((seq, n))
+            computing |= blocks.computing(self.pool, [(seq, n)])
             budget -= n
         if not planned:
             if self.waiting and not self.running:
@@ -242,26 +264,29 @@ class Scheduler:
                                seqs=[[s.rid, len(s.token_ids), s.sample] for s in plan.seqs])
         return plan
 
-    def _reserve(self, seq: Sequence, n: int) -> bool:
-        """Make sure ``seq`` has blocks for ``n`` more computed tokens."""
-        need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
-        if need <= 0:
-            return True
-        if not self.pool.can_allocate(need):
-            return False
-        seq.block_table.extend(self.pool.allocate(need))
-        return True
+    def _count_hits(self, seq: Sequence) -> None:
+        """An admission: its tokens were looked up, ``num_computed`` of them found."""
+        if self.pool.enable_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += seq.num_computed
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_computed
+
+    def _can_start(self, seq: Sequence) -> bool:
+        """A seat for a waiting sequence, and blocks for its first chunk."""
+        return len(self.running) < self.max_num_seqs and blocks.fits(
+            self.pool, seq, self.max_num_batched_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: give back the blocks now (no step is in flight)."""
         assert not seq.in_flight
         self.running.remove(seq)
-        self.pool.free(seq.block_table)
+        blocks.release(self.pool, seq)
         self._reset_for_recompute(seq)
         if seq.worker_knows:
             seq.worker_knows = False
             self.worker_drops.append(seq.rid)
-        self.waiting.appendleft(seq)
+        self.waiting.add(seq, preempted=True)
         self.num_preemptions += 1
         self.ledger.fire(seq.rid, "preempt")
 
@@ -288,6 +313,7 @@ class Scheduler:
             seq.in_flight = False
             if seq.status is State.RUNNING and result.error is None:
                 seq.num_computed += len(s.token_ids)
+                blocks.register(self.pool, seq)
         # The fence has passed: sequences that finished meanwhile give their blocks back.
         for seq in self.fenced:
             self._free(seq)
@@ -383,8 +409,7 @@ class Scheduler:
         return seq.in_flight
 
     def _free(self, seq: Sequence) -> None:
-        self.pool.free(seq.block_table)
-        seq.block_table = []
+        blocks.release(self.pool, seq)
         del self.seqs[seq.rid]
         if seq.worker_knows:
             self.worker_drops.append(seq.rid)
@@ -405,6 +430,8 @@ class Scheduler:
             steps=self.steps,
             forward_s=self.forward_s,
             sample_s=self.sample_s,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
         )
 
     def drain_problems(self) -> list[str]:

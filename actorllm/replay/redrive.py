@@ -138,6 +138,9 @@ def redrive_session(session: Session, report: RedriveReport) -> None:
         num_blocks=int(num_blocks), block_size=int(config.get("block_size") or 16),
         max_num_seqs=int(config.get("max_num_seqs") or 64),
         max_num_batched_tokens=int(config.get("max_num_batched_tokens") or 2048),
+        # A trace from before prefix caching ran without it.
+        enable_prefix_caching=bool(config.get("enable_prefix_caching")),
+        scheduling_policy=str(config.get("scheduling_policy") or "fcfs"),
         tracer=capture,  # type: ignore[arg-type]
     )
     default_eos = _model_eos(session, report)
@@ -186,6 +189,8 @@ def _scheduler_config(session: Session) -> dict[str, Any]:
         "block_size": header.get("block_size"),
         "max_num_seqs": header.get("max_num_seqs"),
         "max_num_batched_tokens": header.get("max_num_batched_tokens"),
+        "enable_prefix_caching": header.get("enable_prefix_caching"),
+        "scheduling_policy": header.get("scheduling_policy"),
     }
     for line in session.records("config"):
         if line.actor == "scheduler":

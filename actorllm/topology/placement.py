@@ -217,6 +217,8 @@ def build_actors(role: str, wiring: Wiring, config: EngineConfig, parts: Parts,
             num_blocks=parts.runner.num_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, tracer=tracer,
+            enable_prefix_caching=config.enable_prefix_caching,
+            scheduling_policy=config.scheduling_policy,
         )
     if place["worker"] == role:
         from actorllm.worker import Worker  # torch: only where a Worker lives
