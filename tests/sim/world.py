@@ -48,6 +48,7 @@ class World(Watches, Checks):
         self.text = text
         self.hf_tokenizer = hf_tokenizer  # the Tokenizer's, for the prompt logprobs check
         self.recompute_skipped_reported = False
+        self.shared_seen = False  # a block had two holders at once (coverage)
         self.violations: list[InvariantViolation] = []
         self.rec = Recorder(self.report)
         self.clients: list[Client] = []
@@ -91,7 +92,7 @@ class World(Watches, Checks):
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    tracer=self.rec)  # type: ignore[arg-type]
         self.worker = cls("worker", ScriptedWorker)(b["worker"], b["scheduler"].edge("worker"),
-                                                    text.vocab, text.eos_id)
+                                                    text.vocab, text.eos_id, cfg.block_size)
         self.detokenizer = cls("detokenizer", Detokenizer)(text.decode, b["detokenizer"],
                                        b["frontend"].edge("detokenizer"),
                                        b["scheduler"].edge("detokenizer"))
@@ -331,6 +332,9 @@ class World(Watches, Checks):
             "prompt scored only": any(c.params.max_tokens == 0 and r[0] == "length"
                                       for c in self.clients for r in c.reason.values()),
             "recompute owed prompt logprobs": self.recompute_skipped_reported,
+            "prefix cache hit": s.prefix_cache_hits > 0,
+            "cached block evicted": s.pool.evictions > 0,
+            "block shared while in use": self.shared_seen,
         }
         return [name for name, hit in reached.items() if hit]
 
