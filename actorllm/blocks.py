@@ -67,6 +67,11 @@ def admit(pool: BlockPool, seq: Sequence, hits: list[int], n: int) -> bool:
     seq.block_table = [*hits, *pool.allocate(need)]
     seq.num_computed = cached
     seq.num_registered = len(hits)
+    if pool.enable_caching:
+        pool.queries += seq.num_tokens
+        pool.hits += cached
+    if seq.num_cached_tokens is None:  # the first admission's is the request's
+        seq.num_cached_tokens = cached
     return True
 
 

@@ -66,6 +66,9 @@ class BlockPool:
         self.hash_of: dict[int, BlockHash] = {}
         self.by_hash: dict[BlockHash, int] = {}
         self.evictions = 0
+        # vLLM's prefix_cache_queries / _hits: tokens looked up at each admission
+        # (recomputes after preemption too), and found (blocks.admit counts them).
+        self.queries = self.hits = 0
 
     @property
     def num_used(self) -> int:

@@ -96,8 +96,6 @@ class Scheduler:
         self.steps = 0
         self.forward_s = 0.0
         self.sample_s = 0.0
-        self.prefix_cache_queries = 0  # tokens, at each admission (vLLM's counters)
-        self.prefix_cache_hits = 0
         if tracer is not None:  # what `actorllm replay --redrive` needs to rebuild us
             tracer.record("config", actor="scheduler", num_blocks=num_blocks,
                           block_size=block_size, max_num_seqs=max_num_seqs,
@@ -181,7 +179,9 @@ class Scheduler:
         if self.tracer is not None:
             self.tracer.record("input", actor="scheduler", msg="SequenceRequest", rid=req.rid,
                                prompt_tokens=len(req.prompt_token_ids), max_tokens=req.max_tokens,
-                               params=req.params, eos_token_ids=req.eos_token_ids)
+                               params=req.params, eos_token_ids=req.eos_token_ids,
+                               # Cache hits depend on the ids themselves (for redrive).
+                               prompt_token_ids=self.pool.enable_caching and req.prompt_token_ids)
 
     def finish_early(self, rid: str, reason: str, stop: str | None = None) -> bool:
         """Abort, or a stop string: stop future work now. False if nothing was live."""
@@ -232,7 +232,6 @@ class Scheduler:
             n = min(seq.num_tokens - len(hits) * self.pool.block_size, budget)
             if not blocks.admit(self.pool, seq, hits, n):
                 break
-            self._count_hits(seq)
             self.waiting.popleft()
             if seq.first_scheduled is None:
                 seq.first_scheduled = time.monotonic()
@@ -263,14 +262,6 @@ class Scheduler:
             self.tracer.record("plan", actor="scheduler", step=plan.step_id,
                                seqs=[[s.rid, len(s.token_ids), s.sample] for s in plan.seqs])
         return plan
-
-    def _count_hits(self, seq: Sequence) -> None:
-        """An admission: its tokens were looked up, ``num_computed`` of them found."""
-        if self.pool.enable_caching:
-            self.prefix_cache_queries += seq.num_tokens
-            self.prefix_cache_hits += seq.num_computed
-        if seq.num_cached_tokens is None:
-            seq.num_cached_tokens = seq.num_computed
 
     def _can_start(self, seq: Sequence) -> bool:
         """A seat for a waiting sequence, and blocks for its first chunk."""
@@ -430,8 +421,8 @@ class Scheduler:
             steps=self.steps,
             forward_s=self.forward_s,
             sample_s=self.sample_s,
-            prefix_cache_queries=self.prefix_cache_queries,
-            prefix_cache_hits=self.prefix_cache_hits,
+            prefix_cache_queries=self.pool.queries,
+            prefix_cache_hits=self.pool.hits,
         )
 
     def drain_problems(self) -> list[str]:

@@ -115,7 +115,7 @@ def test_hits_are_counted_exactly_in_a_scripted_scenario() -> None:
     d.run()
     assert d.computed("q2")[0] == (8, 3)
     assert d.cached == {"q1": 0, "q2": 8}
-    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (22, 8)
+    assert (s.pool.queries, s.pool.hits) == (22, 8)
     # A prompt on a block boundary: its last token is computed again, so only the first
     # block is a hit (its second block is recomputed into a fresh block).
     s.handle(req("edge", SYSTEM))
@@ -130,7 +130,7 @@ def test_hits_are_counted_exactly_in_a_scripted_scenario() -> None:
     s.handle(req("follow-up", [*SYSTEM, 1, 2, 3, 7, 9]))
     d.run()
     assert d.cached["follow-up"] == 12
-    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (22 + 8 + 10 + 13, 8 + 4 + 8 + 12)
+    assert (s.pool.queries, s.pool.hits) == (22 + 8 + 10 + 13, 8 + 4 + 8 + 12)
     stats = s.stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (53, 32)
     assert s.pool.num_used == 0 and not s.drain_problems()
@@ -264,7 +264,7 @@ def test_cache_off_computes_everything() -> None:
     s.handle(req("q2", [*SYSTEM, 2]))
     d.run()
     assert d.computed("q2")[0] == (0, 9) and d.cached["q2"] == 0
-    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (0, 0)
+    assert (s.pool.queries, s.pool.hits) == (0, 0)
     assert s.pool.cached_blocks() == [] and not s.pool.hash_of
 
 

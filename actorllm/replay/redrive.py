@@ -16,7 +16,8 @@ or ``num_kv_blocks`` when it was given); each request's prompt length and max_to
 depend on each request's EOS ids and sampling params: the ``input`` record's
 ``eos_token_ids`` and ``params`` when present, else the model's EOS ids read from the
 model directory named in the header, with default params (the report says so).
-Token ids of prompts are not recorded and do not matter: only their count does.
+Token ids of prompts matter only to the prefix cache: a Scheduler with it on records
+them (``prompt_token_ids``), one with it off records only their count.
 """
 
 from __future__ import annotations
@@ -138,8 +139,10 @@ def redrive_session(session: Session, report: RedriveReport) -> None:
         num_blocks=int(num_blocks), block_size=int(config.get("block_size") or 16),
         max_num_seqs=int(config.get("max_num_seqs") or 64),
         max_num_batched_tokens=int(config.get("max_num_batched_tokens") or 2048),
-        # A trace from before prefix caching ran without it.
-        enable_prefix_caching=bool(config.get("enable_prefix_caching")),
+        # Unrecorded: on if the prompts' ids were recorded (only a caching Scheduler does).
+        enable_prefix_caching=bool(config["enable_prefix_caching"]
+                                   if config.get("enable_prefix_caching") is not None else any(
+            ln.data.get("prompt_token_ids") for ln in session.records("input"))),
         scheduling_policy=str(config.get("scheduling_policy") or "fcfs"),
         tracer=capture,  # type: ignore[arg-type]
     )
@@ -217,7 +220,8 @@ def _apply(sched: Any, line: Line, default_eos: tuple[int, ...],
         params = _params(d.get("params"), int(d["max_tokens"]))
         eos = d.get("eos_token_ids")
         sched.handle(SequenceRequest(
-            rid=str(d["rid"]), prompt_token_ids=(0,) * int(d["prompt_tokens"]),
+            rid=str(d["rid"]), prompt_token_ids=tuple(d.get("prompt_token_ids") or
+                                                      (0,) * int(d["prompt_tokens"])),
             params=params, max_tokens=int(d["max_tokens"]),
             eos_token_ids=tuple(eos) if eos is not None else default_eos))
         if d.get("params") is None and DEFAULT_PARAMS_NOTE not in report.notes:

@@ -332,7 +332,7 @@ class World(Watches, Checks):
             "prompt scored only": any(c.params.max_tokens == 0 and r[0] == "length"
                                       for c in self.clients for r in c.reason.values()),
             "recompute owed prompt logprobs": self.recompute_skipped_reported,
-            "prefix cache hit": s.prefix_cache_hits > 0,
+            "prefix cache hit": s.pool.hits > 0,
             "cached block evicted": s.pool.evictions > 0,
             "block shared while in use": self.shared_seen,
         }
