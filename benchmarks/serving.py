@@ -18,6 +18,10 @@ What it does, in order (issue 11):
    start-up time), sends one greedy probe per endpoint (to check that both servers
    tokenize and decode alike), then runs every serving scenario with the *same*
    ``vllm bench serve`` client and identical flags, and stops it (SIGTERM, then SIGKILL).
+   The scenarios: random prompts for each endpoint and rate, and ``chat-shared-prefix@inf``
+   (issue 15: one ``--shared-prefix-len``-token prefix shared by every chat request;
+   vLLM with its prefix caching on, actorllm with it on and, as the extra server
+   ``actorllm-single-nocache``, off).
 4. Offline: ``vllm bench throughput`` against actorllm's ``LLM.generate`` on random
    token-id prompts of the same lengths and the same sampling.
 5. Writes ``benchmarks/results/serving.json`` (every raw number, the environment, the
@@ -1055,6 +1059,13 @@ def markdown(result: dict[str, Any]) -> str:
         f"servers `--max-num-seqs {cfg['max_num_seqs']} --max-num-batched-tokens "
         f"{cfg['max_num_batched_tokens']}`; sampling sent on every request: "
         f"{cfg['serve_sampling']}. {cfg['rounds']} round(s); medians over rounds.",
+        *([f"`{SHARED_PREFIX_SCENARIO}`: chat requests of one shared "
+           f"{cfg['shared_prefix_len']}-token prefix (`--random-prefix-len`) and 32 random "
+           "tokens each, 64 output tokens; vLLM runs with `--enable-prefix-caching`, "
+           "`actorllm-single` with its prefix cache (the default) and "
+           "`actorllm-single-nocache` with `--no-enable-prefix-caching`. Its GFLOP/s "
+           "figures count only the 32 random input tokens."]
+          if cfg.get("shared_prefix_len") else []),
         "",
         "| scenario | server | out tok/s | req/s | TTFT mean/p50/p99 ms | "
         "TPOT mean/p50/p99 ms | ITL mean/p50/p99 ms | model GFLOP/s (share) |",
@@ -1337,6 +1348,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
             "command": " ".join(["python", "benchmarks/serving.py",
                                  *(sys.argv[1:] if sys.argv[1:] else [])]),
             "smoke": args.smoke, "num_prompts": args.num_prompts,
+            "shared_prefix_len": args.shared_prefix_len,
             "input_len": args.input_len, "output_len": args.output_len,
             "rates": [("inf" if math.isinf(r) else r) for r in args.rates],
             "endpoints": args.endpoints, "topologies": args.topologies,
