@@ -387,6 +387,13 @@ async def test_http_usage_reports_cached_tokens_and_priority_is_refused_under_fc
         assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
         # Every full block but the one holding the last prompt token.
         assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": (n - 1) // 4 * 4}
+        from prometheus_client.parser import text_string_to_metric_families
+
+        call = await Call("/metrics", method="GET").run(app)
+        samples = {x.name: x.value for f in text_string_to_metric_families(
+            b"".join(call.chunks).decode()) for x in f.samples}
+        assert samples["actorllm:prefix_cache_queries_total"] == 2 * n
+        assert samples["actorllm:prefix_cache_hits_total"] == (n - 1) // 4 * 4
         call = await Call("/v1/completions", {"prompt": "hi", "max_tokens": 2,
                                               "priority": 3}).run(app)
         assert call.status == 400 and call.json()["error"]["param"] == "priority"
