@@ -124,7 +124,8 @@ class AsyncEngine:
                      ) -> OutputCollector:
         """Register and dispatch; read the returned collector for outputs.
 
-        Raises RequestError(code="engine_dead") once the engine is dead or stopping.
+        Raises RequestError(code="engine_dead") once the engine is dead or stopping, and
+        InvalidRequest for a non-zero ``priority`` unless the policy is ``priority``.
         ``reserved``: the caller holds an ``admission.reserve()`` made before a drain
         began, so only a stopped or dead engine refuses it.
         """

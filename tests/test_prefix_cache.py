@@ -317,9 +317,10 @@ _resources: dict[str, Resources] = {}
 
 
 @asynccontextmanager
-async def engine_for(model: Path, **kw: Any) -> AsyncIterator[AsyncEngine]:
-    config = EngineConfig(model=str(model), block_size=4, max_model_len=160, **kw)
-    key = f"{model}/{config.num_kv_blocks}"
+async def engine_for(model: Path, max_model_len: int = 160,
+                     **kw: Any) -> AsyncIterator[AsyncEngine]:
+    config = EngineConfig(model=str(model), block_size=4, max_model_len=max_model_len, **kw)
+    key = f"{model}/{config.num_kv_blocks}/{max_model_len}"
     if key not in _resources:
         _resources[key] = Resources(config)
     async with open_engine(config, resources=_resources[key]) as engine:
@@ -356,9 +357,11 @@ async def test_greedy_output_is_the_same_with_the_cache_on_and_off_and_equals_tr
     outs: dict[bool, list[Any]] = {}
     stats = {}
     for caching in (True, False):
-        # 40 blocks of 4 tokens for ~8 sequences of ~45 tokens: preemption; a 16-token
-        # budget: chunked prefill.
-        async with engine_for(tiny_llama_dir, num_kv_blocks=40, max_num_batched_tokens=16,
+        # 24 blocks of 4 tokens (the fewest a 96-token context allows) for 8 sequences
+        # of ~75 tokens: preemption even with the prefix shared; a 16-token budget:
+        # chunked prefill.
+        async with engine_for(tiny_llama_dir, max_model_len=96, num_kv_blocks=24,
+                              max_num_batched_tokens=16,
                               enable_prefix_caching=caching) as engine:
             outs[caching] = await _generate_all(engine, prompts, params)
             stats[caching] = engine.frontend.stats
