@@ -14,6 +14,9 @@ Theory of operation:
   Scheduler -> Detokenizer -> Scheduler (``StopMatched``) cannot deadlock.
 - The step fence: a sequence that finishes while a step that uses it is in flight
   (abort, stop string) keeps its blocks until that step's result is back.
+- Prefix caching (kv.py, blocks.py): blocks are shared by reference count and cached or
+  evicted only with none left; a fenced sequence keeps its references, so no step in
+  flight ever reads an evicted block.
 """
 
 from __future__ import annotations
