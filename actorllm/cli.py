@@ -31,6 +31,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse the KV blocks of shared prompt prefixes")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="priority: requests' `priority` field orders them (lower first)")
     g.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "cuda"], default="auto")
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
@@ -105,6 +109,8 @@ def engine_config(args: argparse.Namespace) -> Any:
             kv_cache_memory=args.kv_cache_memory,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=args.enable_prefix_caching,
+            scheduling_policy=args.scheduling_policy,
             max_model_len=args.max_model_len,
             attention_backend=args.attention_backend,
             device=args.device,

@@ -27,6 +27,8 @@ class EngineConfig:
     kv_cache_memory: int = 256 * 2**20  # bytes for K and V of all layers
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # or "priority" (SamplingParams.priority)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str = "auto"
     device: str = "cpu"
@@ -53,6 +55,8 @@ class EngineConfig:
             raise ValueError("--max-model-len must be at least 2")
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"--topology must be one of {', '.join(TOPOLOGIES)}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError("--scheduling-policy must be fcfs or priority")
         if self.attention_backend not in ("auto", "torch", "cpu", "cuda"):
             raise ValueError("--attention-backend must be auto, torch, cpu or cuda")
 

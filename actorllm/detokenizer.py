@@ -193,7 +193,8 @@ class Detokenizer:
             if st.stopped is not None and reason != "abort" and reason != "error":
                 reason, stop_reason = "stop", st.stopped
             finished.append(RequestFinished(out.rid, reason or "error", stop_reason,
-                                            st.num_prompt_tokens, out.error, out.queue_s))
+                                            st.num_prompt_tokens, out.error, out.queue_s,
+                                            out.cached_tokens))
             del self.states[out.rid]
 
     def _emitting(self, st: DecodeState) -> bool:

@@ -30,7 +30,7 @@ from actorllm.config import EngineConfig, ModelInfo, read_model_info
 from actorllm.frontend import Frontend
 from actorllm.lifecycle import load_spec
 from actorllm.mailbox import Mailbox
-from actorllm.messages import GenerateRequest
+from actorllm.messages import GenerateRequest, InvalidRequest
 from actorllm.metrics import EngineMetrics
 from actorllm.outputs import OutputCollector, RequestError, RequestOutput
 from actorllm.tokenizer import load_hf_tokenizer
@@ -124,10 +124,14 @@ class AsyncEngine:
                      ) -> OutputCollector:
         """Register and dispatch; read the returned collector for outputs.
 
-        Raises RequestError(code="engine_dead") once the engine is dead or stopping.
+        Raises RequestError(code="engine_dead") once the engine is dead or stopping, and
+        InvalidRequest for a non-zero ``priority`` unless the policy is ``priority``.
         ``reserved``: the caller holds an ``admission.reserve()`` made before a drain
         began, so only a stopped or dead engine refuses it.
         """
+        if request.params.priority and self.config.scheduling_policy != "priority":
+            raise InvalidRequest("priority is only honoured with --scheduling-policy "
+                                 f"priority, got {request.params.priority}", "priority")
         if not (reserved and self.alive):
             refused = self.admission.refusal()
             if refused is not None:

@@ -256,6 +256,10 @@ class Frontend:
             return
         self.ledger.fire(fin.rid, "respond", reason=fin.finish_reason)
         st.collector.num_prompt_tokens = fin.num_prompt_tokens
+        if fin.cached_tokens is not None:
+            c = st.collector.num_cached_tokens
+            st.collector.num_cached_tokens = min(c, fin.cached_tokens) if c is not None \
+                else fin.cached_tokens
         self.metrics.on_finished(fin.finish_reason, fin.num_prompt_tokens,
                                  time.monotonic() - st.arrival)
         if fin.queue_s is not None:

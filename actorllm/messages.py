@@ -76,6 +76,9 @@ class SamplingParams:
     # prompt_logprobs; position 0 has nothing to condition on and gets None).
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None  # constrain the output to a grammar
+    # Lower runs first (vLLM's meaning), ties by arrival; only with --scheduling-policy
+    # priority (AsyncEngine.submit refuses a non-zero one under fcfs).
+    priority: int = 0
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise :class:`InvalidRequest` naming the first bad value."""
@@ -199,13 +202,9 @@ FEED_LAST_SAMPLE = -1
 
 @attrs.frozen
 class ScheduledSeq:
-    """One sequence's share of one step.
-
-    With overlap scheduling a step is planned before the previous one has returned, so
-    the token that step samples is not known yet: it is sent as ``FEED_LAST_SAMPLE``,
-    and the Worker, which runs plans in order, feeds the token it sampled for this rid
-    last. Only a one-token decode row ever carries it.
-    """
+    """One sequence's share of one step. A step planned before the one that samples its
+    token returns (overlap scheduling) carries ``FEED_LAST_SAMPLE`` for it: the Worker,
+    which runs plans in order, feeds the token it sampled for the rid last."""
 
     rid: str
     token_ids: tuple[int, ...]  # the tokens to run now (a prefill chunk, or the last token)
@@ -290,6 +289,7 @@ class TokenOut:
     error: str | None = None
     spec: DetokSetup | None = None
     queue_s: float | None = None  # with the finish: arrival to first scheduled
+    cached_tokens: int | None = None  # with the finish: prompt tokens the prefix cache gave
     # Prompt logprobs, in position order; the rid's pieces concatenate to one entry per
     # prompt position, the first (position 0) None. The first piece also carries the
     # prompt's token ids (position 0's token has no logprob entry to name it).
@@ -308,6 +308,8 @@ class SchedulerStats:
     steps: int = 0
     forward_s: float = 0.0  # Worker time in forward passes, summed over steps
     sample_s: float = 0.0  # ... and in sampling
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache, at admissions
+    prefix_cache_hits: int = 0  # ... and found there
 
 
 @attrs.frozen
@@ -346,6 +348,7 @@ class RequestFinished:
     num_prompt_tokens: int = 0
     error: str | None = None
     queue_s: float | None = None
+    cached_tokens: int | None = None
 
 
 @attrs.frozen

@@ -57,8 +57,14 @@ class EngineMetrics:
                                              "Worker time in sampling", registry=r)
         self.num_preemptions = Counter(p + "num_preemptions", "Sequences preempted",
                                        registry=r)
+        # Tokens looked up in the prefix cache at admissions, and found (vLLM's names).
+        self.prefix_cache_queries = Counter(p + "prefix_cache_queries",
+                                            "Prefix cache lookups, in tokens", registry=r)
+        self.prefix_cache_hits = Counter(p + "prefix_cache_hits",
+                                         "Prefix cache hits, in tokens", registry=r)
         self._totals = {"steps": 0.0, "forward_s": 0.0, "sample_s": 0.0,
-                        "num_preemptions": 0.0}
+                        "num_preemptions": 0.0, "prefix_cache_queries": 0.0,
+                        "prefix_cache_hits": 0.0}
         self.arrivals = 0
 
     def on_stats(self, stats: Any) -> None:
@@ -66,7 +72,9 @@ class EngineMetrics:
         for name, counter in (("steps", self.engine_steps),
                               ("forward_s", self.worker_forward_seconds),
                               ("sample_s", self.worker_sample_seconds),
-                              ("num_preemptions", self.num_preemptions)):
+                              ("num_preemptions", self.num_preemptions),
+                              ("prefix_cache_queries", self.prefix_cache_queries),
+                              ("prefix_cache_hits", self.prefix_cache_hits)):
             value = float(getattr(stats, name))
             if value > self._totals[name]:  # totals only grow within one Scheduler
                 counter.inc(value - self._totals[name])

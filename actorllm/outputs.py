@@ -104,6 +104,8 @@ class OutputCollector:
         self._error: RequestError | None = None
         self._closed = False  # the final output has been read
         self.num_prompt_tokens = 0
+        # Prompt tokens the prefix cache served; with n > 1 the fewest any choice got.
+        self.num_cached_tokens: int | None = None
         self._event = trio.Event()
 
     @property

@@ -1,24 +1,19 @@
 """The Scheduler actor: owns every Sequence, the waiting and running queues, and the
 KV block pool, and makes every finish decision.
 
-It touches nothing else. It hears from the Tokenizer (``SequenceRequest``, and
-``AbortRequest`` forwarded on the same edge), the Worker (``StepResult``) and the
-Detokenizer (``StopMatched``); it speaks ``StepPlan`` to the Worker and
-``TokenBatch`` to the Detokenizer.
-
-Theory of operation:
-- At most ``max_steps_in_flight`` steps are in flight (1, or 2 for overlap scheduling).
-  With 2, the next step is planned while one runs: a sequence whose token the running
-  step samples is planned again with that token left for the Worker to feed forward
-  (``FEED_LAST_SAMPLE``), so the Worker never waits for a round trip through us. Planning
-  ahead never preempts; under KV pressure the pipeline drains to one step and the plain
-  path (which may preempt) takes over.
-- Handling a message is synchronous (``handle``); a separate task does the sending.
-  So the inbox always drains, even while the Detokenizer is slow: the cycle
-  Scheduler -> Detokenizer -> Scheduler (``StopMatched``) cannot deadlock.
-- The step fence: a sequence that finishes while steps that use it are in flight
-  (abort, stop string, or an end found in the older of two steps) keeps its blocks
-  until every one of those steps' results is back.
+It hears from the Tokenizer (``SequenceRequest``, and ``AbortRequest`` on the same edge),
+the Worker (``StepResult``) and the Detokenizer (``StopMatched``); it speaks ``StepPlan``
+to the Worker and ``TokenBatch`` to the Detokenizer. Theory of operation:
+- At most ``max_steps_in_flight`` steps run (1, or 2 for overlap scheduling). With 2 the
+  next step is planned while one runs, a token the running step samples going as
+  ``FEED_LAST_SAMPLE`` for the Worker to feed forward. Planning ahead never preempts:
+  where the plain path would, it plans nothing and the pipeline drains to one step.
+- Handling a message is synchronous (``handle``); a separate task sends. So the inbox
+  always drains, and Scheduler -> Detokenizer -> Scheduler cannot deadlock.
+- The step fence: a sequence that finishes while steps that use it are in flight keeps
+  its blocks until every one of them is back.
+- Prefix caching (kv.py, blocks.py): blocks are shared by reference count and cached or
+  evicted only with none left; a fenced sequence keeps its references.
 """
 
 from __future__ import annotations
@@ -30,13 +25,13 @@ from typing import Any
 
 import trio
 
+from actorllm import blocks
 from actorllm.kv import BlockPool
 from actorllm.lifecycle import Ledger, State
 from actorllm.mailbox import Inbox, Outbox
 from actorllm.messages import (
     FEED_LAST_SAMPLE,
     AbortRequest,
-    PromptLogprobs,
     SchedulerInput,
     SchedulerStats,
     SequenceRequest,
@@ -47,14 +42,18 @@ from actorllm.messages import (
     TokenLogprob,
     TokenOut,
 )
-from actorllm.sequence import PromptLogprobsGap, Sequence
+from actorllm.policy import POLICIES, WaitingQueue, arrival_victim, order
+from actorllm.sequence import Sequence, take_prompt_pieces
 from actorllm.trace import Tracer
 
 log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    """Continuous batching with chunked prefill and preemption by recompute."""
+    """Continuous batching with chunked prefill, preemption by recompute, prefix caching
+    and an optional priority order."""
+
+    pool_class = BlockPool  # a seam for the simulation's planted bugs (tests/sim/bugs.py)
 
     def __init__(
         self,
@@ -67,18 +66,23 @@ class Scheduler:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         max_steps_in_flight: int = 1,
+        enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
         tracer: Tracer | None = None,
     ) -> None:
         if max_steps_in_flight not in (1, 2):
             raise ValueError(f"max_steps_in_flight must be 1 or 2, got {max_steps_in_flight}")
         self.inbox, self.worker, self.detokenizer = inbox, worker, detokenizer
-        self.pool = BlockPool(num_blocks, block_size)
+        self.pool = self.pool_class(num_blocks, block_size, enable_prefix_caching)
+        if scheduling_policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {scheduling_policy!r}")
+        self.priority = scheduling_policy == "priority"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.tracer = tracer
         self.ledger = Ledger("scheduler", tracer)
         self.seqs: dict[str, Sequence] = {}
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue(by_priority=self.priority)
         self.running: list[Sequence] = []
         self.fenced: list[Sequence] = []  # finished, waiting for the step in flight
         self.max_steps_in_flight = max_steps_in_flight
@@ -102,7 +106,9 @@ class Scheduler:
             tracer.record("config", actor="scheduler", num_blocks=num_blocks,
                           block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
-                          max_steps_in_flight=max_steps_in_flight)
+                          max_steps_in_flight=max_steps_in_flight,
+                          enable_prefix_caching=enable_prefix_caching,
+                          scheduling_policy=scheduling_policy)
 
     # --- the actor --------------------------------------------------------------
 
@@ -158,30 +164,23 @@ class Scheduler:
             raise TypeError(type(msg).__name__)
         self._stats_dirty = True
 
-    # --- arrivals and early finishes -----------------------------------------------
-
     def on_request(self, req: SequenceRequest) -> None:
         if req.rid in self.seqs:
             # The Frontend keeps rids unique while live; a duplicate here is a bug upstream.
             raise AssertionError(f"duplicate live rid {req.rid!r} reached the scheduler")
         self.ledger.fire(req.rid, "enqueue", prompt_tokens=len(req.prompt_token_ids))
-        seq = Sequence(
-            rid=req.rid,
-            prompt_ids=list(req.prompt_token_ids),
-            params=req.params,
-            max_tokens=req.max_tokens,
-            eos_ids=frozenset(req.eos_token_ids),
-            view=self.ledger.view(req.rid),
-            arrival_time=req.arrival_time,
-            incarnation=self.next_incarnation,
-        )
+        seq = Sequence(req.rid, list(req.prompt_token_ids), req.params, req.max_tokens,
+                       frozenset(req.eos_token_ids), req.arrival_time,
+                       view=self.ledger.view(req.rid), incarnation=self.next_incarnation)
         self.next_incarnation += 1
         self.seqs[seq.rid] = seq
-        self.waiting.append(seq)
+        self.waiting.add(seq)
         if self.tracer is not None:
             self.tracer.record("input", actor="scheduler", msg="SequenceRequest", rid=req.rid,
                                prompt_tokens=len(req.prompt_token_ids), max_tokens=req.max_tokens,
-                               params=req.params, eos_token_ids=req.eos_token_ids)
+                               params=req.params, eos_token_ids=req.eos_token_ids,
+                               # Cache hits depend on the ids themselves (for redrive).
+                               prompt_token_ids=self.pool.enable_caching and req.prompt_token_ids)
 
     def finish_early(self, rid: str, reason: str, stop: str | None = None) -> bool:
         """Abort, or a stop string: stop future work now. False if nothing was live."""
@@ -199,14 +198,20 @@ class Scheduler:
         """Plan the next step: running sequences first, then admissions. None if idle.
 
         With a step in flight this plans *ahead* (overlap scheduling): it runs what does
-        not wait on that step's results and never preempts; if a running sequence needs
-        blocks there are none of, it plans nothing (see the module docstring).
+        not wait on that step's results and never preempts; where the plain path would
+        preempt, it plans nothing (see the module docstring).
         """
         assert len(self.in_flight) < self.max_steps_in_flight
         ahead = bool(self.in_flight)
         budget = self.max_num_batched_tokens
         planned: list[tuple[Sequence, int]] = []
-        queue = list(self.running)
+        while self.priority and (
+                v := arrival_victim(self.waiting, self.running, self._can_start)):
+            if ahead:
+                return None  # an urgent arrival preempts: only the plain path may
+            self._preempt(v)
+        # Victims come from the end: the newest (fcfs) or the lowest priority, then newest.
+        queue = sorted(self.running, key=order) if self.priority else list(self.running)
         preempted = False
         while queue and budget > 0:
             seq = queue.pop(0)
@@ -215,7 +220,7 @@ class Scheduler:
             n = min(seq.num_unscheduled, budget)
             if n <= 0:
                 continue
-            while not self._reserve(seq, n):
+            while not blocks.reserve(self.pool, seq, n):
                 if ahead:
                     # No preemption while a step runs. Rather than run younger sequences
                     # past an older one, plan nothing: the pipeline drains to one step
@@ -234,11 +239,15 @@ class Scheduler:
         # back in with a chunk and preempted again next step, recomputing for nothing.
         # (Unless nothing runs any more: then the front of the queue may start over.)
         admit = not preempted or not self.running
+        computing = blocks.computing(self.pool, planned) if admit and self.waiting else set()
         # Preempted sequences sit at the front of `waiting`, so they come back first.
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens, budget)
-            if not self._reserve(seq, n):
+            hits = blocks.cache_hits(self.pool, seq)
+            if blocks.next_block_computing(self.pool, seq, hits, computing):
+                break  # it waits a step, then starts from that block too
+            n = min(seq.num_tokens - len(hits) * self.pool.block_size, budget)
+            if not blocks.admit(self.pool, seq, hits, n):
                 break
             self.waiting.popleft()
             if seq.first_scheduled is None:
@@ -246,6 +255,7 @@ class Scheduler:
             self.running.append(seq)
             self.ledger.fire(seq.rid, "schedule")
             planned.append((seq, n))
+            computing |= blocks.computing(self.pool, [(seq, n)])
             budget -= n
         if not planned:
             if ahead:
@@ -270,26 +280,21 @@ class Scheduler:
                                seqs=[[s.rid, len(s.token_ids), s.sample] for s in plan.seqs])
         return plan
 
-    def _reserve(self, seq: Sequence, n: int) -> bool:
-        """Make sure ``seq`` has blocks for ``n`` more computed tokens."""
-        need = self.pool.blocks_for(seq.num_scheduled + n) - len(seq.block_table)
-        if need <= 0:
-            return True
-        if not self.pool.can_allocate(need):
-            return False
-        seq.block_table.extend(self.pool.allocate(need))
-        return True
+    def _can_start(self, seq: Sequence) -> bool:
+        """A seat for a waiting sequence, and blocks for its first chunk."""
+        return len(self.running) < self.max_num_seqs and blocks.fits(
+            self.pool, seq, self.max_num_batched_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: give back the blocks now (no step is in flight)."""
         assert not seq.in_flight and not self.in_flight
         self.running.remove(seq)
-        self.pool.free(seq.block_table)
+        blocks.release(self.pool, seq)
         self._reset_for_recompute(seq)
         if seq.worker_knows:
             seq.worker_knows = False
             self.worker_drops.append(seq.rid)
-        self.waiting.appendleft(seq)
+        self.waiting.add(seq, preempted=True)
         self.num_preemptions += 1
         self.ledger.fire(seq.rid, "preempt")
 
@@ -316,6 +321,7 @@ class Scheduler:
             seq.step_returned(s)
             if seq.status is State.RUNNING and result.error is None:
                 seq.num_computed += len(s.token_ids)
+                blocks.register(self.pool, seq)
         # The fence has passed for sequences no other step in flight names: those that
         # finished meanwhile give their blocks back.
         still = [seq for seq in self.fenced if seq.in_flight]
@@ -329,7 +335,14 @@ class Scheduler:
                 if seq is not None and seq.status is State.RUNNING:
                     self._finish(seq, "fail", "error", error=result.error)
             return
-        pieces = self._prompt_pieces(plan, result.prompt_logprobs)
+        pieces, gaps = take_prompt_pieces(
+            [q for q in (self._running(s.rid) for s in plan.seqs) if q is not None],
+            result.prompt_logprobs)
+        for seq, gap in gaps:
+            # A Worker bug. The client must not get a list with holes, and the other
+            # requests need not die with this one.
+            log.error("%s: %s", seq.rid, gap)
+            self._finish(seq, "fail", "error", error=gap)
         fed = {s.rid for s in plan.seqs if s.token_ids[:1] == (FEED_LAST_SAMPLE,)}
         for tok in result.tokens:
             seq = self._running(tok.rid)
@@ -350,27 +363,6 @@ class Scheduler:
             if seq.max_tokens == 0 and seq.num_computed == seq.num_tokens \
                     and not seq.in_flight:
                 self._finish(seq, "finish", "length")  # the prompt is scored: nothing to sample
-
-    def _prompt_pieces(self, plan: StepPlan, results: tuple[PromptLogprobs, ...]
-                       ) -> dict[str, dict[str, Any]]:
-        """The prompt logprobs this step reported, per running rid, as TokenOut fields."""
-        by_rid = {r.rid: r for r in results}
-        pieces: dict[str, dict[str, Any]] = {}
-        for s in plan.seqs:
-            seq = self._running(s.rid)
-            if seq is None or not seq.owes_prompt_logprobs:
-                continue
-            try:
-                piece = seq.take_prompt_logprobs(by_rid.get(s.rid))
-            except PromptLogprobsGap as gap:
-                # A Worker bug. The client must not get a list with holes, and the other
-                # requests need not die with this one.
-                log.error("%s: %s", s.rid, gap)
-                self._finish(seq, "fail", "error", error=str(gap))
-                continue
-            if piece is not None:
-                pieces[s.rid] = piece
-        return pieces
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
                 piece: dict[str, Any] | None = None) -> None:
@@ -419,16 +411,13 @@ class Scheduler:
         return seq.in_flight > 0
 
     def _free(self, seq: Sequence) -> None:
-        self.pool.free(seq.block_table)
-        seq.block_table = []
+        blocks.release(self.pool, seq)
         del self.seqs[seq.rid]
         if seq.worker_knows:
             self.worker_drops.append(seq.rid)
         self.ledger.fire(seq.rid, "free")
         self.ledger.drop(seq.rid)
         self._freed.append(seq.rid)
-
-    # --- introspection ------------------------------------------------------------------
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -441,6 +430,8 @@ class Scheduler:
             steps=self.steps,
             forward_s=self.forward_s,
             sample_s=self.sample_s,
+            prefix_cache_queries=self.pool.queries,
+            prefix_cache_hits=self.pool.hits,
         )
 
     def drain_problems(self) -> list[str]:

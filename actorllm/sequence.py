@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 
+from actorllm.kv import extend_hashes
 from actorllm.lifecycle import State, View, load_spec
 from actorllm.messages import (
     FEED_LAST_SAMPLE,
@@ -52,6 +53,12 @@ class Sequence:
     # is reported, as None, with the first result). Survives preemption, so a recompute
     # reports only what is still owed and no position is reported twice.
     prompt_lps_next: int = 0
+    # Prefix caching: the hashes of its full blocks so far (kv.extend_hashes grows it),
+    # how many of its blocks it has registered as cached, and how many prompt tokens the
+    # cache gave it at its first admission (the response's ``cached_tokens``).
+    block_hashes: list[bytes] = attrs.Factory(list)
+    num_registered: int = 0
+    num_cached_tokens: int | None = None
     # The Scheduler's view of the rid (``status`` reads it); the Scheduler passes its
     # ledger's, a Sequence built alone gets a fresh one.
     view: View = attrs.Factory(lambda self: View(load_spec(), "scheduler", self.rid),
@@ -77,22 +84,38 @@ class Sequence:
 
         Reporting position p's logprob needs the logits of position p - 1, so while prompt
         logprobs are owed only the tokens before ``prompt_lps_next - 1`` may be skipped
-        (none before the first report); otherwise all of them. (There is no prefix cache
-        yet: this is the rule it must obey. See docs/architecture.md.)
+        (none before the first report); otherwise all of them. The Scheduler's prefix
+        cache obeys it (``Scheduler._cache_hits``; docs/architecture.md).
         """
         if self.owes_prompt_logprobs:
             return max(self.prompt_lps_next - 1, 0)
         return self.num_tokens
+
+    @property
+    def priority(self) -> int:
+        return self.params.priority
+
+    def hashes(self, block_size: int) -> list[bytes]:
+        """The hashes of all its full blocks (prompt and output tokens)."""
+        n = self.num_tokens
+        if len(self.block_hashes) < n // block_size:
+            full = n // block_size * block_size
+            tokens = self.prompt_ids if full <= len(self.prompt_ids) \
+                else self.prompt_ids + self.output_ids
+            extend_hashes(self.block_hashes, tokens, block_size, n)
+        return self.block_hashes
 
     def token(self, i: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
 
     def reset_for_recompute(self) -> None:
-        """Preemption by recompute: the cache keeps nothing of it (its blocks went back)."""
+        """Preemption by recompute: it holds no blocks (they went back; registered ones
+        stay cached, so its recompute may be a cache hit)."""
         assert not self.in_flight
         self.block_table = []
         self.num_computed = self.num_scheduled = 0
+        self.num_registered = 0
 
     @property
     def num_unscheduled(self) -> int:
@@ -192,7 +215,8 @@ class Sequence:
         if self.first_scheduled is not None and self.arrival_time:
             queued = max(self.first_scheduled - self.arrival_time, 0.0)
         out = TokenOut(self.rid, finish_reason=reason, stop_reason=stop_reason, error=error,
-                       spec=self.detok_spec_once(), queue_s=queued)
+                       spec=self.detok_spec_once(), queue_s=queued,
+                       cached_tokens=self.num_cached_tokens)
         if token is None:
             return out
         return attrs.evolve(out, token_ids=token.token_ids, logprobs=token.logprobs,
@@ -207,3 +231,24 @@ class Sequence:
         p = self.params
         return DetokSetup(p.stop, p.include_stop_str_in_output, p.skip_special_tokens,
                          len(self.prompt_ids), self.incarnation)
+
+
+
+def take_prompt_pieces(running: list[Sequence], reported: tuple[PromptLogprobs, ...]
+                       ) -> tuple[dict[str, dict[str, Any]], list[tuple[Sequence, str]]]:
+    """A step's prompt logprobs for the running sequences it named, per rid as TokenOut
+    fields, and the sequences whose report had a gap (with why)."""
+    by_rid = {r.rid: r for r in reported}
+    pieces: dict[str, dict[str, Any]] = {}
+    gaps: list[tuple[Sequence, str]] = []
+    for seq in running:
+        if not seq.owes_prompt_logprobs:
+            continue
+        try:
+            piece = seq.take_prompt_logprobs(by_rid.get(seq.rid))
+        except PromptLogprobsGap as gap:
+            gaps.append((seq, str(gap)))
+            continue
+        if piece is not None:
+            pieces[seq.rid] = piece
+    return pieces, gaps

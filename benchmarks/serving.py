@@ -18,6 +18,10 @@ What it does, in order (issue 11):
    start-up time), sends one greedy probe per endpoint (to check that both servers
    tokenize and decode alike), then runs every serving scenario with the *same*
    ``vllm bench serve`` client and identical flags, and stops it (SIGTERM, then SIGKILL).
+   The scenarios: random prompts for each endpoint and rate, and ``chat-shared-prefix@inf``
+   (issue 15: one ``--shared-prefix-len``-token prefix shared by every chat request;
+   vLLM with its prefix caching on, actorllm with it on and, as the extra server
+   ``actorllm-single-nocache``, off).
 4. Offline: ``vllm bench throughput`` against actorllm's ``LLM.generate`` on random
    token-id prompts of the same lengths and the same sampling.
 5. Writes ``benchmarks/results/serving.json`` (every raw number, the environment, the
@@ -134,13 +138,23 @@ def serving_scenarios(args: argparse.Namespace) -> list[Scenario]:
                 output_len=args.output_len,
                 client_args=("--dataset-name", "random", "--random-range-ratio", "0",
                              "--random-prefix-len", "0")))
+    if args.shared_prefix_len:
+        # Issue 15: chat requests that all open with the same ~400-token text (a system
+        # prompt, in effect), then 32 random tokens: prefix caching's home ground. vLLM
+        # runs with its prefix caching on; actorllm with it on, and again with it off
+        # (the `-nocache` server, which runs only this scenario).
+        scenarios.append(Scenario(
+            name=SHARED_PREFIX_SCENARIO, endpoint="chat", rate=math.inf,
+            num_prompts=args.num_prompts, input_len=32, output_len=64,
+            client_args=("--dataset-name", "random", "--random-range-ratio", "0",
+                         "--random-prefix-len", str(args.shared_prefix_len))))
     # Later scenarios go here, e.g. (issue 11 follow-ups):
-    #   shared prefix: Scenario("completions-prefix@inf", "completions", math.inf, ...,
-    #       client_args=("--dataset-name", "prefix_repetition", ...))
     #   slow reader: Scenario("chat-slow-reader@4", "chat", 4.0, ..., client="slow-reader")
     #       with a driver registered in CLIENTS that reads each stream slowly.
     return scenarios
 
+
+SHARED_PREFIX_SCENARIO = "chat-shared-prefix@inf"
 
 # --- servers ---------------------------------------------------------------------------------
 
@@ -149,9 +163,14 @@ def serving_scenarios(args: argparse.Namespace) -> list[Scenario]:
 class ServerSpec:
     """One server under test: ``vllm``, or actorllm in one topology."""
 
-    name: str  # "vllm", "actorllm-single", "actorllm-engine"
+    name: str  # "vllm", "actorllm-single", "actorllm-engine", "actorllm-single-nocache"
     kind: str  # "vllm" or "actorllm"
     topology: str | None = None
+    extra_args: tuple[str, ...] = ()  # more server flags
+    only: tuple[str, ...] | None = None  # the scenarios it runs (None: all)
+
+    def runs(self, scenario: Scenario) -> bool:
+        return self.only is None or scenario.name in self.only
 
     @property
     def is_peer(self) -> bool:
@@ -265,10 +284,13 @@ class Server:
                   "--max-num-batched-tokens", str(s.max_num_batched_tokens),
                   "--dtype", s.dtype]
         if self.spec.is_peer:
+            # Prefix caching is vLLM v1's default; said explicitly (issue 15 compares it).
             return s.pinned([str(s.vllm_python), str(LAUNCHER), "serve", str(s.model),
-                             *common, "--seed", str(s.seed)])
+                             *common, "--seed", str(s.seed), "--enable-prefix-caching",
+                             *self.spec.extra_args])
         return s.pinned([sys.executable, "-m", "actorllm", "serve", "--model", str(s.model),
-                         *common, "--topology", self.spec.topology or "single"])
+                         *common, "--topology", self.spec.topology or "single",
+                         *self.spec.extra_args])
 
     def start(self) -> float:
         """Spawn and wait for the first 200 on /health; the seconds that took."""
@@ -871,7 +893,8 @@ def run_servers(specs: list[ServerSpec], scenarios: list[Scenario], settings: Se
     """Every server in turn (order rotated each round), every scenario on each."""
     runs: dict[str, dict[str, Any]] = {
         s.name: {"startup_s": [], "probe": None, "processes": None, "scenarios":
-                 {sc.name: [] for sc in scenarios}, "settings": settings.server_settings(s)}
+                 {sc.name: [] for sc in scenarios if s.runs(sc)},
+                 "settings": settings.server_settings(s) | {"args": list(s.extra_args)}}
         for s in specs}
     result_dir = settings.log_dir / "bench-serve"
     result_dir.mkdir(exist_ok=True)
@@ -883,7 +906,7 @@ def run_servers(specs: list[ServerSpec], scenarios: list[Scenario], settings: Se
                 if r == 0:
                     runs[spec.name]["probe"] = probe(server)
                     runs[spec.name]["log"] = str(server.log_path)
-                for scenario in scenarios:
+                for scenario in (sc for sc in scenarios if spec.runs(sc)):
                     tag = f"r{r}-{spec.name}-{scenario.name.replace('@', '-at-')}"
                     raw = CLIENTS[scenario.client](server, scenario, settings, result_dir,
                                                    tag)
@@ -929,6 +952,8 @@ def compare(runs: dict[str, Any], scenarios: list[Scenario], specs: list[ServerS
     for sc in scenarios:
         per: dict[str, Any] = {}
         for spec in specs:
+            if not spec.runs(sc):
+                continue
             row = median_row(runs[spec.name]["scenarios"][sc.name])
             per_request = flops_model(config, sc.input_len, sc.output_len)["flops_per_request"]
             row.update(achieved(row, per_request, limit))
@@ -937,7 +962,7 @@ def compare(runs: dict[str, Any], scenarios: list[Scenario], specs: list[ServerS
         peer = per.get("vllm")
         if peer:
             for spec in specs:
-                if spec.is_peer:
+                if spec.is_peer or spec.name not in per:
                     continue
                 ratios[spec.name] = {
                     k: (round(per[spec.name][k] / peer[k], 3)
@@ -983,6 +1008,8 @@ def targets(summary: dict[str, Any], offline: dict[str, Any] | None) -> list[dic
     out = []
     for name, sc in summary.items():
         for server, ratio in sc["ratios_vs_vllm"].items():
+            if server.endswith("-nocache"):
+                continue  # a baseline (the cache's effect), not a target
             if sc["rate"] == "inf":
                 checks = [("output_throughput", ">=", 1.0)]
             else:
@@ -1032,6 +1059,13 @@ def markdown(result: dict[str, Any]) -> str:
         f"servers `--max-num-seqs {cfg['max_num_seqs']} --max-num-batched-tokens "
         f"{cfg['max_num_batched_tokens']}`; sampling sent on every request: "
         f"{cfg['serve_sampling']}. {cfg['rounds']} round(s); medians over rounds.",
+        *([f"`{SHARED_PREFIX_SCENARIO}`: chat requests of one shared "
+           f"{cfg['shared_prefix_len']}-token prefix (`--random-prefix-len`) and 32 random "
+           "tokens each, 64 output tokens; vLLM runs with `--enable-prefix-caching`, "
+           "`actorllm-single` with its prefix cache (the default) and "
+           "`actorllm-single-nocache` with `--no-enable-prefix-caching`. Its GFLOP/s "
+           "figures count only the 32 random input tokens."]
+          if cfg.get("shared_prefix_len") else []),
         "",
         "| scenario | server | out tok/s | req/s | TTFT mean/p50/p99 ms | "
         "TPOT mean/p50/p99 ms | ITL mean/p50/p99 ms | model GFLOP/s (share) |",
@@ -1135,6 +1169,9 @@ def parse_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--shared-prefix-len", type=int, default=400,
+                   help="the chat-shared-prefix scenario's common prefix in tokens (0: skip "
+                   "it); actorllm runs it with prefix caching on and off")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rates", type=parse_rates, default=[math.inf, 4.0],
@@ -1275,6 +1312,10 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     specs = ([] if args.skip_vllm else [ServerSpec("vllm", "vllm")]) + [
         ServerSpec(f"actorllm-{t}", "actorllm", t) for t in args.topologies]
     scenarios = [] if args.skip_serving else serving_scenarios(args)
+    if any(sc.name == SHARED_PREFIX_SCENARIO for sc in scenarios):
+        specs.append(ServerSpec("actorllm-single-nocache", "actorllm", "single",
+                                extra_args=("--no-enable-prefix-caching",),
+                                only=(SHARED_PREFIX_SCENARIO,)))
     runs = run_servers(specs if scenarios else [], scenarios, settings, args.rounds)
     offline: dict[str, Any] | None = None
     if not args.skip_offline:
@@ -1307,6 +1348,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
             "command": " ".join(["python", "benchmarks/serving.py",
                                  *(sys.argv[1:] if sys.argv[1:] else [])]),
             "smoke": args.smoke, "num_prompts": args.num_prompts,
+            "shared_prefix_len": args.shared_prefix_len,
             "input_len": args.input_len, "output_len": args.output_len,
             "rates": [("inf" if math.isinf(r) else r) for r in args.rates],
             "endpoints": args.endpoints, "topologies": args.topologies,

@@ -19,6 +19,12 @@ frontend.bug_end_parent_early               6      a n>1 parent gathered at its 
 collector.bug_drop_merged                   7      a slow reader's merged text loses a delta
 scheduler.bug_rereport_prompt_logprobs      7      a recompute after preemption reports prompt
                                                    logprobs the client already has
+scheduler.bug_cache_shared_block            8      a shared cached block turns evictable when
+                                                   one of its holders lets go
+scheduler.bug_keep_evicted_hash             9      an evicted block is reused while its old
+                                                   hash still finds it
+scheduler.bug_share_without_reference       10     a prefix-cache hit on a block in use takes
+                                                   no reference
 ==========================================  =====  ==============================================
 
 Each run stops at the first counterexample (no shrinking: only finding it matters here).
@@ -47,6 +53,9 @@ PLANTED = [
     ("frontend.bug_end_parent_early", "6"),
     ("collector.bug_drop_merged", "7"),
     ("scheduler.bug_rereport_prompt_logprobs", "7"),
+    ("scheduler.bug_cache_shared_block", "8"),
+    ("scheduler.bug_keep_evicted_hash", "9"),
+    ("scheduler.bug_share_without_reference", "10"),
 ]
 
 FIND = settings(

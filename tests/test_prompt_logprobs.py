@@ -72,10 +72,11 @@ class ReportingWorker:
         return StepResult(plan.step_id, tuple(tokens), prompt_logprobs=tuple(reports))
 
 
-def scheduler(num_blocks: int, budget: int) -> Scheduler:
+def scheduler(num_blocks: int, budget: int, caching: bool = True) -> Scheduler:
     return Scheduler(Mailbox("s", SchedulerInput, 8), Mailbox("w", StepPlan, 2),
                      Mailbox("d", TokenBatch, 8), num_blocks=num_blocks, block_size=4,
-                     max_num_seqs=8, max_num_batched_tokens=budget)
+                     max_num_seqs=8, max_num_batched_tokens=budget,
+                     enable_prefix_caching=caching)
 
 
 def seq_request(rid: str, prompt_len: int, max_tokens: int, **params: Any) -> SequenceRequest:
@@ -115,7 +116,8 @@ def test_each_prompt_position_is_reported_once_across_chunks_and_preemption(
     # prefill (more than once). With `overlap`, the Worker re-reports positions it was
     # not asked for (a recompute chunk reaching past the last reported position): the
     # Scheduler must still pass each position on once.
-    s = scheduler(num_blocks=5, budget=budget)
+    # Without the prefix cache a recompute starts at 0 (test_prefix_cache.py has it on).
+    s = scheduler(num_blocks=5, budget=budget, caching=False)
     s.handle(seq_request("a", 4, 14))
     s.handle(seq_request("b", 14, 3, prompt_logprobs=2))
     reported, plans, _ = drive(s, ReportingWorker(overlap))
@@ -400,8 +402,10 @@ async def test_completions_echo_with_logprobs(engine: AsyncEngine, tiny_llama_di
         check_echo(lp, choice["text"], ids, hf_prompt_logprobs(hf, ids), tokenizer, skip)
         assert lp["text_offset"][len(ids)] == len(echo)  # the completion follows the echo
         assert all(v is not None for v in lp["token_logprobs"][len(ids):])
+        # A request that owes prompt logprobs computes its whole prompt: nothing cached.
         assert resp["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 3,
-                                 "total_tokens": len(ids) + 3}
+                                 "total_tokens": len(ids) + 3,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
     status, resp = await post(engine, "/v1/completions", {
         "prompt": text_prompt, "echo": True, "logprobs": 1, "max_tokens": 3,
         "temperature": 0, "ignore_eos": True})

@@ -26,11 +26,11 @@ EOS = 1
 
 
 def make(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
-         budget: int = 64) -> Scheduler:
+         budget: int = 64, **kw: object) -> Scheduler:
     return Scheduler(Mailbox("s", SchedulerInput, 8), Mailbox("w", StepPlan, 2),
                      Mailbox("d", TokenBatch, 8), num_blocks=num_blocks,
                      block_size=block_size, max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=budget)
+                     max_num_batched_tokens=budget, **kw)  # type: ignore[arg-type]
 
 
 def request(rid: str, prompt_len: int, max_tokens: int = 4, **params: object) -> SequenceRequest:
@@ -139,8 +139,9 @@ def test_preemption_by_recompute_never_drops_a_request() -> None:
     assert not s.drain_problems()
 
 
-def test_preempted_sequence_is_recomputed_with_its_outputs() -> None:
-    s = make(num_blocks=3, block_size=4)
+@pytest.mark.parametrize("caching", [False, True])
+def test_preempted_sequence_is_recomputed_with_its_outputs(caching: bool) -> None:
+    s = make(num_blocks=3, block_size=4, enable_prefix_caching=caching)
     s.handle(request("a", 4, max_tokens=6, ignore_eos=True))
     s.handle(request("b", 4, max_tokens=6, ignore_eos=True))
     seen_new = []
@@ -152,7 +153,10 @@ def test_preempted_sequence_is_recomputed_with_its_outputs() -> None:
         s.handle(answer(plan))
     assert seen_new, "a preempted sequence comes back with its outputs for the Worker"
     again = seen_new[0]
-    assert again.start_pos == 0 and len(again.token_ids) == 4 + len(again.new.output_token_ids)
+    # With the cache its full prompt block is a hit (it stayed cached while preempted).
+    start = 4 if caching else 0
+    assert again.start_pos == start
+    assert len(again.token_ids) == 4 + len(again.new.output_token_ids) - start
     assert not s.drain_problems()
 
 

@@ -16,7 +16,8 @@ or ``num_kv_blocks`` when it was given); each request's prompt length and max_to
 depend on each request's EOS ids and sampling params: the ``input`` record's
 ``eos_token_ids`` and ``params`` when present, else the model's EOS ids read from the
 model directory named in the header, with default params (the report says so).
-Token ids of prompts are not recorded and do not matter: only their count does.
+Token ids of prompts matter only to the prefix cache: a Scheduler with it on records
+them (``prompt_token_ids``), one with it off records only their count.
 """
 
 from __future__ import annotations
@@ -140,6 +141,11 @@ def redrive_session(session: Session, report: RedriveReport) -> None:
         max_num_seqs=int(config.get("max_num_seqs") or 64),
         max_num_batched_tokens=int(config.get("max_num_batched_tokens") or 2048),
         max_steps_in_flight=int(config.get("max_steps_in_flight") or 1),
+        # Unrecorded: on if the prompts' ids were recorded (only a caching Scheduler does).
+        enable_prefix_caching=bool(config["enable_prefix_caching"]
+                                   if config.get("enable_prefix_caching") is not None else any(
+            ln.data.get("prompt_token_ids") for ln in session.records("input"))),
+        scheduling_policy=str(config.get("scheduling_policy") or "fcfs"),
         tracer=capture,  # type: ignore[arg-type]
     )
     default_eos = _model_eos(session, report)
@@ -189,6 +195,8 @@ def _scheduler_config(session: Session) -> dict[str, Any]:
         "max_num_seqs": header.get("max_num_seqs"),
         "max_num_batched_tokens": header.get("max_num_batched_tokens"),
         "max_steps_in_flight": 2 if header.get("async_scheduling") else None,
+        "enable_prefix_caching": header.get("enable_prefix_caching"),
+        "scheduling_policy": header.get("scheduling_policy"),
     }
     for line in session.records("config"):
         if line.actor == "scheduler":
@@ -215,7 +223,8 @@ def _apply(sched: Any, line: Line, default_eos: tuple[int, ...],
         params = _params(d.get("params"), int(d["max_tokens"]))
         eos = d.get("eos_token_ids")
         sched.handle(SequenceRequest(
-            rid=str(d["rid"]), prompt_token_ids=(0,) * int(d["prompt_tokens"]),
+            rid=str(d["rid"]), prompt_token_ids=tuple(d.get("prompt_token_ids") or
+                                                      (0,) * int(d["prompt_tokens"])),
             params=params, max_tokens=int(d["max_tokens"]),
             eos_token_ids=tuple(eos) if eos is not None else default_eos))
         if d.get("params") is None and DEFAULT_PARAMS_NOTE not in report.notes:

@@ -135,6 +135,7 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, *,
             skip_special_tokens=body.skip_special_tokens is not False,
             prompt_logprobs=prompt_logprobs,
             structured=structured,
+            priority=body.priority or 0,
         )
     except (TypeError, ValueError) as exc:  # a generation_config.json value of a wrong type
         raise InvalidRequest(f"bad sampling parameter: {exc}") from None

@@ -192,9 +192,11 @@ class GenerationResponse(Response):
             except InvalidRequest as exc:  # a live duplicate request id
                 raise invalid(exc) from None
 
-    def _usage(self) -> dict[str, int]:
+    def _usage(self) -> dict[str, Any]:
         prompt = sum(j.collector.num_prompt_tokens for j in self.jobs if j.collector)
-        return usage(prompt, self.renderer.completion_tokens())
+        cached = [j.collector.num_cached_tokens for j in self.jobs if j.collector]
+        return usage(prompt, self.renderer.completion_tokens(),
+                     sum(c or 0 for c in cached) if any(c is not None for c in cached) else None)
 
     async def _first_outputs(self) -> list[Any] | None:
         """Each job's first output (an error cancels the rest and is kept in _error)."""

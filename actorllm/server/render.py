@@ -53,9 +53,14 @@ class ChoiceState:
         return "".join(self.merged.text)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int,
+          cached_tokens: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens,
+                           "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:  # prompt tokens the prefix cache served (OpenAI's field)
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 class Renderer(Protocol):

@@ -203,6 +203,9 @@ class _SamplingFields(_Request):
     store: Literal[False] | None = Field(None, description="storing answers is not offered")
     service_tier: Literal["auto", "default"] | None = Field(
         None, description="one tier only")
+    priority: Annotated[Int, Field(ge=_INT64_MIN, le=_INT64_MAX)] | None = Field(
+        None, description="vLLM extension: lower runs first; only with "
+        "--scheduling-policy priority (otherwise a non-zero value is refused)")
 
 
 _MaxTokens = Annotated[Int, Field(ge=1, le=_INT64_MAX)]
@@ -264,10 +267,15 @@ class DetokenizeRequest(_Request):
 # --- responses --------------------------------------------------------------------------
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(_Response):

@@ -218,6 +218,8 @@ def build_actors(role: str, wiring: Wiring, config: EngineConfig, parts: Parts,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_steps_in_flight=2 if config.async_scheduling else 1, tracer=tracer,
+            enable_prefix_caching=config.enable_prefix_caching,
+            scheduling_policy=config.scheduling_policy,
         )
     if place["worker"] == role:
         from actorllm.worker import Worker  # torch: only where a Worker lives

@@ -13,6 +13,7 @@ from typing import Any
 
 from actorllm.detokenizer import DecodeState, Detokenizer
 from actorllm.frontend import Frontend, RequestState
+from actorllm.kv import BlockPool
 from actorllm.messages import GenerateRequest, StepPlan
 from actorllm.outputs import Merged, OutputCollector
 from actorllm.scheduler import Scheduler
@@ -71,6 +72,48 @@ class RereportPromptLogprobs(Scheduler):
             seq.prompt_lps_next = 1
 
 
+# The prefix cache's bugs live in the pool; the Scheduler builds its pool from
+# ``Scheduler.pool_class``, so each is planted as a Scheduler whose pool is wrong.
+
+
+class _CachesSharedBlockPool(BlockPool):
+    def free(self, blocks: Any) -> None:
+        blocks = list(blocks)
+        super().free(blocks)
+        for b in blocks:  # the bug: a cached block stays evictable while others hold it
+            if b in self.refs and b in self.hash_of:
+                self._cached[b] = None
+
+
+class CacheSharedBlock(Scheduler):
+    """Invariant 8: a shared cached block becomes evictable when one holder lets go."""
+
+    pool_class = _CachesSharedBlockPool
+
+
+class _KeepEvictedHashPool(BlockPool):
+    def _evict(self, block: int) -> None:
+        pass  # the bug: the block is reused, its old hash still names it
+
+
+class KeepEvictedHash(Scheduler):
+    """Invariant 9: an evicted block is overwritten while its hash still finds it."""
+
+    pool_class = _KeepEvictedHashPool
+
+
+class _ShareWithoutReferencePool(BlockPool):
+    def share(self, blocks: Any) -> None:
+        # The bug: a hit on a block in use takes no reference of its own.
+        super().share([b for b in blocks if b not in self.refs])
+
+
+class ShareWithoutReference(Scheduler):
+    """Invariant 10: a prefix-cache hit on a block in use does not count its new holder."""
+
+    pool_class = _ShareWithoutReferencePool
+
+
 class EmitAfterStop(Detokenizer):
     """Invariant 2: text delivered after the stop string matched."""
 
@@ -92,6 +135,9 @@ PLANTED: dict[str, type[Any]] = {
     "frontend.bug_end_parent_early": EndParentEarly,
     "scheduler.bug_free_before_fence": FreeBeforeFence,
     "scheduler.bug_rereport_prompt_logprobs": RereportPromptLogprobs,
+    "scheduler.bug_cache_shared_block": CacheSharedBlock,
+    "scheduler.bug_keep_evicted_hash": KeepEvictedHash,
+    "scheduler.bug_share_without_reference": ShareWithoutReference,
     "detokenizer.bug_emit_after_stop": EmitAfterStop,
     "worker.bug_ignore_forget": IgnoreForget,
 }

@@ -177,18 +177,33 @@ class Checks(WorldFields):
             raise self.violations[0]
 
     def _check_pool(self) -> None:
+        """Invariants 3, 8 and 10 on the Scheduler's pool; 9 from the Worker's reference."""
         s = self.scheduler
         pool = s.pool
-        free, used = list(pool._free), set(pool._used)
-        if len(set(free)) != len(free) or used & set(free) \
-                or len(free) + len(used) != pool.num_blocks:
-            self.report("3", f"pool inconsistent: free={free} used={sorted(used)}")
-        owners: dict[int, str] = {}
+        free, cached, used = pool.free_blocks(), pool.cached_blocks(), set(pool.refs)
+        if len(set(free)) != len(free) or set(free) & set(cached) \
+                or set(free) | set(cached) | used != set(range(pool.num_blocks)):
+            self.report("3", f"pool inconsistent: free={free} cached={cached} "
+                        f"used={sorted(used)}")
+        shared = used & (set(free) | set(cached))
+        if shared:
+            self.report("8", f"blocks {sorted(shared)} have references yet are free or cached "
+                        f"(refs {[pool.refs[b] for b in sorted(shared)]})")
+        holders: dict[int, list[str]] = {}
         for seq in s.seqs.values():
+            if len(set(seq.block_table)) != len(seq.block_table):
+                self.report("10", f"{seq.rid!r} holds a block twice: {seq.block_table}")
             for b in seq.block_table:
-                if b in owners:
-                    self.report("3", f"block {b} held by both {owners[b]!r} and {seq.rid!r}")
-                owners[b] = seq.rid
-        if set(owners) != used:
-            self.report("3", f"blocks in use {sorted(used)} but held by sequences "
-                        f"{sorted(owners)}")
+                holders.setdefault(b, []).append(seq.rid)
+        self.shared_seen = self.shared_seen or any(len(h) > 1 for h in holders.values())
+        for b in used | set(holders):
+            if pool.refs.get(b, 0) != len(holders.get(b, ())):
+                self.report("10", f"block {b} has {pool.refs.get(b, 0)} references but is held "
+                            f"by {holders.get(b, [])}")
+        for b, h in pool.hash_of.items():
+            if pool.by_hash.get(h) != b or b in free:
+                self.report("9", f"block {b}'s hash maps to block {pool.by_hash.get(h)}"
+                            f"{' and it is on the free list' if b in free else ''}")
+        for err in self.worker.kv_errors:
+            self.report("9", err)
+        self.worker.kv_errors.clear()

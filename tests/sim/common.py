@@ -42,7 +42,9 @@ EDGES = (
 # concatenative (see TextModel) and the stop strings below are easy to hit.
 VOCAB_TEXTS = ("a", "b", "t", "he", " ", "!")
 STOP_STRINGS = ("!", "ab", "the", "b b", "hehe")
-PROMPTS = ("Hi", "The river runs", "Hello! How are you?")  # 3, 8 and 11 tokens
+# 3, 8, 11 and 12 tokens; the last starts with the second's two full blocks of 4 (a
+# prefix-cache hit), the second ends on a block boundary.
+PROMPTS = ("Hi", "The river runs", "Hello! How are you?", "The river runs deep")
 
 
 class InvariantViolation(AssertionError):

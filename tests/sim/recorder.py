@@ -166,6 +166,8 @@ class WorldFields:
     violations: list[InvariantViolation]
     outstanding: dict[int, StepPlan]
     recompute_skipped_reported: bool
+    shared_seen: bool
+    worker: Any
     frontend: Any
     scheduler: Any
     _sched_tag: Any

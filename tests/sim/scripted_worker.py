@@ -7,6 +7,15 @@ the token for a position is a hash of (rid, position) plus a salt the test picks
 a small vocabulary of ordinary tokens, so the test can steer outputs into stop
 strings and end-of-sequence without a model. Asked for prompt logprobs, it reports
 exactly the positions the plan asks for, each as ``-position`` (see ``prompt_score``).
+
+It also keeps a reference KV cache, the oracle of invariant 9: each slot holds the prefix
+(token ids up to and including its position) whose K/V a real model would have written
+there. Before a step runs, every slot the step reads (the positions before each
+sequence's new tokens, through its block table) must hold that sequence's own prefix,
+so a prefix-cache hit on the wrong block, or on one overwritten since, is caught. A
+failed step writes garbage into its slots, as a real one may have half done. (Stricter
+than a GPU, where a step's writes land before its reads: no step may read what the same
+step writes for another sequence.)
 """
 
 from __future__ import annotations
@@ -43,8 +52,12 @@ class ScriptedWorker:
     and ``late`` send results the Scheduler must drop."""
 
     def __init__(self, inbox: Inbox[StepPlan], results: Outbox[StepResult],
-                 vocab: Sequence[int], eos_id: int) -> None:
+                 vocab: Sequence[int], eos_id: int, block_size: int = 4) -> None:
         self.inbox, self.results = inbox, results
+        self.block_size = block_size
+        self.kv: dict[int, tuple[int, ...] | None] = {}  # slot -> prefix (None: garbage)
+        self.contexts: dict[str, list[int]] = {}  # rid -> its tokens, as the plans told
+        self.kv_errors: list[str] = []  # invariant 9; the World reports them
         self.vocab, self.eos_id = tuple(vocab), eos_id
         self.pending: deque[StepPlan] = deque()  # received, not yet answered
         self.known: set[str] = set()  # rids whose sampling state it holds (like the real one)
@@ -56,6 +69,9 @@ class ScriptedWorker:
         # rid -> (position, token) of its last sample, for plans that feed it forward.
         self.last_sample: dict[str, tuple[int, int]] = {}
         self.fed_forward = 0
+        # Rids a failed step named: the Scheduler failed them, and a step planned ahead of
+        # the failure still runs them on whatever the cache holds (dropped unread).
+        self.failed: set[str] = set()
 
     async def run(self) -> None:
         """Receive plans in one task, send results in order from another."""
@@ -79,6 +95,7 @@ class ScriptedWorker:
             if s.new is not None:
                 self.known.add(s.rid)
                 self.prompts[s.rid] = s.new.prompt_token_ids
+                self.contexts[s.rid] = [*s.new.prompt_token_ids, *s.new.output_token_ids]
             elif s.rid not in self.known:
                 self.protocol_errors.append(
                     f"step {plan.step_id} schedules {s.rid!r} without NewSeqData, "
@@ -100,8 +117,10 @@ class ScriptedWorker:
         for s in plan.seqs:
             if s.new is not None:
                 self.last_sample.pop(s.rid, None)  # a fresh state: nothing sampled yet
+                self.failed.discard(s.rid)
             if FEED_LAST_SAMPLE in s.token_ids:
                 self._check_fed(plan.step_id, s.rid, s.start_pos, s.token_ids)
+        self._run_kv(plan)
         tokens = []
         for i, s in enumerate(x for x in plan.seqs if x.sample):
             pos = s.start_pos + len(s.token_ids)
@@ -131,12 +150,45 @@ class ScriptedWorker:
                 f"step {step} feeds {rid!r} its last sample at position {start} "
                 f"(tokens {ids}), but its last sample was {last}")
         self.fed_forward += 1
+    def _slot(self, table: Sequence[int], position: int) -> int:
+        return table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _run_kv(self, plan: StepPlan, failed: bool = False) -> None:
+        """Check what the step reads against the reference KV cache, then write its new
+        tokens' prefixes (garbage if it failed)."""
+        writes: list[tuple[int, tuple[int, ...] | None]] = []
+        for s in plan.seqs:
+            ctx = self.contexts.setdefault(s.rid, [])
+            for i, tok in enumerate(s.token_ids):
+                if tok == FEED_LAST_SAMPLE:  # checked by _check_fed; -1 after a failed step
+                    tok = self.last_sample.get(s.rid, (0, -1))[1]
+                p = s.start_pos + i
+                if p == len(ctx):
+                    ctx.append(tok)
+                elif p > len(ctx) or ctx[p] != tok:
+                    self.kv_errors.append(f"step {plan.step_id}: {s.rid!r} position {p} "
+                                          f"is token {tok}, its context says {ctx[p:p + 1]}")
+            for p in range(s.start_pos if s.rid not in self.failed else 0):
+                got = self.kv.get(self._slot(s.block_table, p))
+                if got != tuple(ctx[: p + 1]):
+                    self.kv_errors.append(
+                        f"step {plan.step_id}: {s.rid!r} reads position {p} from block "
+                        f"{s.block_table[p // self.block_size]}, which holds the K/V of "
+                        f"{got} instead of {tuple(ctx[: p + 1])}")
+                    break
+            for i in range(len(s.token_ids)):
+                p = s.start_pos + i
+                writes.append((self._slot(s.block_table, p),
+                               None if failed else tuple(ctx[: p + 1])))
+        self.kv.update(writes)
 
     def fail(self) -> StepResult:
         """Take the oldest plan; its step failed (sampled nothing)."""
         plan = self.pending.popleft()
+        self._run_kv(plan, failed=True)
         for s in plan.seqs:  # sampled nothing: a later step may feed these a stand-in
             self.last_sample[s.rid] = (s.start_pos + len(s.token_ids), -1)
+            self.failed.add(s.rid)
         return self._record(StepResult(plan.step_id, error="scripted step failure"))
 
     def duplicate(self) -> StepResult:

@@ -43,6 +43,13 @@ class Watches(WorldFields):
                 self.rec.current[msg.rid].aborts_sent += 1
         elif edge == "scheduler->worker":
             self.outstanding[msg.step_id] = msg
+            bs, hashed = self.config.block_size, self.scheduler.pool.hash_of
+            for s in msg.seqs:  # invariant 9: a cached block's contents never change
+                written = {s.block_table[p // bs]
+                           for p in range(s.start_pos, s.start_pos + len(s.token_ids))}
+                if written & hashed.keys():
+                    self.report("9", f"step {msg.step_id} writes {s.rid!r}'s tokens into "
+                                f"cached blocks {sorted(written & hashed.keys())}")
             # A recompute asking only for prompt positions not reported before preemption.
             self.recompute_skipped_reported = self.recompute_skipped_reported or any(
                 s.prompt_logprobs_from is not None and s.prompt_logprobs_from > s.start_pos + 1
@@ -81,14 +88,17 @@ class Watches(WorldFields):
             if why and self._scheduler_snapshot() != before:
                 self.report("5", f"{why} changed the Scheduler's state")
 
-        def checked_free(blocks: list[int]) -> None:
+        def checked_free(blocks: Any) -> None:
+            blocks = list(blocks)
+            free(blocks)
             for b in blocks:
+                if b in s.pool.refs:
+                    continue  # another sequence still holds it: only a reference went
                 for step, plan in self.outstanding.items():
                     for seq in plan.seqs:
                         if b in seq.block_table:
                             self.report("3", f"block {b} freed while step {step} (which "
                                         f"uses it for {seq.rid!r}) is in flight")
-            free(blocks)
 
         s.handle = checked_handle  # type: ignore[method-assign]
         s.pool.free = checked_free  # type: ignore[method-assign]
@@ -98,7 +108,7 @@ class Watches(WorldFields):
         seqs = tuple(sorted((q.rid, q.status, tuple(q.output_ids), tuple(q.block_table),
                              q.num_computed, q.in_flight) for q in s.seqs.values()))
         return (seqs, tuple(q.rid for q in s.waiting), tuple(q.rid for q in s.running),
-                tuple(q.rid for q in s.fenced), frozenset(s.pool._used),
+                tuple(q.rid for q in s.fenced), frozenset(s.pool.refs.items()),
                 tuple(p.step_id for p in s.in_flight), tuple(s.worker_drops),
                 tuple(s._outputs), tuple(s._freed))
 

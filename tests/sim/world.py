@@ -48,6 +48,7 @@ class World(Watches, Checks):
         self.text = text
         self.hf_tokenizer = hf_tokenizer  # the Tokenizer's, for the prompt logprobs check
         self.recompute_skipped_reported = False
+        self.shared_seen = False  # a block had two holders at once (coverage)
         self.violations: list[InvariantViolation] = []
         self.rec = Recorder(self.report)
         self.clients: list[Client] = []
@@ -92,7 +93,7 @@ class World(Watches, Checks):
                                    max_steps_in_flight=cfg.max_steps_in_flight,
                                    tracer=self.rec)  # type: ignore[arg-type]
         self.worker = cls("worker", ScriptedWorker)(b["worker"], b["scheduler"].edge("worker"),
-                                                    text.vocab, text.eos_id)
+                                                    text.vocab, text.eos_id, cfg.block_size)
         self.detokenizer = cls("detokenizer", Detokenizer)(text.decode, b["detokenizer"],
                                        b["frontend"].edge("detokenizer"),
                                        b["scheduler"].edge("detokenizer"))
@@ -334,6 +335,9 @@ class World(Watches, Checks):
             "recompute owed prompt logprobs": self.recompute_skipped_reported,
             "token fed forward": self.worker.fed_forward > 0,
             "planned past the end": s.ahead_tokens_dropped > 0,
+            "prefix cache hit": s.pool.hits > 0,
+            "cached block evicted": s.pool.evictions > 0,
+            "block shared while in use": self.shared_seen,
         }
         return [name for name, hit in reached.items() if hit]
 
