@@ -40,9 +40,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     g.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads in the Worker's process (default: one per core)")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan the next step while one runs, feeding each sampled token "
-                        "forward in the Worker (default: on)")
+                        "forward in the Worker (default: on for CUDA, off on the CPU)")
     g.add_argument("--topology", choices=["single", "engine", "pipeline"], default="single")
     g.add_argument("--trace", metavar="FILE", help="write every state transition as JSON lines")
     g.add_argument("--trace-hops", action="store_true", help="with --trace: every mailbox hop too")

@@ -34,7 +34,10 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     cpu_threads: int | None = None  # torch threads of the Worker's process; None: torch's
-    async_scheduling: bool = True  # plan step N+1 while step N runs (two steps in flight)
+    # Plan step N+1 while step N runs (two steps in flight). None: on for CUDA, off on the
+    # CPU, where the forward's own Python and the event loop's share one GIL and few cores
+    # (measured: no gain at saturation, slower at low load; docs/architecture.md).
+    async_scheduling: bool | None = None
     mailbox_capacity: int = 256
     topology: str = "single"
     trace: str | None = None
@@ -59,6 +62,13 @@ class EngineConfig:
             raise ValueError("--scheduling-policy must be fcfs or priority")
         if self.attention_backend not in ("auto", "torch", "cpu", "cuda"):
             raise ValueError("--attention-backend must be auto, torch, cpu or cuda")
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the Scheduler keeps two steps in flight (``async_scheduling`` resolved)."""
+        if self.async_scheduling is None:
+            return self.device.startswith("cuda")
+        return self.async_scheduling
 
     def as_dict(self) -> dict[str, object]:
         return attrs.asdict(self)

@@ -128,8 +128,7 @@ def sample(
             rows = _index(unseeded, logits.device) if len(unseeded) < n else None
             sub = logits if rows is None else logits[rows]
             vals, ids = _candidates(sub, [states[i].params for i in unseeded])
-            noise = _exponential(vals)
-            picked = ids.gather(1, (vals.softmax(dim=-1) / noise).argmax(dim=-1, keepdim=True))
+            picked = ids.gather(1, _draw(vals))
             if rows is None:
                 tokens = picked[:, 0]
             else:
@@ -140,8 +139,7 @@ def sample(
             vals, ids = _candidates(logits[i : i + 1], [params])
             gen = torch.Generator(device=logits.device)
             gen.manual_seed(step_seed(params.seed, len(states[i].output_token_ids)))
-            noise = _exponential(vals, gen)
-            tokens[i] = ids[0, int((vals.softmax(dim=-1) / noise).argmax())]
+            tokens[i] = ids[0, int(_draw(vals, gen)[0, 0])]
 
     token_list: list[int] = tokens.tolist()
     logprobs = _logprobs(raw, tokens, token_list, states)
@@ -152,14 +150,18 @@ def _index(rows: list[int], device: torch.device) -> Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
-def _exponential(like: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """Exp(1) noise shaped like ``like``: ``argmax(probs / noise)`` is a draw from probs.
+def _draw(vals: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One column per row of ``vals`` ``[rows, k]``, drawn from ``softmax(vals)``: ``[rows, 1]``.
 
-    ``-log(uniform)`` rather than ``exponential_``, which is several times slower on the
-    CPU (13 ms against 2 ms for a 128 x 4096 batch, measured).
+    By the inverse of the cumulative distribution: one uniform per row, where
+    exponential noise over every candidate (the Gumbel-max form) needs ``k`` of them;
+    measured 0.4 ms against 1.3-2.3 ms for 64 rows of 4096. ``u`` lies in ``(0, total]``,
+    so a candidate of probability 0 (filtered out) is never drawn.
     """
-    u = torch.rand(like.shape, generator=generator, device=like.device)
-    return u.log_().neg_()
+    cdf = vals.softmax(dim=-1).cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = (1.0 - torch.rand(total.shape, generator=generator, device=vals.device)) * total
+    return torch.searchsorted(cdf, u).clamp_(max=vals.shape[1] - 1)
 
 
 def _needs_processing(p: SamplingParams) -> bool:

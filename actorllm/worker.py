@@ -120,6 +120,7 @@ class ModelRunner:
         # planned ahead that feeds them their last sample gets a stand-in (see
         # _last_sample).
         self._failed_rids: frozenset[str] = frozenset()
+        self.fed_forward = 0  # rows that fed a sampled token forward (overlap scheduling)
         log.info(
             "model runner: %s on %s (%s, %s attention, %s), %d KV blocks of %d tokens "
             "(%.1f MiB)",
@@ -236,6 +237,7 @@ class ModelRunner:
         if position != expected:
             raise ValueError(f"rid {rid!r}: its last sample is at position {expected}, "
                              f"fed to {position}")
+        self.fed_forward += 1
         return state.output_token_ids[-1]
 
     def _drop(self, rid: str) -> None:

@@ -79,15 +79,20 @@ async def run_all(engine: AsyncEngine, prompts: list[Any],
     return [r for r in results if r is not None]
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize(("model_fixture", "overlap"), [
+    ("tiny_llama_dir", False), ("tiny_qwen2_dir", False), ("tiny_llama_dir", True)])
 async def test_greedy_equals_transformers_under_preemption_and_chunked_prefill(
-    model_fixture: str, request: pytest.FixtureRequest
+    model_fixture: str, overlap: bool, request: pytest.FixtureRequest
 ) -> None:
     model: Path = request.getfixturevalue(model_fixture)
     max_new = 24
     # 40 blocks of 4 tokens: the 9 sequences need ~3x that, so the Scheduler must preempt;
-    # a 16-token budget splits every prompt longer than 16 into chunks.
-    async with engine_for(model, num_kv_blocks=40, max_num_batched_tokens=16) as engine:
+    # a 16-token budget splits every prompt longer than 16 into chunks. With overlap the
+    # Worker feeds each sampled token forward into a step planned before it was known.
+    async with engine_for(model, num_kv_blocks=40, max_num_batched_tokens=16,
+                          async_scheduling=overlap) as engine:
+        runner = engine.actors["worker"].runner  # shared across tests: count from here
+        fed_before = runner.fed_forward
         params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True,
                                 logprobs=2)
         results = await run_all(engine, PROMPTS, params)
@@ -95,8 +100,10 @@ async def test_greedy_equals_transformers_under_preemption_and_chunked_prefill(
         # The model directory's own tokenizer: transformers 5 picks the class from the
         # model type (Qwen2 splits digits), so it may differ from the bare tokenizer's.
         tokenizer = engine.tokenizer
+        fed = runner.fed_forward - fed_before
     assert stats.num_preemptions > 0, "the test must exercise preemption"
     assert max(len(tokenizer(p).input_ids) for p in PROMPTS) > 16, "and chunked prefill"
+    assert (fed > 0) == overlap, f"{fed} tokens fed forward"
     for prompt, res in zip(PROMPTS, results, strict=True):
         ids = tokenizer(prompt).input_ids
         ref_ids, ref_lps = hf_greedy(model, ids, max_new)

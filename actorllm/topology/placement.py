@@ -217,7 +217,7 @@ def build_actors(role: str, wiring: Wiring, config: EngineConfig, parts: Parts,
             num_blocks=parts.runner.num_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_steps_in_flight=2 if config.async_scheduling else 1, tracer=tracer,
+            max_steps_in_flight=2 if config.overlap else 1, tracer=tracer,
             enable_prefix_caching=config.enable_prefix_caching,
             scheduling_policy=config.scheduling_policy,
         )
