@@ -322,13 +322,11 @@ class Scheduler:
             if seq.status is State.RUNNING and result.error is None:
                 seq.num_computed += len(s.token_ids)
                 blocks.register(self.pool, seq)
-        # The fence has passed for sequences no other step in flight names: those that
-        # finished meanwhile give their blocks back.
-        still = [seq for seq in self.fenced if seq.in_flight]
-        for seq in self.fenced:
-            if not seq.in_flight:
-                self._free(seq)
-        self.fenced = still
+        # Finished sequences no step in flight names any more give their blocks back.
+        passed = [seq for seq in self.fenced if self._fence_passed(seq)]
+        self.fenced = [seq for seq in self.fenced if seq not in passed]
+        for seq in passed:
+            self._free(seq)
         if result.error is not None:
             for s in plan.seqs:
                 seq = self.seqs.get(s.rid)
@@ -409,6 +407,10 @@ class Scheduler:
     def _fenced(self, seq: Sequence) -> bool:
         """Invariant 3: blocks a step in flight reads go back only after its result."""
         return seq.in_flight > 0
+
+    def _fence_passed(self, seq: Sequence) -> bool:
+        """For a fenced sequence, after a result: no step in flight names it any more."""
+        return not seq.in_flight
 
     def _free(self, seq: Sequence) -> None:
         blocks.release(self.pool, seq)

@@ -13,6 +13,9 @@ detokenizer.bug_emit_after_stop             2      text delivered after the stop
 frontend.bug_reuse_live_rid                 2      a rid accepted while it is still live
 scheduler.bug_free_before_fence             3      an aborted sequence's blocks freed while a
                                                    step that uses them is still in flight
+scheduler.bug_fence_one_step                3      with two steps in flight, blocks freed when
+                                                   the first step naming them returns, while
+                                                   the step planned ahead still reads them
 worker.bug_ignore_forget                    4      the Worker keeps state for freed rids
 frontend.bug_skip_child_abort               5      aborting a n>1 parent misses a child
 frontend.bug_end_parent_early               6      a n>1 parent gathered at its first child's end
@@ -48,6 +51,7 @@ PLANTED = [
     ("detokenizer.bug_emit_after_stop", "2"),
     ("frontend.bug_reuse_live_rid", "2"),
     ("scheduler.bug_free_before_fence", "3"),
+    ("scheduler.bug_fence_one_step", "3"),
     ("worker.bug_ignore_forget", "4"),
     ("frontend.bug_skip_child_abort", "5"),
     ("frontend.bug_end_parent_early", "6"),

@@ -63,6 +63,14 @@ class FreeBeforeFence(Scheduler):
         return False
 
 
+class FenceOneStep(Scheduler):
+    """Invariant 3 with two steps in flight: a fenced sequence freed when the first of the
+    steps that name it returns, while the step planned ahead still reads its blocks."""
+
+    def _fence_passed(self, seq: Sequence) -> bool:
+        return True
+
+
 class RereportPromptLogprobs(Scheduler):
     """Invariant 7: a recompute after preemption reports prompt logprobs again."""
 
@@ -134,6 +142,7 @@ PLANTED: dict[str, type[Any]] = {
     "frontend.bug_skip_child_abort": SkipChildAbort,
     "frontend.bug_end_parent_early": EndParentEarly,
     "scheduler.bug_free_before_fence": FreeBeforeFence,
+    "scheduler.bug_fence_one_step": FenceOneStep,
     "scheduler.bug_rereport_prompt_logprobs": RereportPromptLogprobs,
     "scheduler.bug_cache_shared_block": CacheSharedBlock,
     "scheduler.bug_keep_evicted_hash": KeepEvictedHash,
