@@ -134,6 +134,15 @@ class AbortRequest:
     rid: str
 
 
+@attrs.frozen
+class FlowControl:
+    """Frontend -> Tokenizer -> Scheduler: ``rid``'s reader is behind (``pause``) or has
+    caught up. On the aborts' FIFO edge, so it never overtakes the request it names."""
+
+    rid: str
+    pause: bool
+
+
 # --- Frontend -> Tokenizer -> Scheduler -------------------------------------------
 
 
@@ -273,6 +282,7 @@ class SchedulerStats:
     kv_blocks_total: int = 0
     num_preemptions: int = 0
     late_results_dropped: int = 0
+    num_paused: int = 0  # sequences paused because their reader is behind
     steps: int = 0
     forward_s: float = 0.0  # Worker time in forward passes, summed over steps
     sample_s: float = 0.0  # ... and in sampling
@@ -396,8 +406,9 @@ class Shutdown:
 
 # --- what each actor's inbox accepts --------------------------------------------------
 
-TokenizerInput = Union[GenerateRequest, AbortRequest]  # noqa: UP007 - used at run time
-SchedulerInput = Union[SequenceRequest, AbortRequest, StepResult, StopMatched]  # noqa: UP007
+TokenizerInput = Union[GenerateRequest, AbortRequest, FlowControl]  # noqa: UP007 - run time
+SchedulerInput = Union[  # noqa: UP007
+    SequenceRequest, AbortRequest, FlowControl, StepResult, StopMatched]
 WorkerInput = StepPlan
 DetokenizerInput = TokenBatch
 FrontendInput = Union[OutputBatch, RequestFailed]  # noqa: UP007
@@ -410,6 +421,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     ChatMessage,
     GenerateRequest,
     AbortRequest,
+    FlowControl,
     SequenceRequest,
     RequestFailed,
     NewSeqData,

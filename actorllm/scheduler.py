@@ -14,6 +14,10 @@ Theory of operation:
   Scheduler -> Detokenizer -> Scheduler (``StopMatched``) cannot deadlock.
 - The step fence: a sequence that finishes while a step that uses it is in flight
   (abort, stop string) keeps its blocks until that step's result is back.
+- Flow control: ``FlowControl(pause)`` (the client's reader is behind) takes a sequence
+  out of the batch when the next step is planned; it keeps its blocks (PAUSED) until
+  another sequence needs them, then it is preempted in place (recompute on resume).
+  ``FlowControl(resume)`` puts it first in the waiting queue (PREEMPTED).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from actorllm.lifecycle import Ledger, State
 from actorllm.mailbox import Inbox, Outbox
 from actorllm.messages import (
     AbortRequest,
+    FlowControl,
     PromptLogprobs,
     SchedulerInput,
     SchedulerStats,
@@ -41,13 +46,14 @@ from actorllm.messages import (
     TokenLogprob,
     TokenOut,
 )
+from actorllm.pacing import Pacing
 from actorllm.sequence import PromptLogprobsGap, Sequence
 from actorllm.trace import Tracer
 
 log = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(Pacing):
     """Continuous batching with chunked prefill and preemption by recompute."""
 
     def __init__(
@@ -72,6 +78,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.fenced: list[Sequence] = []  # finished, waiting for the step in flight
+        # PAUSED (in the order they paused: the longest-paused gives its blocks up first,
+        # being the least likely to be read soon), and pauses asked for, not yet applied.
+        self.paused: dict[str, Sequence] = {}
+        self.pause_wanted: set[str] = set()
         self.in_flight: StepPlan | None = None
         self.next_step_id = 0
         self.next_incarnation = 0
@@ -135,6 +145,8 @@ class Scheduler:
             self.on_request(msg)
         elif isinstance(msg, AbortRequest):
             self.finish_early(msg.rid, "abort")
+        elif isinstance(msg, FlowControl):
+            self.on_flow(msg)  # actorllm/pacing.py
         elif isinstance(msg, StopMatched):
             seq = self.seqs.get(msg.rid)
             # A stop found for an earlier request under this rid must not end this one.
@@ -185,6 +197,8 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Plan the next step: running sequences first, then admissions. None if idle."""
         assert self.in_flight is None
+        if self.pause_wanted:
+            self._apply_pauses()
         budget = self.max_num_batched_tokens
         planned: list[tuple[Sequence, int]] = []
         queue = list(self.running)
@@ -247,6 +261,8 @@ class Scheduler:
         need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
         if need <= 0:
             return True
+        if not self.pool.can_allocate(need) and self.paused:
+            self._evict_paused(need)  # a paused reader's KV goes before a running one's
         if not self.pool.can_allocate(need):
             return False
         seq.block_table.extend(self.pool.allocate(need))
@@ -354,7 +370,10 @@ class Scheduler:
     def _finish(self, seq: Sequence, event: str, reason: str, stop_reason: Any = None,
                 error: str | None = None) -> None:
         """The one terminal transition; blocks go back now or after the fence."""
-        (self.running if seq.status is State.RUNNING else self.waiting).remove(seq)
+        if seq.status is State.PAUSED:
+            del self.paused[seq.rid]
+        else:
+            (self.running if seq.status is State.RUNNING else self.waiting).remove(seq)
         self.ledger.fire(seq.rid, event, reason=reason)
         # Merged with this step's token for the rid, if any: one TokenOut per rid per batch.
         last = self._outputs[-1] if self._outputs else None
@@ -386,6 +405,7 @@ class Scheduler:
         self.pool.free(seq.block_table)
         seq.block_table = []
         del self.seqs[seq.rid]
+        self.pause_wanted.discard(seq.rid)
         if seq.worker_knows:
             self.worker_drops.append(seq.rid)
         self.ledger.fire(seq.rid, "free")
@@ -402,6 +422,7 @@ class Scheduler:
             kv_blocks_total=self.pool.num_blocks,
             num_preemptions=self.num_preemptions,
             late_results_dropped=self.late_results_dropped,
+            num_paused=len(self.paused),
             steps=self.steps,
             forward_s=self.forward_s,
             sample_s=self.sample_s,
