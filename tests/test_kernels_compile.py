@@ -1,4 +1,4 @@
-"""Compile every ``kernels/*.cu`` with nvcc for sm_80 and sm_90 and read ptxas's report.
+"""Compile every ``actorllm/kernels/*.cu`` with nvcc for sm_80 and sm_90 and read ptxas's report.
 
 Fails on a compile error, on a missing entry point, or on any register spill; prints the
 registers and static shared memory of each kernel (``pytest -s``) and puts the same table in
@@ -54,7 +54,7 @@ def expected_entries(source: str) -> set[str]:
         }
     if source == "paged_prefill.cu":
         return {f"paged_prefill_{dt}_d{d}_b{b}" for dt, d, b in configs}
-    raise AssertionError(f"no expected entry points listed for kernels/{source}")
+    raise AssertionError(f"no expected entry points listed for actorllm/kernels/{source}")
 
 
 def parse_ptxas(text: str) -> dict[str, dict[str, int]]:

@@ -4,9 +4,9 @@ The model calls a backend picked once at start-up by ``select_backend``:
 
 * ``"torch"`` — ``TorchBackend``, plain torch on any device (the oracle in tests);
 * ``"cpu"`` — ``CpuBackend``, the torch backend with fp32 decode attention in a C
-  kernel (``kernels/cpu_paged_decode.c``) built with the machine's C compiler;
+  kernel (``actorllm/kernels/cpu_paged_decode.c``) built with the machine's C compiler;
 * ``"cuda"`` — ``CudaBackend``, CuPy ``RawModule`` kernels compiled from
-  ``kernels/*.cu``, run on torch's current stream on torch's memory;
+  ``actorllm/kernels/*.cu``, run on torch's current stream on torch's memory;
 * ``"auto"`` — ``"cuda"`` when the device is a GPU and CuPy/NVRTC work; on the CPU,
   ``"cpu"`` for fp32 when the kernel builds; else ``"torch"``.
 

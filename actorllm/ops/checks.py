@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-#: What the CUDA kernels are instantiated for (kernels/*.cu).
+#: What the CUDA kernels are instantiated for (actorllm/kernels/*.cu).
 CUDA_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 CUDA_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
 CUDA_BLOCK_SIZES: tuple[int, ...] = (16, 32)

@@ -1,6 +1,6 @@
 """CPU backend: the torch reference with decode attention in a small C kernel.
 
-``kernels/cpu_paged_decode.c`` reads each sequence's K/V in place through its block
+``actorllm/kernels/cpu_paged_decode.c`` reads each sequence's K/V in place through its block
 table with an online softmax, instead of gathering the whole context into a padded
 tensor first (the torch reference's decode path, most of its attention time). Prefill
 chunks and the KV write stay those of :class:`TorchBackend`, which is also the oracle

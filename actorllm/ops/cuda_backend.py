@@ -1,8 +1,8 @@
-"""CUDA backend: CuPy ``RawModule`` kernels from ``kernels/*.cu`` on torch's memory and stream.
+"""CUDA backend: CuPy ``RawModule`` kernels from ``actorllm/kernels/*.cu`` on torch's memory and stream.
 
 Each kernel source is compiled by NVRTC once per process and configuration (dtype, head
 size, block size) and cached on disk by CuPy (``CUPY_CACHE_DIR``, default
-``~/.cupy/kernel_cache``). ``kernels/common.cuh`` is pasted in place of its ``#include`` so
+``~/.cupy/kernel_cache``). ``actorllm/kernels/common.cuh`` is pasted in place of its ``#include`` so
 the cache key, which is the source text, changes whenever the header does.
 
 Kernels take raw device pointers of torch tensors (no copies, no DLPack wrappers: cheaper
@@ -40,7 +40,7 @@ KERNEL_DIR = Path(
     os.environ.get("ACTORLLM_KERNEL_DIR") or str(importlib.resources.files("actorllm.kernels"))
 )
 
-# Tile shapes baked into the kernels (kernels/paged_decode.cu, kernels/paged_prefill.cu).
+# Tile shapes baked into the kernels (actorllm/kernels/paged_decode.cu, actorllm/kernels/paged_prefill.cu).
 DECODE_THREADS = 128
 DECODE_KEYS = 64  # keys per CTA tile
 DECODE_ROWS = 16  # query heads per CTA
@@ -54,7 +54,7 @@ _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
 
 
 def kernel_source(name: str, kernel_dir: Path = KERNEL_DIR) -> str:
-    """Text of ``kernels/<name>`` with its local ``#include "x.cuh"`` lines pasted in."""
+    """Text of ``actorllm/kernels/<name>`` with its local ``#include "x.cuh"`` lines pasted in."""
     text = (kernel_dir / name).read_text()
     return _INCLUDE.sub(lambda m: (kernel_dir / m.group(1)).read_text(), text)
 
