@@ -39,6 +39,7 @@ class Pacing:
     tracer: Tracer | None
     worker_drops: list[str]
     num_preemptions: int
+    _stats_dirty: bool
 
     def _reset_for_recompute(self, seq: Sequence) -> None:
         raise NotImplementedError
@@ -75,6 +76,7 @@ class Pacing:
             self.pause_wanted.discard(rid)
             self.paused[rid] = seq
             self.ledger.fire(rid, "pause")
+            self._stats_dirty = True  # num_paused changed after handle() had flushed
 
     def _evict_paused(self, need: int) -> None:
         """Free paused sequences' blocks, longest paused first, until ``need`` fit."""

@@ -223,7 +223,7 @@ class Scheduler(Pacing):
         # Preempted sequences sit at the front of `waiting`, so they come back first.
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed, budget)  # resumed: KV may be kept
             if not self._reserve(seq, n):
                 break
             self.waiting.popleft()
