@@ -78,16 +78,21 @@ class Pacing:
             self.ledger.fire(rid, "pause")
             self._stats_dirty = True  # num_paused changed after handle() had flushed
 
-    def _evict_paused(self, need: int) -> None:
-        """Free paused sequences' blocks, longest paused first, until ``need`` fit."""
-        for seq in list(self.paused.values()):
+    def _evict_paused(self, need: int, keep: Sequence) -> None:
+        """Free KV of sequences that are not running, until ``need`` blocks fit: paused
+        ones first (longest paused first), then resumed ones still waiting with the KV
+        they kept (newest in line first). Each recomputes when it runs again."""
+        for seq in [*self.paused.values(), *reversed(self.waiting)]:
             if self.pool.can_allocate(need):
                 return
-            if seq.block_table:
-                self.pool.free(seq.block_table)
-                self._reset_for_recompute(seq)
-                if seq.worker_knows:
-                    seq.worker_knows = False
-                    self.worker_drops.append(seq.rid)
-                self.num_preemptions += 1
+            if seq is keep or not seq.block_table:
+                continue
+            self.pool.free(seq.block_table)
+            self._reset_for_recompute(seq)
+            if seq.worker_knows:
+                seq.worker_knows = False
+                self.worker_drops.append(seq.rid)
+            self.num_preemptions += 1
+            if seq.status is State.PAUSED:
                 self.ledger.fire(seq.rid, "preempt")
+            # (a resumed one is PREEMPTED already: that state allows either)

@@ -261,8 +261,8 @@ class Scheduler(Pacing):
         need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
         if need <= 0:
             return True
-        if not self.pool.can_allocate(need) and self.paused:
-            self._evict_paused(need)  # a paused reader's KV goes before a running one's
+        if not self.pool.can_allocate(need):
+            self._evict_paused(need, seq)  # KV of what does not run goes first
         if not self.pool.can_allocate(need):
             return False
         seq.block_table.extend(self.pool.allocate(need))

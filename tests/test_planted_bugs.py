@@ -19,7 +19,12 @@ frontend.bug_end_parent_early               6      a n>1 parent gathered at its 
 collector.bug_drop_merged                   7      a slow reader's merged text loses a delta
 scheduler.bug_rereport_prompt_logprobs      7      a recompute after preemption reports prompt
                                                    logprobs the client already has
+scheduler.bug_pause_keeps_slot              8      a paused sequence keeps its running slot
+frontend.bug_never_resume                   8      a reader that catches up is never resumed
+frontend.bug_drop_on_pause                  7      a pause drops what the reader had not read
 ==========================================  =====  ==============================================
+
+The last three run with flow control on (``SimConfig.flow``, tests/test_simulation.py's FLOW).
 
 Each run stops at the first counterexample (no shrinking: only finding it matters here).
 """
@@ -35,7 +40,7 @@ from sim import InvariantViolation, SimConfig, TextModel, World, make_machine
 from sim.bugs import COLLECTOR_BUGS
 from sim.bugs import PLANTED as PLANTED_BUGS
 
-from actorllm.outputs import Merged, OutputCollector
+from actorllm.outputs import FlowLimits, Merged, OutputCollector
 
 PLANTED = [
     ("frontend.bug_register_after_dispatch", "1"),
@@ -47,7 +52,13 @@ PLANTED = [
     ("frontend.bug_end_parent_early", "6"),
     ("collector.bug_drop_merged", "7"),
     ("scheduler.bug_rereport_prompt_logprobs", "7"),
+    ("scheduler.bug_pause_keeps_slot", "8"),
+    ("frontend.bug_never_resume", "8"),
+    ("frontend.bug_drop_on_pause", "7"),
 ]
+FLOW_BUGS = {"scheduler.bug_pause_keeps_slot", "frontend.bug_never_resume",
+             "frontend.bug_drop_on_pause"}
+FLOW = FlowLimits(max_bytes_per_request=12, max_bytes=None, stream_timeout=None)
 
 FIND = settings(
     max_examples=3000,  # a ceiling: each is found in well under a few hundred
@@ -62,7 +73,8 @@ FIND = settings(
 
 @pytest.mark.parametrize(("seam", "invariant"), PLANTED, ids=[s for s, _ in PLANTED])
 def test_planted_bug_is_caught(tiny_tokenizer: Any, seam: str, invariant: str) -> None:
-    machine = make_machine(tiny_tokenizer, SimConfig(bugs=frozenset({seam})),
+    flow = FLOW if seam in FLOW_BUGS else None
+    machine = make_machine(tiny_tokenizer, SimConfig(bugs=frozenset({seam}), flow=flow),
                            name=f"Planted_{seam.replace('.', '_')}")
     with pytest.raises(InvariantViolation) as found:
         run_state_machine_as_test(machine, settings=FIND)

@@ -67,6 +67,9 @@ class SimConfig:
     worker_capacity: int = 2  # as in actorllm.engine
     roundtrip: bool = True  # send every delivered message through the codec
     bugs: frozenset[str] = frozenset()  # planted bugs (sim/bugs.py): "frontend.bug_...", ...
+    # The Frontend's FlowLimits (None: flow control off). With them, every client reads as
+    # it goes (as the server does), unless the test makes it a slow reader.
+    flow: Any = None
 
 # --- text: the reference for invariant 7 ---------------------------------------------------
 
