@@ -139,8 +139,6 @@ class Frontend(ReaderPacing):
         # end before child 1 exists, and the parent would gather early (found by spin).
         self._register_leaves([(rid, index) for rid, _, index in leaves], collector,
                               parent_rid, now)
-        collector.on_read = self._on_read
-        self.flows[collector] = [self.registry[rid] for rid, _, _ in leaves]
         # Shielded: once registered, a request is always dispatched, even if the caller
         # is cancelled while the Tokenizer's mailbox is full; otherwise it would leak.
         with trio.CancelScope(shield=True):
@@ -172,8 +170,10 @@ class Frontend(ReaderPacing):
     def _register(self, rid: str, index: int, collector: OutputCollector, parent: str | None,
                   now: float) -> None:
         self.ledger.fire(rid, "register")
-        self.registry[rid] = RequestState(rid, collector, self.ledger.view(rid), parent=parent,
-                                          index=index, arrival=now)
+        st = self.registry[rid] = RequestState(rid, collector, self.ledger.view(rid),
+                                               parent=parent, index=index, arrival=now)
+        collector.on_read = self._on_read  # flow control (readers.py): leaves by collector
+        self.flows.setdefault(collector, []).append(st)
 
     async def _dispatch(self, rid: str, msg: GenerateRequest) -> None:
         """Send one registered request to the Tokenizer."""
