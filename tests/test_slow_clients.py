@@ -91,7 +91,7 @@ def test_stalled_clients_give_their_slots_back_and_do_not_slow_others(server: An
     before = metrics(base)
     done0 = before.get("actorllm:request_success_total", 0.0)
     # Four clients that never read fill --max-pending 4 ...
-    socks = [stalled(base, {"prompt": f"stalled {i}", "max_tokens": 300, "ignore_eos": True})
+    socks = [stalled(base, {"prompt": f"stalled {i}", "max_tokens": 200, "ignore_eos": True})
              for i in range(4)]
     try:
         # ... until the engine has finished them (their clients have read nothing).
