@@ -10,11 +10,18 @@ machine of its own::
 ``DRAINING`` refuses new work while what is held finishes; ``DEAD`` (a process of the
 engine died) refuses everything with the reason. Nothing here waits: the callers decide
 how long to drain.
+
+What is held is engine work: the server releases a request's sequences when the engine is
+done with them, not when its client has read them, so clients that stop reading cannot
+keep ``capacity`` full. What they have not read counts instead against the byte mark
+(``max_pending_bytes``, read from the Frontend through ``pending_bytes``): over it, new
+work is refused as overloaded until readers catch up or time out.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import trio
 
@@ -44,6 +51,9 @@ class Admission:
         self.gate = Gate.OPEN
         self.reason: str | None = None  # why DEAD or STOPPED
         self.died = trio.Event()  # set by kill(): what a server restarts for
+        # Output waiting for readers, in bytes, and the most new work may find waiting.
+        self.pending_bytes: Callable[[], int] = lambda: 0
+        self.max_pending_bytes: int | None = None
 
     @property
     def open(self) -> bool:
@@ -73,6 +83,10 @@ class Admission:
             if self.held + cost > self.capacity:
                 raise Refused("overloaded", f"the server is overloaded ({self.held} sequences "
                               "pending); retry later")
+            waiting = self.pending_bytes()
+            if self.max_pending_bytes is not None and waiting > self.max_pending_bytes:
+                raise Refused("overloaded", f"the server is overloaded ({waiting} bytes of "
+                              "output wait for slow clients); retry later")
         self.held += cost
 
     def release(self, cost: int) -> None:

@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--on-engine-death", choices=["exit", "stay"], default="exit",
                        help="when the engine dies: fail in-flight requests, then exit with "
                        "code 3 (exit, for a supervisor to restart) or keep answering 503")
+    _slow_client_flags(serve)
     _engine_flags(serve)
 
     replay = sub.add_parser("replay", help="check a trace against the spec")
@@ -96,6 +97,28 @@ def build_parser() -> argparse.ArgumentParser:
                         help="re-run the Scheduler on the recorded inputs")
     replay.add_argument("--json", action="store_true", help="machine-readable report")
     return parser
+
+
+def _slow_client_flags(p: argparse.ArgumentParser) -> None:
+    """Bounds on slow and stalled clients (docs/architecture.md, "Slow readers"); 0: off."""
+    g = p.add_argument_group("slow clients (0 turns a limit off)")
+    g.add_argument("--max-pending-bytes-per-request", type=int, default=256 << 10,
+                   metavar="BYTES", help="unread output of one request before it is paused")
+    g.add_argument("--max-pending-bytes", type=int, default=64 << 20, metavar="BYTES",
+                   help="unread output of all requests before behind readers are paused "
+                   "and new requests get 503")
+    g.add_argument("--stream-timeout", type=float, default=30.0, metavar="S",
+                   help="cancel a request whose client reads nothing for this long")
+    g.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="408 when a request body has not fully arrived after this long")
+    g.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
+                   help="close an idle connection (or unfinished headers) after this long")
+
+
+def _flow_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The slow-client flags EngineConfig takes (``actorllm serve`` only; 0 means None)."""
+    names = ("max_pending_bytes_per_request", "max_pending_bytes", "stream_timeout")
+    return {n: getattr(args, n) or None for n in names if hasattr(args, n)}
 
 
 def engine_config(args: argparse.Namespace) -> Any:
@@ -120,6 +143,7 @@ def engine_config(args: argparse.Namespace) -> Any:
             topology=args.topology,
             trace=args.trace,
             trace_hops=args.trace_hops,
+            **_flow_args(args),
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None

@@ -42,6 +42,10 @@ class EngineConfig:
     topology: str = "single"
     trace: str | None = None
     trace_hops: bool = False
+    # Slow readers (the Frontend's flow control, actorllm/outputs.py FlowLimits); None: off.
+    max_pending_bytes_per_request: int | None = 256 << 10
+    max_pending_bytes: int | None = 64 << 20
+    stream_timeout: float | None = 30.0
 
     def __attrs_post_init__(self) -> None:
         if not 1 <= self.block_size <= 256:
@@ -62,6 +66,11 @@ class EngineConfig:
             raise ValueError("--scheduling-policy must be fcfs or priority")
         if self.attention_backend not in ("auto", "torch", "cpu", "cuda"):
             raise ValueError("--attention-backend must be auto, torch, cpu or cuda")
+        for flag, v in (("--max-pending-bytes-per-request", self.max_pending_bytes_per_request),
+                        ("--max-pending-bytes", self.max_pending_bytes),
+                        ("--stream-timeout", self.stream_timeout)):
+            if v is not None and not v > 0:
+                raise ValueError(f"{flag} must be positive, got {v}")
 
     @property
     def overlap(self) -> bool:

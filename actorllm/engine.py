@@ -101,6 +101,8 @@ class AsyncEngine:
         self.mailboxes = mailboxes  # those in this process
         self.supervisor = supervisor  # None in the single topology
         self.admission = Admission()
+        self.admission.pending_bytes = lambda: frontend.pending_bytes
+        self.admission.max_pending_bytes = config.max_pending_bytes
         self._streams = 0  # generate() calls in progress
         self._counter = itertools.count()
 
@@ -141,8 +143,9 @@ class AsyncEngine:
             self.frontend.lose_all(self.dead_reason or "the engine is not running")
         return collector
 
-    async def abort(self, rid: str) -> None:
-        await self.frontend.abort(rid)
+    async def abort(self, rid: str, reason: str = "user") -> None:
+        """Stop ``rid``; ``reason`` labels the ``aborted_requests`` metric."""
+        await self.frontend.abort(rid, reason)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Stream deltas for one request; leaving early (or being cancelled) aborts it."""
@@ -153,9 +156,10 @@ class AsyncEngine:
                 yield out
         finally:
             self._streams -= 1
+            collector.discard()  # what was not read no longer counts as waiting
             if not collector.finished:
                 with trio.CancelScope(shield=True):
-                    await self.frontend.abort(request.rid)
+                    await self.frontend.abort(request.rid, "client_disconnect")
 
     def mark_dead(self, reason: str) -> None:
         """A process of this engine died: fail every live request and refuse new ones."""

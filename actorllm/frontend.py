@@ -12,6 +12,11 @@ Ordering rules kept here (DESIGN.md §1):
 - One terminal output per request; anything after it is counted and dropped.
 - Fan-out lives here: ``n > 1`` becomes children ``{rid}-{i}`` that the rest of the
   engine treats as ordinary requests.
+- Flow control lives here too, because the Frontend fills the collectors and so sees each
+  reader's lag: over the byte marks (``FlowLimits``) a request's leaves are paused with
+  ``FlowControl`` on the aborts' edge, resumed when its reader takes what waits, and
+  cancelled (an error for the reader, an abort for the engine) after ``stream_timeout``
+  seconds in which output waited and the reader took none.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ from actorllm.messages import (
     TokenizerInput,
 )
 from actorllm.metrics import EngineMetrics
-from actorllm.outputs import OutputCollector, RequestError
+from actorllm.outputs import UNLIMITED, FlowLimits, OutputCollector, RequestError
+from actorllm.readers import ReaderPacing
 from actorllm.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -64,6 +70,7 @@ class RequestState:
     num_output_tokens: int = 0
     dispatched: bool = False  # its request has left for the Tokenizer (an abort may follow it now)
     abort_sent: bool = False  # an AbortRequest was sent or is owed right after dispatch
+    paused_sent: bool = False  # the last FlowControl sent for it said pause
 
     @property
     def responded(self) -> bool:
@@ -71,7 +78,7 @@ class RequestState:
         return self.view.within(State.RESPONDED, State.RELEASED)
 
 
-class Frontend:
+class Frontend(ReaderPacing):
     """The actor. ``submit``/``abort`` are called by API-layer tasks of the same process."""
 
     def __init__(
@@ -81,8 +88,10 @@ class Frontend:
         *,
         metrics: EngineMetrics | None = None,
         tracer: Tracer | None = None,
+        limits: FlowLimits = UNLIMITED,
     ) -> None:
         self.inbox, self.tokenizer = inbox, tokenizer
+        self.limits = limits
         self.registry: dict[str, RequestState] = {}
         self.ledger = Ledger("frontend", tracer)
         self.metrics = metrics or EngineMetrics()
@@ -91,8 +100,17 @@ class Frontend:
         # Parents whose children must be aborted, decided in handle() and sent by
         # _abort_sender(). States, not rids: by the time an entry is sent the parent may
         # have ended and a new request may be using its rid.
-        self._abort_next: list[RequestState] = []
+        self._abort_next: list[tuple[RequestState, str]] = []  # (state, reason)
         self._abort_wake = trio.Event()
+        # Flow control: each collector with its leaves, while it is live or holds unread
+        # output; their unread bytes; leaves whose FlowControl may be owed (sent by
+        # _abort_sender, which sends whatever the collector's `paused` says then).
+        self.flows: dict[OutputCollector, list[RequestState]] = {}
+        self.pending_bytes = 0
+        self._flow_next: list[RequestState] = []
+        self._stall_wake = trio.Event()
+        self._stall_idle = False
+        self.metrics.watch_flows(self)
 
     # --- called by the API layer -------------------------------------------------------
 
@@ -133,6 +151,8 @@ class Frontend:
                 st.dispatched = True
                 if st.abort_sent:  # aborted while we were still sending: it goes right after
                     await self.tokenizer.send(AbortRequest(rid))
+                elif collector.paused:  # a sibling's output paused the request meanwhile
+                    self._queue_flow([st])
         self.metrics.on_arrival()
         return collector
 
@@ -150,21 +170,24 @@ class Frontend:
     def _register(self, rid: str, index: int, collector: OutputCollector, parent: str | None,
                   now: float) -> None:
         self.ledger.fire(rid, "register")
-        self.registry[rid] = RequestState(rid, collector, self.ledger.view(rid), parent=parent,
-                                          index=index, arrival=now)
+        st = self.registry[rid] = RequestState(rid, collector, self.ledger.view(rid),
+                                               parent=parent, index=index, arrival=now)
+        collector.on_read = self._on_read  # flow control (readers.py): leaves by collector
+        self.flows.setdefault(collector, []).append(st)
 
     async def _dispatch(self, rid: str, msg: GenerateRequest) -> None:
         """Send one registered request to the Tokenizer."""
         self.ledger.fire(rid, "dispatch")
         await self.tokenizer.send(msg)
 
-    async def abort(self, rid: str) -> None:
-        """Stop ``rid`` (and its children). Idempotent; a no-op after it ended."""
+    async def abort(self, rid: str, reason: str = "user") -> None:
+        """Stop ``rid`` (and its children). Idempotent; a no-op after it ended. ``reason``
+        labels ``aborted_requests``: user, client_disconnect, stream_timeout, drain_timeout."""
         st = self.registry.get(rid)
         if st is not None:
-            await self._abort(st)
+            await self._abort(st, reason)
 
-    async def _abort(self, st: RequestState) -> None:
+    async def _abort(self, st: RequestState, reason: str = "user") -> None:
         """Stop this incarnation of a request (and its children), if it is still live."""
         if self.registry.get(st.rid) is not st or st.responded:
             return
@@ -175,6 +198,7 @@ class Frontend:
                 if self.registry.get(cst.rid) is not cst or cst.responded or cst.abort_sent:
                     continue
                 cst.abort_sent = True
+                self.metrics.aborted_requests.labels(reason=reason).inc()
                 # Not yet dispatched: submit() sends the abort right after the request,
                 # so it can never overtake it on the FIFO edge.
                 if cst.dispatched:
@@ -198,17 +222,22 @@ class Frontend:
         """
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._abort_sender)
+            nursery.start_soon(self._stall_watch)
             async for msg in self.inbox:
                 self.handle(msg)
-                if self._abort_next:
+                if self._abort_next or self._flow_next:
                     self._abort_wake.set()
 
     async def _abort_sender(self) -> None:
+        """Send the aborts and FlowControl messages decided elsewhere, in order."""
         while True:
             await self._abort_wake.wait()
             self._abort_wake = trio.Event()
-            while self._abort_next:
-                await self._abort(self._abort_next.pop())
+            while self._abort_next or self._flow_next:
+                if self._abort_next:
+                    await self._abort(*self._abort_next.pop(0))
+                else:
+                    await self._send_flow(self._flow_next.pop(0))
 
     def handle(self, msg: FrontendInput) -> None:
         """Apply one message from the Tokenizer or Detokenizer. Never blocks."""
@@ -237,6 +266,7 @@ class Frontend:
         st = self._live(d.rid)
         if st is None:
             return
+        col = st.collector
         now = time.monotonic()
         if d.token_ids:
             if st.first_token is None:
@@ -247,8 +277,19 @@ class Frontend:
             st.last_token = now
             st.num_output_tokens += len(d.token_ids)
             self.metrics.generation_tokens.inc(len(d.token_ids))
-        st.collector.put_delta(st.index, d.text, d.token_ids, d.logprobs, d.prompt_logprobs,
-                               d.prompt_token_ids)
+        if col.failed:
+            return  # cancelled (stream timeout): the reader gets the error, nothing after it
+        before = col.pending_bytes
+        waited = col.oldest is not None
+        col.put_delta(st.index, d.text, d.token_ids, d.logprobs, d.prompt_logprobs,
+                      d.prompt_token_ids)
+        self.pending_bytes += col.pending_bytes - before
+        if d.token_ids:
+            self.metrics.consumer_lag.observe(col.pending_tokens)
+        if not waited and self._stall_idle:
+            self._stall_idle = False
+            self._stall_wake.set()
+        self._pace(col)
 
     def _on_finished(self, fin: RequestFinished) -> None:
         st = self._live(fin.rid)
@@ -267,9 +308,10 @@ class Frontend:
         if fin.finish_reason == "error":
             st.collector.put_error(RequestError(fin.error or "engine error", "internal"))
             if st.parent is not None:  # the client gets the error: its siblings are moot
-                self._abort_next.append(self.registry[st.parent])
-        else:
+                self._abort_next.append((self.registry[st.parent], "sibling_failed"))
+        elif not st.collector.failed:  # (after a stream timeout the reader gets the error)
             st.collector.put_finish(st.index, fin.finish_reason, fin.stop_reason)
+        self._untrack_if_idle(st.collector)
         self._maybe_forget(st)
 
     def _on_failed(self, msg: RequestFailed) -> None:
@@ -281,7 +323,8 @@ class Frontend:
         self.metrics.on_finished("error", 0, time.monotonic() - st.arrival)
         st.collector.put_error(RequestError(msg.message, msg.code, msg.param))
         if st.parent is not None:
-            self._abort_next.append(self.registry[st.parent])
+            self._abort_next.append((self.registry[st.parent], "sibling_failed"))
+        self._untrack_if_idle(st.collector)
         self._maybe_forget(st)
 
     def _on_freed(self, rid: str) -> None:
@@ -323,6 +366,8 @@ class Frontend:
                 self.ledger.fire(rid, "respond", reason="error")
                 st.collector.put_error(RequestError(message, "engine_dead"))
                 self.metrics.on_finished("error", 0, time.monotonic() - st.arrival)
+                self.metrics.aborted_requests.labels(reason="engine_dead").inc()
+                self._untrack_if_idle(st.collector)
             self._maybe_forget(st)
             lost += 1
         return lost

@@ -46,6 +46,7 @@ class State(enum.StrEnum):
     WAITING = "WAITING"
     RUNNING = "RUNNING"
     PREEMPTED = "PREEMPTED"
+    PAUSED = "PAUSED"
     FINISHED = "FINISHED"
     FREED = "FREED"
     RESPONDED = "RESPONDED"

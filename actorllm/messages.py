@@ -72,13 +72,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: the chosen token and k alternatives
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # None: none; k >= 0: each prompt position's own token and k alternatives (vLLM's
-    # prompt_logprobs; position 0 has nothing to condition on and gets None).
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # k: each prompt token and k alternatives (0th None)
     structured: StructuredOutput | None = None  # constrain the output to a grammar
-    # Lower runs first (vLLM's meaning), ties by arrival; only with --scheduling-policy
-    # priority (AsyncEngine.submit refuses a non-zero one under fcfs).
-    priority: int = 0
+    priority: int = 0  # lower runs first, ties by arrival; non-zero only with that policy
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise :class:`InvalidRequest` naming the first bad value."""
@@ -88,11 +84,8 @@ class SamplingParams:
             (self.max_tokens is None or self.max_tokens >= 0, "max_tokens",
              "must be non-negative"),
             (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
-            (
-                self.max_tokens is None or self.min_tokens <= self.max_tokens,
-                "min_tokens",
-                "must not exceed max_tokens",
-            ),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             "must not exceed max_tokens"),
             (0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]"),
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
             (self.top_k >= -1, "top_k", "must be -1, 0 (off) or positive"),
@@ -159,6 +152,15 @@ class AbortRequest:
     rid: str
 
 
+@attrs.frozen
+class FlowControl:
+    """Frontend -> Tokenizer -> Scheduler: ``rid``'s reader is behind (``pause``) or has
+    caught up. On the aborts' FIFO edge, so it never overtakes the request it names."""
+
+    rid: str
+    pause: bool
+
+
 # --- Frontend -> Tokenizer -> Scheduler -------------------------------------------
 
 
@@ -202,9 +204,8 @@ FEED_LAST_SAMPLE = -1
 
 @attrs.frozen
 class ScheduledSeq:
-    """One sequence's share of one step. A step planned before the one that samples its
-    token returns (overlap scheduling) carries ``FEED_LAST_SAMPLE`` for it: the Worker,
-    which runs plans in order, feeds the token it sampled for the rid last."""
+    """One sequence's share of one step; ``FEED_LAST_SAMPLE`` in a step planned ahead
+    (overlap scheduling) stands for the token the Worker sampled for the rid last."""
 
     rid: str
     token_ids: tuple[int, ...]  # the tokens to run now (a prefill chunk, or the last token)
@@ -212,9 +213,8 @@ class ScheduledSeq:
     block_table: tuple[int, ...]
     sample: bool  # False for a prefill chunk that does not reach the prompt's end
     new: NewSeqData | None = None
-    # Report the logprobs of prompt positions from this one (>= 1) up to the last one
-    # this chunk predicts (position p is predicted by the row of position p - 1). None:
-    # report none (the request did not ask, or every position was reported already).
+    # Report prompt logprobs from this position (>= 1) to the last one this chunk predicts
+    # (p by the row of p - 1). None: none (not asked, or all reported already).
     prompt_logprobs_from: int | None = None
 
 
@@ -273,9 +273,8 @@ class DetokSetup:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     num_prompt_tokens: int = 0
-    # Which incarnation of the rid this is (the Scheduler numbers its arrivals): a
-    # StopMatched echoes it, so a stop found for an ended request cannot stop a new
-    # request that reuses the rid.
+    # The rid's incarnation (the Scheduler numbers arrivals): a StopMatched echoes it, so
+    # a stop found for an ended request cannot stop a new one that reuses the rid.
     incarnation: int = 0
 
 
@@ -290,9 +289,8 @@ class TokenOut:
     spec: DetokSetup | None = None
     queue_s: float | None = None  # with the finish: arrival to first scheduled
     cached_tokens: int | None = None  # with the finish: prompt tokens the prefix cache gave
-    # Prompt logprobs, in position order; the rid's pieces concatenate to one entry per
-    # prompt position, the first (position 0) None. The first piece also carries the
-    # prompt's token ids (position 0's token has no logprob entry to name it).
+    # Prompt logprobs in position order; the pieces concatenate to one entry per position,
+    # the first None. The first piece carries the prompt's ids (position 0 has no entry).
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
     prompt_token_ids: tuple[int, ...] = ()
 
@@ -305,6 +303,7 @@ class SchedulerStats:
     kv_blocks_total: int = 0
     num_preemptions: int = 0
     late_results_dropped: int = 0
+    num_paused: int = 0  # sequences paused because their reader is behind
     steps: int = 0
     forward_s: float = 0.0  # Worker time in forward passes, summed over steps
     sample_s: float = 0.0  # ... and in sampling
@@ -431,8 +430,9 @@ class Shutdown:
 
 # --- what each actor's inbox accepts --------------------------------------------------
 
-TokenizerInput = Union[GenerateRequest, AbortRequest]  # noqa: UP007 - used at run time
-SchedulerInput = Union[SequenceRequest, AbortRequest, StepResult, StopMatched]  # noqa: UP007
+TokenizerInput = Union[GenerateRequest, AbortRequest, FlowControl]  # noqa: UP007 - run time
+SchedulerInput = Union[  # noqa: UP007
+    SequenceRequest, AbortRequest, FlowControl, StepResult, StopMatched]
 WorkerInput = StepPlan
 DetokenizerInput = TokenBatch
 FrontendInput = Union[OutputBatch, RequestFailed]  # noqa: UP007
@@ -441,7 +441,7 @@ ControlMessage = Union[  # noqa: UP007
 ]
 
 MESSAGE_TYPES: tuple[type, ...] = (
-    StructuredOutput, SamplingParams, ChatMessage, GenerateRequest, AbortRequest,
+    StructuredOutput, SamplingParams, ChatMessage, GenerateRequest, AbortRequest, FlowControl,
     SequenceRequest, RequestFailed, NewSeqData, ScheduledSeq, StepPlan, TokenLogprob,
     SampledToken, PromptLogprobs, StepResult, DetokSetup, TokenOut, SchedulerStats, TokenBatch,
     StopMatched, TextDelta, RequestFinished, OutputBatch, Hello, Ready, StartFailed,

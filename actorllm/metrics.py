@@ -11,6 +11,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+# Tokens: a reader's lag, and how many tokens one read (one SSE event) carries.
+_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                     60.0, 120.0)
 
@@ -31,7 +33,10 @@ class EngineMetrics:
                                          registry=r)
         self.request_success = Counter(p + "request_success", "Finished requests",
                                        ["finished_reason"], registry=r)
-        self.aborted_requests = Counter(p + "aborted_requests", "Requests aborted", registry=r)
+        # Labelled by why: client_disconnect, stream_timeout, drain_timeout, sibling_failed,
+        # engine_dead, user (each leaf of a n > 1 request counts once).
+        self.aborted_requests = Counter(p + "aborted_requests", "Requests aborted",
+                                        ["reason"], registry=r)
         self.late_outputs_dropped = Counter(p + "late_outputs_dropped",
                                             "Outputs for unknown or finished rids, dropped",
                                             registry=r)
@@ -62,9 +67,39 @@ class EngineMetrics:
                                             "Prefix cache lookups, in tokens", registry=r)
         self.prefix_cache_hits = Counter(p + "prefix_cache_hits",
                                          "Prefix cache hits, in tokens", registry=r)
+        self.late_results_dropped = Counter(
+            p + "late_results_dropped", "Step results the Scheduler dropped (for sequences "
+            "that had ended, or stale)", registry=r)
+        # Slow readers (the Frontend's flow control; docs/architecture.md).
+        self.consumer_lag = Histogram(p + "consumer_lag_tokens", "Tokens generated and not "
+                                      "yet read by the client, at each new token",
+                                      buckets=_TOKEN_BUCKETS, registry=r)
+        self.tokens_per_output_event = Histogram(
+            p + "tokens_per_output_event", "Tokens merged into one read (one SSE event)",
+            buckets=_TOKEN_BUCKETS[1:], registry=r)
+        self.pending_output_bytes = Gauge(p + "pending_output_bytes",
+                                          "Output bytes waiting for their readers", registry=r)
+        self.pending_output_bytes_max = Gauge(
+            p + "pending_output_bytes_max", "Most output bytes waiting for one request",
+            registry=r)
+        self.oldest_undelivered_output = Gauge(
+            p + "oldest_undelivered_output_seconds", "Age of the oldest output no reader "
+            "has taken", registry=r)
+        self.socket_blocked_seconds = Counter(
+            p + "socket_blocked_seconds", "Time HTTP responses spent waiting to write to "
+            "the socket", registry=r)
+        self.requests_paused = Counter(p + "requests_paused", "Requests paused because "
+                                       "their reader was behind", registry=r)
+        self.requests_resumed = Counter(p + "requests_resumed", "Paused requests resumed "
+                                        "because their reader caught up", registry=r)
+        self.requests_cancelled_for_lag = Counter(
+            p + "requests_cancelled_for_lag", "Requests cancelled after --stream-timeout "
+            "without a read", registry=r)
+        self.num_requests_paused = Gauge(p + "num_requests_paused", "Sequences paused",
+                                         registry=r)
         self._totals = {"steps": 0.0, "forward_s": 0.0, "sample_s": 0.0,
                         "num_preemptions": 0.0, "prefix_cache_queries": 0.0,
-                        "prefix_cache_hits": 0.0}
+                        "prefix_cache_hits": 0.0, "late_results_dropped": 0.0}
         self.arrivals = 0
 
     def on_stats(self, stats: Any) -> None:
@@ -74,18 +109,28 @@ class EngineMetrics:
                               ("sample_s", self.worker_sample_seconds),
                               ("num_preemptions", self.num_preemptions),
                               ("prefix_cache_queries", self.prefix_cache_queries),
-                              ("prefix_cache_hits", self.prefix_cache_hits)):
+                              ("prefix_cache_hits", self.prefix_cache_hits),
+                              ("late_results_dropped", self.late_results_dropped)):
             value = float(getattr(stats, name))
             if value > self._totals[name]:  # totals only grow within one Scheduler
                 counter.inc(value - self._totals[name])
                 self._totals[name] = value
+        self.num_requests_paused.set(getattr(stats, "num_paused", 0))
+
+    def watch_flows(self, frontend: Any) -> None:
+        """Read the Frontend's flow-control figures when scraped (they change per token)."""
+        from actorllm.outputs import now
+
+        self.pending_output_bytes.set_function(lambda: frontend.pending_bytes)
+        self.pending_output_bytes_max.set_function(
+            lambda: max((c.pending_bytes for c in frontend.flows), default=0))
+        self.oldest_undelivered_output.set_function(
+            lambda: max((c.age(now()) for c in frontend.flows), default=0.0))
 
     def on_arrival(self) -> None:
         self.arrivals += 1
 
     def on_finished(self, reason: str, prompt_tokens: int, e2e_s: float) -> None:
         self.request_success.labels(finished_reason=reason).inc()
-        if reason == "abort":
-            self.aborted_requests.inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.e2e.observe(e2e_s)

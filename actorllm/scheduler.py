@@ -14,6 +14,10 @@ to the Worker and ``TokenBatch`` to the Detokenizer. Theory of operation:
   its blocks until every one of them is back.
 - Prefix caching (kv.py, blocks.py): blocks are shared by reference count and cached or
   evicted only with none left; a fenced sequence keeps its references.
+- Flow control: ``FlowControl(pause)`` (the client's reader is behind) takes a sequence
+  out of the batch at the next plan no step in flight names it; it keeps its blocks
+  (PAUSED) until another sequence needs them, then gives them up (recompute on resume).
+  ``FlowControl(resume)`` puts it first in the waiting queue (PREEMPTED). (pacing.py)
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from actorllm.mailbox import Inbox, Outbox
 from actorllm.messages import (
     FEED_LAST_SAMPLE,
     AbortRequest,
+    FlowControl,
     SchedulerInput,
     SchedulerStats,
     SequenceRequest,
@@ -42,6 +47,7 @@ from actorllm.messages import (
     TokenLogprob,
     TokenOut,
 )
+from actorllm.pacing import Pacing
 from actorllm.policy import POLICIES, WaitingQueue, arrival_victim, order
 from actorllm.sequence import Sequence, take_prompt_pieces
 from actorllm.trace import Tracer
@@ -49,9 +55,9 @@ from actorllm.trace import Tracer
 log = logging.getLogger(__name__)
 
 
-class Scheduler:
-    """Continuous batching with chunked prefill, preemption by recompute, prefix caching
-    and an optional priority order."""
+class Scheduler(Pacing):
+    """Continuous batching: chunked prefill, preemption by recompute, prefix caching, an
+    optional priority order, pauses for slow readers, one or two steps in flight."""
 
     pool_class = BlockPool  # a seam for the simulation's planted bugs (tests/sim/bugs.py)
 
@@ -87,6 +93,10 @@ class Scheduler:
         self.fenced: list[Sequence] = []  # finished, waiting for the step in flight
         self.max_steps_in_flight = max_steps_in_flight
         self.in_flight: deque[StepPlan] = deque()  # sent, result not yet back; oldest first
+        # PAUSED (in the order they paused: the longest-paused gives its blocks up first,
+        # being the least likely to be read soon), and pauses asked for, not yet applied.
+        self.paused: dict[str, Sequence] = {}
+        self.pause_wanted: set[str] = set()
         self.next_step_id = 0
         self.next_incarnation = 0
         self.worker_drops: list[str] = []  # rids whose Worker state may go (StepPlan.drop)
@@ -94,14 +104,11 @@ class Scheduler:
         self._freed: list[str] = []
         self._stats_dirty = False
         self._wake = trio.Event()
-        # Counters (exported through SchedulerStats).
-        self.num_preemptions = 0
-        self.late_results_dropped = 0
-        self.ahead_tokens_dropped = 0  # planned ahead for a sequence that ended meanwhile
-        self.late_stops_dropped = 0
-        self.steps = 0
-        self.forward_s = 0.0
-        self.sample_s = 0.0
+        # Counters (exported through SchedulerStats); ahead_tokens_dropped: rows planned
+        # ahead for a sequence that ended meanwhile.
+        self.num_preemptions = self.late_results_dropped = self.late_stops_dropped = 0
+        self.ahead_tokens_dropped = self.steps = 0
+        self.forward_s = self.sample_s = 0.0
         if tracer is not None:  # what `actorllm replay --redrive` needs to rebuild us
             tracer.record("config", actor="scheduler", num_blocks=num_blocks,
                           block_size=block_size, max_num_seqs=max_num_seqs,
@@ -109,8 +116,6 @@ class Scheduler:
                           max_steps_in_flight=max_steps_in_flight,
                           enable_prefix_caching=enable_prefix_caching,
                           scheduling_policy=scheduling_policy)
-
-    # --- the actor --------------------------------------------------------------
 
     async def run(self) -> None:
         """Receive and decide in one task, send in another (see the module docstring)."""
@@ -154,6 +159,8 @@ class Scheduler:
             self.on_request(msg)
         elif isinstance(msg, AbortRequest):
             self.finish_early(msg.rid, "abort")
+        elif isinstance(msg, FlowControl):
+            self.on_flow(msg)  # actorllm/pacing.py
         elif isinstance(msg, StopMatched):
             seq = self.seqs.get(msg.rid)
             # A stop found for an earlier request under this rid must not end this one.
@@ -192,8 +199,6 @@ class Scheduler:
         self._finish(seq, "abort" if reason == "abort" else "finish", reason, stop)
         return True
 
-    # --- planning ------------------------------------------------------------------
-
     def schedule(self) -> StepPlan | None:
         """Plan the next step: running sequences first, then admissions. None if idle.
 
@@ -203,6 +208,8 @@ class Scheduler:
         """
         assert len(self.in_flight) < self.max_steps_in_flight
         ahead = bool(self.in_flight)
+        if self.pause_wanted:
+            self._apply_pauses()
         budget = self.max_num_batched_tokens
         planned: list[tuple[Sequence, int]] = []
         while self.priority and (
@@ -215,18 +222,17 @@ class Scheduler:
         preempted = False
         while queue and budget > 0:
             seq = queue.pop(0)
-            if ahead and not seq.may_plan_ahead():
-                continue
+            if ahead and (not seq.may_plan_ahead() or seq.rid in self.pause_wanted):
+                continue  # (a pause waits for the steps that name it to return)
             n = min(seq.num_unscheduled, budget)
             if n <= 0:
                 continue
-            while not blocks.reserve(self.pool, seq, n):
+            while not self._reserve(seq, n):
                 if ahead:
                     # No preemption while a step runs. Rather than run younger sequences
                     # past an older one, plan nothing: the pipeline drains to one step
                     # and the plain path preempts the newest, as without overlap.
                     return None
-                # Take blocks from the newest running sequence not yet in this step.
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
                 preempted = True
@@ -235,20 +241,23 @@ class Scheduler:
             else:
                 planned.append((seq, n))
                 budget -= n
-        # No admissions in a step that had to preempt: the victim would be let straight
-        # back in with a chunk and preempted again next step, recomputing for nothing.
-        # (Unless nothing runs any more: then the front of the queue may start over.)
+        # No admissions in a step that had to preempt (the victim would come straight back
+        # and be preempted again), unless nothing runs any more.
         admit = not preempted or not self.running
         computing = blocks.computing(self.pool, planned) if admit and self.waiting else set()
-        # Preempted sequences sit at the front of `waiting`, so they come back first.
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = blocks.cache_hits(self.pool, seq)
-            if blocks.next_block_computing(self.pool, seq, hits, computing):
-                break  # it waits a step, then starts from that block too
-            n = min(seq.num_tokens - len(hits) * self.pool.block_size, budget)
-            if not blocks.admit(self.pool, seq, hits, n):
-                break
+            if seq.block_table:  # resumed with the KV it kept while paused
+                n = min(seq.num_unscheduled, budget)
+                if not self._reserve(seq, n):
+                    break
+            else:
+                hits = blocks.cache_hits(self.pool, seq)
+                if blocks.next_block_computing(self.pool, seq, hits, computing):
+                    break  # it waits a step, then starts from that block too
+                n = min(seq.num_tokens - len(hits) * self.pool.block_size, budget)
+                if not self._admit(seq, hits, n):
+                    break
             self.waiting.popleft()
             if seq.first_scheduled is None:
                 seq.first_scheduled = time.monotonic()
@@ -297,8 +306,6 @@ class Scheduler:
         self.waiting.add(seq, preempted=True)
         self.num_preemptions += 1
         self.ledger.fire(seq.rid, "preempt")
-
-    # --- results ---------------------------------------------------------------------
 
     def on_result(self, result: StepResult) -> None:
         # The Worker runs plans in order, so a result answers the oldest plan in flight.
@@ -380,7 +387,10 @@ class Scheduler:
     def _finish(self, seq: Sequence, event: str, reason: str, stop_reason: Any = None,
                 error: str | None = None) -> None:
         """The one terminal transition; blocks go back now or after the fence."""
-        (self.running if seq.status is State.RUNNING else self.waiting).remove(seq)
+        if seq.status is State.PAUSED:
+            del self.paused[seq.rid]
+        else:
+            (self.running if seq.status is State.RUNNING else self.waiting).remove(seq)
         self.ledger.fire(seq.rid, event, reason=reason)
         # Merged with this step's token for the rid, if any: one TokenOut per rid per batch.
         last = self._outputs[-1] if self._outputs else None
@@ -400,8 +410,7 @@ class Scheduler:
         seq = self.seqs.get(rid)
         return seq if seq is not None and seq.status is State.RUNNING else None
 
-    def _reset_for_recompute(self, seq: Sequence) -> None:
-        """Preemption: nothing of ``seq`` stays cached; what was reported stays reported."""
+    def _reset_for_recompute(self, seq: Sequence) -> None:  # a seam for tests/sim/bugs.py
         seq.reset_for_recompute()
 
     def _fenced(self, seq: Sequence) -> bool:
@@ -415,6 +424,7 @@ class Scheduler:
     def _free(self, seq: Sequence) -> None:
         blocks.release(self.pool, seq)
         del self.seqs[seq.rid]
+        self.pause_wanted.discard(seq.rid)
         if seq.worker_knows:
             self.worker_drops.append(seq.rid)
         self.ledger.fire(seq.rid, "free")
@@ -423,28 +433,18 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            kv_blocks_used=self.pool.num_used,
-            kv_blocks_total=self.pool.num_blocks,
-            num_preemptions=self.num_preemptions,
-            late_results_dropped=self.late_results_dropped,
-            steps=self.steps,
-            forward_s=self.forward_s,
-            sample_s=self.sample_s,
-            prefix_cache_queries=self.pool.queries,
-            prefix_cache_hits=self.pool.hits,
-        )
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_blocks_used=self.pool.num_used, kv_blocks_total=self.pool.num_blocks,
+            num_preemptions=self.num_preemptions, num_paused=len(self.paused),
+            late_results_dropped=self.late_results_dropped, steps=self.steps,
+            forward_s=self.forward_s, sample_s=self.sample_s,
+            prefix_cache_queries=self.pool.queries, prefix_cache_hits=self.pool.hits)
 
     def drain_problems(self) -> list[str]:
         """What is still held (empty after a clean drain: invariant 4)."""
-        problems = []
-        if self.seqs:
-            problems.append(f"scheduler holds sequences {sorted(self.seqs)}")
-        if self.pool.num_used:
-            problems.append(f"{self.pool.num_used} KV blocks still in use")
-        if self.in_flight:
-            problems.append(f"steps {[p.step_id for p in self.in_flight]} still in flight")
-        if len(self.ledger):
-            problems.append(f"scheduler ledger holds {sorted(self.ledger.views)}")
-        return problems
+        return [why for held, why in (
+            (self.seqs, f"scheduler holds sequences {sorted(self.seqs)}"),
+            (self.pool.num_used, f"{self.pool.num_used} KV blocks still in use"),
+            (self.in_flight, f"steps {[p.step_id for p in self.in_flight]} still in flight"),
+            (len(self.ledger), f"scheduler ledger holds {sorted(self.ledger.views)}"),
+        ) if held]

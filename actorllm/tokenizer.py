@@ -28,6 +28,7 @@ from actorllm.mailbox import Inbox, Outbox
 from actorllm.messages import (
     AbortRequest,
     ChatMessage,
+    FlowControl,
     FrontendInput,
     GenerateRequest,
     InvalidRequest,
@@ -198,7 +199,7 @@ class Tokenizer:
 
     async def run(self) -> None:
         async for msg in self.inbox:
-            if isinstance(msg, AbortRequest):
+            if isinstance(msg, (AbortRequest, FlowControl)):
                 await self.scheduler.send(msg)
                 continue
             try:

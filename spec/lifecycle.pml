@@ -23,6 +23,9 @@
  * disconnect, whose clean-up calls abort) at any moment (ABORTS times); the Tokenizer may
  * reject a prompt; a sampled token may be EOS; a step may fail; a stop string may match.
  * A child that fails (step error or rejection) makes the Frontend abort its siblings.
+ * A's reader may fall behind: the Frontend sends PAUSE on the aborts' edge, and later
+ * RESUME (the reader caught up) or an abort (--stream-timeout ran out); -DNO_PAUSE
+ * turns that off.
  * -DNO_REJECT, -DNO_STOP, -DNO_FAIL, -DNO_REUSE and -DNO_SIBLING_ABORT turn one of them
  * off. To keep the state space small, only child 0 and A may match a stop string and
  * only child 1 and A may be rejected: each behaviour is still reached, against every
@@ -102,12 +105,13 @@
 #define S_RUN   2
 #define S_PRE   3
 #define S_FIN   4      /* finished; blocks kept until the step fence */
+#define S_PAUSE 5      /* its reader is behind: not planned; keeps its blocks until needed */
 
 #define ERR     255    /* RESULT's eos field for a failed step */
 #define BIT(r)  (1 << (r))
 #define WANT(r) (1 + (out[r] >= 1))    /* blocks a leaf needs for its next step */
 
-mtype = { TOKENIZE, ABORT, SEQ, STOP, RESULT };
+mtype = { TOKENIZE, ABORT, SEQ, STOP, RESULT, PAUSE, RESUME };
 
 #ifdef BUG_ABORT_BYPASS
 #define ABORT_EDGE sch_in      /* straight to the Scheduler: it may overtake the request */
@@ -141,6 +145,7 @@ byte nblk[NR];         /* blocks in its block table */
 bool in_step[NR];      /* planned in the step in flight: the fence */
 byte nfree = NB;       /* blocks in the free pool */
 bool in_flight;        /* at most one step in flight */
+bool want_pause[NR];   /* PAUSE received; applied when planning (no step in flight) */
 byte pmask;            /* the rids of the step being planned or in flight */
 byte pend_tok, pend_fin, pend_freed, pend_err;    /* decided, not yet sent */
 
@@ -244,11 +249,33 @@ active proctype ClientP() {
 }
 #endif
 
+/* Frontend flow control (FlowControl): the reader of r is behind, or caught up. Sent on
+   the aborts' edge, behind the request; dropped once the client is answered. */
+inline flow_leaf(r, m) {
+    atomic {
+        if
+        :: reg[r] && !resp[r] && dispatched[r] && nfull(tok_in) -> tok_in ! m, r, life[r]
+        :: !(reg[r] && !resp[r] && dispatched[r]) -> skip   /* else it waits for room */
+        fi
+    }
+}
+
 #ifdef HAVE_A
 /* The client of A (n = 1): maybe abort; once answered, maybe reuse the rid. */
 active proctype ClientA() {
     byte k;
     submit_leaf(A);
+#ifndef NO_PAUSE
+    if
+    :: flow_leaf(A, PAUSE);     /* the reader fell behind; then it catches up, or the
+                                   stream timeout aborts it */
+        if
+        :: flow_leaf(A, RESUME)
+        :: abort_leaf(A)
+        fi
+    :: skip
+    fi;
+#endif
     do
     :: k < ABORTS -> k++; abort_leaf(A)
     :: break
@@ -347,6 +374,7 @@ end:
         tok_in ? m, r, l;
         if
         :: m == ABORT -> sch_in ! ABORT, r, l    /* forwarded on the request's own edge */
+        :: m == PAUSE || m == RESUME -> sch_in ! m, r, l   /* the same edge */
         :: m == TOKENIZE ->
             assert(reg[r] && life[r] == l);     /* invariant 1: registered before dispatch */
             if
@@ -389,6 +417,7 @@ inline free_seq(r) {
 /* The one terminal transition (finish, abort or fail): blocks now, or after the fence. */
 inline finish(r, e) {
     ss[r] = S_FIN; fire(r, e);
+    want_pause[r] = 0;          /* a pause asked for dies with the request */
     term[r]++;
     assert(term[r] == 1);       /* invariant 2: exactly one terminal event */
     pend_fin = pend_fin | BIT(r);
@@ -405,7 +434,7 @@ inline finish(r, e) {
 /* Abort or stop string: idempotent; stops future work, never undoes launched work. */
 inline finish_early(r, l, e) {
     if
-    :: ss[r] == S_WAIT || ss[r] == S_RUN || ss[r] == S_PRE ->
+    :: ss[r] == S_WAIT || ss[r] == S_RUN || ss[r] == S_PRE || ss[r] == S_PAUSE ->
         assert(slife[r] == l);  /* a stale abort or stop never hits a reused rid */
         finish(r, e)
     :: else -> skip             /* already finished or freed, or rejected */
@@ -460,6 +489,19 @@ end:
             assert(arrived[a] >= x);            /* an abort never overtakes its request */
             finish_early(a, x, E_ABORT)
         :: m == STOP -> finish_early(a, x, E_FINISH)
+        :: m == PAUSE ->
+            assert(arrived[a] >= x);            /* never overtakes its request */
+            if
+            :: (ss[a] == S_WAIT || ss[a] == S_RUN || ss[a] == S_PRE) && slife[a] == x ->
+                want_pause[a] = 1
+            :: else -> skip                     /* finished, freed or reused: dropped */
+            fi
+        :: m == RESUME ->
+            want_pause[a] = 0;
+            if
+            :: ss[a] == S_PAUSE && slife[a] == x -> ss[a] = S_PRE; fire(a, E_RESUME)
+            :: else -> skip
+            fi
         :: m == RESULT -> on_result(a, x)
         fi;
         i = 0; m = 0; a = 0; x = 0
@@ -474,6 +516,33 @@ inline preempt(r) {
     ss[r] = S_PRE; fire(r, E_PREEMPT)
 }
 
+#define PAUSED_BLOCKS ((ss[1] == S_PAUSE && nblk[1] > 0) || (ss[2] == S_PAUSE && nblk[2] > 0) \
+                       || (ss[3] == S_PAUSE && nblk[3] > 0))
+
+/* KV is needed: the first paused leaf holding blocks gives them up (recompute on resume). */
+inline evict_paused() {
+    if
+    :: ss[1] == S_PAUSE && nblk[1] > 0 -> release(1); fire(1, E_PREEMPT)
+    :: else -> if
+        :: ss[2] == S_PAUSE && nblk[2] > 0 -> release(2); fire(2, E_PREEMPT)
+        :: else -> release(3); fire(3, E_PREEMPT)
+        fi
+    fi
+}
+
+/* Scheduler.schedule, first: the pauses asked for take effect (no step is in flight). */
+inline apply_pauses() {
+    for (i : FIRST .. LAST) {
+        if
+        :: want_pause[i] && (ss[i] == S_WAIT || ss[i] == S_RUN || ss[i] == S_PRE) ->
+            assert(!in_step[i]);
+            want_pause[i] = 0; ss[i] = S_PAUSE; fire(i, E_PAUSE)
+        :: else -> skip
+        fi
+    }
+    i = 0
+}
+
 /* Scheduler.schedule: running leaves first, preempting the newest running one that is not
    yet planned when the pool is exhausted; then admissions, preempted leaves first, up to
    the first that does not fit. */
@@ -484,7 +553,9 @@ inline plan() {
         :: ss[i] == S_RUN ->
             do
             :: WANT(i) <= nblk[i] + nfree -> alloc(i); pmask = pmask | BIT(i); break
-            :: else ->
+            :: WANT(i) > nblk[i] + nfree && PAUSED_BLOCKS ->
+                evict_paused()          /* paused leaves give their blocks up first */
+            :: WANT(i) > nblk[i] + nfree && !PAUSED_BLOCKS ->
                 v = i;
                 for (j : FIRST .. LAST) {
                     if
@@ -507,9 +578,11 @@ inline plan() {
             if
             :: !stuck && ((j == 0 && ss[i] == S_PRE) || (j == 1 && ss[i] == S_WAIT)) ->
                 if
-                :: WANT(i) <= nfree -> alloc(i); ss[i] = S_RUN; pmask = pmask | BIT(i);
-                    fire(i, E_SCHEDULE)
-                :: else -> stuck = 1
+                :: WANT(i) <= nblk[i] + nfree -> alloc(i); ss[i] = S_RUN;
+                    pmask = pmask | BIT(i); fire(i, E_SCHEDULE)
+                :: WANT(i) > nblk[i] + nfree && PAUSED_BLOCKS ->
+                    evict_paused(); i--     /* and try this leaf again */
+                :: WANT(i) > nblk[i] + nfree && !PAUSED_BLOCKS -> stuck = 1
                 fi
             :: else -> skip
             fi
@@ -537,7 +610,11 @@ end:
         det_in ! toks, fins, frees, errs;
         toks = 0; fins = 0; frees = 0; errs = 0
        }
-    :: atomic { !in_flight && RUNNABLE -> plan(); wk_in ! pmask }
+    :: atomic { !in_flight && RUNNABLE -> apply_pauses();
+                if
+                :: RUNNABLE -> plan(); wk_in ! pmask
+                :: else -> skip     /* everything left is paused */
+                fi }
     od
 }
 

@@ -254,7 +254,8 @@ async def test_leaving_the_stream_early_aborts(tiny_llama_dir: Path) -> None:
             async for _ in engine.generate(GenerateRequest("gone", params, prompt="bye")):
                 break  # the client disconnects after the first output
         assert await engine.wait_drained() == []
-        assert engine.metrics.registry.get_sample_value("actorllm:aborted_requests_total") == 1
+        assert engine.metrics.registry.get_sample_value("actorllm:aborted_requests_total",
+                                                   {"reason": "client_disconnect"}) == 1
 
 
 @ALL_TOPOLOGIES

@@ -28,7 +28,12 @@ scheduler.bug_keep_evicted_hash             9      an evicted block is reused wh
                                                    hash still finds it
 scheduler.bug_share_without_reference       10     a prefix-cache hit on a block in use takes
                                                    no reference
+scheduler.bug_pause_keeps_slot              11      a paused sequence keeps its running slot
+frontend.bug_never_resume                   11      a reader that catches up is never resumed
+frontend.bug_drop_on_pause                  7      a pause drops what the reader had not read
 ==========================================  =====  ==============================================
+
+The last three run with flow control on (``SimConfig.flow``, tests/test_simulation.py's FLOW).
 
 Each run stops at the first counterexample (no shrinking: only finding it matters here).
 """
@@ -44,7 +49,7 @@ from sim import InvariantViolation, SimConfig, TextModel, World, make_machine
 from sim.bugs import COLLECTOR_BUGS
 from sim.bugs import PLANTED as PLANTED_BUGS
 
-from actorllm.outputs import Merged, OutputCollector
+from actorllm.outputs import FlowLimits, Merged, OutputCollector
 
 PLANTED = [
     ("frontend.bug_register_after_dispatch", "1"),
@@ -60,7 +65,13 @@ PLANTED = [
     ("scheduler.bug_cache_shared_block", "8"),
     ("scheduler.bug_keep_evicted_hash", "9"),
     ("scheduler.bug_share_without_reference", "10"),
+    ("scheduler.bug_pause_keeps_slot", "11"),
+    ("frontend.bug_never_resume", "11"),
+    ("frontend.bug_drop_on_pause", "7"),
 ]
+FLOW_BUGS = {"scheduler.bug_pause_keeps_slot", "frontend.bug_never_resume",
+             "frontend.bug_drop_on_pause"}
+FLOW = FlowLimits(max_bytes_per_request=12, max_bytes=None, stream_timeout=None)
 
 FIND = settings(
     max_examples=3000,  # a ceiling: each is found in well under a few hundred
@@ -75,7 +86,8 @@ FIND = settings(
 
 @pytest.mark.parametrize(("seam", "invariant"), PLANTED, ids=[s for s, _ in PLANTED])
 def test_planted_bug_is_caught(tiny_tokenizer: Any, seam: str, invariant: str) -> None:
-    machine = make_machine(tiny_tokenizer, SimConfig(bugs=frozenset({seam})),
+    flow = FLOW if seam in FLOW_BUGS else None
+    machine = make_machine(tiny_tokenizer, SimConfig(bugs=frozenset({seam}), flow=flow),
                            name=f"Planted_{seam.replace('.', '_')}")
     with pytest.raises(InvariantViolation) as found:
         run_state_machine_as_test(machine, settings=FIND)

@@ -45,7 +45,8 @@ async def test_disconnect_mid_stream_drains_the_engine(engine: AsyncEngine) -> N
         call.gone.set()
     assert not call.done  # cut short, no [DONE]
     assert await engine.wait_drained(1.0) == []
-    assert engine.metrics.registry.get_sample_value("actorllm:aborted_requests_total") == 2
+    assert engine.metrics.registry.get_sample_value("actorllm:aborted_requests_total",
+                                                   {"reason": "client_disconnect"}) == 2
 
 
 async def test_disconnect_before_a_whole_answer_drains_the_engine(engine: AsyncEngine) -> None:

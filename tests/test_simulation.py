@@ -28,6 +28,7 @@ from sim.profiles import sim_settings
 from sim.scripted_worker import scripted_token
 
 from actorllm.messages import AbortRequest, SamplingParams, SchedulerInput, StopMatched
+from actorllm.outputs import FlowLimits
 
 # A long run takes as long as it takes; CI's runs keep the suite's per-test timeout.
 if settings.get_current_profile_name() == "long":
@@ -37,6 +38,13 @@ if settings.get_current_profile_name() == "long":
 TIGHT = SimConfig(num_blocks=5, max_num_seqs=2, max_num_batched_tokens=4, capacity=1,
                   worker_capacity=1, max_steps_in_flight=1)
 ROOMY = SimConfig(num_blocks=64, max_num_seqs=16, max_num_batched_tokens=64, capacity=16)
+
+# Marks so small that a reader one token behind is paused.
+# (Preemption while paused is reached now and then, not every run: the engine-level
+# tests/test_slow_readers.py forces it.)
+FLOW = SimConfig(num_blocks=6, max_num_seqs=3, max_num_batched_tokens=6, flow=FlowLimits(
+    max_bytes_per_request=12, max_bytes=None, stream_timeout=None))
+SLOW_CORNERS = {"preempted", "aborted", "n>1 gathered", "paused", "resumed"}
 
 # --- the stateful tests -------------------------------------------------------------------
 
@@ -67,6 +75,14 @@ def test_lifecycle_default(tiny_tokenizer: Any) -> None:
 
 def test_lifecycle_tight(tiny_tokenizer: Any) -> None:
     explore(tiny_tokenizer, TIGHT, 700, CORNERS - OVERLAP)
+
+
+def test_lifecycle_slow_readers(tiny_tokenizer: Any) -> None:
+    """Flow control on: readers that stop (the slow_reader rule) get their requests paused
+    at the Scheduler, resumed when they read, preempted while paused when the pool is
+    needed; invariants 7 (nothing lost or doubled) and 11 (a paused request holds no running
+    slot and resumes once its reader reads) on top of the rest."""
+    explore(tiny_tokenizer, FLOW, 300, SLOW_CORNERS)
 
 
 def test_lifecycle_roomy(tiny_tokenizer: Any) -> None:

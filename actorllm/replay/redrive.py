@@ -29,6 +29,7 @@ import attrs
 
 from actorllm.messages import (
     AbortRequest,
+    FlowControl,
     SampledToken,
     SamplingParams,
     SequenceRequest,
@@ -233,6 +234,8 @@ def _apply(sched: Any, line: Line, default_eos: tuple[int, ...],
             report.notes.append(DEFAULT_PARAMS_NOTE)
     elif d.get("msg") == "abort":
         sched.handle(AbortRequest(str(d["rid"])))
+    elif d.get("msg") in ("pause", "resume"):  # flow control (a slow reader)
+        sched.handle(FlowControl(str(d["rid"]), d["msg"] == "pause"))
     elif d.get("msg") == "stop":
         # Only a stop meant for the live incarnation is recorded (a stale one is dropped
         # before the Scheduler logs it), so it carries that incarnation's incarnation.

@@ -83,9 +83,10 @@ class ServerState:
 
     def __init__(self, engine: AsyncEngine, *, served_model_name: str, api_key: str | None,
                  max_request_bytes: int, max_pending: int,
-                 tool_call_parser: str = "json") -> None:
+                 tool_call_parser: str = "json", body_timeout: float | None = None) -> None:
         self.engine = engine
         self.tool_call_parser = tool_call_parser  # a key of server.tools.PARSERS
+        self.body_timeout = body_timeout  # --body-timeout: 408 for a body that stalls
         self.model_name = served_model_name
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
@@ -134,6 +135,14 @@ class _TooLarge(StarletteHTTPException):
                          headers=_CLOSE)
 
 
+class _BodyTimeout(StarletteHTTPException):
+    """Raised from ``receive`` when the body has not arrived within --body-timeout."""
+
+    def __init__(self, limit: float) -> None:
+        super().__init__(408, f"the request body did not arrive within {limit:g} s "
+                         "(--body-timeout)", headers=_CLOSE)
+
+
 class EdgeMiddleware:
     """Pure ASGI, before routing: API key, body size, ``X-Request-Id`` echo.
 
@@ -171,10 +180,24 @@ class EdgeMiddleware:
                            code="request_too_large", headers=_CLOSE).send(send, echo)
             return
         seen = 0
+        body_limit = self.state.body_timeout
+        # The whole body must be in by then (a slowloris sends a byte now and then, so a
+        # timeout per read would not do); after the body, receive() waits freely (it is
+        # how a response hears of a disconnect).
+        body_deadline = None if body_limit is None else trio.current_time() + body_limit
+        body_done = False
 
         async def receive_limited() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_deadline is not None and not body_done:
+                with trio.move_on_at(body_deadline) as scope:
+                    message = await receive()
+                if scope.cancelled_caught:
+                    raise _BodyTimeout(body_limit)
+                body_done = message["type"] != "http.request" or not message.get(
+                    "more_body", False)
+            else:
+                message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
@@ -207,13 +230,13 @@ def _request_id(request: Request) -> str:
 def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | None = None,
               max_request_bytes: int = 1 << 20,
               max_pending: int = DEFAULT_MAX_PENDING,
-              tool_call_parser: str = "json") -> FastAPI:
+              tool_call_parser: str = "json", body_timeout: float | None = None) -> FastAPI:
     """The OpenAI-compatible app for ``engine`` (``app.state.server`` is its ServerState)."""
     if tool_call_parser not in PARSERS:
         raise ValueError(f"unknown tool-call parser {tool_call_parser!r}")
     state = ServerState(engine, served_model_name=served_model_name, api_key=api_key,
                         max_request_bytes=max_request_bytes, max_pending=max_pending,
-                        tool_call_parser=tool_call_parser)
+                        tool_call_parser=tool_call_parser, body_timeout=body_timeout)
     app = FastAPI(title="actorllm", version=__version__,
                   description="An OpenAI-compatible LLM inference server.")
     app.state.server = state

@@ -14,12 +14,21 @@ When ``--drain-timeout`` runs out (``ServerState.drain_expired``), a request sti
 running ends the same way: a stream with an ``error`` event (code ``shutting_down``)
 and ``[DONE]``, a whole response with a 503. The cut only ever cancels a wait, never a send
 half-way (that would corrupt the chunked body).
+
+Slow clients. A job's admission reservation is given back as soon as the engine is done
+with it (``OutputCollector.engine_done``), not when its client has read everything: what
+the client has not read counts against ``--max-pending-bytes`` instead. A send that the
+client does not take for ``--stream-timeout`` seconds closes the connection (hypercorn's
+write is made to time out by ``server/timeouts.py``); the engine requests are then
+aborted with reason ``stream_timeout``. The time each send waits is counted in
+``actorllm:socket_blocked_seconds``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +61,7 @@ class Job:
     # The echo is a text prompt as given (its special tokens, like <|bos|>, not shown),
     # or the decoding of token ids with them: text_offset must know which.
     echo_skips_special: bool = True
+    released: bool = False  # its admission reservation was given back
 
     @property
     def cost(self) -> int:
@@ -93,6 +103,8 @@ class GenerationResponse(Response):
         self._reserved = 0
         self._error: RequestError | None = None
         self._cut = False  # the drain timeout ran out before this request finished
+        self._abort_reason: str | None = None  # why unfinished engine requests are aborted
+        self._nursery: trio.Nursery | None = None
 
     def _api_error(self, exc: RequestError) -> APIError:
         err = from_request_error(exc)
@@ -104,6 +116,7 @@ class GenerationResponse(Response):
         self._send = send
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 # Leaving the connection cancels everything below, and the finally aborts.
                 nursery.start_soon(self._watch_disconnect, receive, nursery.cancel_scope)
                 try:
@@ -129,17 +142,28 @@ class GenerationResponse(Response):
                 if message["type"] == "http.disconnect":
                     log.debug("client disconnected: aborting %s",
                               [j.request.rid for j in self.jobs])
+                    self._abort_reason = self._abort_reason or "client_disconnect"
                     scope.cancel()
                     return
         except Exception:  # a broken receive means the client is gone too
+            self._abort_reason = self._abort_reason or "client_disconnect"
             scope.cancel()
 
     async def _raw_send(self, message: dict[str, Any]) -> None:
         assert self._send is not None
+        start = time.monotonic()
         try:
             await self._send(message)
         except OSError as exc:
             raise _ClientGone() from exc
+        finally:
+            waited = time.monotonic() - start
+            self.state.engine.metrics.socket_blocked_seconds.inc(waited)
+        timeout = self.state.engine.config.stream_timeout
+        if timeout is not None and waited >= timeout:
+            # hypercorn gave up on this write (server/timeouts.py) and closed the connection
+            self._abort_reason = "stream_timeout"
+            raise _ClientGone()
 
     async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self._started = True
@@ -154,14 +178,36 @@ class GenerationResponse(Response):
         assert self._send is not None
         await err.send(self._send, self.extra_headers)
 
+    def _release_job(self, job: Job) -> None:
+        if not job.released:
+            job.released = True
+            self.state.admission.release(job.cost)
+            self._reserved -= job.cost
+
+    async def _release_when_done(self, job: Job) -> None:
+        """Give the job's sequences back once the engine is done with it, read or not."""
+        assert job.collector is not None
+        await job.collector.engine_done.wait()
+        self._release_job(job)
+
     async def _release(self) -> None:
         """Abort what has not finished and give back the overload reservation."""
-        self.state.admission.release(self._reserved)
-        self._reserved = 0
+        if self._reserved:  # the reservation was made: give back what is still held
+            for job in self.jobs:
+                self._release_job(job)
+        if self._cut:
+            reason = "drain_timeout"
+        elif self._error is not None:
+            reason = "sibling_failed"
+        else:
+            reason = self._abort_reason or "client_disconnect"
         for job in self.jobs:
-            if job.collector is not None and not job.collector.finished:
+            if job.collector is None:
+                continue
+            job.collector.discard()  # nobody will read the rest: it stops counting
+            if not job.collector.finished:
                 try:
-                    await self.state.engine.abort(job.request.rid)
+                    await self.state.engine.abort(job.request.rid, reason)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     log.debug("engine stopped before %s could be aborted", job.request.rid)
 
@@ -191,6 +237,8 @@ class GenerationResponse(Response):
                 job.collector = await state.engine.submit(job.request, reserved=True)
             except InvalidRequest as exc:  # a live duplicate request id
                 raise invalid(exc) from None
+            if self._nursery is not None:
+                self._nursery.start_soon(self._release_when_done, job)
 
     def _usage(self) -> dict[str, Any]:
         prompt = sum(j.collector.num_prompt_tokens for j in self.jobs if j.collector)

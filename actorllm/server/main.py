@@ -115,6 +115,9 @@ def serve_main(config: EngineConfig, args: argparse.Namespace) -> int:
         max_pending=int(getattr(args, "max_pending", None) or DEFAULT_MAX_PENDING),
         on_engine_death=str(getattr(args, "on_engine_death", None) or "exit"),
         tool_call_parser=str(getattr(args, "tool_call_parser", None) or "json"),
+        write_timeout=config.stream_timeout,
+        body_timeout=float(getattr(args, "body_timeout", 30.0) or 0) or None,
+        keep_alive_timeout=float(getattr(args, "keep_alive_timeout", 5.0) or 5.0),
     )
     return trio.run(_serve, config, resources, options)
 
@@ -122,21 +125,34 @@ def serve_main(config: EngineConfig, args: argparse.Namespace) -> int:
 class _Options:
     def __init__(self, *, host: str, port: int, api_key: str | None, name: str,
                  drain_timeout: float, max_request_bytes: int, max_pending: int,
-                 on_engine_death: str = "exit", tool_call_parser: str = "json") -> None:
+                 on_engine_death: str = "exit", tool_call_parser: str = "json",
+                 write_timeout: float | None = None, body_timeout: float | None = None,
+                 keep_alive_timeout: float = 5.0) -> None:
         self.host, self.port, self.api_key, self.name = host, port, api_key, name
         self.drain_timeout, self.max_request_bytes = drain_timeout, max_request_bytes
         self.max_pending, self.on_engine_death = max_pending, on_engine_death
         self.tool_call_parser = tool_call_parser
+        # Client timeouts: a write the client does not take (--stream-timeout), a body
+        # that does not arrive (--body-timeout), an idle keep-alive (--keep-alive-timeout).
+        self.write_timeout, self.body_timeout = write_timeout, body_timeout
+        self.keep_alive_timeout = keep_alive_timeout
 
 
 def _hypercorn_config(opts: _Options) -> Any:
     from hypercorn.config import Config
+
+    from actorllm.server import timeouts
 
     hc = Config()
     hc.bind = [_bind_address(opts.host, opts.port)]
     # The drain happens before hypercorn is told to stop (see _drain): by then only
     # finished or failed responses and idle connections remain.
     hc.graceful_timeout = _CLOSE_TIMEOUT
+    # Also bounds a client that sends its headers slowly: the connection is idle until they
+    # are complete. (hypercorn's read_timeout is not used: it would cut every response
+    # longer than it, the client sending nothing meanwhile.)
+    hc.keep_alive_timeout = opts.keep_alive_timeout
+    timeouts.set_write_timeout(hc, opts.write_timeout)
     hc.accesslog = None
     # Through `logging`, so --log-level decides (hypercorn would print to stderr itself).
     hc.errorlog = logging.getLogger("hypercorn.error")
@@ -147,16 +163,17 @@ async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
     from hypercorn.trio import serve
 
     from actorllm.engine import open_engine
-    from actorllm.server import protocol_errors
+    from actorllm.server import protocol_errors, timeouts
 
     protocol_errors.install()
+    timeouts.install()
 
     exit_code = 0
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_engine(config, resources=resources) as engine:
             app = build_app(engine, served_model_name=opts.name, api_key=opts.api_key,
                             max_request_bytes=opts.max_request_bytes,
-                            max_pending=opts.max_pending,
+                            max_pending=opts.max_pending, body_timeout=opts.body_timeout,
                             tool_call_parser=opts.tool_call_parser)
             state = app.state.server
             shutdown = trio.Event()  # tells hypercorn to stop accepting and close

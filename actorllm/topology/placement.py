@@ -204,8 +204,12 @@ def build_actors(role: str, wiring: Wiring, config: EngineConfig, parts: Parts,
     inbox, out = wiring.inboxes, wiring.out
     actors: dict[str, Any] = {}
     if place["frontend"] == role:
+        from actorllm.outputs import FlowLimits
+
+        limits = FlowLimits(config.max_pending_bytes_per_request, config.max_pending_bytes,
+                            config.stream_timeout)
         actors["frontend"] = Frontend(inbox["frontend"], out("frontend", "tokenizer"),
-                                      tracer=tracer)
+                                      tracer=tracer, limits=limits)
     if place["tokenizer"] == role:
         assert parts.info is not None
         actors["tokenizer"] = Tokenizer(PromptEncoder(parts.hf_tokenizer, parts.info),

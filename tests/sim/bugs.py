@@ -129,6 +129,34 @@ class EmitAfterStop(Detokenizer):
         return True
 
 
+class PauseKeepsSlot(Scheduler):
+    """Invariant 11: a paused sequence stays in the running batch."""
+
+    def _apply_pauses(self) -> None:
+        running = list(self.running)
+        super()._apply_pauses()
+        self.running[:] = running
+
+
+class NeverResume(Frontend):
+    """Invariant 11: a reader that catches up is never resumed."""
+
+    def _on_read(self, col: OutputCollector, cost: int, tokens: int) -> None:
+        paused = col.paused
+        super()._on_read(col, cost, tokens)
+        col.paused = paused
+        self._flow_next.clear()
+
+
+class DropOnPause(Frontend):
+    """Invariant 7: what a reader had not read is dropped when its request is paused."""
+
+    def _pace(self, col: OutputCollector) -> None:
+        super()._pace(col)
+        if col.paused:
+            col._pending.clear()
+
+
 class IgnoreForget(ScriptedWorker):
     """Invariant 4: the Worker keeps sampling state for freed rids."""
 
@@ -149,6 +177,10 @@ PLANTED: dict[str, type[Any]] = {
     "scheduler.bug_share_without_reference": ShareWithoutReference,
     "detokenizer.bug_emit_after_stop": EmitAfterStop,
     "worker.bug_ignore_forget": IgnoreForget,
+    # flow control (SimConfig.flow)
+    "scheduler.bug_pause_keeps_slot": PauseKeepsSlot,
+    "frontend.bug_never_resume": NeverResume,
+    "frontend.bug_drop_on_pause": DropOnPause,
 }
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from actorllm.lifecycle import State
+
 from .recorder import Client, Incarnation, Recorder, WorldFields
 from .scripted_worker import prompt_score
 
@@ -156,6 +158,7 @@ class Checks(WorldFields):
         """Raise the first violation found so far; then check the pool (invariant 3), parents
         (6) and aborts nobody asked for (5)."""
         self._check_pool()
+        self._check_paused()
         for inc in self.rec.all:
             if inc.children and not inc.ended and len(inc.child_incs) == len(inc.children) \
                     and all(c.ended for c in inc.child_incs.values()):
@@ -175,6 +178,17 @@ class Checks(WorldFields):
                                 "asked to abort it")
         if self.violations:
             raise self.violations[0]
+
+    def _check_paused(self) -> None:
+        """Invariant 11: a paused sequence holds no running slot (and is in no queue)."""
+        s = self.scheduler
+        for seq in s.running:
+            if seq.status is not State.RUNNING:
+                self.report("11", f"{seq.rid!r} is {seq.status} but holds a running slot")
+        queued = {q.rid for q in s.waiting}
+        for rid, seq in s.paused.items():
+            if seq.status is not State.PAUSED or rid in queued:
+                self.report("11", f"{rid!r} is paused as {seq.status}, waiting: {rid in queued}")
 
     def _check_pool(self) -> None:
         """Invariants 3, 8 and 10 on the Scheduler's pool; 9 from the Worker's reference."""

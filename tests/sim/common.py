@@ -70,6 +70,9 @@ class SimConfig:
     max_steps_in_flight: int = 2  # overlap scheduling, as the engine's default
     roundtrip: bool = True  # send every delivered message through the codec
     bugs: frozenset[str] = frozenset()  # planted bugs (sim/bugs.py): "frontend.bug_...", ...
+    # The Frontend's FlowLimits (None: flow control off). With them, every client reads as
+    # it goes (as the server does), unless the test makes it a slow reader.
+    flow: Any = None
 
 # --- text: the reference for invariant 7 ---------------------------------------------------
 

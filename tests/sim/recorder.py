@@ -128,6 +128,7 @@ class Client:
     collector: Any = None
     submit_returned: bool = False
     paused: bool = False
+    eager: bool = False  # reads whatever has arrived, finished or not (flow control on)
     disconnected: bool = False
     # Recorder.count when each abort call started and when it returned (None: still waiting)
     abort_marks: list[list[int | None]] = attrs.Factory(list)
@@ -152,7 +153,7 @@ class Client:
     def readable(self) -> bool:
         if self.collector is None or self.final or self.disconnected or self.paused:
             return False
-        return self.stream or self.collector.finished
+        return self.stream or self.eager or self.collector.finished
 
 
 class WorldFields:

@@ -26,6 +26,7 @@ from actorllm.messages import (
     WorkerInput,
 )
 from actorllm.metrics import EngineMetrics
+from actorllm.outputs import UNLIMITED
 from actorllm.scheduler import Scheduler
 from actorllm.tokenizer import PromptEncoder, Tokenizer
 
@@ -77,7 +78,8 @@ class World(Watches, Checks):
             return actor_class(actor, base, cfg.bugs)
 
         self.frontend = cls("frontend", Frontend)(b["frontend"], b["tokenizer"].edge("frontend"),
-                                 metrics=metrics, tracer=self.rec)  # type: ignore[arg-type]
+                                 metrics=metrics, tracer=self.rec,
+                                 limits=cfg.flow or UNLIMITED)  # type: ignore[arg-type]
         info = ModelInfo(path="sim", vocab_size=len(hf_tokenizer),
                          max_model_len=cfg.max_model_len, eos_token_ids=(text.eos_id,),
                          generation_defaults={})
@@ -183,6 +185,7 @@ class World(Watches, Checks):
     def submit(self, rid: str, params: SamplingParams, prompt: str, stream: bool) -> Client:
         """An API caller submits a request (the call may wait on backpressure)."""
         client = Client(rid, params, stream, self.rec.count)
+        client.eager = self.config.flow is not None
         client.prompt_ids = list(self.hf_tokenizer(prompt).input_ids)
         self.clients.append(client)
         req = GenerateRequest(rid, params, prompt=prompt)
@@ -204,6 +207,14 @@ class World(Watches, Checks):
         else:
             client.outcome = "accepted"
         client.submit_returned = True
+        if client.disconnected and client.outcome == "accepted" \
+                and self.config.flow is not None:
+            # Gone while its submit was still waiting: the server's response still ends
+            # with its clean-up, which aborts what has not finished (with flow control on,
+            # a request nobody reads is paused, so it would otherwise wait for a timeout).
+            client.collector.discard()
+            if not client.collector.finished:
+                self._spawn(self._abort, req.rid)
         if client.expect_duplicate and client.outcome != "duplicate":
             self.report("2", f"{req.rid!r} was live, yet submit {client.outcome}: a live rid "
                         "must be refused with DuplicateRequestId")
@@ -298,6 +309,9 @@ class World(Watches, Checks):
             self.report("4", f"no drain after {max_rounds} rounds: {self.drain_problems()}")
         self.call(lambda: None)  # the readers resumed above read what is left
         self.check()
+        if self.scheduler.paused:  # every reader reads now: nothing may stay paused
+            self.report("11", f"still paused after every reader caught up: "
+                        f"{sorted(self.scheduler.paused)}")
         problems = self.drain_problems()
         if problems:
             self.report("4", "after drain: " + "; ".join(problems))
@@ -338,6 +352,10 @@ class World(Watches, Checks):
             "prefix cache hit": s.pool.hits > 0,
             "cached block evicted": s.pool.evictions > 0,
             "block shared while in use": self.shared_seen,
+            "paused": "pause" in events,
+            "resumed": "resume" in events,
+            "preempted while paused": any(_preempted_while_paused(inc.events)
+                                          for inc in self.rec.all),
         }
         return [name for name, hit in reached.items() if hit]
 
@@ -354,3 +372,12 @@ class World(Watches, Checks):
         if self._running:
             problems.append(f"{self._running} API calls still waiting")
         return problems
+
+
+def _preempted_while_paused(events: list[tuple[int, str, str]]) -> bool:
+    paused = False
+    for _, _, e in events:
+        if e == "preempt" and paused:
+            return True
+        paused = (paused or e == "pause") and e != "resume"
+    return False

@@ -1,0 +1,74 @@
+"""A write timeout for hypercorn (``--stream-timeout`` at the socket).
+
+hypercorn's trio server writes each response chunk with ``send_all`` inside a shielded
+cancel scope and no deadline (``TCPServer.protocol_send``): a client that stops reading
+holds the writing task, and with it the connection, for ever; cancelling the app's send
+cannot help, the shield is below it. ``install`` replaces that one method with one that
+gives the write a deadline (``set_write_timeout`` on the hypercorn config) and, when it
+passes, closes the connection, as a broken pipe would. The app sees its send return after
+the timeout and the client disconnected (``server/generation.py`` tells the two apart by
+the time the send took). Like ``protocol_errors``, it patches a method of a third-party
+class: ``install`` checks what it relies on and otherwise leaves hypercorn alone, and
+``tests/test_slow_clients.py`` fails if an upgrade breaks it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+
+log = logging.getLogger(__name__)
+
+_ATTR = "actorllm_write_timeout"
+
+
+def set_write_timeout(config: Any, seconds: float | None) -> None:
+    """Give writes of servers run with this hypercorn ``config`` a deadline (None: none)."""
+    setattr(config, _ATTR, seconds)
+
+
+def install() -> bool:
+    """Make hypercorn's trio writes honour ``set_write_timeout``; False if it cannot."""
+    try:
+        from hypercorn.events import Closed, RawData
+        from hypercorn.trio.tcp_server import TCPServer
+    except ImportError:  # pragma: no cover - hypercorn is a dependency
+        return False
+    current = getattr(TCPServer, "protocol_send", None)
+    if getattr(current, "_actorllm", False):
+        return True
+    if current is None:
+        log.warning("no write timeout: this hypercorn has no TCPServer.protocol_send")
+        return False
+    original = current
+
+    async def protocol_send(self: Any, event: Any) -> None:
+        timeout = getattr(self.config, _ATTR, None)
+        if timeout is None or not isinstance(event, RawData):
+            await original(self, event)
+            return
+        async with self.send_lock:
+            try:
+                # Shielded as hypercorn does (a cancelled app must not cut a chunk in two),
+                # but with a deadline of its own.
+                with trio.CancelScope(shield=True) as scope:
+                    scope.deadline = trio.current_time() + timeout
+                    await self.stream.send_all(event.data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await self.protocol.handle(Closed())
+                return
+            if not scope.cancelled_caught:
+                return
+            log.info("a client took nothing for %.1f s (--stream-timeout): closing", timeout)
+            with trio.CancelScope(shield=True):
+                try:
+                    await self.stream.aclose()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+                await self.protocol.handle(Closed())
+
+    protocol_send._actorllm = True  # type: ignore[attr-defined]
+    TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]
+    return True

@@ -1,0 +1,158 @@
+"""Slow and stalled HTTP clients against ``actorllm serve`` (issue 13), on the ``single``
+and ``engine`` topologies, over real sockets: clients that never read (with small receive
+buffers), a body that never arrives (slowloris), and what /metrics says about them."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import build_tiny_model
+from test_server import ServerProcess, http, metrics
+
+LONG_CONTEXT = 4096
+
+
+@pytest.fixture(scope="module")
+def long_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("slow-llama"), "llama",
+                            tokenizer_dir=tokenizer_dir,
+                            max_position_embeddings=LONG_CONTEXT)
+
+
+@pytest.fixture(scope="module", params=["single", "engine"])
+def server(request: pytest.FixtureRequest, long_llama_dir: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Any:
+    srv = ServerProcess(long_llama_dir, "--topology", request.param, "--max-pending", "4",
+                        "--max-pending-bytes-per-request", "65536", "--stream-timeout", "2",
+                        "--body-timeout", "1", "--keep-alive-timeout", "1",
+                        log_dir=tmp_path_factory.mktemp("slow"))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        rc = srv.stop()
+    assert rc == 0, srv.stderr()
+
+
+def _addr(base: str) -> tuple[str, int]:
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+def stalled(base: str, body: dict[str, Any]) -> socket.socket:
+    """A client that sends a streamed request and never reads (a 4 KiB receive buffer)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(_addr(base))
+    payload = json.dumps({**body, "stream": True}).encode()
+    sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  f"application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode()
+                 + payload)
+    return sock
+
+
+def wait_metric(base: str, cond: Any, timeout: float = 60.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(base)
+        if cond(m):
+            return m
+        assert time.monotonic() < deadline, {k: v for k, v in m.items() if "request" in k}
+        time.sleep(0.05)
+
+
+def stream_timings(base: str, max_tokens: int = 40) -> list[float]:
+    """A well-behaved streaming client: the arrival time of each SSE event."""
+    sock = socket.create_connection(_addr(base), timeout=60)
+    payload = json.dumps({"prompt": "a tenant", "max_tokens": max_tokens, "ignore_eos": True,
+                          "stream": True}).encode()
+    sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  f"application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode()
+                 + payload)
+    times: list[float] = []
+    raw = b""
+    with sock:
+        while b"data: [DONE]" not in raw:
+            data = sock.recv(65536)
+            assert data, raw[-300:]
+            times.extend([time.monotonic()] * data.count(b"data: "))
+            raw += data
+    return times
+
+
+def test_stalled_clients_give_their_slots_back_and_do_not_slow_others(server: Any) -> None:
+    base = server.url
+    alone = stream_timings(base)
+    before = metrics(base)
+    done0 = before.get("actorllm:request_success_total", 0.0)
+    # Four clients that never read fill --max-pending 4 ...
+    socks = [stalled(base, {"prompt": f"stalled {i}", "max_tokens": 200, "ignore_eos": True})
+             for i in range(4)]
+    try:
+        # ... until the engine has finished them (their clients have read nothing).
+        wait_metric(base, lambda m: m.get("actorllm:request_success_total", 0) >= done0 + 4)
+        # The slots are back: a request for all four sequences is taken, not 503.
+        status, _, body = http(base + "/v1/completions", "POST",
+                               {"prompt": "hello", "max_tokens": 4, "n": 4})
+        assert status == 200, body
+        # Other tenants' inter-token gaps, loosely: not several times worse.
+        busy = stream_timings(base)
+        gap = lambda t: (t[-1] - t[0]) / max(len(t) - 1, 1)  # noqa: E731
+        assert gap(busy) < 4 * gap(alone) + 0.05, (gap(alone), gap(busy))
+    finally:
+        for s in socks:
+            s.close()
+    after = wait_metric(base, lambda m: m["actorllm:pending_output_bytes"] == 0)
+    assert after["actorllm:num_requests_running"] == 0
+
+
+def test_a_stalled_stream_is_cancelled_after_the_stream_timeout(server: Any) -> None:
+    base = server.url
+    before = metrics(base)
+    key = "actorllm:aborted_requests_total"
+    # Enough output (top-20 logprobs each token) to fill every buffer on the way, so the
+    # server's writes block; then nothing moves for --stream-timeout (2 s).
+    sock = stalled(base, {"prompt": "never read", "max_tokens": LONG_CONTEXT - 64,
+                          "ignore_eos": True, "logprobs": 20})
+    try:
+        m = wait_metric(base, lambda m: m.get(key, 0) >= before.get(key, 0) + 1, timeout=120)
+    finally:
+        sock.close()
+    assert m["actorllm:socket_blocked_seconds_total"] >= before[
+        "actorllm:socket_blocked_seconds_total"] + 2
+    families = http(base + "/metrics")[2].decode()
+    assert 'actorllm:aborted_requests_total{reason="stream_timeout"}' in families
+    # It finished nowhere near its max_tokens: the engine stopped making output for it.
+    assert m["actorllm:generation_tokens_total"] - before["actorllm:generation_tokens_total"] \
+        < LONG_CONTEXT - 64
+    wait_metric(base, lambda m: m["actorllm:num_requests_running"] == 0
+                and m["actorllm:pending_output_bytes"] == 0)
+
+
+def test_a_slowloris_body_times_out(server: Any) -> None:
+    with socket.create_connection(_addr(server.url), timeout=30) as sock:
+        start = time.monotonic()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+        raw = b""
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                break
+            raw += data
+        took = time.monotonic() - start
+    assert raw.startswith(b"HTTP/1.1 408"), raw[:200]
+    assert b"--body-timeout" in raw
+    assert 0.9 < took < 10  # --body-timeout 1, and the connection is closed after it
+
+
+def test_an_idle_keep_alive_connection_is_closed(server: Any) -> None:
+    with socket.create_connection(_addr(server.url), timeout=30) as sock:
+        start = time.monotonic()
+        assert sock.recv(1) == b""  # no request at all: closed after --keep-alive-timeout
+        assert 0.9 < time.monotonic() - start < 10
