@@ -1092,7 +1092,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{name} {fmt(statistics.median(v['startup_s']))} s"
         for name, v in result["servers"].items() if v["startup_s"]) + "."]
     off = result.get("offline")
-    if off:
+    if off and "output_tokens_per_s" in off.get("vllm", {}):
         a, v = off["actorllm"], off["vllm"]
         lines += ["", f"Offline ({cfg['num_prompts']} prompts x {cfg['input_len']} in / "
                   f"{cfg['output_len']} out, ignore_eos, temperature 1, top_p 1): "

@@ -45,8 +45,9 @@ class Watches(WorldFields):
             self.outstanding[msg.step_id] = msg
             bs, hashed = self.config.block_size, self.scheduler.pool.hash_of
             for s in msg.seqs:  # invariant 9: a cached block's contents never change
-                written = {s.block_table[p // bs]
-                           for p in range(s.start_pos, s.start_pos + len(s.token_ids))}
+                written = {s.block_table[p // bs]  # (a short table is the Worker's error)
+                           for p in range(s.start_pos, s.start_pos + len(s.token_ids))
+                           if p // bs < len(s.block_table)}
                 if written & hashed.keys():
                     self.report("9", f"step {msg.step_id} writes {s.rid!r}'s tokens into "
                                 f"cached blocks {sorted(written & hashed.keys())}")

@@ -1,0 +1,44 @@
+"""oneDNN linears with packed weights (actorllm/ops/cpu_linear.py) against F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actorllm.ops.cpu_linear import PackedLinear, _bucket, pack_linears, packing_available
+
+pytestmark = pytest.mark.skipif(
+    not packing_available(torch.empty(1, 1)), reason="this torch has no oneDNN linear")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 63, 65, 300, 513, 2049])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear_for_any_row_count(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 200, bias=bias)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        want = F.linear(x, linear.weight, linear.bias)
+        got = PackedLinear(linear)(x)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_buckets_cover_and_bound_the_row_counts() -> None:
+    sizes = {_bucket(r) for r in range(1, 4097)}
+    assert all(_bucket(r) >= r for r in range(1, 4097))
+    assert len(sizes) <= 8 + 7 + 14  # what bounds oneDNN's kernel cache
+
+
+def test_pack_linears_swaps_every_linear_and_keeps_the_output() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.SiLU(), nn.Linear(64, 16, bias=False))
+    x = torch.randn(5, 32)
+    with torch.inference_mode():
+        want = model(x)
+        assert pack_linears(model) == 2
+        got = model(x)
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
