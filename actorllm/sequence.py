@@ -85,7 +85,7 @@ class Sequence:
         Reporting position p's logprob needs the logits of position p - 1, so while prompt
         logprobs are owed only the tokens before ``prompt_lps_next - 1`` may be skipped
         (none before the first report); otherwise all of them. The Scheduler's prefix
-        cache obeys it (``Scheduler._cache_hits``; docs/architecture.md).
+        cache obeys it (``blocks.cache_hits``; docs/architecture.md).
         """
         if self.owes_prompt_logprobs:
             return max(self.prompt_lps_next - 1, 0)
