@@ -348,9 +348,6 @@ class Worker:
         # A runner may outlive an engine (LLM reuses its weights): a new Scheduler knows
         # nothing of rids an earlier one left behind, so neither may we.
         self.runner.drop_all()
-        import os
-        import sys
-        sys.setswitchinterval(float(os.environ.get("ACTORLLM_SWITCH", "0.005")))
         async for plan in self.inbox:
             result = await trio.to_thread.run_sync(self.runner.execute, plan)
             await self.results.send(result)
