@@ -348,11 +348,11 @@ class Scheduler(Pacing):
             # requests need not die with this one.
             log.error("%s: %s", seq.rid, gap)
             self._finish(seq, "fail", "error", error=gap)
-        fed = {s.rid for s in plan.seqs if s.token_ids[:1] == (FEED_LAST_SAMPLE,)}
         for tok in result.tokens:
             seq = self._running(tok.rid)
             if seq is None:
-                if tok.rid in fed:
+                if any(s.rid == tok.rid and s.token_ids[0] == FEED_LAST_SAMPLE
+                       for s in plan.seqs):
                     self.ahead_tokens_dropped += 1  # planned ahead past its end
                 else:
                     self.late_results_dropped += 1  # finished (abort, stop) while it ran

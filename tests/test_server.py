@@ -113,6 +113,16 @@ class ServerProcess:
         self._stderr.close()
         return rc
 
+    def serve_module(self) -> Iterator[ServerProcess]:
+        """A fixture's body: wait until ready, hand it over, then stop it and check that it
+        exited cleanly."""
+        try:
+            self.wait_ready()
+            yield self
+        finally:
+            rc = self.stop()
+        assert rc == 0, self.stderr()
+
 
 # --- plain HTTP helpers (stdlib only) ---------------------------------------------------
 
@@ -163,12 +173,7 @@ def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
     srv = ServerProcess(tiny_llama_dir, "--api-key", API_KEY, "--served-model-name", MODEL,
                         "--max-request-bytes", str(MAX_REQUEST_BYTES),
                         log_dir=tmp_path_factory.mktemp("server"))
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        rc = srv.stop()
-    assert rc == 0, srv.stderr()
+    yield from srv.serve_module()
 
 
 @pytest.fixture(scope="module")

@@ -37,12 +37,7 @@ def schema_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[ServerProcess]:
     srv = ServerProcess(tiny_llama_dir, "--served-model-name", "tiny", "--max-model-len", "24",
                         "--max-pending", "4", log_dir=tmp_path_factory.mktemp("schema"))
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        rc = srv.stop()
-    assert rc == 0, srv.stderr()
+    yield from srv.serve_module()
 
 
 def test_schema_holds(schema_server: ServerProcess) -> None:

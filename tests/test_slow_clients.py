@@ -31,12 +31,7 @@ def server(request: pytest.FixtureRequest, long_llama_dir: Path,
                         "--max-pending-bytes-per-request", "65536", "--stream-timeout", "2",
                         "--body-timeout", "1", "--keep-alive-timeout", "1",
                         log_dir=tmp_path_factory.mktemp("slow"))
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        rc = srv.stop()
-    assert rc == 0, srv.stderr()
+    yield from srv.serve_module()
 
 
 def _addr(base: str) -> tuple[str, int]:

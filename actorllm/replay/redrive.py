@@ -195,9 +195,8 @@ def _scheduler_config(session: Session) -> dict[str, Any]:
         "block_size": header.get("block_size"),
         "max_num_seqs": header.get("max_num_seqs"),
         "max_num_batched_tokens": header.get("max_num_batched_tokens"),
-        "max_steps_in_flight": 2 if header.get("async_scheduling") or (
-            header.get("async_scheduling") is None
-            and str(header.get("device", "")).startswith("cuda")) else None,
+        # Only the Scheduler's own record says (EngineConfig.overlap resolves `auto`).
+        "max_steps_in_flight": None,
         "enable_prefix_caching": header.get("enable_prefix_caching"),
         "scheduling_policy": header.get("scheduling_policy"),
     }

@@ -69,9 +69,6 @@ class ScriptedWorker:
         # rid -> (position, token) of its last sample, for plans that feed it forward.
         self.last_sample: dict[str, tuple[int, int]] = {}
         self.fed_forward = 0
-        # Rids a failed step named: the Scheduler failed them, and a step planned ahead of
-        # the failure still runs them on whatever the cache holds (dropped unread).
-        self.failed: set[str] = set()
 
     async def run(self) -> None:
         """Receive plans in one task, send results in order from another."""
@@ -117,7 +114,6 @@ class ScriptedWorker:
         for s in plan.seqs:
             if s.new is not None:
                 self.last_sample.pop(s.rid, None)  # a fresh state: nothing sampled yet
-                self.failed.discard(s.rid)
             if FEED_LAST_SAMPLE in s.token_ids:
                 self._check_fed(plan.step_id, s.rid, s.start_pos, s.token_ids)
         self._run_kv(plan)
@@ -168,7 +164,10 @@ class ScriptedWorker:
                 elif p > len(ctx) or ctx[p] != tok:
                     self.kv_errors.append(f"step {plan.step_id}: {s.rid!r} position {p} "
                                           f"is token {tok}, its context says {ctx[p:p + 1]}")
-            for p in range(s.start_pos if s.rid not in self.failed else 0):
+            # A rid a failed step named (its stand-in, -1): the Scheduler failed it, and a
+            # step planned ahead still runs it on whatever the cache holds (dropped unread).
+            failed = self.last_sample.get(s.rid, (0, 0))[1] == -1
+            for p in range(0 if failed else s.start_pos):
                 got = self.kv.get(self._slot(s.block_table, p))
                 if got != tuple(ctx[: p + 1]):
                     self.kv_errors.append(
@@ -188,7 +187,6 @@ class ScriptedWorker:
         self._run_kv(plan, failed=True)
         for s in plan.seqs:  # sampled nothing: a later step may feed these a stand-in
             self.last_sample[s.rid] = (s.start_pos + len(s.token_ids), -1)
-            self.failed.add(s.rid)
         return self._record(StepResult(plan.step_id, error="scripted step failure"))
 
     def duplicate(self) -> StepResult:
