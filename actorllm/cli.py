@@ -39,7 +39,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     g.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch threads in the Worker's process (default: one per core)")
+                   help="torch threads in the Worker's process (default: one per core; with "
+                        "--topology engine or pipeline, one per core less one, left to the "
+                        "HTTP process)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan the next step while one runs, feeding each sampled token "
                         "forward in the Worker (default: on for CUDA, off on the CPU)")

@@ -24,6 +24,8 @@ from actorllm.messages import MESSAGE_TYPES
 VERSION = 1
 
 _BY_NAME: dict[str, type] = {cls.__name__: cls for cls in MESSAGE_TYPES}
+_FIELDS: dict[type, tuple[str, ...]] = {
+    cls: tuple(f.name for f in attrs.fields(cls)) for cls in MESSAGE_TYPES}
 
 
 class CodecError(ValueError):
@@ -32,9 +34,12 @@ class CodecError(ValueError):
 
 def encode(msg: Any) -> bytes:
     """Serialize one registered message."""
-    if type(msg).__name__ not in _BY_NAME:
+    if type(msg) not in _FIELDS:
         raise CodecError(f"not a registered message type: {type(msg).__name__}")
-    return msgpack.packb([VERSION, _to_wire(msg)], use_bin_type=True)
+    try:
+        return msgpack.packb([VERSION, msg], use_bin_type=True, default=_to_wire)
+    except TypeError as exc:  # a nested value the codec cannot carry
+        raise CodecError(str(exc)) from None
 
 
 def decode(data: bytes) -> Any:
@@ -51,23 +56,18 @@ def decode(data: bytes) -> Any:
 
 
 def _to_wire(value: Any) -> Any:
-    if attrs.has(type(value)):
-        fields = [_to_wire(getattr(value, f)) for f in _field_names(type(value))]
-        return [type(value).__name__, fields]
-    if isinstance(value, tuple):
-        return [_to_wire(v) for v in value]
-    return value
-
-
-@cache
-def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in attrs.fields(cls))
+    # msgpack's hook for what it cannot pack itself: called once per message object, and
+    # msgpack (in C) packs the fields, tuples included, and calls it again for nested ones.
+    names = _FIELDS.get(type(value))
+    if names is None:
+        raise TypeError(f"codec cannot carry {type(value).__name__}")
+    return [type(value).__name__, [getattr(value, name) for name in names]]
 
 
 @cache
 def _field_decoders(cls: type) -> tuple[Callable[[Any], Any], ...]:
     hints = typing.get_type_hints(cls, vars(messages))
-    return tuple(_decoder_for(hints[name]) for name in _field_names(cls))
+    return tuple(_decoder_for(hints[name]) for name in _FIELDS[cls])
 
 
 def _from_wire_message(value: Any, expected: type | None) -> Any:
@@ -82,7 +82,7 @@ def _from_wire_message(value: Any, expected: type | None) -> Any:
     decoders = _field_decoders(cls)
     if not isinstance(fields, list) or len(fields) != len(decoders):
         raise CodecError(f"{name} takes {len(decoders)} fields")
-    return cls(*(d(v) for d, v in zip(decoders, fields, strict=True)))
+    return cls(*[d(v) for d, v in zip(decoders, fields, strict=False)])  # length checked
 
 
 def _decoder_for(hint: Any) -> Callable[[Any], Any]:
@@ -126,12 +126,14 @@ def _decoder_for(hint: Any) -> Callable[[Any], Any]:
     if origin is tuple:
         args = typing.get_args(hint)
         if len(args) == 2 and args[1] is Ellipsis:
+            if args[0] in (int, str, bool):
+                return _scalars(args[0])
             item = _decoder_for(args[0])
 
             def homogeneous(v: Any) -> tuple[Any, ...]:
                 if not isinstance(v, list):
                     raise CodecError("expected an array")
-                return tuple(item(x) for x in v)
+                return tuple([item(x) for x in v])
 
             return homogeneous
         items = [_decoder_for(a) for a in args]
@@ -139,7 +141,7 @@ def _decoder_for(hint: Any) -> Callable[[Any], Any]:
         def fixed(v: Any) -> tuple[Any, ...]:
             if not isinstance(v, list) or len(v) != len(items):
                 raise CodecError(f"expected an array of {len(items)}")
-            return tuple(d(x) for d, x in zip(items, v, strict=True))
+            return tuple([d(x) for d, x in zip(items, v, strict=False)])  # length checked
 
         return fixed
     raise TypeError(f"codec cannot carry {hint!r}")  # a bug in messages.py, not bad input
@@ -150,6 +152,19 @@ def _exact(kind: type) -> Callable[[Any], Any]:
         if type(v) is not kind:
             raise CodecError(f"expected {kind.__name__}, got {type(v).__name__}")
         return v
+
+    return check
+
+
+def _scalars(kind: type) -> Callable[[Any], Any]:
+    # The hot edges carry token ids: one type test per item, no call per item.
+    def check(v: Any) -> tuple[Any, ...]:
+        if type(v) is not list:
+            raise CodecError("expected an array")
+        for x in v:
+            if type(x) is not kind:
+                raise CodecError(f"expected {kind.__name__}, got {type(x).__name__}")
+        return tuple(v)
 
     return check
 

@@ -33,7 +33,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
-    cpu_threads: int | None = None  # torch threads of the Worker's process; None: torch's
+    cpu_threads: int | None = None  # the Worker process's torch threads; None: worker_threads
     # Plan step N+1 while step N runs (two steps in flight). None: on for CUDA, off on the
     # CPU, where the forward's own Python and the event loop's share one GIL and few cores
     # (measured: no gain at saturation, slower at low load; docs/architecture.md).

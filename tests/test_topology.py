@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import msgpack
 import pytest
 import trio
@@ -32,7 +33,7 @@ from actorllm.llm import LLM, collect, make_request
 from actorllm.messages import GenerateRequest, SamplingParams
 from actorllm.outputs import RequestError
 from actorllm.topology import supervisor as supervisor_module
-from actorllm.topology.placement import PLACEMENTS, child_roles
+from actorllm.topology.placement import PLACEMENTS, child_roles, worker_threads
 from actorllm.topology.supervisor import Supervisor
 from actorllm.transport import PROTOCOL_VERSION, IpcDir, schema_fingerprint
 
@@ -535,3 +536,18 @@ async def test_engine_refuses_requests_after_exit(tiny_llama_dir: Path) -> None:
     with pytest.raises(RequestError, match="shut down") as info:
         await engine.submit(GenerateRequest("x", greedy(), prompt="Hi"))
     assert info.value.code == "engine_dead"
+
+
+@pytest.mark.parametrize("cores", [1, 2, 16])
+def test_worker_threads_leave_a_core_to_the_http_process(monkeypatch: pytest.MonkeyPatch,
+                                                         cores: int) -> None:
+    """A Worker with a process of its own on the CPU gets one thread per core less one (at
+    least one); beside the HTTP server it keeps torch's default; --cpu-threads wins."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    for topology in ("engine", "pipeline"):
+        config = EngineConfig(model="m", topology=topology)
+        assert worker_threads(config) == max(1, cores - 1)
+        assert worker_threads(attrs.evolve(config, cpu_threads=3)) == 3
+        assert worker_threads(attrs.evolve(config, device="cuda")) is None
+    assert worker_threads(EngineConfig(model="m", topology="single")) is None
+    assert worker_threads(EngineConfig(model="m", topology="single", cpu_threads=2)) == 2

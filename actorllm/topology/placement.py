@@ -15,6 +15,7 @@ that process loaded. So the actors do not know where their peers live.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import attrs
@@ -167,7 +168,7 @@ def build_runner(config: EngineConfig, info: ModelInfo) -> Any:
         device=config.device,
         dtype=_torch_dtype(config.dtype),
         attention_backend=config.attention_backend,
-        num_threads=config.cpu_threads,
+        num_threads=worker_threads(config),
         info=info,
     )
     capacity = runner.num_blocks * config.block_size
@@ -178,6 +179,22 @@ def build_runner(config: EngineConfig, info: ModelInfo) -> Any:
             f"{info.max_model_len}: raise --num-kv-blocks or lower --max-model-len"
         )
     return runner
+
+
+def worker_threads(config: EngineConfig) -> int | None:
+    """Torch threads for the Worker's process: ``--cpu-threads`` when given; else, when
+    the Worker has a process of its own on the CPU, one per core it may run on less one,
+    left to the process that serves HTTP; else None (torch's default, one per core).
+
+    On a few cores an OpenMP thread that shares its core with another busy process
+    stalls every parallel region it is part of: on 2 cores the ``engine`` topology gave
+    735 output tok/s with 2 Worker threads and 1,087 with 1 (docs/architecture.md).
+    """
+    if config.cpu_threads is not None:
+        return config.cpu_threads
+    if config.device == "cpu" and PLACEMENTS[config.topology]["worker"] != MAIN:
+        return max(1, len(os.sched_getaffinity(0)) - 1)
+    return None
 
 
 def _torch_dtype(name: str | None) -> Any:
