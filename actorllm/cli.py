@@ -39,7 +39,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     g.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch threads in the Worker's process (default: one per core)")
+                   help="torch threads in the Worker's process (default: one per core), "
+                        "per rank with --tensor-parallel-size (default: cores / N)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the model over N processes (torch.distributed: gloo on the "
+                        "CPU, NCCL on CUDA); N must divide the attention heads")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan the next step while one runs, feeding each sampled token "
                         "forward in the Worker (default: on for CUDA, off on the CPU)")
@@ -139,6 +143,7 @@ def engine_config(args: argparse.Namespace) -> Any:
             device=args.device,
             dtype=args.dtype,
             cpu_threads=args.cpu_threads,
+            tensor_parallel_size=args.tensor_parallel_size,
             async_scheduling=args.async_scheduling,
             topology=args.topology,
             trace=args.trace,

@@ -34,6 +34,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     cpu_threads: int | None = None  # torch threads of the Worker's process; None: torch's
+    # Ranks of one model, Megatron-style (actorllm/ranks.py): the Worker's process is rank
+    # 0 and starts the others. On the CPU, cpu_threads (None: cores / N) is per rank.
+    tensor_parallel_size: int = 1
     # Plan step N+1 while step N runs (two steps in flight). None: on for CUDA, off on the
     # CPU, where the forward's own Python and the event loop's share one GIL and few cores
     # (measured: no gain at saturation, slower at low load; docs/architecture.md).
@@ -58,6 +61,8 @@ class EngineConfig:
             raise ValueError("--max-num-batched-tokens must be at least 1")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError("--cpu-threads must be at least 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2")
         if self.topology not in TOPOLOGIES:
