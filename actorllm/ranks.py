@@ -225,8 +225,8 @@ class RankGroup:
         """Broadcast ``batch`` and run this rank's share of the forward."""
         if self.broken is not None:
             raise RankDied(self.broken)
-        broadcast_batch(batch)
         try:
+            broadcast_batch(batch)
             return model(batch, kv_caches, backend)
         except BaseException as exc:
             # The ranks may wait in an all-reduce this rank never reaches: no later step

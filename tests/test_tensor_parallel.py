@@ -3,12 +3,13 @@
 Two ranks over gloo on loopback must give transformers' greedy tokens and one rank's
 tokens (greedy and seeded), also when the Scheduler preempts and chunks prefills; a
 dead rank fails in-flight requests with ``engine_dead`` within 2 s and no process
-outlives its driver. The embedded model has 8 heads and 2 KV heads: 2 ranks split the
+outlives its driver (the driver runs in this process, or in an ``engine`` child that
+is killed). The embedded model has 8 heads and 2 KV heads: 2 ranks split the
 KV heads, 4 ranks replicate them (checked on the loaded shards).
 
 A process holds one tensor-parallel group at a time (torch.distributed's default
-group), so the in-process tests share one 2-rank runner; the death tests run the
-driver in an ``engine`` child process.
+group), so the in-process tests share one 2-rank runner (rebuilt after the test that
+kills one of its ranks).
 """
 
 from __future__ import annotations
@@ -49,13 +50,24 @@ def _config(tp: int, **kw: Any) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def tp2() -> Iterator[Resources]:
-    """One 2-rank runner for the module (its ranks are stopped at the end)."""
-    res = Resources(_config(2))
-    yield res
-    pids = res.runner.ranks.pids
-    res.runner.close()
-    assert not [p for p in pids if _alive(p)]
+def _tp2_holder() -> Iterator[dict[str, Resources]]:
+    holder: dict[str, Resources] = {}
+    yield holder
+    if holder:
+        pids = holder["res"].runner.ranks.pids
+        holder["res"].runner.close()
+        assert not [p for p in pids if _alive(p)]
+
+
+@pytest.fixture
+def tp2(_tp2_holder: dict[str, Resources]) -> Resources:
+    """The module's one 2-rank runner; rebuilt after a test killed one of its ranks."""
+    res = _tp2_holder.get("res")
+    if res is None or res.runner.ranks.dead() is not None:
+        if res is not None:
+            res.runner.close()
+        res = _tp2_holder["res"] = Resources(_config(2))
+    return res
 
 
 @pytest.fixture(scope="module")
@@ -187,30 +199,45 @@ async def _wait_gone(pids: list[int], timeout: float) -> bool:
     return False
 
 
-@pytest.mark.parametrize("victim", ["rank", "driver"])
-async def test_a_dead_rank_or_driver_fails_requests_fast_and_leaves_no_orphans(
-        victim: str) -> None:
+async def _kill_mid_generation(engine: Any, pid: int) -> tuple[RequestError | None, float]:
+    """Start a long request, SIGKILL ``pid`` once it has tokens; the error and how long
+    after the kill it came."""
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    col = await engine.submit(GenerateRequest("victim", params, prompt="hello there"))
+    t0 = 0.0
+    with trio.fail_after(60):
+        try:
+            async for out in col:
+                if out.outputs[0].token_ids and not t0:
+                    os.kill(pid, signal.SIGKILL)
+                    t0 = time.monotonic()
+        except RequestError as exc:
+            return exc, time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+async def test_a_dead_rank_fails_requests_within_2s_in_the_single_topology(
+        tp2: Resources) -> None:
+    (rank,) = tp2.runner.ranks.pids
+    async with open_engine(tp2.config, resources=tp2) as engine:
+        error, took = await _kill_mid_generation(engine, rank)
+        assert error is not None and error.code == "engine_dead", error
+        assert took < 2.0
+        assert f"rank 1 (pid {rank}) exited with code -9 (killed by SIGKILL)" in str(error)
+        assert not engine.alive
+        with pytest.raises(RequestError, match="rank 1"):  # new requests are refused
+            await engine.submit(GenerateRequest("late", GREEDY, prompt="x"))
+
+
+async def test_a_dead_driver_process_fails_requests_fast_and_leaves_no_orphan_rank() -> None:
     config = _config(2, topology="engine")
     res = Resources(config)
-    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     async with open_engine(config, resources=res) as engine:
         assert engine.supervisor is not None
         driver = engine.supervisor.pids()["engine"]
         (rank,) = _children(driver)  # the driver's one rank
-        col = await engine.submit(GenerateRequest("victim", params, prompt="hello there"))
-        error: RequestError | None = None
-        t0 = 0.0
-        with trio.fail_after(60):
-            try:
-                async for out in col:
-                    if out.outputs[0].token_ids and not t0:  # mid-generation: kill
-                        os.kill(rank if victim == "rank" else driver, signal.SIGKILL)
-                        t0 = time.monotonic()
-            except RequestError as exc:
-                error = exc
-        assert error is not None and error.code == "engine_dead"
-        assert time.monotonic() - t0 < 2.0
-        if victim == "rank":
-            assert f"rank 1 (pid {rank}) exited with code -9" in str(error)
-        # The survivor notices at once: no process outlives its driver.
+        error, took = await _kill_mid_generation(engine, driver)
+        assert error is not None and error.code == "engine_dead", error
+        assert took < 2.0
+        # The rank notices at once (EOF on its stdin): no process outlives its driver.
         assert await _wait_gone([rank, driver], 5.0)
