@@ -147,7 +147,7 @@ def receive_batch(device: torch.device) -> ForwardBatch:
 
 
 class RankGroup:
-    """Ranks 1..world-1 of one driver: started by :meth:`start`, joined by :meth:`connect`.
+    """Ranks 1..world-1 of one driver: started when it is made, joined by :meth:`connect`.
 
     One group per process at a time (torch.distributed's default group). ``broken``
     names why the group can no longer run a step, once it cannot.
@@ -205,13 +205,14 @@ class RankGroup:
                 rank, proc = waiting[fd]
                 chunk = os.read(fd, 4096)
                 lines[rank] = lines.get(rank, b"") + chunk
-                if not chunk or lines[rank].endswith(b"\n"):
+                said = [x.strip() for x in lines[rank].decode(errors="replace").splitlines()]
+                if "ready" in said:
                     del waiting[fd]
-                    said = lines[rank].decode(errors="replace").strip()
-                    if said != "ready":
-                        code = proc.wait()
-                        why = said.removeprefix("failed: ") or f"exit code {_describe(code)}"
-                        raise ValueError(f"tensor-parallel rank {rank} failed to start: {why}")
+                elif not chunk or any(x.startswith("failed: ") for x in said):
+                    code = proc.wait()  # it says why, then exits; or it died silently
+                    why = next((x.removeprefix("failed: ") for x in said
+                                if x.startswith("failed: ")), f"exit code {_describe(code)}")
+                    raise ValueError(f"tensor-parallel rank {rank} failed to start: {why}")
         torch.distributed.init_process_group(
             dist_backend(rank_device(self.spec.device, 0)),
             init_method=f"tcp://127.0.0.1:{self.port}", rank=0, world_size=self.spec.world,

@@ -87,7 +87,10 @@ class ModelRunner:
         check_tensor_parallel(config, tensor_parallel_size)
         tp = TensorParallel(0, tensor_parallel_size)  # this runner is rank 0, the driver
         if tp.enabled and num_threads is None and self.device.type == "cpu":
-            num_threads = max(1, (os.cpu_count() or 1) // tp.world)  # the ranks share cores
+            # The ranks share this process's cores (its affinity: taskset counts).
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+                else os.cpu_count() or 1
+            num_threads = max(1, cores // tp.world)
         if num_threads is not None:
             # Process-wide: the Worker's is the only torch work in its process.
             torch.set_num_threads(num_threads)
