@@ -211,10 +211,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = engine_config(args)
     prompts = read_prompts(args)
-    from actorllm.config import read_model_info
+    from actorllm.config import check_tensor_parallel_size, read_model_info
 
     try:
         info = read_model_info(config.model, config.max_model_len)
+        check_tensor_parallel_size(config.model, config.tensor_parallel_size)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     params = sampling_params(args, info.sampling_defaults)

@@ -175,6 +175,40 @@ def _read_json(file: Path) -> dict[str, object]:
     return data
 
 
+def tensor_parallel_problem(size: int, heads: int, kv_heads: int,
+                            intermediate: int) -> str | None:
+    """Why a model with these shapes cannot be split over ``size`` ranks (None: it can)."""
+    if size < 1:
+        return f"--tensor-parallel-size must be at least 1, got {size}"
+    if heads % size:
+        return f"--tensor-parallel-size {size} does not divide the model's {heads} attention heads"
+    if kv_heads % size and size % kv_heads:
+        return (f"--tensor-parallel-size {size} and the model's {kv_heads} KV heads: one must "
+                "divide the other")
+    if intermediate % size:
+        return (f"--tensor-parallel-size {size} does not divide the model's intermediate_size "
+                f"{intermediate}")
+    return None
+
+
+def check_tensor_parallel_size(model_dir: str | Path, size: int) -> None:
+    """The same check as the runner's, from config.json alone (no torch): ValueError."""
+    if size == 1:
+        return
+    cfg = _read_json(Path(model_dir) / "config.json")
+    text_cfg = cfg.get("text_config", cfg)
+    assert isinstance(text_cfg, dict)
+    try:
+        heads = int(text_cfg["num_attention_heads"])
+        shapes = (heads, int(text_cfg.get("num_key_value_heads", heads)),
+                  int(text_cfg["intermediate_size"]))
+    except (KeyError, TypeError, ValueError):
+        return  # not a shape this check knows; the runner's loader says what is wrong
+    problem = tensor_parallel_problem(size, *shapes)
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def read_model_info(model_dir: str | Path, max_model_len: int | None = None) -> ModelInfo:
     """Read config.json and generation_config.json; ValueError with a one-line reason."""
     path = Path(model_dir)

@@ -27,6 +27,8 @@ import torch
 from torch import Tensor
 from transformers import PretrainedConfig
 
+from actorllm.config import tensor_parallel_problem
+
 # Checkpoint leaf module -> the dimension of its weight that is split across ranks.
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split dim 0 (rows)
 _ROW = ("o_proj", "down_proj")  # split dim 1 (columns); bias on rank 0 only
@@ -90,15 +92,7 @@ class TensorParallel:
 
 def check_tensor_parallel(config: PretrainedConfig, world: int) -> None:
     """Raise a one-line ``ValueError`` unless the model splits evenly over ``world`` ranks."""
-    if world < 1:
-        raise ValueError(f"--tensor-parallel-size must be at least 1, got {world}")
-    heads, kv = config.num_attention_heads, config.num_key_value_heads
-    if heads % world:
-        raise ValueError(f"--tensor-parallel-size {world} does not divide the model's "
-                         f"{heads} attention heads")
-    if kv % world and world % kv:
-        raise ValueError(f"--tensor-parallel-size {world} and the model's {kv} KV heads: "
-                         "one must divide the other")
-    if config.intermediate_size % world:
-        raise ValueError(f"--tensor-parallel-size {world} does not divide the model's "
-                         f"intermediate_size {config.intermediate_size}")
+    problem = tensor_parallel_problem(world, config.num_attention_heads,
+                                      config.num_key_value_heads, config.intermediate_size)
+    if problem is not None:
+        raise ValueError(problem)
