@@ -111,6 +111,24 @@ async def _generate(res: Resources, prompts: list[list[int]], params: SamplingPa
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
+def test_a_rank_that_cannot_load_fails_start_up_with_its_reason(
+        _tp2_holder: dict[str, Resources]) -> None:
+    from actorllm.ranks import RankGroup, RankSpec
+
+    # First in the file, before the shared runner exists (one group per process); run
+    # alone or later, it closes that runner, and the next test that needs it rebuilds it.
+    if "res" in _tp2_holder:
+        _tp2_holder["res"].runner.close()
+    group = RankGroup(RankSpec("/nonexistent", 2, 4, 4, "float32", "cpu", "torch", 1))
+    try:
+        with pytest.raises(ValueError, match=r"^tensor-parallel rank 1 failed to start: "
+                                             r"model directory '/nonexistent' does not exist"):
+            group.connect(timeout=120)
+    finally:
+        group.close()
+    assert not [p for p in group.pids if _alive(p)]
+
+
 async def test_two_ranks_match_transformers_one_at_a_time(
         tp2: Resources, prompt_ids: list[list[int]], oracle: list[list[int]]) -> None:
     got, preempted = await _generate(tp2, prompt_ids, GREEDY, max_num_seqs=1)
