@@ -42,7 +42,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads in the Worker's process (default: one per core; with "
                         "--topology engine or pipeline, one per core less one, left to the "
-                        "HTTP process)")
+                        "HTTP process); per rank with --tensor-parallel-size (default: "
+                        "cores / N)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the model over N processes (torch.distributed: gloo on the "
+                        "CPU, NCCL on CUDA); N must divide the attention heads")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan the next step while one runs, feeding each sampled token "
                         "forward in the Worker (default: on for CUDA, off on the CPU)")
@@ -142,6 +146,7 @@ def engine_config(args: argparse.Namespace) -> Any:
             device=args.device,
             dtype=args.dtype,
             cpu_threads=args.cpu_threads,
+            tensor_parallel_size=args.tensor_parallel_size,
             async_scheduling=args.async_scheduling,
             topology=args.topology,
             trace=args.trace,
@@ -209,10 +214,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = engine_config(args)
     prompts = read_prompts(args)
-    from actorllm.config import read_model_info
+    from actorllm.config import check_tensor_parallel_size, read_model_info
 
     try:
         info = read_model_info(config.model, config.max_model_len)
+        check_tensor_parallel_size(config.model, config.tensor_parallel_size)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     params = sampling_params(args, info.sampling_defaults)

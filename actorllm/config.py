@@ -34,6 +34,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     cpu_threads: int | None = None  # the Worker process's torch threads; None: worker_threads
+    # Ranks of one model, Megatron-style (actorllm/ranks.py): the Worker's process is rank
+    # 0 and starts the others. On the CPU, cpu_threads (None: cores / N) is per rank.
+    tensor_parallel_size: int = 1
     # Plan step N+1 while step N runs (two steps in flight). None: on for CUDA, off on the
     # CPU, where the forward's own Python and the event loop's share one GIL and few cores
     # (measured: no gain at saturation, slower at low load; docs/architecture.md).
@@ -58,6 +61,8 @@ class EngineConfig:
             raise ValueError("--max-num-batched-tokens must be at least 1")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError("--cpu-threads must be at least 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2")
         if self.topology not in TOPOLOGIES:
@@ -168,6 +173,40 @@ def _read_json(file: Path) -> dict[str, object]:
     if not isinstance(data, dict):
         raise ValueError(f"cannot read {file}: not a JSON object")
     return data
+
+
+def tensor_parallel_problem(size: int, heads: int, kv_heads: int,
+                            intermediate: int) -> str | None:
+    """Why a model with these shapes cannot be split over ``size`` ranks (None: it can)."""
+    if size < 1:
+        return f"--tensor-parallel-size must be at least 1, got {size}"
+    if heads % size:
+        return f"--tensor-parallel-size {size} does not divide the model's {heads} attention heads"
+    if kv_heads % size and size % kv_heads:
+        return (f"--tensor-parallel-size {size} and the model's {kv_heads} KV heads: one must "
+                "divide the other")
+    if intermediate % size:
+        return (f"--tensor-parallel-size {size} does not divide the model's intermediate_size "
+                f"{intermediate}")
+    return None
+
+
+def check_tensor_parallel_size(model_dir: str | Path, size: int) -> None:
+    """The same check as the runner's, from config.json alone (no torch): ValueError."""
+    if size == 1:
+        return
+    cfg = _read_json(Path(model_dir) / "config.json")
+    text_cfg = cfg.get("text_config", cfg)
+    assert isinstance(text_cfg, dict)
+    try:
+        heads = int(text_cfg["num_attention_heads"])
+        shapes = (heads, int(text_cfg.get("num_key_value_heads", heads)),
+                  int(text_cfg["intermediate_size"]))
+    except (KeyError, TypeError, ValueError):
+        return  # not a shape this check knows; the runner's loader says what is wrong
+    problem = tensor_parallel_problem(size, *shapes)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def read_model_info(model_dir: str | Path, max_model_len: int | None = None) -> ModelInfo:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
+import weakref
 from array import array
 from pathlib import Path
 
@@ -34,9 +36,11 @@ from actorllm.messages import (
     StepResult,
 )
 from actorllm.model import ForwardBatch, KVCache, load_config, load_model
-from actorllm.model.llama import head_dim_of
+from actorllm.model.llama import allocate_kv_caches, head_dim_of
+from actorllm.model.parallel import TensorParallel, check_tensor_parallel
 from actorllm.ops import select_backend
 from actorllm.ops.cpu_linear import pack_linears
+from actorllm.ranks import RankGroup, RankSpec
 from actorllm.sampler import SamplingState, prompt_logprobs, sample
 from actorllm.structured import Grammar, GrammarBackend, LLGuidanceBackend, apply_grammar_masks
 
@@ -56,6 +60,8 @@ class ModelRunner:
     ``execute`` is synchronous and must be called from one thread at a time. ``info`` is
     the engine's one :class:`ModelInfo` (read from ``model_dir`` when not given), so the
     Worker refuses and stops on exactly what the Tokenizer and the Scheduler do.
+    ``tensor_parallel_size`` > 1 makes this runner the driver of that many ranks
+    (:mod:`actorllm.ranks`); :meth:`close` stops them.
     """
 
     def __init__(
@@ -70,24 +76,30 @@ class ModelRunner:
         attention_backend: str = "auto",
         num_threads: int | None = None,
         info: ModelInfo | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.device = torch.device(device)
+        config = load_config(model_dir)
+        check_tensor_parallel(config, tensor_parallel_size)
+        tp = TensorParallel(0, tensor_parallel_size)  # this runner is rank 0, the driver
+        if tp.enabled and num_threads is None and self.device.type == "cpu":
+            # The ranks share this process's cores (its affinity: taskset counts).
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+                else os.cpu_count() or 1
+            num_threads = max(1, cores // tp.world)
         if num_threads is not None:
             # Process-wide: the Worker's is the only torch work in its process.
             torch.set_num_threads(num_threads)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        config = load_config(model_dir)
         # The shape lets `auto` fall back to torch where no kernel fits, and compiles the
         # kernels now rather than inside the first step.
         self.backend = select_backend(attention_backend, self.device, dtype=self.dtype,
                                       head_dim=head_dim_of(config), block_size=block_size)
         self.backend_name: str = self.backend.name
-        self.model = load_model(model_dir, dtype=self.dtype, device=self.device, config=config)
-        self.packed_linears = pack_linears(self.model) if self.device.type == "cpu" else 0
         self.vocab_size: int = config.vocab_size
         info = info if info is not None else read_model_info(model_dir)
         self.max_model_len: int = info.max_model_len
@@ -97,7 +109,8 @@ class ModelRunner:
         self._grammars: GrammarBackend | None = None  # built on the first grammar
         self._constrained: set[str] = set()  # rids whose state has a grammar
 
-        num_kv_heads, head_dim = config.num_key_value_heads, head_dim_of(config)
+        # Per rank: its share of the KV heads, in the same block layout on every rank.
+        num_kv_heads, head_dim = tp.kv_heads(config.num_key_value_heads), head_dim_of(config)
         num_layers = config.num_hidden_layers
         block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * self.dtype.itemsize
         if num_blocks is None:
@@ -105,16 +118,24 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks: int = num_blocks
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # Zeros, not empty: padded attention reads multiply masked slots by 0, and NaN * 0
-        # garbage in never-written slots would poison the output.
-        self.kv_caches: list[KVCache] = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(num_layers)
-        ]
+        # Ranks 1..N-1 load their shards while this process loads its own (actorllm.ranks).
+        self.ranks: RankGroup | None = RankGroup(RankSpec(
+            str(model_dir), tp.world, num_blocks, block_size,
+            str(self.dtype).removeprefix("torch."), device, self.backend_name, num_threads,
+        )) if tp.enabled else None
+        try:
+            self.model = load_model(model_dir, dtype=self.dtype, device=self.device,
+                                    config=config, tp=tp)
+            self.packed_linears = pack_linears(self.model) if self.device.type == "cpu" else 0
+            self.kv_caches: list[KVCache] = allocate_kv_caches(
+                config, num_blocks, block_size, self.dtype, self.device, tp)
+            if self.ranks is not None:
+                self.ranks.connect()
+                weakref.finalize(self, self.ranks.close)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
         self._states: dict[str, SamplingState] = {}
         # Rids of the last step if it failed: it sampled nothing for them, so a step
         # planned ahead that feeds them their last sample gets a stand-in (see
@@ -122,10 +143,11 @@ class ModelRunner:
         self._failed_rids: frozenset[str] = frozenset()
         self.fed_forward = 0  # rows that fed a sampled token forward (overlap scheduling)
         log.info(
-            "model runner: %s on %s (%s, %s attention, %s), %d KV blocks of %d tokens "
-            "(%.1f MiB)",
+            "model runner: %s on %s x%d (%s, %s attention, %s), %d KV blocks of %d tokens "
+            "(%.1f MiB per rank)",
             config.architectures[0],
             self.device,
+            tp.world,
             self.dtype,
             self.backend_name,
             "oneDNN packed linears" if self.packed_linears else "torch linears",
@@ -142,6 +164,11 @@ class ModelRunner:
             return int(free * _GPU_KV_FRACTION) // block_bytes
         full_seqs = _CPU_KV_FULL_SEQS * math.ceil(self.max_model_len / self.block_size)
         return min(_CPU_KV_BYTES // block_bytes, full_seqs)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (also done when the runner is collected)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def drop_all(self) -> None:
         """Drop every rid's sampling state (a new Scheduler starts from nothing)."""
@@ -193,7 +220,8 @@ class ModelRunner:
         sample_s = 0.0
         if plan.seqs:
             batch = self._prepare(plan)
-            hidden = self.model(batch, self.kv_caches, self.backend)
+            hidden = (self.model(batch, self.kv_caches, self.backend) if self.ranks is None
+                      else self.ranks.forward(self.model, batch, self.kv_caches, self.backend))
             logits = self.model.compute_logits(hidden[batch.sample_indices])
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # so forward_s measures the forward
@@ -348,9 +376,16 @@ class Worker:
         # A runner may outlive an engine (LLM reuses its weights): a new Scheduler knows
         # nothing of rids an earlier one left behind, so neither may we.
         self.runner.drop_all()
-        async for plan in self.inbox:
-            result = await trio.to_thread.run_sync(self.runner.execute, plan)
-            await self.results.send(result)
+        ranks = self.runner.ranks
+        async with trio.open_nursery() as nursery:
+            if ranks is not None:  # a rank's death kills this actor, hence the engine
+                nursery.start_soon(ranks.watch)
+            async for plan in self.inbox:
+                result = await trio.to_thread.run_sync(self.runner.execute, plan)
+                if ranks is not None:
+                    await ranks.check()  # a step that broke the group is fatal
+                await self.results.send(result)
+            nursery.cancel_scope.cancel()
 
     def drain_problems(self) -> list[str]:
         """Rids whose sampling state is still held (empty after a drain: invariant 4)."""

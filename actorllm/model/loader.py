@@ -19,6 +19,7 @@ from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Conf
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from actorllm.model.llama import LlamaForCausalLM, RotaryEmbedding, head_dim_of
+from actorllm.model.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +128,12 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     config: PretrainedConfig | None = None,
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
     """Build the model for ``model_dir`` and fill it from its safetensors (``dtype``, ``device``).
+
+    With ``tp``, only that rank's shard: each sharded tensor is read as its slice
+    (``safe_open(...).get_slice``), so a rank never holds the whole of it.
 
     Raises a one-line ``ValueError`` for a missing/bad directory, an unsupported
     architecture or a checkpoint that lacks tensors the model needs.
@@ -145,6 +150,7 @@ def load_model(
             qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            tp=tp,
         )
     # Meta construction skips random init (minutes for a 7B model on CPU); every
     # parameter is then either loaded below or reported missing.
@@ -161,7 +167,7 @@ def load_model(
                     if name not in expected:
                         log.debug("%s: ignoring tensor %s", file.name, name)
                         continue
-                    _load_one(model, name, f.get_tensor(name), file.name)
+                    _load_one(model, name, _read(f, name, model), file.name)
                     seen.add(name)
     missing = sorted(expected - seen)
     if missing:
@@ -182,6 +188,20 @@ def _hf_names(model: LlamaForCausalLM) -> list[str]:
         parts = [hf for hf, (ours, _) in _FUSED.items() if ours == module]
         names += [f"{module_path}.{p}.{leaf}" for p in parts] if parts else [name]
     return names
+
+
+def _read(f: object, name: str, model: LlamaForCausalLM) -> torch.Tensor:
+    """Checkpoint tensor ``name``, or only this rank's slice of it."""
+    tp = model.tp
+    view = f.get_slice(name)  # type: ignore[attr-defined]
+    shape = tuple(view.get_shape())
+    if tp.zero_on_this_rank(name):
+        return torch.zeros(shape)  # copy_ casts it
+    span = tp.shard(name, shape, model.config)
+    if span is None:
+        return view[:]
+    dim, start, length = span
+    return view[start:start + length] if dim == 0 else view[:, start:start + length]
 
 
 def _load_one(model: LlamaForCausalLM, name: str, tensor: torch.Tensor, file: str) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 
 import trio
 
-from actorllm.config import EngineConfig
+from actorllm.config import EngineConfig, check_tensor_parallel_size
 from actorllm.server.app import DEFAULT_MAX_PENDING, build_app
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,8 @@ def serve_main(config: EngineConfig, args: argparse.Namespace) -> int:
         _error(problem)
         return EXIT_BIND
     try:
+        # Before any weights load, in this process whatever the topology.
+        check_tensor_parallel_size(config.model, config.tensor_parallel_size)
         resources = Resources(config)
     except Exception as exc:  # torch, transformers and safetensors raise many kinds
         log.debug("loading %s failed", config.model, exc_info=True)

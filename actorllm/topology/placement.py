@@ -170,6 +170,7 @@ def build_runner(config: EngineConfig, info: ModelInfo) -> Any:
         attention_backend=config.attention_backend,
         num_threads=worker_threads(config),
         info=info,
+        tensor_parallel_size=config.tensor_parallel_size,
     )
     capacity = runner.num_blocks * config.block_size
     if capacity < info.max_model_len:

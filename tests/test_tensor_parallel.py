@@ -1,0 +1,264 @@
+"""Tensor parallelism (``--tensor-parallel-size``, actorllm/ranks.py, model/parallel.py).
+
+Two ranks over gloo on loopback must give transformers' greedy tokens and one rank's
+tokens (greedy and seeded), also when the Scheduler preempts and chunks prefills; a
+dead rank fails in-flight requests with ``engine_dead`` within 2 s and no process
+outlives its driver (the driver runs in this process, or in an ``engine`` child that
+is killed). The embedded model has 8 heads and 2 KV heads: 2 ranks split the
+KV heads, 4 ranks replicate them (checked on the loaded shards).
+
+A process holds one tensor-parallel group at a time (torch.distributed's default
+group), so the in-process tests share one 2-rank runner (rebuilt after the test that
+kills one of its ranks).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from helpers import hf_greedy, hf_model
+
+from actorllm.cli import main as cli_main
+from actorllm.config import EngineConfig, default_model_dir
+from actorllm.engine import Resources, open_engine
+from actorllm.messages import GenerateRequest, SamplingParams
+from actorllm.outputs import RequestError
+
+torch = pytest.importorskip("torch")
+MODEL = default_model_dir()
+PROMPTS = [
+    "def add(a, b):",
+    "hello",
+    "The state machine is a table you can read top to bottom, and so is this prompt.",
+    "import os\nimport sys\n",
+    "x = [1, 2, 3]",
+]
+NEW_TOKENS = 24
+# 32 blocks of 4 tokens hold one 128-token sequence: five prompts at once must preempt.
+CACHE = dict(num_kv_blocks=32, block_size=4, max_model_len=128, cpu_threads=1)
+
+
+def _config(tp: int, **kw: Any) -> EngineConfig:
+    return EngineConfig(model=str(MODEL), tensor_parallel_size=tp, **{**CACHE, **kw})
+
+
+@pytest.fixture(scope="module")
+def _tp2_holder() -> Iterator[dict[str, Resources]]:
+    holder: dict[str, Resources] = {}
+    yield holder
+    if holder:
+        pids = holder["res"].runner.ranks.pids
+        holder["res"].runner.close()
+        assert not [p for p in pids if _alive(p)]
+
+
+@pytest.fixture
+def tp2(_tp2_holder: dict[str, Resources]) -> Resources:
+    """The module's one 2-rank runner; rebuilt after a test killed one of its ranks."""
+    res = _tp2_holder.get("res")
+    if res is None or res.runner.ranks.dead() is not None:
+        if res is not None:
+            res.runner.close()
+        res = _tp2_holder["res"] = Resources(_config(2))
+    return res
+
+
+@pytest.fixture(scope="module")
+def tp1() -> Resources:
+    return Resources(_config(1))
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tp1: Resources) -> list[list[int]]:
+    return [tp1.hf_tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def oracle(prompt_ids: list[list[int]]) -> list[list[int]]:
+    """transformers ``generate``, greedy, on the same checkpoint."""
+    model = hf_model(MODEL)
+    model.generation_config.repetition_penalty = 1.0  # the checkpoint asks for 1.2
+    return [hf_greedy(model, ids, NEW_TOKENS)[0] for ids in prompt_ids]
+
+
+async def _generate(res: Resources, prompts: list[list[int]], params: SamplingParams,
+                    **kw: Any) -> tuple[list[list[int]], int]:
+    """Every prompt at once through an engine on ``res``; token ids and preemptions."""
+    config = EngineConfig(**{**res.config.as_dict(), **kw})
+    out: list[list[int]] = [[] for _ in prompts]
+    async with open_engine(config, resources=res) as engine:
+
+        async def one(i: int) -> None:
+            req = GenerateRequest(f"tp-{i}", params, prompt_token_ids=tuple(prompts[i]))
+            async for o in engine.generate(req):
+                out[i].extend(o.outputs[0].token_ids)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(one, i)
+        assert await engine.wait_drained() == []
+        preempted = engine.frontend.stats.num_preemptions  # the Scheduler's latest total
+    return out, preempted
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def test_a_rank_that_cannot_load_fails_start_up_with_its_reason(
+        _tp2_holder: dict[str, Resources]) -> None:
+    from actorllm.ranks import RankGroup, RankSpec
+
+    # First in the file, before the shared runner exists (one group per process); run
+    # alone or later, it closes that runner, and the next test that needs it rebuilds it.
+    if "res" in _tp2_holder:
+        _tp2_holder["res"].runner.close()
+    group = RankGroup(RankSpec("/nonexistent", 2, 4, 4, "float32", "cpu", "torch", 1))
+    try:
+        with pytest.raises(ValueError, match=r"^tensor-parallel rank 1 failed to start: "
+                                             r"model directory '/nonexistent' does not exist"):
+            group.connect(timeout=120)
+    finally:
+        group.close()
+    assert not [p for p in group.pids if _alive(p)]
+
+
+async def test_two_ranks_match_transformers_one_at_a_time(
+        tp2: Resources, prompt_ids: list[list[int]], oracle: list[list[int]]) -> None:
+    got, preempted = await _generate(tp2, prompt_ids, GREEDY, max_num_seqs=1)
+    assert preempted == 0
+    assert got == oracle
+
+
+async def test_two_ranks_match_transformers_under_preemption(
+        tp2: Resources, prompt_ids: list[list[int]], oracle: list[list[int]]) -> None:
+    got, preempted = await _generate(tp2, prompt_ids, GREEDY)
+    assert preempted > 0  # the small cache forced recomputation on both ranks
+    assert got == oracle
+
+
+async def test_two_ranks_match_transformers_with_chunked_prefill(
+        tp2: Resources, prompt_ids: list[list[int]], oracle: list[list[int]]) -> None:
+    assert max(len(p) for p in prompt_ids) > 8  # the long prompt takes several chunks
+    got, _ = await _generate(tp2, prompt_ids, GREEDY, max_num_batched_tokens=8,
+                             max_num_seqs=2)
+    assert got == oracle
+
+
+async def test_two_ranks_match_one_rank_greedy_and_seeded(
+        tp1: Resources, tp2: Resources, prompt_ids: list[list[int]]) -> None:
+    for params in (GREEDY, SamplingParams(temperature=0.9, top_p=0.95, seed=7,
+                                          max_tokens=NEW_TOKENS, ignore_eos=True)):
+        one, _ = await _generate(tp1, prompt_ids, params, max_num_seqs=2)
+        two, _ = await _generate(tp2, prompt_ids, params, max_num_seqs=2)
+        assert one == two
+
+
+def test_each_rank_loads_only_its_shard_and_replicates_scarce_kv_heads() -> None:
+    from actorllm.model import load_model
+    from actorllm.model.parallel import TensorParallel
+
+    full = load_model(MODEL).model.layers[0]
+    d, heads, kv, inter = 32, 8, 2, 704
+    q, k, v = full.self_attn.qkv_proj.weight.split([heads * d, kv * d, kv * d])
+    for world in (2, 4):
+        for rank in range(world):
+            layer = load_model(MODEL, tp=TensorParallel(rank, world)).model.layers[0]
+            hq = heads // world
+            first, n = rank * kv // world, max(1, kv // world)  # with 4 ranks: each KV head twice
+            kv_rows = slice(first * d, (first + n) * d)
+            want = torch.cat([q[rank * hq * d:(rank + 1) * hq * d], k[kv_rows], v[kv_rows]])
+            assert torch.equal(layer.self_attn.qkv_proj.weight, want), (world, rank)
+            cols = slice(rank * hq * d, (rank + 1) * hq * d)
+            assert torch.equal(layer.self_attn.o_proj.weight, full.self_attn.o_proj.weight[:, cols])
+            part = inter // world
+            assert torch.equal(layer.mlp.down_proj.weight,
+                               full.mlp.down_proj.weight[:, rank * part:(rank + 1) * part])
+
+
+@pytest.mark.parametrize("command", [["run", "hi"], ["serve", "--port", "0"]])
+@pytest.mark.parametrize("topology", ["single", "engine"])
+def test_a_size_that_does_not_divide_the_heads_is_a_one_line_cli_error(
+        capsys: pytest.CaptureFixture[str], command: list[str], topology: str) -> None:
+    code = cli_main([*command, "--tensor-parallel-size", "3", "--topology", topology])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.endswith("error: --tensor-parallel-size 3 does not divide the model's "
+                        "8 attention heads\n")
+    assert err.count("\n") == 1
+
+
+# --- death and orphans (the driver in an `engine` child process) ---------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+async def _wait_gone(pids: list[int], timeout: float) -> bool:
+    with trio.move_on_after(timeout):
+        while any(_alive(p) for p in pids):
+            await trio.sleep(0.05)
+        return True
+    return False
+
+
+async def _kill_mid_generation(engine: Any, pid: int) -> tuple[RequestError | None, float]:
+    """Start a long request, SIGKILL ``pid`` once it has tokens; the error and how long
+    after the kill it came."""
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    col = await engine.submit(GenerateRequest("victim", params, prompt="hello there"))
+    t0 = 0.0
+    with trio.fail_after(60):
+        try:
+            async for out in col:
+                if out.outputs[0].token_ids and not t0:
+                    os.kill(pid, signal.SIGKILL)
+                    t0 = time.monotonic()
+        except RequestError as exc:
+            return exc, time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+async def test_a_dead_rank_fails_requests_within_2s_in_the_single_topology(
+        tp2: Resources) -> None:
+    (rank,) = tp2.runner.ranks.pids
+    async with open_engine(tp2.config, resources=tp2) as engine:
+        error, took = await _kill_mid_generation(engine, rank)
+        assert error is not None and error.code == "engine_dead", error
+        assert took < 2.0
+        assert f"rank 1 (pid {rank}) exited with code -9 (killed by SIGKILL)" in str(error)
+        assert not engine.alive
+        with pytest.raises(RequestError, match="rank 1"):  # new requests are refused
+            await engine.submit(GenerateRequest("late", GREEDY, prompt="x"))
+
+
+async def test_a_dead_driver_process_fails_requests_fast_and_leaves_no_orphan_rank() -> None:
+    config = _config(2, topology="engine")
+    res = Resources(config)
+    async with open_engine(config, resources=res) as engine:
+        assert engine.supervisor is not None
+        driver = engine.supervisor.pids()["engine"]
+        (rank,) = _children(driver)  # the driver's one rank
+        error, took = await _kill_mid_generation(engine, driver)
+        assert error is not None and error.code == "engine_dead", error
+        assert took < 2.0
+        # The rank notices at once (EOF on its stdin): no process outlives its driver.
+        assert await _wait_gone([rank, driver], 5.0)
