@@ -549,5 +549,7 @@ def test_worker_threads_leave_a_core_to_the_http_process(monkeypatch: pytest.Mon
         assert worker_threads(config) == max(1, cores - 1)
         assert worker_threads(attrs.evolve(config, cpu_threads=3)) == 3
         assert worker_threads(attrs.evolve(config, device="cuda")) is None
+        assert worker_threads(attrs.evolve(config, tensor_parallel_size=2)) == \
+            max(1, (cores - 1) // 2)
     assert worker_threads(EngineConfig(model="m", topology="single")) is None
     assert worker_threads(EngineConfig(model="m", topology="single", cpu_threads=2)) == 2

@@ -183,9 +183,10 @@ def build_runner(config: EngineConfig, info: ModelInfo) -> Any:
 
 
 def worker_threads(config: EngineConfig) -> int | None:
-    """Torch threads for the Worker's process: ``--cpu-threads`` when given; else, when
-    the Worker has a process of its own on the CPU, one per core it may run on less one,
-    left to the process that serves HTTP; else None (torch's default, one per core).
+    """Torch threads for the Worker's process (for each rank with tensor parallelism):
+    ``--cpu-threads`` when given; else, when the Worker has a process of its own on the
+    CPU, one per core it may run on less one, left to the process that serves HTTP,
+    shared among the ranks; else None (torch's default, or ``ModelRunner``'s cores / N).
 
     On a few cores an OpenMP thread that shares its core with another busy process
     stalls every parallel region it is part of: on 2 cores the ``engine`` topology gave
@@ -194,7 +195,8 @@ def worker_threads(config: EngineConfig) -> int | None:
     if config.cpu_threads is not None:
         return config.cpu_threads
     if config.device == "cpu" and PLACEMENTS[config.topology]["worker"] != MAIN:
-        return max(1, len(os.sched_getaffinity(0)) - 1)
+        cores = len(os.sched_getaffinity(0)) - 1
+        return max(1, cores // config.tensor_parallel_size)
     return None
 
 
