@@ -25,7 +25,7 @@ from actorllm.config import EngineConfig, default_model_dir
 from actorllm.engine import AsyncEngine, Resources, open_engine
 from actorllm.llm import collect
 from actorllm.messages import ChatMessage, SamplingParams, StructuredOutput
-from actorllm.structured import LLGuidanceBackend, apply_grammar_masks
+from actorllm.structured import LLGuidanceBackend, MaskFiller, _bias, apply_grammar_masks
 
 _NAME = {"type": "string", "maxLength": 6}
 SCHEMAS: list[dict[str, Any]] = [
@@ -182,6 +182,52 @@ def test_masks_touch_only_constrained_rows(resources: Resources) -> None:
     apply_grammar_masks(alone[2], [other])
     for i in range(3):
         assert torch.equal(batch[i], alone[i][0])
+
+
+def test_masks_filled_beside_the_forward_equal_the_synchronous_ones(
+        resources: Resources) -> None:
+    # The Worker's MaskFiller computes the masks in its thread while the forward runs:
+    # the logits it leaves must be exactly those of the synchronous form, step after step
+    # (the matchers advance between steps), for all-constrained and mixed batches.
+    backend = LLGuidanceBackend(resources.hf_tokenizer, resources.info.vocab_size,
+                                resources.info.eos_token_ids)
+    vocab = resources.info.vocab_size
+    spec = StructuredOutput("json", json.dumps(SCHEMAS[3]))
+    threaded = [backend.grammar(spec) for _ in range(3)]
+    synced = [backend.grammar(spec) for _ in range(3)]
+    filler = MaskFiller(vocab, torch.device("cpu"))
+    assert filler.start([None, None]) is None  # a free batch starts nothing
+    gen = torch.Generator().manual_seed(0)
+    for step in range(12):
+        logits = torch.randn(5, vocab, generator=gen)
+        want = logits.clone()
+        layout = [None, *threaded, None] if step % 2 else [*threaded, None, None]
+        pending = filler.start(layout)
+        assert pending is not None
+        pending.apply(logits)
+        apply_grammar_masks(want, [None, *synced, None] if step % 2 else [*synced, None, None])
+        assert torch.equal(logits, want)
+        free = [0, 4] if step % 2 else [3, 4]
+        assert torch.isfinite(logits[free]).all()
+        for j, row in enumerate([1, 2, 3] if step % 2 else [0, 1, 2]):
+            token = int(logits[row].argmax())  # an allowed token: advance both alike
+            threaded[j].accept(token)
+            synced[j].accept(token)
+
+
+def test_unpacking_on_the_device_equals_unpacking_in_numpy() -> None:
+    # The accelerator path unpacks the bits with torch shifts, the CPU path with numpy;
+    # both give 0 where a bit is set and -inf elsewhere, ids past the words banned.
+    gen = torch.Generator().manual_seed(1)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, 3), dtype=torch.int32, generator=gen)
+    for vocab in (70, 96, 100):
+        numpy_bias = _bias(bitmask, vocab, in_numpy=True)
+        shift_bias = _bias(bitmask, vocab, in_numpy=False)
+        assert torch.equal(numpy_bias, shift_bias)
+        for r in range(4):
+            for t in range(vocab):
+                bit = t < 96 and (int(bitmask[r, t // 32]) >> (t % 32)) & 1
+                assert numpy_bias[r, t] == (0.0 if bit else float("-inf")), (r, t)
 
 
 async def test_preemption_mid_structure_replays_the_grammar() -> None:
