@@ -377,6 +377,29 @@ async def test_tool_results_go_back_into_the_conversation(engine: AsyncEngine) -
     assert missing.status == 400 and missing.json()["error"]["param"] == "messages[2].tool_call_id"
 
 
+async def test_tokenize_renders_tools_like_the_chat_completion(engine: AsyncEngine) -> None:
+    app = app_for(engine)
+    messages = _chat("Weather in Paris?")
+    plain = await Call("/tokenize", {"messages": messages}).run(app)
+    with_tools = await Call("/tokenize", {"messages": messages, "tools": [WEATHER, TIME]}).run(app)
+    assert plain.status == 200 and with_tools.status == 200, (plain.chunks, with_tools.chunks)
+    assert with_tools.json()["count"] > plain.json()["count"]  # the tools are in the prompt
+    chat = await Call("/v1/chat/completions", {"messages": messages, "tools": [WEATHER, TIME],
+                                               "max_tokens": 1}).run(app)
+    assert chat.status == 200, chat.chunks
+    assert chat.json()["usage"]["prompt_tokens"] == with_tools.json()["count"]
+    for body, param in (
+        ({"prompt": "x", "tools": [WEATHER]}, "tools"),  # tools go with messages
+        ({"messages": messages, "tools": [WEATHER, WEATHER]}, "tools"),
+        ({"messages": messages, "tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"messages": messages, "chat_template": "{{ x }}"}, "chat_template"),
+        ({"messages": messages, "tool_choice": "auto"}, "tool_choice"),
+    ):
+        call = await Call("/tokenize", body).run(app)
+        assert call.status == 400, call.chunks
+        assert call.json()["error"]["param"] == param, call.json()
+
+
 def test_template_renders_tools_and_leaves_plain_chats_alone(resources: Resources) -> None:
     tok = resources.hf_tokenizer
     chat = [{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "Hi\n"},

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import attrs
 
 from actorllm.messages import InvalidRequest, StructuredOutput
-from actorllm.server.schemas import ChatCompletionRequest, NamedToolChoice
+from actorllm.server.schemas import ChatCompletionRequest, NamedToolChoice, ToolDef
 
 
 @attrs.frozen
@@ -189,6 +189,15 @@ def _function_schema(params: dict[str, Any] | None) -> dict[str, Any]:
     return params if params else {"type": "object", "properties": {}}
 
 
+def template_tools(tools: list[ToolDef]) -> str:
+    """The tool definitions for the chat template, as JSON (the HF convention: each
+    ``{"type": "function", "function": {...}}``); InvalidRequest for repeated names."""
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise InvalidRequest("tools: function names must be unique", "tools")
+    return json.dumps([t.model_dump(exclude_none=True) for t in tools], ensure_ascii=False)
+
+
 def plan_tools(body: ChatCompletionRequest, parser: str) -> ToolPlan | None:
     """The request's tool plan, or None when it has no tools. Raises InvalidRequest."""
     choice = body.tool_choice
@@ -198,12 +207,8 @@ def plan_tools(body: ChatCompletionRequest, parser: str) -> ToolPlan | None:
         return None
     tools = [t.function for t in body.tools]
     names = [f.name for f in tools]
-    if len(set(names)) != len(names):
-        raise InvalidRequest("tools: function names must be unique", "tools")
+    tools_json = template_tools(body.tools)
     parallel = body.parallel_tool_calls is not False
-    # Arguments as objects for the template (the HF convention for tool definitions).
-    tools_json = json.dumps([t.model_dump(exclude_none=True) for t in body.tools],
-                            ensure_ascii=False)
     mode = "auto" if choice is None else choice if isinstance(choice, str) else "named"
     if mode in ("none", "auto"):
         return ToolPlan(mode, tools_json, PARSERS[parser], parallel=parallel)
