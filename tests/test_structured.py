@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import jsonschema
@@ -23,7 +24,7 @@ from helpers import Call, app_for
 
 from actorllm.config import EngineConfig, default_model_dir
 from actorllm.engine import AsyncEngine, Resources, open_engine
-from actorllm.llm import collect
+from actorllm.llm import collect, make_request
 from actorllm.messages import ChatMessage, SamplingParams, StructuredOutput
 from actorllm.structured import LLGuidanceBackend, MaskFiller, _bias, apply_grammar_masks
 
@@ -111,9 +112,16 @@ async def test_json_object_regex_and_choice(engine: AsyncEngine) -> None:
         ({"structured_outputs": {"choice": ["alpha", "beta"]}}, lambda t: t in ("alpha", "beta")),
         # min_tokens past the grammar's end: the grammar wins, EOS is still allowed.
         ({"guided_choice": ["ok"], "min_tokens": 6}, lambda t: t == "ok"),
+        # Grammars: Lark (vLLM's structured_outputs.grammar) and GBNF (guided_grammar).
+        ({"structured_outputs": {"grammar": 'start: "id-" /[0-9]{2}/'}},
+         lambda t: re.fullmatch(r"id-[0-9]{2}", t)),
+        ({"guided_grammar": 'root ::= ("yes" | "no") "!"'}, lambda t: t in ("yes!", "no!")),
+        # response_format on completions too (vLLM's completions take it).
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMAS[1]}}},
+         lambda t: jsonschema.validate(json.loads(t), SCHEMAS[1]) is None),
     ):
         for seed in range(3):
-            call = await Call("/v1/completions", {"prompt": "Answer:", "max_tokens": 12,
+            call = await Call("/v1/completions", {"prompt": "Answer:", "max_tokens": 24,
                                                   "seed": seed, **body}).run(app)
             assert call.status == 200, call.chunks
             choice = call.json()["choices"][0]
@@ -263,6 +271,29 @@ def _fields(params: SamplingParams) -> dict[str, Any]:
     import attrs
 
     return attrs.asdict(params, recurse=False)
+
+
+async def test_stop_strings_and_aborts_end_constrained_sequences(engine: AsyncEngine) -> None:
+    # A stop string inside the structure ends it there, with "stop"; an abort mid-structure
+    # ends it too; either way the Worker drops the matcher with the rest (the fixture's
+    # wait_drained checks that no sampling state is left).
+    pattern = "[a-z]{4}-[0-9]{4}"
+    stopped = await collect(engine, "stop", "Code:", SamplingParams(
+        max_tokens=30, seed=1, stop=["-"],
+        structured=StructuredOutput("regex", pattern)))
+    assert stopped.error is None
+    out = stopped.outputs[0]
+    assert out.finish_reason == "stop" and re.fullmatch("[a-z]{4}", out.text), out.text
+    schema = {"type": "array", "items": _NAME, "minItems": 50}
+    params = SamplingParams(max_tokens=200, seed=2, ignore_eos=True,
+                            structured=StructuredOutput("json", json.dumps(schema)))
+    got = 0
+    async with aclosing(engine.generate(make_request("gone", "List:", params))) as stream:
+        async for res in stream:
+            got += sum(len(o.token_ids) for o in res.outputs)
+            if got >= 5:
+                break  # leaving the stream aborts the request mid-array
+    assert got >= 5
 
 
 async def test_python_api_refuses_a_bad_grammar(engine: AsyncEngine) -> None:
@@ -460,6 +491,14 @@ async def test_nested_unsupported_fields_are_400_too(engine: AsyncEngine) -> Non
                                                    "json_schema": {"schema": {}, "x": 1}}},
          "response_format.json_schema.x"),
         ({"messages": _chat(), "tool_choice": "required"}, "tool_choice"),
+        # Fields the openai client puts in an assistant message: only null is accepted.
+        ({"messages": [{"role": "assistant", "content": "x", "annotations": [{}]}]},
+         "messages[0].annotations"),
+        ({"messages": [{"role": "assistant", "content": "x", "audio": {"id": "a"}}]},
+         "messages[0].audio"),
+        ({"messages": [{"role": "assistant", "content": "x",
+                        "function_call": {"name": "f", "arguments": "{}"}}]},
+         "messages[0].function_call"),
         ({"messages": _chat(), "tools": [WEATHER],
           "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ):
