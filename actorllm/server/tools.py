@@ -14,6 +14,7 @@
 A parser is the format one family of models writes calls in. Two ship: ``json`` (the
 embedded model's template: the answer is a JSON list of ``{"name", "arguments"}``) and
 ``hermes`` (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, many open models).
+Streaming reads the calls as they form (``server/tool_stream.py``).
 """
 
 from __future__ import annotations
