@@ -200,24 +200,28 @@ def test_masks_filled_beside_the_forward_equal_the_synchronous_ones(
     backend = LLGuidanceBackend(resources.hf_tokenizer, resources.info.vocab_size,
                                 resources.info.eos_token_ids)
     vocab = resources.info.vocab_size
-    spec = StructuredOutput("json", json.dumps(SCHEMAS[3]))
-    threaded = [backend.grammar(spec) for _ in range(3)]
-    synced = [backend.grammar(spec) for _ in range(3)]
+    specs = [StructuredOutput("json", json.dumps(SCHEMAS[i])) for i in (0, 3, 4)]
+    threaded = [backend.grammar(spec) for spec in specs]
+    synced = [backend.grammar(spec) for spec in specs]
     filler = MaskFiller(vocab, torch.device("cpu"))
     assert filler.start([None, None]) is None  # a free batch starts nothing
+    # An accelerator's filler hands over the packed bits, unpacked where the logits are.
+    packed = MaskFiller(vocab, torch.device("meta"))
     gen = torch.Generator().manual_seed(0)
     for step in range(12):
         logits = torch.randn(5, vocab, generator=gen)
         want = logits.clone()
         layout = [None, *threaded, None] if step % 2 else [*threaded, None, None]
-        pending = filler.start(layout)
+        pending = (filler if step % 3 else packed).start(layout)
         assert pending is not None
         pending.apply(logits)
-        apply_grammar_masks(want, [None, *synced, None] if step % 2 else [*synced, None, None])
+        rows = [1, 2, 3] if step % 2 else [0, 1, 2]
+        for j, row in enumerate(rows):  # each row alone, the synchronous way
+            apply_grammar_masks(want[row : row + 1], [synced[j]])
         assert torch.equal(logits, want)
         free = [0, 4] if step % 2 else [3, 4]
         assert torch.isfinite(logits[free]).all()
-        for j, row in enumerate([1, 2, 3] if step % 2 else [0, 1, 2]):
+        for j, row in enumerate(rows):
             token = int(logits[row].argmax())  # an allowed token: advance both alike
             threaded[j].accept(token)
             synced[j].accept(token)
