@@ -96,7 +96,7 @@ class ModelRunner:
         self._model_dir = str(model_dir)
         self._grammars: GrammarBackend | None = None  # built on the first grammar
         self._constrained: set[str] = set()  # rids whose state has a grammar
-        self._masks = MaskFiller(config.vocab_size, self.device)  # its thread: on first use
+        self._masks = MaskFiller(self.vocab_size, self.device)  # its thread: on first use
 
         num_kv_heads, head_dim = config.num_key_value_heads, head_dim_of(config)
         num_layers = config.num_hidden_layers
