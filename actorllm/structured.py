@@ -284,21 +284,27 @@ class MaskFiller:
     Worker touches no matcher until it has called ``apply`` or ``wait``. On the CPU the
     thread also unpacks the bits into the additive bias; on an accelerator the packed
     bitmask crosses (a 32nd of the bytes) and is unpacked there. A step with no
-    constrained row costs one scan of the list and starts nothing.
+    constrained row costs one scan of the list and starts nothing. ``overlap = False``
+    computes them in ``start`` itself (the serial baseline, for benchmarks/structured.py).
     """
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self._vocab, self._device = vocab_size, device
         self._pool: ThreadPoolExecutor | None = None
+        self.overlap = True
 
     def start(self, grammars: Sequence[Grammar | None]) -> PendingMasks | None:
         """Begin the masks of the constrained rows, or None when there are none."""
         rows = [i for i, g in enumerate(grammars) if g is not None]
         if not rows:
             return None
+        chosen = [grammars[i] for i in rows]
+        if not self.overlap:
+            done: Future[Tensor] = Future()
+            done.set_result(self._work(chosen))
+            return PendingMasks(rows, done, self._vocab)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        chosen = [grammars[i] for i in rows]
         return PendingMasks(rows, self._pool.submit(self._work, chosen), self._vocab)
 
     def _work(self, grammars: list[Grammar]) -> Tensor:

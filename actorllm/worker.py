@@ -96,7 +96,7 @@ class ModelRunner:
         self._model_dir = str(model_dir)
         self._grammars: GrammarBackend | None = None  # built on the first grammar
         self._constrained: set[str] = set()  # rids whose state has a grammar
-        self._masks = MaskFiller(self.vocab_size, self.device)  # its thread: on first use
+        self.masks = MaskFiller(self.vocab_size, self.device)  # its thread: on first use
 
         num_kv_heads, head_dim = config.num_key_value_heads, head_dim_of(config)
         num_layers = config.num_hidden_layers
@@ -197,7 +197,7 @@ class ModelRunner:
             states = [self._states[s.rid] for s in sampled]
             # The constrained rows' masks are computed in a thread during the forward pass
             # (their matchers are past every token sampled so far); free batches skip it.
-            masks = self._masks.start([s.grammar for s in states]) if self._constrained \
+            masks = self.masks.start([s.grammar for s in states]) if self._constrained \
                 else None
             try:
                 batch = self._prepare(plan)

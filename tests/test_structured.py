@@ -207,12 +207,14 @@ def test_masks_filled_beside_the_forward_equal_the_synchronous_ones(
     assert filler.start([None, None]) is None  # a free batch starts nothing
     # An accelerator's filler hands over the packed bits, unpacked where the logits are.
     packed = MaskFiller(vocab, torch.device("meta"))
+    serial = MaskFiller(vocab, torch.device("cpu"))
+    serial.overlap = False  # the benchmark's baseline: the same masks, no thread
     gen = torch.Generator().manual_seed(0)
     for step in range(12):
         logits = torch.randn(5, vocab, generator=gen)
         want = logits.clone()
         layout = [None, *threaded, None] if step % 2 else [*threaded, None, None]
-        pending = (filler if step % 3 else packed).start(layout)
+        pending = (packed, filler, serial)[step % 3].start(layout)
         assert pending is not None
         pending.apply(logits)
         rows = [1, 2, 3] if step % 2 else [0, 1, 2]
