@@ -4,10 +4,11 @@ A request's :class:`~actorllm.messages.StructuredOutput` (a JSON schema, a regex
 of choices or a Lark/GBNF grammar) is compiled by a :class:`GrammarBackend` into a
 template matcher, cached per distinct spec; each sequence gets its own copy
 (:class:`Grammar`), which lives in the Worker's ``SamplingState``. Each step the Worker
-fills the allowed-token bitmask of every constrained row and sets the others to
-``-inf`` (:func:`apply_grammar_masks`); ``SamplingState.append`` advances the matcher
-with the sampled token. A grammar that is complete and admits nothing more allows only
-the EOS tokens, so the sequence ends with ``stop`` through the ordinary EOS path.
+has the allowed-token bitmasks of the constrained rows filled in a thread while the
+forward pass runs (:class:`MaskFiller`), then sets those rows' disallowed logits to
+``-inf``; ``SamplingState.append`` advances the matcher with the sampled token. A
+grammar that is complete and admits nothing more allows only the EOS tokens, so the
+sequence ends with ``stop`` through the ordinary EOS path.
 
 The backend is llguidance: a self-contained Rust wheel (no torch, triton or compiler
 at run time), with a fast mask on the CPU and lazy compilation, so a schema costs
@@ -23,14 +24,18 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 from actorllm.messages import InvalidRequest, StructuredOutput
 
 if TYPE_CHECKING:  # torch is imported where masks are applied: the Tokenizer needs none
+    import torch
     from torch import Tensor
 
 log = logging.getLogger(__name__)
@@ -188,35 +193,137 @@ def _executor() -> Any:
     return _EXECUTOR
 
 
+def _fill(grammars: Sequence[Grammar]) -> Tensor:
+    """The rows' allowed-token bitmasks, ``int32[len(grammars), words]`` on the CPU.
+
+    llguidance's executor fills its matchers on its own threads with the GIL released;
+    any other :class:`Grammar` fills its row itself.
+    """
+    import torch
+
+    words = max(g.words for g in grammars)
+    bitmask = torch.zeros((len(grammars), words), dtype=torch.int32)
+    batched = [(g.matcher, j) for j, g in enumerate(grammars)
+               if isinstance(g, _LLGuidanceGrammar) and g.words == words]
+    if batched:
+        _executor().unsafe_compute_mask_ptr(batched, bitmask.data_ptr(), words * 4,
+                                            len(grammars))
+    done = {j for _, j in batched}
+    for j, g in enumerate(grammars):
+        if j not in done:
+            g.fill_bitmask(bitmask[j])
+    return bitmask
+
+
+def _bias(bitmask: Tensor, vocab: int, in_numpy: bool | None = None) -> Tensor:
+    """``float32[rows, vocab]``: 0 where the bitmask allows the token, ``-inf`` elsewhere
+    (ids past the bitmask's width are never allowed). ``in_numpy``: unpack with numpy
+    (the default for a CPU tensor) or with torch shifts (on the bitmask's device).
+
+    An additive bias rather than a boolean mask: on the CPU ``logits += bias`` costs
+    microseconds where ``masked_fill`` with a boolean mask costs a millisecond.
+    """
+    import torch
+
+    rows, words = bitmask.shape
+    if in_numpy is None:
+        in_numpy = bitmask.device.type == "cpu" and sys.byteorder == "little"
+    if in_numpy:
+        import numpy as np
+
+        # Bit j of word w is token 32 * w + j (little-endian words).
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        of_bit = np.array([-np.inf, 0.0], dtype=np.float32)  # a 0 bit is a banned token
+        bias = torch.from_numpy(np.take(of_bit, bits[:, :vocab]))
+    else:
+        shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        bits = ((bitmask[:, :, None] >> shifts) & 1).view(rows, words * 32)[:, :vocab]
+        bias = torch.zeros(bits.shape, device=bitmask.device).masked_fill_(bits == 0,
+                                                                           float("-inf"))
+    if bias.shape[1] < vocab:
+        bias = torch.nn.functional.pad(bias, (0, vocab - bias.shape[1]), value=float("-inf"))
+    return bias
+
+
+class PendingMasks:
+    """One step's grammar masks, being computed while the forward pass runs.
+
+    ``apply`` waits for them and bans the disallowed tokens of the constrained rows;
+    ``wait`` only waits (a step that failed must not leave a thread touching matchers).
+    """
+
+    def __init__(self, rows: list[int], future: Future[Tensor], vocab: int) -> None:
+        self.rows, self._future, self._vocab = rows, future, vocab
+
+    def wait(self) -> None:
+        """Block until the thread is done with the matchers; errors are the step's to report."""
+        futures.wait([self._future])
+
+    def apply(self, logits: Tensor) -> None:
+        """Set ``logits[row, t] = -inf`` for every token ``t`` a constrained row may not take."""
+        import torch
+
+        out = self._future.result()
+        if out.dtype == torch.int32:  # packed bits: unpacked where the logits are
+            out = _bias(out.to(logits.device, non_blocking=True), self._vocab)
+        bias = out.to(device=logits.device, dtype=logits.dtype, non_blocking=True)
+        if bias.shape[1] != logits.shape[1]:
+            raise ValueError(f"grammar masks of width {bias.shape[1]} for logits of "
+                             f"{logits.shape[1]}")
+        if len(self.rows) == logits.shape[0]:
+            logits.add_(bias)
+        else:
+            logits.index_add_(0, torch.tensor(self.rows, device=logits.device), bias)
+
+
+class MaskFiller:
+    """Computes a step's grammar masks in a thread of its own, beside the forward pass.
+
+    ``start`` is called before the forward with the grammars of the rows the step will
+    sample (None for a free row), after the previous step's tokens were accepted; the
+    Worker touches no matcher until it has called ``apply`` or ``wait``. On the CPU the
+    thread also unpacks the bits into the additive bias; on an accelerator the packed
+    bitmask crosses (a 32nd of the bytes) and is unpacked there. A step with no
+    constrained row costs one scan of the list and starts nothing. ``overlap = False``
+    computes them in ``start`` itself (the serial baseline, for benchmarks/structured.py).
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self._vocab, self._device = vocab_size, device
+        self._pool: ThreadPoolExecutor | None = None
+        self.overlap = True
+
+    def start(self, grammars: Sequence[Grammar | None]) -> PendingMasks | None:
+        """Begin the masks of the constrained rows, or None when there are none."""
+        rows = [i for i, g in enumerate(grammars) if g is not None]
+        if not rows:
+            return None
+        chosen = [grammars[i] for i in rows]
+        if not self.overlap:
+            done: Future[Tensor] = Future()
+            done.set_result(self._work(chosen))
+            return PendingMasks(rows, done, self._vocab)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return PendingMasks(rows, self._pool.submit(self._work, chosen), self._vocab)
+
+    def _work(self, grammars: list[Grammar]) -> Tensor:
+        bitmask = _fill(grammars)
+        if self._device.type == "cpu":
+            return _bias(bitmask, self._vocab)
+        # Pinned, so that the copy to the device does not block the step.
+        return bitmask.pin_memory() if self._device.type == "cuda" else bitmask
+
+
 def apply_grammar_masks(logits: Tensor, grammars: Sequence[Grammar | None]) -> None:
     """Set ``logits[i, t] = -inf`` for every token ``t`` row ``i``'s grammar does not allow.
 
-    Rows whose grammar is None are left alone and cost nothing but their list entry.
-    The bitmasks are filled on the CPU and unpacked to booleans in one tensor operation.
+    The synchronous form of :class:`MaskFiller` (same masks, no thread). Rows whose
+    grammar is None are left alone and cost nothing but their list entry.
     """
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return
-    import torch
-
-    vocab = logits.shape[1]
-    words = max(grammars[i].words for i in rows)  # type: ignore[union-attr]
-    bitmask = torch.zeros((len(rows), words), dtype=torch.int32)
-    batched = [(g.matcher, j) for j, i in enumerate(rows)
-               if isinstance(g := grammars[i], _LLGuidanceGrammar) and g.words == words]
-    if len(batched) > 1:  # llguidance fills many rows on its own threads, without the GIL
-        _executor().unsafe_compute_mask_ptr(batched, bitmask.data_ptr(), words * 4, len(rows))
-    done = {j for _, j in batched} if len(batched) > 1 else set()
-    for j, i in enumerate(rows):
-        if j not in done:
-            grammars[i].fill_bitmask(bitmask[j])  # type: ignore[union-attr]
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).view(len(rows), words * 32)[:, :vocab]
-    if allowed.shape[1] < vocab:  # ids past the grammar's vocabulary are never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    allowed = allowed.to(device=logits.device, dtype=torch.bool, non_blocking=True)
-    if len(rows) == logits.shape[0]:
-        logits.masked_fill_(~allowed, float("-inf"))
-    else:
-        index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    future: Future[Tensor] = Future()
+    future.set_result(_fill([g for g in grammars if g is not None]))
+    PendingMasks(rows, future, logits.shape[1]).apply(logits)

@@ -42,7 +42,7 @@ from actorllm.ops import select_backend
 from actorllm.ops.cpu_linear import pack_linears
 from actorllm.ranks import RankGroup, RankSpec
 from actorllm.sampler import SamplingState, prompt_logprobs, sample
-from actorllm.structured import Grammar, GrammarBackend, LLGuidanceBackend, apply_grammar_masks
+from actorllm.structured import Grammar, GrammarBackend, LLGuidanceBackend, MaskFiller
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,7 @@ class ModelRunner:
         self._model_dir = str(model_dir)
         self._grammars: GrammarBackend | None = None  # built on the first grammar
         self._constrained: set[str] = set()  # rids whose state has a grammar
+        self.masks = MaskFiller(self.vocab_size, self.device)  # its thread: on first use
 
         # Per rank: its share of the KV heads, in the same block layout on every rank.
         num_kv_heads, head_dim = tp.kv_heads(config.num_key_value_heads), head_dim_of(config)
@@ -219,19 +220,29 @@ class ModelRunner:
         prompt_lps: tuple[PromptLogprobs, ...] = ()
         sample_s = 0.0
         if plan.seqs:
-            batch = self._prepare(plan)
-            hidden = (self.model(batch, self.kv_caches, self.backend) if self.ranks is None
-                      else self.ranks.forward(self.model, batch, self.kv_caches, self.backend))
-            logits = self.model.compute_logits(hidden[batch.sample_indices])
+            sampled = [s for s in plan.seqs if s.sample]
+            states = [self._states[s.rid] for s in sampled]
+            # The constrained rows' masks are computed in a thread during the forward pass
+            # (their matchers are past every token sampled so far); free batches skip it.
+            masks = self.masks.start([s.grammar for s in states]) if self._constrained \
+                else None
+            try:
+                batch = self._prepare(plan)
+                hidden = (self.model(batch, self.kv_caches, self.backend)
+                          if self.ranks is None
+                          else self.ranks.forward(self.model, batch, self.kv_caches,
+                                                  self.backend))
+                logits = self.model.compute_logits(hidden[batch.sample_indices])
+            finally:
+                if masks is not None:
+                    masks.wait()  # no thread may touch a matcher after the step
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # so forward_s measures the forward
             t1 = time.perf_counter()
             prompt_lps = prompt_logprobs(hidden, plan.seqs, self._states,
                                          self.model.compute_logits)
-            sampled = [s for s in plan.seqs if s.sample]
-            states = [self._states[s.rid] for s in sampled]
-            if self._constrained:  # unconstrained batches skip this altogether
-                apply_grammar_masks(logits, [s.grammar for s in states])
+            if masks is not None:
+                masks.apply(logits)
             results = sample(logits, states, self.eos_token_ids)
             for state, (token_id, _) in zip(states, results, strict=True):
                 state.append(token_id)

@@ -1,7 +1,7 @@
 """The cost of structured output: constrained, unconstrained and mixed batches.
 
     python benchmarks/structured.py [--model DIR] [--prompts 32] [--max-tokens 64]
-                                    [--rounds 3]
+                                    [--rounds 3] [--serial-masks]
 
 Three arms through ``LLM.generate`` on one set of weights, alternating round by round:
 every prompt unconstrained (``free``), every prompt under a JSON schema (``json``), and
@@ -11,6 +11,9 @@ half and half (``mixed``). Every row makes exactly ``--max-tokens`` tokens
 masks. Reported per arm: the median over rounds of output tokens/s, and the ratio of
 each arm's to ``free``'s (1.0: no overhead). Target (issue 16): ``mixed`` within a few
 percent of ``free``: the rows without a grammar must not pay for their neighbours'.
+The Worker computes the masks in a thread while the forward pass runs; ``--serial-masks``
+adds ``json-serial`` and ``mixed-serial``, the same arms with the masks computed after
+the forward (``MaskFiller.overlap = False``), to show what the overlap buys.
 Results go to ``benchmarks/results/structured.json`` and ``.md``. Without --model, the
 embedded default model is used.
 """
@@ -48,6 +51,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--serial-masks", action="store_true",
+                    help="also the json and mixed arms with masks computed after the forward")
     ap.add_argument("--no-save", action="store_true", help="print only (for smoke runs)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -67,11 +72,16 @@ def main() -> None:
         "json": [constrained] * len(prompts),
         "mixed": [constrained if i % 2 else free for i in range(len(prompts))],
     }
+    if args.serial_masks:
+        arms["json-serial"], arms["mixed-serial"] = arms["json"], arms["mixed"]
+    masks = llm.resources.runner.masks  # the Worker's MaskFiller (single topology)
     run_arm(llm, prompts[:4], arms["mixed"][:4])  # warm-up: weights, grammar compile
     rates: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(args.rounds):
         for name, params in arms.items():
+            masks.overlap = not name.endswith("-serial")
             rates[name].append(run_arm(llm, prompts, params))
+    masks.overlap = True
     med = {name: statistics.median(r) for name, r in rates.items()}
     report = {
         "machine": platform.platform(), "prompts": args.prompts,

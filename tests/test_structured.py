@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import jsonschema
@@ -23,9 +24,9 @@ from helpers import Call, app_for
 
 from actorllm.config import EngineConfig, default_model_dir
 from actorllm.engine import AsyncEngine, Resources, open_engine
-from actorllm.llm import collect
+from actorllm.llm import collect, make_request
 from actorllm.messages import ChatMessage, SamplingParams, StructuredOutput
-from actorllm.structured import LLGuidanceBackend, apply_grammar_masks
+from actorllm.structured import LLGuidanceBackend, MaskFiller, _bias, apply_grammar_masks
 
 _NAME = {"type": "string", "maxLength": 6}
 SCHEMAS: list[dict[str, Any]] = [
@@ -111,9 +112,16 @@ async def test_json_object_regex_and_choice(engine: AsyncEngine) -> None:
         ({"structured_outputs": {"choice": ["alpha", "beta"]}}, lambda t: t in ("alpha", "beta")),
         # min_tokens past the grammar's end: the grammar wins, EOS is still allowed.
         ({"guided_choice": ["ok"], "min_tokens": 6}, lambda t: t == "ok"),
+        # Grammars: Lark (vLLM's structured_outputs.grammar) and GBNF (guided_grammar).
+        ({"structured_outputs": {"grammar": 'start: "id-" /[0-9]{2}/'}},
+         lambda t: re.fullmatch(r"id-[0-9]{2}", t)),
+        ({"guided_grammar": 'root ::= ("yes" | "no") "!"'}, lambda t: t in ("yes!", "no!")),
+        # response_format on completions too (vLLM's completions take it).
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMAS[1]}}},
+         lambda t: jsonschema.validate(json.loads(t), SCHEMAS[1]) is None),
     ):
         for seed in range(3):
-            call = await Call("/v1/completions", {"prompt": "Answer:", "max_tokens": 12,
+            call = await Call("/v1/completions", {"prompt": "Answer:", "max_tokens": 24,
                                                   "seed": seed, **body}).run(app)
             assert call.status == 200, call.chunks
             choice = call.json()["choices"][0]
@@ -184,6 +192,58 @@ def test_masks_touch_only_constrained_rows(resources: Resources) -> None:
         assert torch.equal(batch[i], alone[i][0])
 
 
+def test_masks_filled_beside_the_forward_equal_the_synchronous_ones(
+        resources: Resources) -> None:
+    # The Worker's MaskFiller computes the masks in its thread while the forward runs:
+    # the logits it leaves must be exactly those of the synchronous form, step after step
+    # (the matchers advance between steps), for all-constrained and mixed batches.
+    backend = LLGuidanceBackend(resources.hf_tokenizer, resources.info.vocab_size,
+                                resources.info.eos_token_ids)
+    vocab = resources.info.vocab_size
+    specs = [StructuredOutput("json", json.dumps(SCHEMAS[i])) for i in (0, 3, 4)]
+    threaded = [backend.grammar(spec) for spec in specs]
+    synced = [backend.grammar(spec) for spec in specs]
+    filler = MaskFiller(vocab, torch.device("cpu"))
+    assert filler.start([None, None]) is None  # a free batch starts nothing
+    # An accelerator's filler hands over the packed bits, unpacked where the logits are.
+    packed = MaskFiller(vocab, torch.device("meta"))
+    serial = MaskFiller(vocab, torch.device("cpu"))
+    serial.overlap = False  # the benchmark's baseline: the same masks, no thread
+    gen = torch.Generator().manual_seed(0)
+    for step in range(12):
+        logits = torch.randn(5, vocab, generator=gen)
+        want = logits.clone()
+        layout = [None, *threaded, None] if step % 2 else [*threaded, None, None]
+        pending = (packed, filler, serial)[step % 3].start(layout)
+        assert pending is not None
+        pending.apply(logits)
+        rows = [1, 2, 3] if step % 2 else [0, 1, 2]
+        for j, row in enumerate(rows):  # each row alone, the synchronous way
+            apply_grammar_masks(want[row : row + 1], [synced[j]])
+        assert torch.equal(logits, want)
+        free = [0, 4] if step % 2 else [3, 4]
+        assert torch.isfinite(logits[free]).all()
+        for j, row in enumerate(rows):
+            token = int(logits[row].argmax())  # an allowed token: advance both alike
+            threaded[j].accept(token)
+            synced[j].accept(token)
+
+
+def test_unpacking_on_the_device_equals_unpacking_in_numpy() -> None:
+    # The accelerator path unpacks the bits with torch shifts, the CPU path with numpy;
+    # both give 0 where a bit is set and -inf elsewhere, ids past the words banned.
+    gen = torch.Generator().manual_seed(1)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, 3), dtype=torch.int32, generator=gen)
+    for vocab in (70, 96, 100):
+        numpy_bias = _bias(bitmask, vocab, in_numpy=True)
+        shift_bias = _bias(bitmask, vocab, in_numpy=False)
+        assert torch.equal(numpy_bias, shift_bias)
+        for r in range(4):
+            for t in range(vocab):
+                bit = t < 96 and (int(bitmask[r, t // 32]) >> (t % 32)) & 1
+                assert numpy_bias[r, t] == (0.0 if bit else float("-inf")), (r, t)
+
+
 async def test_preemption_mid_structure_replays_the_grammar() -> None:
     # 10 blocks of 16 tokens for 6 sequences that each grow to ~60: the Scheduler must
     # preempt some of them mid-object, and the Worker rebuilds their matchers from the
@@ -217,6 +277,29 @@ def _fields(params: SamplingParams) -> dict[str, Any]:
     import attrs
 
     return attrs.asdict(params, recurse=False)
+
+
+async def test_stop_strings_and_aborts_end_constrained_sequences(engine: AsyncEngine) -> None:
+    # A stop string inside the structure ends it there, with "stop"; an abort mid-structure
+    # ends it too; either way the Worker drops the matcher with the rest (the fixture's
+    # wait_drained checks that no sampling state is left).
+    pattern = "[a-z]{4}-[0-9]{4}"
+    stopped = await collect(engine, "stop", "Code:", SamplingParams(
+        max_tokens=30, seed=1, stop=["-"],
+        structured=StructuredOutput("regex", pattern)))
+    assert stopped.error is None
+    out = stopped.outputs[0]
+    assert out.finish_reason == "stop" and re.fullmatch("[a-z]{4}", out.text), out.text
+    schema = {"type": "array", "items": _NAME, "minItems": 50}
+    params = SamplingParams(max_tokens=200, seed=2, ignore_eos=True,
+                            structured=StructuredOutput("json", json.dumps(schema)))
+    got = 0
+    async with aclosing(engine.generate(make_request("gone", "List:", params))) as stream:
+        async for res in stream:
+            got += sum(len(o.token_ids) for o in res.outputs)
+            if got >= 5:
+                break  # leaving the stream aborts the request mid-array
+    assert got >= 5
 
 
 async def test_python_api_refuses_a_bad_grammar(engine: AsyncEngine) -> None:
@@ -331,6 +414,29 @@ async def test_tool_results_go_back_into_the_conversation(engine: AsyncEngine) -
     assert missing.status == 400 and missing.json()["error"]["param"] == "messages[2].tool_call_id"
 
 
+async def test_tokenize_renders_tools_like_the_chat_completion(engine: AsyncEngine) -> None:
+    app = app_for(engine)
+    messages = _chat("Weather in Paris?")
+    plain = await Call("/tokenize", {"messages": messages}).run(app)
+    with_tools = await Call("/tokenize", {"messages": messages, "tools": [WEATHER, TIME]}).run(app)
+    assert plain.status == 200 and with_tools.status == 200, (plain.chunks, with_tools.chunks)
+    assert with_tools.json()["count"] > plain.json()["count"]  # the tools are in the prompt
+    chat = await Call("/v1/chat/completions", {"messages": messages, "tools": [WEATHER, TIME],
+                                               "max_tokens": 1}).run(app)
+    assert chat.status == 200, chat.chunks
+    assert chat.json()["usage"]["prompt_tokens"] == with_tools.json()["count"]
+    for body, param in (
+        ({"prompt": "x", "tools": [WEATHER]}, "tools"),  # tools go with messages
+        ({"messages": messages, "tools": [WEATHER, WEATHER]}, "tools"),
+        ({"messages": messages, "tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"messages": messages, "chat_template": "{{ x }}"}, "chat_template"),
+        ({"messages": messages, "tool_choice": "auto"}, "tool_choice"),
+    ):
+        call = await Call("/tokenize", body).run(app)
+        assert call.status == 400, call.chunks
+        assert call.json()["error"]["param"] == param, call.json()
+
+
 def test_template_renders_tools_and_leaves_plain_chats_alone(resources: Resources) -> None:
     tok = resources.hf_tokenizer
     chat = [{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "Hi\n"},
@@ -391,6 +497,14 @@ async def test_nested_unsupported_fields_are_400_too(engine: AsyncEngine) -> Non
                                                    "json_schema": {"schema": {}, "x": 1}}},
          "response_format.json_schema.x"),
         ({"messages": _chat(), "tool_choice": "required"}, "tool_choice"),
+        # Fields the openai client puts in an assistant message: only null is accepted.
+        ({"messages": [{"role": "assistant", "content": "x", "annotations": [{}]}]},
+         "messages[0].annotations"),
+        ({"messages": [{"role": "assistant", "content": "x", "audio": {"id": "a"}}]},
+         "messages[0].audio"),
+        ({"messages": [{"role": "assistant", "content": "x",
+                        "function_call": {"name": "f", "arguments": "{}"}}]},
+         "messages[0].function_call"),
         ({"messages": _chat(), "tools": [WEATHER],
           "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ):

@@ -74,9 +74,20 @@ def _stream(plan: Any, pieces: list[str]) -> tuple[Any, list[dict[str, Any]]]:
     return state.get_final_completion(), chunks
 
 
+# Calls the scanner follows in other shapes, and JSON that turns out not to be calls.
+ODD = [
+    ("json", '[ { "name" : "f" , "arguments" : { "s": "a\\"}b", "l": [1, {"z": null}] } } ]'),
+    ("json", '{"arguments": {"x": 1}, "name": "f"}'),  # a lone call, arguments first
+    ("json", '[{"name": "g", "parameters": {"q": true}}]'),
+    ("hermes", '<tool_call>[{"name": "f", "arguments": {"x": 2}}, {"name": "g", '
+               '"arguments": {}}]</tool_call>'),
+    ("json", "[1, 2]"), ("json", '{"foo": 1}'), ("json", '[{"name": "f", "arguments": 3}]'),
+]
+
+
 @pytest.mark.parametrize(("parser", "text"), [("hermes", HERMES), ("json", JSON),
                                               ("hermes", "No <tool_call here, a < b."),
-                                              ("json", "Not a call [x]")])
+                                              ("json", "Not a call [x]"), *ODD])
 def test_streamed_calls_reassemble_to_the_whole_answer(parser: str, text: str) -> None:
     plan = _plan(parser)
     want_content, want_calls = plan.message(text)
@@ -93,11 +104,60 @@ def test_streamed_calls_reassemble_to_the_whole_answer(parser: str, text: str) -
                                                            else "stop")
 
 
+@pytest.mark.parametrize(("parser", "text", "choice"), [
+    ("hermes", HERMES, "auto"), ("json", JSON, "auto"), ("hermes", JSON.strip(), "required")])
+def test_arguments_stream_in_pieces_after_the_name(parser: str, text: str,
+                                                   choice: str) -> None:
+    # What the openai client expects: a call's first delta has its id, type and name, the
+    # later ones only append to its arguments; and they come as the model writes them,
+    # not all at the end.
+    plan = _plan(parser, tool_choice=choice)
+    completion, chunks = _stream(plan, list(text))
+    seen: dict[int, list[dict[str, Any]]] = {}
+    first_at: dict[int, int] = {}
+    for at, chunk in enumerate(chunks):
+        for delta in chunk["choices"][0]["delta"].get("tool_calls") or []:
+            seen.setdefault(delta["index"], []).append(delta)
+            first_at.setdefault(delta["index"], at)
+    assert sorted(seen) == [0, 1]
+    for deltas in seen.values():
+        head, *rest = deltas
+        assert head["id"].startswith("call_") and head["type"] == "function"
+        assert head["function"]["name"] in ("f", "g")
+        assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+                   for d in rest)
+    assert len(seen[0]) > 3  # '{"x": 1}' went out a few characters at a time
+    # The first call went out before the second began, long before the end.
+    assert first_at[0] < first_at[1] < len(chunks) - 1
+    calls = completion.choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == \
+        [("f", {"x": 1}), ("g", {})]
+
+
 def test_content_before_a_call_streams_before_the_end() -> None:
     plan = _plan("hermes")
     _, chunks = _stream(plan, ["Let me ", "look. <tool", "_call>{", '"name": "g"', "}</tool_call>"])
     contents = [c["choices"][0]["delta"].get("content") for c in chunks[1:]]
     assert contents[:2] == ["Let me ", "look. "]  # "<tool" was held back, then never sent
+
+
+def test_a_call_that_went_out_stays() -> None:
+    # Streamed deltas cannot be taken back: text that breaks the block after a whole call
+    # went out leaves that call (the whole answer, read at once, finds none), as in vLLM.
+    text = '<tool_call>{"name": "f", "arguments": {"x": 1}} trailing</tool_call>'
+    assert _plan("hermes").message(text) == (text, [])
+    completion, _ = _stream(_plan("hermes"), list(text))
+    calls = completion.choices[0].message.tool_calls
+    assert calls is not None and [(c.function.name, c.function.arguments) for c in calls] == \
+        [("f", '{"x": 1}')]
+    assert not completion.choices[0].message.content
+
+
+def test_parallel_off_streams_only_the_first_call() -> None:
+    plan = _plan("json", parallel_tool_calls=False)
+    completion, _ = _stream(plan, list(JSON))
+    calls = completion.choices[0].message.tool_calls
+    assert calls is not None and [c.function.name for c in calls] == ["f"]
 
 
 def test_whole_answer_and_parallel_off() -> None:

@@ -13,6 +13,7 @@ of client text (``/tokenize``, ``/detokenize``, the Tokenizer actor's long input
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import time
 import uuid
@@ -51,7 +52,7 @@ from actorllm.server.schemas import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from actorllm.server.tools import PARSERS, plan_tools
+from actorllm.server.tools import PARSERS, plan_tools, template_tools
 from actorllm.tokenizer import PromptEncoder
 
 log = logging.getLogger(__name__)
@@ -347,10 +348,14 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequest("give exactly one of prompt or messages", "prompt")
+        if body.tools and body.messages is None:
+            raise InvalidRequest("tools are rendered with messages, not a prompt", "tools")
         messages = None if body.messages is None else chat_messages(body.messages)
+        # The same rendering as a chat completion's, so the counts agree.
+        tools = json.loads(template_tools(body.tools)) if body.tools else None
         ids = await state.in_thread(
             encoder.token_ids, body.prompt, messages, body.add_generation_prompt is not False,
-            body.add_special_tokens is not False)
+            body.add_special_tokens is not False, tools)
         return {"count": len(ids), "max_model_len": info.max_model_len,
                 "tokens": [int(t) for t in ids]}
 

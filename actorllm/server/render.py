@@ -21,7 +21,8 @@ from actorllm.server.convert import (
     echo_logprobs,
     vllm_prompt_logprobs,
 )
-from actorllm.server.tools import ToolPlan, ToolStream
+from actorllm.server.tool_stream import ToolStream
+from actorllm.server.tools import ToolPlan
 
 
 class JobView(Protocol):

@@ -255,6 +255,9 @@ class TokenizeRequest(_Request):
     messages: Annotated[list[ChatMessageIn], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = True
     add_generation_prompt: bool | None = True
+    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = Field(
+        None, description="with messages: rendered through the chat template, as in "
+        "/v1/chat/completions")
 
 
 class DetokenizeRequest(_Request):

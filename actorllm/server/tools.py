@@ -14,6 +14,7 @@
 A parser is the format one family of models writes calls in. Two ship: ``json`` (the
 embedded model's template: the answer is a JSON list of ``{"name", "arguments"}``) and
 ``hermes`` (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, many open models).
+Streaming reads the calls as they form (``server/tool_stream.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, Protocol
 import attrs
 
 from actorllm.messages import InvalidRequest, StructuredOutput
-from actorllm.server.schemas import ChatCompletionRequest, NamedToolChoice
+from actorllm.server.schemas import ChatCompletionRequest, NamedToolChoice, ToolDef
 
 
 @attrs.frozen
@@ -40,7 +41,7 @@ class ToolCall:
                 "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def _calls_from(items: Any) -> list[ToolCall] | None:
+def calls_from(items: Any) -> list[ToolCall] | None:
     """``[{"name": str, "arguments": object}, ...]`` -> calls; None for anything else."""
     if isinstance(items, dict):
         items = [items]
@@ -67,7 +68,12 @@ class ToolParser(Protocol):
 
     def split(self, text: str) -> tuple[int, bool]:
         """Streaming: how much of ``text`` (all the output so far) is surely content, and
-        whether a call has begun (then everything after that prefix waits for the end)."""
+        whether a call may have begun (then the rest is read as calls, never content,
+        unless it turns out at the end that there were none)."""
+
+    def regions(self, text: str) -> list[tuple[int, int]]:
+        """Streaming: the spans of ``text`` (all the output so far) that hold the calls'
+        JSON, in order; the last may still be growing (its end is how far it is sure)."""
 
 
 class JsonListParser:
@@ -79,7 +85,7 @@ class JsonListParser:
         body = text.strip()
         if body[:1] in ("[", "{"):
             try:
-                calls = _calls_from(json.loads(body))
+                calls = calls_from(json.loads(body))
             except ValueError:
                 calls = None
             if calls:
@@ -93,6 +99,9 @@ class JsonListParser:
         if body[0] in "[{":
             return 0, True
         return len(text), False
+
+    def regions(self, text: str) -> list[tuple[int, int]]:
+        return [(0, len(text))]
 
 
 class HermesParser:
@@ -109,7 +118,7 @@ class HermesParser:
         calls: list[ToolCall] = []
         for block in self._BLOCK.findall(text[start:]):
             try:
-                found = _calls_from(json.loads(block.strip()))
+                found = calls_from(json.loads(block.strip()))
             except ValueError:
                 found = None
             if not found:
@@ -123,10 +132,29 @@ class HermesParser:
         if start >= 0:
             return start, True
         # Hold back a tail that may be the beginning of "<tool_call>".
-        for keep in range(min(len(self.OPEN) - 1, len(text)), 0, -1):
-            if self.OPEN.startswith(text[-keep:]):
-                return len(text) - keep, False
-        return len(text), False
+        return len(text) - _partial_tail(text, self.OPEN), False
+
+    def regions(self, text: str) -> list[tuple[int, int]]:
+        # The blocks ``parse`` reads: each from "<tool_call>" to the next "</tool_call>".
+        out = []
+        at = text.find(self.OPEN)
+        while at >= 0:
+            start = at + len(self.OPEN)
+            close = text.find(self.CLOSE, start)
+            if close < 0:  # still open: its end may be the beginning of "</tool_call>"
+                out.append((start, len(text) - _partial_tail(text, self.CLOSE)))
+                break
+            out.append((start, close))
+            at = text.find(self.OPEN, close + len(self.CLOSE))
+        return out
+
+
+def _partial_tail(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that ``tag`` begins with (not all of it)."""
+    for keep in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-keep:]):
+            return keep
+    return 0
 
 
 PARSERS: dict[str, ToolParser] = {p.name: p for p in (JsonListParser(), HermesParser())}
@@ -143,6 +171,10 @@ class ToolPlan:
     parallel: bool = True
     structured: StructuredOutput | None = None
 
+    def call_parser(self) -> ToolParser:
+        """The format of the calls: ``required`` forces the JSON list, whatever the model's."""
+        return PARSERS["json"] if self.mode == "required" else self.parser
+
     def message(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A whole answer's ``content`` and ``tool_calls``."""
         if self.mode == "named":
@@ -150,12 +182,21 @@ class ToolPlan:
             return None, [ToolCall(self.function, text)]
         if self.mode == "none":
             return text, []
-        content, calls = (PARSERS["json"] if self.mode == "required" else self.parser).parse(text)
+        content, calls = self.call_parser().parse(text)
         return content, calls if self.parallel else calls[:1]
 
 
 def _function_schema(params: dict[str, Any] | None) -> dict[str, Any]:
     return params if params else {"type": "object", "properties": {}}
+
+
+def template_tools(tools: list[ToolDef]) -> str:
+    """The tool definitions for the chat template, as JSON (the HF convention: each
+    ``{"type": "function", "function": {...}}``); InvalidRequest for repeated names."""
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise InvalidRequest("tools: function names must be unique", "tools")
+    return json.dumps([t.model_dump(exclude_none=True) for t in tools], ensure_ascii=False)
 
 
 def plan_tools(body: ChatCompletionRequest, parser: str) -> ToolPlan | None:
@@ -167,12 +208,8 @@ def plan_tools(body: ChatCompletionRequest, parser: str) -> ToolPlan | None:
         return None
     tools = [t.function for t in body.tools]
     names = [f.name for f in tools]
-    if len(set(names)) != len(names):
-        raise InvalidRequest("tools: function names must be unique", "tools")
+    tools_json = template_tools(body.tools)
     parallel = body.parallel_tool_calls is not False
-    # Arguments as objects for the template (the HF convention for tool definitions).
-    tools_json = json.dumps([t.model_dump(exclude_none=True) for t in body.tools],
-                            ensure_ascii=False)
     mode = "auto" if choice is None else choice if isinstance(choice, str) else "named"
     if mode in ("none", "auto"):
         return ToolPlan(mode, tools_json, PARSERS[parser], parallel=parallel)
@@ -193,55 +230,3 @@ def plan_tools(body: ChatCompletionRequest, parser: str) -> ToolPlan | None:
         schema["maxItems"] = 1
     return ToolPlan("required", tools_json, PARSERS[parser], parallel=parallel,
                     structured=StructuredOutput("json", json.dumps(schema), "tool_choice"))
-
-
-@attrs.define
-class ToolStream:
-    """One streamed choice: content goes out as it comes until a call may begin; from
-    there the text waits, and the calls (or, failing that, the text) go out at the end."""
-
-    plan: ToolPlan
-    text: str = ""
-    sent: int = 0  # characters of text sent as content
-    holding: bool = False  # a call has begun
-    opened: bool = False  # named: the call's header went out
-    found: bool = False  # the answer was tool calls
-
-    def feed(self, piece: str) -> tuple[str, list[dict[str, Any]]]:
-        """Content to send now and tool-call deltas, for the next piece of text."""
-        self.text += piece
-        if self.plan.mode == "named":
-            assert self.plan.function is not None
-            self.found = True
-            delta: dict[str, Any] = {"index": 0, "function": {"arguments": piece}}
-            if not self.opened:
-                self.opened = True
-                call = ToolCall(self.plan.function, "")
-                delta = {"index": 0, "id": call.id, "type": "function",
-                         "function": {"name": call.name, "arguments": piece}}
-            return "", [delta] if piece or len(delta) > 2 else []
-        if self.plan.mode == "required":
-            return "", []  # the whole list arrives at the end
-        if self.holding:
-            return "", []
-        safe, self.holding = self.plan.parser.split(self.text)
-        out = self.text[self.sent:safe] if safe > self.sent else ""
-        self.sent = max(self.sent, safe)
-        return out, []
-
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """What is left to send when the choice ends."""
-        if self.plan.mode == "named":
-            return "", []
-        rest = self.text[self.sent:]
-        if self.plan.mode == "auto" and not self.holding:
-            # Never began a call; anything held back (a partial tag) is content.
-            self.sent = len(self.text)
-            return rest, []
-        _, calls = self.plan.message(self.text)
-        if not calls:
-            self.sent = len(self.text)
-            return rest, []
-        self.found = True
-        # The content before the calls went out already (all the parsers keep it first).
-        return "", [{"index": i, **c.as_dict()} for i, c in enumerate(calls)]
