@@ -565,7 +565,7 @@ async def sse_completion(addr: tuple[str, int], body: dict[str, Any], gap: float
     then sleep, through a ``SLOW_RCVBUF`` receive buffer ``SLOW_CHUNK`` bytes at a time,
     so what the client has not read stays in the kernel and the server's writes back up
     (a StreamReader would drain the socket into its own buffer and hide the slowness).
-    HTTP/1.0, so the body is the bare SSE stream. Cancelled: hangs up (``disconnected``).
+    A chunked body is unframed as it comes. Cancelled: hangs up (``disconnected``).
     """
     rec: dict[str, Any] = {"start": time.perf_counter(), "times": [], "events": 0,
                            "completion_tokens": None, "finished": False, "error": None,
@@ -576,15 +576,21 @@ async def sse_completion(addr: tuple[str, int], body: dict[str, Any], gap: float
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SLOW_RCVBUF)
     sock.setblocking(False)
     data = json.dumps(body).encode()
-    head = (f"POST /v1/completions HTTP/1.0\r\nHost: {addr[0]}\r\nContent-Type: "
-            f"application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {addr[0]}\r\nContent-Type: "
+            f"application/json\r\nConnection: close\r\nContent-Length: {len(data)}"
+            "\r\n\r\n").encode()
     chunk = SLOW_CHUNK if gap is not None else 1 << 16
+    chunked: bytes | None = None  # with chunked framing: what is not unframed yet
 
     async def more(buf: bytes) -> bytes:
+        nonlocal chunked
         got = await loop.sock_recv(sock, chunk)
         if not got:
             raise ConnectionError("the server closed the stream before [DONE]")
-        return buf + got
+        if chunked is None:
+            return buf + got
+        body, chunked = unchunk(chunked + got)
+        return buf + body
 
     try:
         await loop.sock_connect(sock, addr)
@@ -596,6 +602,8 @@ async def sse_completion(addr: tuple[str, int], body: dict[str, Any], gap: float
         status = headers.split(b"\r\n", 1)[0].decode(errors="replace")
         if status.split()[1:2] != ["200"]:
             raise ConnectionError(status)
+        if b"transfer-encoding: chunked" in headers.lower():
+            buf, chunked = unchunk(buf)
         while not rec["finished"]:
             end = buf.find(b"\n\n")
             if end < 0:
@@ -628,6 +636,19 @@ async def sse_completion(addr: tuple[str, int], body: dict[str, Any], gap: float
         if first is not None:
             first.set()  # failed or ended without an event: nobody waits for it
     return rec
+
+
+def unchunk(raw: bytes) -> tuple[bytes, bytes]:
+    """The data of the complete chunks at the start of ``raw``, and the rest."""
+    out = []
+    while (eol := raw.find(b"\r\n")) >= 0:
+        size = int(raw[:eol].split(b";")[0], 16)
+        end = eol + 2 + size
+        if size == 0 or len(raw) < end + 2:
+            break  # the last chunk (the stream ends with [DONE] before it), or a partial one
+        out.append(raw[eol + 2:end])
+        raw = raw[end + 2:]
+    return b"".join(out), raw
 
 
 def pct(values: list[float], q: float) -> float | None:
