@@ -22,7 +22,10 @@ What it does, in order (issue 11):
    The scenarios: random prompts for each endpoint and rate, and ``chat-shared-prefix@inf``
    (issue 15: one ``--shared-prefix-len``-token prefix shared by every chat request;
    vLLM with its prefix caching on, actorllm with it on and, as the extra server
-   ``actorllm-single-nocache``, off).
+   ``actorllm-single-nocache``, off), and ``completions-slow-readers@inf`` (issue 13:
+   the completions@inf run measured alone, beside extra clients that read at full
+   speed, and beside the same extra clients reading 1 SSE event/s; see
+   :func:`run_slow_readers`). ``--scenarios`` picks some of them.
 4. Offline: ``vllm bench throughput`` against actorllm's ``LLM.generate`` on random
    token-id prompts of the same lengths and the same sampling.
 5. Writes ``benchmarks/results/serving.json`` (every raw number, the environment, the
@@ -43,7 +46,9 @@ median TPOT and TTFT at the finite rate <= 1.0; offline output tok/s >= 1.0.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -149,13 +154,21 @@ def serving_scenarios(args: argparse.Namespace) -> list[Scenario]:
             num_prompts=args.num_prompts, input_len=32, output_len=64,
             client_args=("--dataset-name", "random", "--random-range-ratio", "0",
                          "--random-prefix-len", str(args.shared_prefix_len))))
-    # Later scenarios go here, e.g. (issue 11 follow-ups):
-    #   slow reader: Scenario("chat-slow-reader@4", "chat", 4.0, ..., client="slow-reader")
-    #       with a driver registered in CLIENTS that reads each stream slowly.
+    if args.slow_readers:
+        # Issue 13: the completions@inf workload measured three times on one server:
+        # alone, beside extra clients that read at full speed, beside the same extra
+        # clients reading one SSE event per 1/--slow-read-rate s (run_slow_readers).
+        scenarios.append(Scenario(
+            name=SLOW_READERS_SCENARIO, endpoint="completions", rate=math.inf,
+            num_prompts=args.num_prompts, input_len=args.input_len,
+            output_len=args.output_len, client="slow-readers",
+            client_args=("--dataset-name", "random", "--random-range-ratio", "0",
+                         "--random-prefix-len", "0")))
     return scenarios
 
 
 SHARED_PREFIX_SCENARIO = "chat-shared-prefix@inf"
+SLOW_READERS_SCENARIO = "completions-slow-readers@inf"
 
 # --- servers ---------------------------------------------------------------------------------
 
@@ -198,6 +211,11 @@ class Settings:
     actorllm_extra_env: dict[str, str] = field(default_factory=dict)
     vllm_extra_env: dict[str, str] = field(default_factory=dict)
     taskset: str | None = field(default_factory=lambda: shutil.which("taskset"))
+    # The slow-readers scenario (issue 13): extra clients as a share of all, how fast the
+    # slow ones read (SSE events/s), how many tokens each extra request asks for.
+    slow_readers: float = 0.1
+    slow_read_rate: float = 1.0
+    slow_output_len: int = 512
 
     def pinned(self, argv: Sequence[str]) -> list[str]:
         """``argv`` under ``taskset -c CPUS`` (unpinned where taskset is missing)."""
@@ -527,8 +545,288 @@ def run_bench_serve(server: Server, scenario: Scenario, settings: Settings,
     return raw
 
 
+# --- the slow-readers scenario (issue 13) -----------------------------------------------------
+#
+# Its own client, not `vllm bench serve`: the extra clients must be generating while the
+# measured requests run, and `vllm bench serve` spends ~15 s starting up before its first
+# request, long enough for the extra requests to end first. So one asyncio run per phase
+# starts the extra clients, waits until each has its first event, then sends the measured
+# requests (all at once) and reads them at full speed; the same client measures both
+# servers.
+
+SLOW_RCVBUF = 4096  # a slow client's SO_RCVBUF (the kernel doubles it)
+SLOW_CHUNK = 256  # and how much it takes from the socket at a time
+
+
+async def sse_completion(addr: tuple[str, int], body: dict[str, Any], gap: float | None,
+                         first: asyncio.Event | None = None) -> dict[str, Any]:
+    """One streamed ``/v1/completions``; the arrival times of its token-carrying events.
+
+    ``gap`` None: read as fast as the server writes. ``gap`` seconds: read one SSE event,
+    then sleep, through a ``SLOW_RCVBUF`` receive buffer ``SLOW_CHUNK`` bytes at a time,
+    so what the client has not read stays in the kernel and the server's writes back up
+    (a StreamReader would drain the socket into its own buffer and hide the slowness).
+    A chunked body is unframed as it comes. Cancelled: hangs up (``disconnected``).
+    """
+    rec: dict[str, Any] = {"start": time.perf_counter(), "times": [], "events": 0,
+                           "completion_tokens": None, "finished": False, "error": None,
+                           "disconnected": False}
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if gap is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SLOW_RCVBUF)
+    sock.setblocking(False)
+    data = json.dumps(body).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {addr[0]}\r\nContent-Type: "
+            f"application/json\r\nConnection: close\r\nContent-Length: {len(data)}"
+            "\r\n\r\n").encode()
+    chunk = SLOW_CHUNK if gap is not None else 1 << 16
+    chunked: bytes | None = None  # with chunked framing: what is not unframed yet
+
+    async def more(buf: bytes) -> bytes:
+        nonlocal chunked
+        got = await loop.sock_recv(sock, chunk)
+        if not got:
+            raise ConnectionError("the server closed the stream before [DONE]")
+        if chunked is None:
+            return buf + got
+        body, chunked = unchunk(chunked + got)
+        return buf + body
+
+    try:
+        await loop.sock_connect(sock, addr)
+        await loop.sock_sendall(sock, head + data)
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            buf = await more(buf)
+        headers, buf = buf.split(b"\r\n\r\n", 1)
+        status = headers.split(b"\r\n", 1)[0].decode(errors="replace")
+        if status.split()[1:2] != ["200"]:
+            raise ConnectionError(status)
+        if b"transfer-encoding: chunked" in headers.lower():
+            buf, chunked = unchunk(buf)
+        while not rec["finished"]:
+            end = buf.find(b"\n\n")
+            if end < 0:
+                buf = await more(buf)
+                continue
+            event, buf = buf[:end].strip(), buf[end + 2:]
+            if not event.startswith(b"data: "):
+                continue
+            if event == b"data: [DONE]":
+                rec["finished"] = True
+                break
+            obj = json.loads(event[6:])
+            if "error" in obj:
+                raise ConnectionError(str(obj["error"])[:200])
+            if obj.get("usage"):
+                rec["completion_tokens"] = obj["usage"].get("completion_tokens")
+            if any(c.get("text") for c in obj.get("choices") or ()):
+                rec["times"].append(time.perf_counter())
+                rec["events"] += 1
+                if first is not None:
+                    first.set()
+                if gap is not None:
+                    await asyncio.sleep(gap)
+    except asyncio.CancelledError:
+        rec["disconnected"] = True  # the measured run is over: hang up
+    except (OSError, ValueError) as exc:
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        sock.close()
+        if first is not None:
+            first.set()  # failed or ended without an event: nobody waits for it
+    return rec
+
+
+def unchunk(raw: bytes) -> tuple[bytes, bytes]:
+    """The data of the complete chunks at the start of ``raw``, and the rest."""
+    out = []
+    while (eol := raw.find(b"\r\n")) >= 0:
+        size = int(raw[:eol].split(b";")[0], 16)
+        end = eol + 2 + size
+        if size == 0 or len(raw) < end + 2:
+            break  # the last chunk (the stream ends with [DONE] before it), or a partial one
+        out.append(raw[eol + 2:end])
+        raw = raw[end + 2:]
+    return b"".join(out), raw
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(int(q / 100 * len(values)), len(values) - 1)]
+
+
+def latency_row(measured: list[dict[str, Any]], duration: float,
+                prompt_tokens: int) -> dict[str, Any]:
+    """The measured requests in ``vllm bench serve``'s keys (ms; ITL per event gap)."""
+    ok = [r for r in measured if r["finished"] and r["times"]]
+    per = {
+        "ttft": [(r["times"][0] - r["start"]) * 1e3 for r in ok],
+        "itl": [(b - a) * 1e3 for r in ok for a, b in itertools.pairwise(r["times"])],
+        "tpot": [(r["times"][-1] - r["times"][0]) * 1e3 / (r["completion_tokens"] - 1)
+                 for r in ok if (r["completion_tokens"] or 0) > 1],
+        "e2el": [(r["times"][-1] - r["start"]) * 1e3 for r in ok],
+    }
+    out_tokens = sum(r["completion_tokens"] or 0 for r in ok)
+    row: dict[str, Any] = {
+        "completed": len(ok), "failed": len(measured) - len(ok), "duration": duration,
+        "total_input_tokens": prompt_tokens * len(ok), "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (out_tokens + prompt_tokens * len(ok)) / duration,
+        "max_concurrent_requests": len(measured),
+        "errors": [r["error"] for r in measured if r["error"]][:5]}
+    for metric, values in per.items():
+        row[f"mean_{metric}_ms"] = statistics.fmean(values) if values else None
+        row[f"median_{metric}_ms"] = pct(values, 50)
+        row[f"p99_{metric}_ms"] = pct(values, 99)
+    return row
+
+
+async def slow_phase(addr: tuple[str, int], measured: list[dict[str, Any]],
+                     extra: list[dict[str, Any]], gap: float | None,
+                     timeout: float) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Start the ``extra`` requests (read every ``gap`` s, or at full speed), wait for
+    each one's first event, then send every ``measured`` request at once and read them
+    at full speed; hang up on the extra ones still reading. Returns (the measured
+    requests' latency row, the extra requests' records)."""
+    firsts = [asyncio.Event() for _ in extra]
+    tasks = [asyncio.create_task(sse_completion(addr, body, gap, ev))
+             for body, ev in zip(extra, firsts, strict=True)]
+    try:
+        async with asyncio.timeout(timeout):
+            await asyncio.gather(*(ev.wait() for ev in firsts))
+            t0 = time.perf_counter()
+            got = await asyncio.gather(*(sse_completion(addr, b, None) for b in measured))
+            duration = time.perf_counter() - t0
+    finally:
+        for t in tasks:
+            t.cancel()
+        records = await asyncio.gather(*tasks)
+    return latency_row(got, duration, len(measured[0]["prompt"])), records
+
+
+def slow_reader_count(settings: Settings, scenario: Scenario) -> int:
+    """Extra clients making ``settings.slow_readers`` of all concurrent clients (at rate
+    inf every prompt is one concurrent client): 10 % of 64 + 7 -> 7."""
+    f = settings.slow_readers
+    return max(1, round(f * scenario.num_prompts / (1 - f)))
+
+
+def scrape_metrics(server: Server) -> dict[str, float]:
+    """The server's ``actorllm:`` series by name (with labels); {} for vLLM."""
+    try:
+        with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=10) as resp:
+            text = resp.read().decode(errors="replace")
+    except (OSError, ValueError):
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("actorllm:") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            with contextlib.suppress(ValueError):
+                out[name] = float(value)
+    return out
+
+
+# What a phase moved on an actorllm server (differences of the counters).
+SLOW_METRICS = ("actorllm:requests_paused_total", "actorllm:requests_resumed_total",
+                "actorllm:requests_cancelled_for_lag_total",
+                "actorllm:socket_blocked_seconds_total", "actorllm:num_preemptions_total",
+                "actorllm:tokens_per_output_event_sum", "actorllm:tokens_per_output_event_count")
+
+
+def run_slow_readers(server: Server, scenario: Scenario, settings: Settings,
+                     result_dir: Path, tag: str) -> dict[str, Any]:
+    """The scenario's ``num_prompts`` streamed completions (``input_len`` random token
+    ids, ``output_len`` tokens, all at once) measured three times on one server: alone;
+    beside ``k`` extra streaming requests of ``settings.slow_output_len`` tokens read at
+    full speed (the control: the same extra load, read promptly); beside the same ``k``
+    read one event per 1/``settings.slow_read_rate`` s. The extra requests start first.
+    Every phase has its own prompts (no prefix-cache hit across phases). The slow
+    phase's row is the scenario's; the others go under ``phases``."""
+    config = json.loads((settings.model / "config.json").read_text())
+    vocab = int(config["vocab_size"])
+    rng = random.Random(settings.seed)
+
+    def body(max_tokens: int) -> dict[str, Any]:
+        return {"model": SERVED_NAME, "max_tokens": max_tokens, "ignore_eos": True,
+                "prompt": [rng.randrange(16, vocab) for _ in range(scenario.input_len)],
+                "stream": True, "stream_options": {"include_usage": True}, **SERVE_SAMPLING}
+
+    host, port = server.base_url.removeprefix("http://").rsplit(":", 1)
+    addr = (host, int(port))
+    k = slow_reader_count(settings, scenario)
+    timeout = 300 + scenario.num_prompts * scenario.output_len * 0.05 \
+        + k * settings.slow_output_len * 0.05
+    if settings.num_warmups:
+        asyncio.run(slow_phase(addr, [body(scenario.output_len)
+                                      for _ in range(settings.num_warmups)], [], None, timeout))
+    phases: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for mode, n, gap in (("alone", 0, None), ("fast", k, None),
+                         ("slow", k, 1.0 / settings.slow_read_rate)):
+        measured = [body(scenario.output_len) for _ in range(scenario.num_prompts)]
+        extras = [body(settings.slow_output_len) for _ in range(n)]
+        before = scrape_metrics(server)
+        try:
+            row, records = asyncio.run(slow_phase(addr, measured, extras, gap, timeout))
+        except TimeoutError:
+            raise BenchError(f"{server.spec.name} {scenario.name} ({mode} phase) took over "
+                             f"{timeout:.0f} s") from None
+        after = scrape_metrics(server)
+        phases[mode] = row
+        if row["failed"]:
+            log.warning("%s %s %s: %d measured requests failed: %s", server.spec.name,
+                        scenario.name, mode, row["failed"], row["errors"])
+        extra[mode] = {
+            "clients": n, "read_gap_s": gap,
+            "events": sum(r["events"] for r in records),
+            "finished": sum(r["finished"] for r in records),
+            "disconnected": sum(r["disconnected"] for r in records),
+            "errors": [r["error"] for r in records if r["error"]],
+            "server_metrics_delta": {m: round(after[m] - before.get(m, 0.0), 3)
+                                     for m in SLOW_METRICS if m in after},
+            "server_aborts_delta": {m: after[m] - before.get(m, 0.0) for m in after
+                                    if m.startswith("actorllm:aborted_requests_total")
+                                    and after[m] != before.get(m, 0.0)},
+        }
+        if extra[mode]["errors"]:
+            log.warning("%s %s: extra %s clients failed: %s", server.spec.name, scenario.name,
+                        mode, extra[mode]["errors"][:3])
+    raw = dict(phases.pop("slow"))
+    raw["phases"], raw["extra_clients"] = phases, extra
+    (result_dir / f"{tag}.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return raw
+
+
+def summarize_slow(raw: dict[str, Any], row: dict[str, Any]) -> None:
+    """Flat numbers of the slow-readers scenario (``row`` is its slow phase): the other
+    phases' latencies, the ratios and what the extra clients read."""
+    for phase, praw in raw.get("phases", {}).items():
+        for metric in ("ttft", "itl", "tpot"):
+            for stat in ("median", "p99"):
+                row[f"{phase}_{stat}_{metric}_ms"] = praw.get(f"{stat}_{metric}_ms")
+        row[f"{phase}_output_throughput"] = praw.get("output_throughput")
+        row[f"{phase}_failed"] = praw.get("failed")
+    for base in ("alone", "fast"):
+        a, b = row.get("p99_itl_ms"), row.get(f"{base}_p99_itl_ms")
+        row[f"p99_itl_slow_over_{base}"] = round(a / b, 3) if a and b else None
+    slow = raw.get("extra_clients", {}).get("slow", {})
+    row["slow_clients"] = slow.get("clients")
+    row["slow_events_read"] = slow.get("events")
+    row["slow_finished"] = slow.get("finished")
+    row["slow_errors"] = len(slow.get("errors", []))
+    for name, value in slow.get("server_metrics_delta", {}).items():
+        row["slow_" + name.removeprefix("actorllm:")] = value
+    row["extra_clients"] = raw.get("extra_clients", {})
+
+
 CLIENTS: dict[str, Callable[[Server, Scenario, Settings, Path, str], dict[str, Any]]] = {
     "vllm-bench-serve": run_bench_serve,
+    "slow-readers": run_slow_readers,
 }
 
 
@@ -541,6 +839,8 @@ def summarize_serve(raw: dict[str, Any]) -> dict[str, Any]:
     for metric in METRICS:
         for stat in STATS:
             row[f"{stat}_{metric}_ms"] = raw.get(f"{stat}_{metric}_ms")
+    if "phases" in raw:
+        summarize_slow(raw, row)
     return row
 
 
@@ -1009,8 +1309,8 @@ def targets(summary: dict[str, Any], offline: dict[str, Any] | None) -> list[dic
     out = []
     for name, sc in summary.items():
         for server, ratio in sc["ratios_vs_vllm"].items():
-            if server.endswith("-nocache"):
-                continue  # a baseline (the cache's effect), not a target
+            if server.endswith("-nocache") or name == SLOW_READERS_SCENARIO:
+                continue  # a baseline (the cache's effect) or a robustness figure, not a target
             if sc["rate"] == "inf":
                 checks = [("output_throughput", ">=", 1.0)]
             else:
@@ -1066,7 +1366,7 @@ def markdown(result: dict[str, Any]) -> str:
            "`actorllm-single` with its prefix cache (the default) and "
            "`actorllm-single-nocache` with `--no-enable-prefix-caching`. Its GFLOP/s "
            "figures count only the 32 random input tokens."]
-          if cfg.get("shared_prefix_len") else []),
+          if SHARED_PREFIX_SCENARIO in result["serving"] else []),
         "",
         "| scenario | server | out tok/s | req/s | TTFT mean/p50/p99 ms | "
         "TPOT mean/p50/p99 ms | ITL mean/p50/p99 ms | model GFLOP/s (share) |",
@@ -1089,6 +1389,7 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {name} | {server} | {fmt(r['output_throughput'], 2)}x | "
                          f"{fmt(r['request_throughput'], 2)}x | {fmt(r['median_ttft_ms'], 2)}x "
                          f"| {fmt(r['median_tpot_ms'], 2)}x | {fmt(r['median_itl_ms'], 2)}x |")
+    lines += slow_readers_markdown(result)
     lines += ["", "Start-up (spawn to first 200 on /health, median over rounds): " + ", ".join(
         f"{name} {fmt(statistics.median(v['startup_s']))} s"
         for name, v in result["servers"].items() if v["startup_s"]) + "."]
@@ -1134,6 +1435,39 @@ def markdown(result: dict[str, Any]) -> str:
     if cfg["smoke"]:
         lines += ["", "SMOKE RUN: the numbers above say only that the script works."]
     return "\n".join(lines) + "\n"
+
+
+def slow_readers_markdown(result: dict[str, Any]) -> list[str]:
+    """The slow-readers scenario's table: the measured clients' latencies per phase."""
+    sc = result["serving"].get(SLOW_READERS_SCENARIO)
+    if not sc:
+        return []
+    cfg = result["config"]
+    lines = ["", f"Slow readers (`{SLOW_READERS_SCENARIO}`, issue 13; its own asyncio "
+             f"client, not `vllm bench serve`): {cfg['num_prompts']} streamed completions "
+             f"({cfg['input_len']} random token ids in, {cfg['output_len']} out, all at once) "
+             f"measured alone, beside k extra streaming requests ({cfg['slow_output_len']} "
+             "tokens each, started first) read at full speed, and beside the same k read at "
+             f"{cfg['slow_read_rate']:g} SSE event/s through a small receive buffer; k makes "
+             f"the extra clients {cfg['slow_readers']:.0%} of all. Latencies are the measured "
+             "clients' only (ITL: gaps between token events); slow/fast is the cost of "
+             "slowness itself (same load), slow/alone adds the extra load.", "",
+             "| server | k | ITL p50/p99 ms alone | fast | slow | p99 ITL slow/fast | "
+             "slow/alone | TTFT p99 ms alone/fast/slow | slow events read | paused/resumed |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for server, row in sc["servers"].items():
+        def pair(prefix: str, row: dict[str, Any] = row) -> str:
+            return f"{fmt(row.get(prefix + 'median_itl_ms'))}/{fmt(row.get(prefix + 'p99_itl_ms'))}"
+        ttft = "/".join(fmt(row.get(f"{p}p99_ttft_ms")) for p in ("alone_", "fast_", ""))
+        paused = (f"{fmt(row.get('slow_requests_paused_total'), 0)}/"
+                  f"{fmt(row.get('slow_requests_resumed_total'), 0)}"
+                  if "slow_requests_paused_total" in row else "-")
+        lines.append(f"| {server} | {fmt(row.get('slow_clients'), 0)} | {pair('alone_')} | "
+                     f"{pair('fast_')} | {pair('')} | "
+                     f"{fmt(row.get('p99_itl_slow_over_fast'), 2)}x | "
+                     f"{fmt(row.get('p99_itl_slow_over_alone'), 2)}x | {ttft} | "
+                     f"{fmt(row.get('slow_events_read'), 0)} | {paused} |")
+    return lines
 
 
 def parse_env(items: Sequence[str], flag: str) -> dict[str, str]:
@@ -1183,6 +1517,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-prefix-len", type=int, default=400,
                    help="the chat-shared-prefix scenario's common prefix in tokens (0: skip "
                    "it); actorllm runs it with prefix caching on and off")
+    p.add_argument("--slow-readers", type=float, default=0.1, metavar="FRACTION",
+                   help="the completions-slow-readers@inf scenario: extra slow clients as a "
+                   "share of all concurrent clients (0: skip it)")
+    p.add_argument("--slow-read-rate", type=float, default=1.0,
+                   help="SSE events/s a slow client reads (default 1)")
+    p.add_argument("--slow-output-len", type=int, default=512,
+                   help="max_tokens of each extra (slow or control) request")
+    p.add_argument("--scenarios", type=lambda t: [x.strip() for x in t.split(",") if x.strip()],
+                   default=None, help="run only these scenarios (names as in serving.md, "
+                   "e.g. completions-slow-readers@inf)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rates", type=parse_rates, default=[math.inf, 4.0],
@@ -1257,6 +1601,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.num_prompts, args.input_len, args.output_len = 8, 128, 16
         args.num_warmups = 0
+        args.slow_output_len = min(args.slow_output_len, 64)
     # SIGTERM (and SIGHUP) unwind like Ctrl-C, so every server is stopped on the way out.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
@@ -1296,6 +1641,10 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     limit_len = int(config.get("max_position_embeddings", 2048))
     if args.input_len + args.output_len > limit_len:
         raise BenchError(f"--input-len + --output-len exceeds the model's {limit_len}")
+    if not 0 <= args.slow_readers < 1 or args.slow_read_rate <= 0 \
+            or not 0 < args.slow_output_len < limit_len - 32:
+        raise BenchError("--slow-readers must be in [0, 1), --slow-read-rate > 0 and "
+                         f"--slow-output-len in (0, {limit_len - 32})")
     cpus = args.cpus
     threads = args.threads or len([c for c in cpus.split(",") if c.strip()])
     if "-" in cpus:
@@ -1314,7 +1663,9 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                         seed=args.seed, start_timeout=args.start_timeout,
                         num_warmups=args.num_warmups,
                         actorllm_extra_env=parse_env(args.actorllm_env, "--actorllm-env"),
-                        vllm_extra_env=parse_env(args.vllm_env, "--vllm-env"))
+                        vllm_extra_env=parse_env(args.vllm_env, "--vllm-env"),
+                        slow_readers=args.slow_readers, slow_read_rate=args.slow_read_rate,
+                        slow_output_len=args.slow_output_len)
     log.info("logs in %s", log_dir)
     env = environment(settings)
     fl = flops_model(config, args.input_len, args.output_len)
@@ -1331,6 +1682,12 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                          extra_args=("--tensor-parallel-size", str(n)))
               for n in args.tensor_parallel_sizes if n > 1]
     scenarios = [] if args.skip_serving else serving_scenarios(args)
+    if args.scenarios:
+        unknown = set(args.scenarios) - {sc.name for sc in scenarios}
+        if unknown:
+            raise BenchError(f"--scenarios: no scenario named {', '.join(sorted(unknown))} "
+                             f"(there are {', '.join(sc.name for sc in scenarios)})")
+        scenarios = [sc for sc in scenarios if sc.name in args.scenarios]
     if any(sc.name == SHARED_PREFIX_SCENARIO for sc in scenarios):
         specs.append(ServerSpec("actorllm-single-nocache", "actorllm", "single",
                                 extra_args=("--no-enable-prefix-caching",),
@@ -1368,6 +1725,8 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                                  *(sys.argv[1:] if sys.argv[1:] else [])]),
             "smoke": args.smoke, "num_prompts": args.num_prompts,
             "shared_prefix_len": args.shared_prefix_len,
+            "slow_readers": args.slow_readers, "slow_read_rate": args.slow_read_rate,
+            "slow_output_len": args.slow_output_len,
             "input_len": args.input_len, "output_len": args.output_len,
             "rates": [("inf" if math.isinf(r) else r) for r in args.rates],
             "endpoints": args.endpoints, "topologies": args.topologies,

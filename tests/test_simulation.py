@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 import trio
 from hypothesis import settings
@@ -45,6 +46,9 @@ ROOMY = SimConfig(num_blocks=64, max_num_seqs=16, max_num_batched_tokens=64, cap
 FLOW = SimConfig(num_blocks=6, max_num_seqs=3, max_num_batched_tokens=6, flow=FlowLimits(
     max_bytes_per_request=12, max_bytes=None, stream_timeout=None))
 SLOW_CORNERS = {"preempted", "aborted", "n>1 gathered", "paused", "resumed"}
+# A mark below one token's bytes: every token pauses its request, so each read is a
+# resume and pause/resume pairs race with everything else (aborts, rid reuse, failures).
+TINY_MARK = attrs.evolve(FLOW, flow=attrs.evolve(FLOW.flow, max_bytes_per_request=2))
 
 # --- the stateful tests -------------------------------------------------------------------
 
@@ -83,6 +87,11 @@ def test_lifecycle_slow_readers(tiny_tokenizer: Any) -> None:
     needed; invariants 7 (nothing lost or doubled) and 11 (a paused request holds no running
     slot and resumes once its reader reads) on top of the rest."""
     explore(tiny_tokenizer, FLOW, 300, SLOW_CORNERS)
+
+
+def test_lifecycle_every_token_pauses(tiny_tokenizer: Any) -> None:
+    """Flow control with a 2-byte mark: every delta pauses and every read resumes."""
+    explore(tiny_tokenizer, TINY_MARK, 200, SLOW_CORNERS)
 
 
 def test_lifecycle_roomy(tiny_tokenizer: Any) -> None:
@@ -212,6 +221,29 @@ def test_stop_matched_for_a_finished_request_spares_the_next_one_with_its_rid(
         assert second.reason == {0: ("length", None)} and len(second.ids[0]) == 4
     finally:
         world.close(reraise=False)
+
+
+def test_a_reader_resumed_by_the_drain_gets_its_request_resumed(tiny_tokenizer: Any) -> None:
+    # "b" is paused (its reader stopped; every token is over the 2-byte mark) and nothing
+    # else moves. The drain resumes every reader: b's reads send FlowControl(resume). The
+    # drain used to check quiet() before the readers had read, found the world quiet and
+    # stopped with the resume still in the Tokenizer's mailbox: "b" left PAUSED, reported
+    # as invariant 11 (1 example in ~2,400 with this mark). Found by the simulation; a
+    # harness bug, the actors were right.
+    world = replay(tiny_tokenizer, [
+        ("submit", dict(rid="a", n=1, max_tokens=0, prompt="Hi", stop=(), include_stop=False,
+                        stream=False)),
+        ("submit", dict(rid="b", n=1, max_tokens=4, prompt="Hi", stop=(), include_stop=False,
+                        stream=False)),
+        ("pump", dict(hold=set())),
+        ("fail_step", {}),
+        ("slow_reader", dict(rid="b", paused=True)),
+        *[("advance", dict(hold={"detokenizer->scheduler"}, rounds=1, salt=0))] * 3,
+    ], TINY_MARK)
+    assert events(world, "b")[:5] == ["register", "dispatch", "enqueue", "schedule", "pause"]
+    assert "resume" in events(world, "b")
+    assert outcome(world, "b") == ("final", {0: ("length", None)})
+    assert not world.scheduler.paused
 
 
 # --- the harness itself ----------------------------------------------------------------------

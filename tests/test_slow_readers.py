@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import trio
+from helpers import Call, app_for
 
 from actorllm.config import EngineConfig
 from actorllm.engine import AsyncEngine, Resources, open_engine
@@ -146,3 +147,27 @@ async def test_kv_pressure_preempts_a_paused_request_and_its_tokens_stay_greedy(
         ids, _ = await read_when_paused(engine, slow)
         assert ids == want_slow  # recomputed after its resume: the same greedy tokens
         assert sample(engine, "num_preemptions_total") == engine.frontend.stats.num_preemptions
+
+
+async def test_unread_output_over_the_global_mark_refuses_new_work(
+        tiny_llama_dir: Path) -> None:
+    """Admission counts what readers have not taken (not their slots): over
+    --max-pending-bytes new requests get 503 overloaded until the reader catches up."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    small = {"prompt": "Hi", "max_tokens": 2}
+    async with engine_for(tiny_llama_dir, max_pending_bytes_per_request=None,
+                          max_pending_bytes=64, stream_timeout=None) as engine:
+        app = app_for(engine, max_pending=8)
+        col = await engine.submit(GenerateRequest("unread", params, prompt="nobody reads"))
+        with trio.fail_after(30):
+            await col.engine_done.wait()  # 40 tokens made, none read
+        assert engine.frontend.pending_bytes > 64
+        assert app.state.server.admission.held == 0  # it holds no slot, only bytes
+        refused = await Call("/v1/completions", small).run(app)
+        assert refused.status == 503, refused.chunks
+        error = refused.json()["error"]
+        assert error["code"] == "overloaded" and "slow clients" in error["message"]
+        assert len([o async for o in col]) >= 1  # the reader takes what waits
+        assert engine.frontend.pending_bytes == 0
+        taken = await Call("/v1/completions", small).run(app)
+        assert taken.status == 200, taken.chunks
