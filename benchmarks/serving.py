@@ -252,6 +252,9 @@ class Settings:
         env = self.common_env()
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH"))
                                             if p)
+        # What the actorllm CLI sets for its own process (cli.openmp_defaults), said here
+        # so that the offline run through the Python API gets it too.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env.update(self.actorllm_extra_env)
         return env
 
@@ -262,7 +265,7 @@ class Settings:
         if spec.is_peer:
             keys += ["VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", *self.vllm_extra_env]
         else:
-            keys += list(self.actorllm_extra_env)
+            keys += ["OMP_WAIT_POLICY", *self.actorllm_extra_env]
         return {"cpus": self.cpus if self.taskset else "unpinned (no taskset)",
                 "dtype": self.dtype, "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
