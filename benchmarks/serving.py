@@ -1351,7 +1351,9 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"`{cfg['command']}` on {env['cpu_model']} ({env['logical_cpus']} logical CPUs; "
         f"{env['cpu_flags']}), servers pinned to CPUs {cfg['cpus']}, {cfg['threads']} "
-        f"OMP threads each, dtype {cfg['dtype']}, tcmalloc "
+        f"OMP threads each (actorllm's `engine` child: one less, `--cpu-threads`' default; "
+        f"actorllm with OMP_WAIT_POLICY=PASSIVE, its CLI's default), dtype {cfg['dtype']}, "
+        f"tcmalloc "
         f"{'on' if env['tcmalloc'] else 'off'} (both){extra_env}. vLLM {env['vllm']} (torch "
         f"{env['torch_vllm']}), actorllm {env['actorllm']} at {env['git_commit'][:10]}"
         f"{' (dirty)' if env['git_dirty'] else ''} (torch {env['torch_actorllm']}). Load "
