@@ -215,7 +215,7 @@ class Settings:
     # slow ones read (SSE events/s), how many tokens each extra request asks for.
     slow_readers: float = 0.1
     slow_read_rate: float = 1.0
-    slow_output_len: int = 512
+    slow_output_len: int = 320
 
     def pinned(self, argv: Sequence[str]) -> list[str]:
         """``argv`` under ``taskset -c CPUS`` (unpinned where taskset is missing)."""
@@ -1527,7 +1527,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "share of all concurrent clients (0: skip it)")
     p.add_argument("--slow-read-rate", type=float, default=1.0,
                    help="SSE events/s a slow client reads (default 1)")
-    p.add_argument("--slow-output-len", type=int, default=512,
+    p.add_argument("--slow-output-len", type=int, default=320,
                    help="max_tokens of each extra (slow or control) request")
     p.add_argument("--scenarios", type=lambda t: [x.strip() for x in t.split(",") if x.strip()],
                    default=None, help="run only these scenarios (names as in serving.md, "
