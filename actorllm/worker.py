@@ -40,7 +40,7 @@ from actorllm.model.llama import allocate_kv_caches, head_dim_of
 from actorllm.model.parallel import TensorParallel, check_tensor_parallel
 from actorllm.ops import select_backend
 from actorllm.ops.cpu_linear import pack_linears
-from actorllm.ranks import RankGroup, RankSpec
+from actorllm.ranks import RankDied, RankGroup, RankSpec
 from actorllm.sampler import SamplingState, prompt_logprobs, sample
 from actorllm.structured import Grammar, GrammarBackend, LLGuidanceBackend, MaskFiller
 
@@ -388,15 +388,25 @@ class Worker:
         # nothing of rids an earlier one left behind, so neither may we.
         self.runner.drop_all()
         ranks = self.runner.ranks
-        async with trio.open_nursery() as nursery:
-            if ranks is not None:  # a rank's death kills this actor, hence the engine
-                nursery.start_soon(ranks.watch)
-            async for plan in self.inbox:
-                result = await trio.to_thread.run_sync(self.runner.execute, plan)
-                if ranks is not None:
-                    await ranks.check()  # a step that broke the group is fatal
-                await self.results.send(result)
-            nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                if ranks is not None:  # a rank's death kills this actor, hence the engine
+                    nursery.start_soon(ranks.watch)
+                async for plan in self.inbox:
+                    result = await trio.to_thread.run_sync(self.runner.execute, plan)
+                    if ranks is not None:
+                        await ranks.check()  # a step that broke the group is fatal
+                    await self.results.send(result)
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # watch() and the step may both see one death at once: report it, not a group.
+            died = group.subgroup(RankDied)
+            if died is None:
+                raise
+            first: BaseException = died
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from group
 
     def drain_problems(self) -> list[str]:
         """Rids whose sampling state is still held (empty after a drain: invariant 4)."""
