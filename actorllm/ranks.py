@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import trio
 
+from actorllm.exit_codes import describe_exit
 from actorllm.model import ForwardBatch, KVCache, LlamaForCausalLM
 from actorllm.model.parallel import TensorParallel
 
@@ -99,15 +100,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"{code} (killed by {signal.Signals(-code).name})"
-        except ValueError:
-            pass
-    return str(code)
 
 
 # --- the per-step broadcast ----------------------------------------------------------
@@ -211,7 +203,7 @@ class RankGroup:
                 elif not chunk or any(x.startswith("failed: ") for x in said):
                     code = proc.wait()  # it says why, then exits; or it died silently
                     why = next((x.removeprefix("failed: ") for x in said
-                                if x.startswith("failed: ")), f"exit code {_describe(code)}")
+                                if x.startswith("failed: ")), f"exit code {describe_exit(code)}")
                     raise ValueError(f"tensor-parallel rank {rank} failed to start: {why}")
         torch.distributed.init_process_group(
             dist_backend(rank_device(self.spec.device, 0)),
@@ -241,7 +233,7 @@ class RankGroup:
             code = proc.poll()
             if code is not None:
                 return (f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
-                        f"{_describe(code)}")
+                        f"{describe_exit(code)}")
         return self.broken
 
     async def watch(self) -> None:

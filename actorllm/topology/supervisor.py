@@ -28,6 +28,7 @@ import trio
 
 from actorllm import codec
 from actorllm.config import EngineConfig
+from actorllm.exit_codes import describe_exit
 from actorllm.messages import (
     ControlMessage,
     DrainQuery,
@@ -65,17 +66,6 @@ READY_TIMEOUT = 300.0  # loading a large model can take minutes; failures report
 
 class EngineStartError(RuntimeError):
     """A child process could not start; the message says which and why."""
-
-
-
-def describe_exit(code: int) -> str:
-    """``1``, or ``-9 (killed by SIGKILL)``."""
-    if code < 0:
-        try:
-            return f"{code} (killed by {signal.Signals(-code).name})"
-        except ValueError:
-            pass
-    return str(code)
 
 
 
