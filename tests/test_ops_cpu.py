@@ -37,6 +37,18 @@ def test_decode_kernel_matches_naive(specs, heads, kv_heads, head_dim, block_siz
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("sharpness", [0.05, 8.0, 40.0])
+def test_decode_kernel_exp_holds_for_flat_and_peaked_scores(sharpness):
+    """The kernel's own exp against the reference where scores are nearly equal, and where
+    they differ by hundreds (every exp but the maximum's underflows to 0)."""
+    case = make_case([(200, 1), (37, 1), (16, 1)], num_heads=8, num_kv_heads=2, head_dim=32,
+                     block_size=16, seed=7)
+    case["q"] = case["q"] * sharpness
+    got = cpu.paged_attention(**case, max_seqlen_q=1, max_seqlen_k=200)
+    want = naive_attention(**case)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
+
+
 def test_mixed_batch_uses_kernel_for_decode_rows_and_matches_torch():
     case = make_case([(40, 1), (30, 7), (70, 1), (16, 16)], num_heads=8, num_kv_heads=2,
                      head_dim=32, seed=3)

@@ -38,12 +38,33 @@ typedef struct {
  * one block of the cache at a time, so the rescale happens once per block, not per key. */
 #define MAX_CHUNK 64
 
-/* `D` is a constant where one_item is instantiated below, so the loops over the head
- * dimension unroll and vectorize fully for the common head sizes. */
+/* exp(x) for x <= 0 without a libm call, so the softmax loops vectorize: 2^n put in the
+ * exponent bits, times a degree-6 polynomial of the remainder r = x - n ln2 (|r| <=
+ * ln2/2, ln2 split in two constants so r keeps its low bits); relative error a few
+ * 1e-7, like expf's. Below -87 (-inf included) it returns 0, where expf is under
+ * 1.7e-38 anyway. The libm call per score was 35-40 % of the kernel's time at 64
+ * sequences of 200 tokens. */
+static inline float exp_le0(float x) {
+    const float xc = x < -87.0f ? -87.0f : x;
+    const float n = floorf(xc * 1.44269504f + 0.5f);
+    const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } s = { .i = ((int32_t)n + 127) << 23 };
+    return x < -87.0f ? 0.0f : p * s.f;
+}
+
+/* `D` and `group` are constants where one_item instantiates this for the common shapes,
+ * so the loops over the head dimension and the group's heads unroll and vectorize
+ * fully (measured 20 % faster than a runtime group at 4 query heads per KV head). */
 static inline __attribute__((always_inline)) void item_d(const job_t *j, int64_t item,
-                                                         const int64_t D) {
+                                                         const int64_t D, const int64_t group) {
     const int64_t s = item / j->num_kv_heads, g = item % j->num_kv_heads;
-    const int64_t group = j->num_heads / j->num_kv_heads;
     const int64_t len = j->seq_lens[s], bs = j->block_size;
     const int32_t *table = j->block_tables + s * j->max_blocks;
     const float *q = j->q + (s * j->num_heads + g * group) * D;
@@ -78,12 +99,12 @@ static inline __attribute__((always_inline)) void item_d(const job_t *j, int64_t
         for (int64_t h = 0; h < group; h++) {
             float mx = m[h];
             for (int64_t i = 0; i < n; i++) mx = score[h][i] > mx ? score[h][i] : mx;
-            const float c = expf(m[h] - mx); /* 0 on the first chunk: m is -inf */
+            const float c = exp_le0(m[h] - mx); /* 0 on the first chunk: m is -inf */
             l[h] *= c;
             for (int64_t d = 0; d < D; d++) acc[h][d] *= c;
             m[h] = mx;
             for (int64_t i = 0; i < n; i++) {
-                score[h][i] = expf(score[h][i] - mx);
+                score[h][i] = exp_le0(score[h][i] - mx);
                 l[h] += score[h][i];
             }
         }
@@ -102,12 +123,13 @@ static inline __attribute__((always_inline)) void item_d(const job_t *j, int64_t
 }
 
 static void one_item(const job_t *j, int64_t item) {
-    switch (j->head_dim) {
-    case 32: item_d(j, item, 32); break;
-    case 64: item_d(j, item, 64); break;
-    case 128: item_d(j, item, 128); break;
-    default: item_d(j, item, j->head_dim);
-    }
+    const int64_t group = j->num_heads / j->num_kv_heads;
+#define CASE(DD, GG) if (j->head_dim == DD && group == GG) { item_d(j, item, DD, GG); return; }
+    CASE(32, 1) CASE(32, 2) CASE(32, 4) CASE(32, 8)
+    CASE(64, 1) CASE(64, 2) CASE(64, 4) CASE(64, 8)
+    CASE(128, 1) CASE(128, 2) CASE(128, 4) CASE(128, 8)
+#undef CASE
+    item_d(j, item, j->head_dim, group);
 }
 
 static void *run_job(void *arg) {
