@@ -14,9 +14,11 @@ event loop it shares with other actors keeps turning (DESIGN.md section 2).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import queue
 import time
 import weakref
 from array import array
@@ -383,17 +385,23 @@ class Worker:
         self.results = results
 
     async def run(self) -> None:
-        """Serve plans until the inbox closes; the forward pass runs in a worker thread."""
+        """Serve plans until the inbox closes, in a thread of their own that runs them back
+        to back: with two steps in flight the next starts the moment one ends, not when
+        this event loop, busy with other actors, turns. Results return in order
+        (``run_sync_soon`` keeps its callbacks' order) and leave from here."""
         # A runner may outlive an engine (LLM reuses its weights): a new Scheduler knows
         # nothing of rids an earlier one left behind, so neither may we.
         self.runner.drop_all()
         ranks = self.runner.ranks
+        plans: queue.SimpleQueue[StepPlan | None] = queue.SimpleQueue()
+        done, results = trio.open_memory_channel[StepResult](math.inf)  # <= steps in flight
         try:
             async with trio.open_nursery() as nursery:
                 if ranks is not None:  # a rank's death kills this actor, hence the engine
                     nursery.start_soon(ranks.watch)
-                async for plan in self.inbox:
-                    result = await trio.to_thread.run_sync(self.runner.execute, plan)
+                nursery.start_soon(self._feed, plans)
+                nursery.start_soon(self._steps, plans, done)
+                async for result in results:
                     if ranks is not None:
                         await ranks.check()  # a step that broke the group is fatal
                     await self.results.send(result)
@@ -407,6 +415,34 @@ class Worker:
             while isinstance(first, BaseExceptionGroup):
                 first = first.exceptions[0]
             raise first from group
+
+    async def _feed(self, plans: queue.SimpleQueue[StepPlan | None]) -> None:
+        try:
+            async for plan in self.inbox:
+                plans.put(plan)
+        except BaseException:
+            # Cancelled or failed: the plans the thread has not started are dropped, so
+            # it stops after the step it is in (a step cannot be interrupted).
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    plans.get_nowait()
+            raise
+        finally:
+            plans.put(None)
+
+    async def _steps(self, plans: queue.SimpleQueue[StepPlan | None],
+                     done: trio.MemorySendChannel[StepResult]) -> None:
+        token = trio.lowlevel.current_trio_token()
+        ranks = self.runner.ranks
+
+        def loop() -> None:
+            while (plan := plans.get()) is not None:
+                token.run_sync_soon(done.send_nowait, self.runner.execute(plan))
+                if ranks is not None and ranks.broken is not None:
+                    return  # the ranks are out of step: no further step may run
+
+        with done:
+            await trio.to_thread.run_sync(loop)
 
     def drain_problems(self) -> list[str]:
         """Rids whose sampling state is still held (empty after a drain: invariant 4)."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -182,3 +184,74 @@ def test_cpu_threads_sets_torch_threads(tiny_llama_dir: Path):
 
     with pytest.raises(ValueError, match="--cpu-threads"):
         EngineConfig(cpu_threads=0)
+
+
+class _GatedRunner:
+    """A stand-in ModelRunner (the Worker actor is under test): each step waits for its
+    gate, and records the step ids it started."""
+
+    ranks = None
+
+    def __init__(self) -> None:
+        self.started: list[int] = []
+        self.gates: dict[int, threading.Event] = {}
+
+    def drop_all(self) -> None:
+        pass
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.started.append(plan.step_id)
+        self.gates.setdefault(plan.step_id, threading.Event()).wait(10)
+        return StepResult(step_id=plan.step_id)
+
+
+def test_the_step_thread_starts_a_queued_plan_without_the_event_loop():
+    """With two plans in flight the second starts when the first ends, even while the event
+    loop is blocked (the overlap that async scheduling is for)."""
+    runner = _GatedRunner()
+    for i in (1, 2):
+        runner.gates[i] = threading.Event()
+
+    async def main() -> list[int]:
+        plans: Mailbox[StepPlan] = Mailbox("worker", StepPlan, capacity=4)
+        results: Mailbox[StepResult] = Mailbox("scheduler", StepResult, capacity=4)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(Worker(runner, plans, results).run)  # type: ignore[arg-type]
+            await plans.send(StepPlan(1, ()))
+            await plans.send(StepPlan(2, ()))
+            while runner.started != [1]:
+                await trio.sleep(0.001)
+            await trio.sleep(0.05)  # plan 2 is queued for the thread by now
+            runner.gates[1].set()
+            deadline = time.monotonic() + 5
+            while runner.started != [1, 2] and time.monotonic() < deadline:
+                time.sleep(0.001)  # blocks the event loop: no task runs meanwhile
+            started = list(runner.started)
+            runner.gates[2].set()
+            ids = [(await results.receive()).step_id, (await results.receive()).step_id]
+            plans.close()
+        assert ids == [1, 2]
+        return started
+
+    assert trio.run(main) == [1, 2]
+
+
+def test_cancelling_the_worker_drops_plans_the_thread_has_not_started():
+    runner = _GatedRunner()
+
+    async def main() -> None:
+        plans: Mailbox[StepPlan] = Mailbox("worker", StepPlan, capacity=4)
+        results: Mailbox[StepResult] = Mailbox("scheduler", StepResult, capacity=4)
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(Worker(runner, plans, results).run)  # type: ignore[arg-type]
+                for i in (1, 2, 3):
+                    await plans.send(StepPlan(i, ()))
+                while runner.started != [1]:
+                    await trio.sleep(0.001)
+                await trio.sleep(0.05)
+                nursery.cancel_scope.cancel()
+                runner.gates.setdefault(1, threading.Event()).set()  # the running step ends
+
+    trio.run(main)
+    assert runner.started == [1]
