@@ -18,6 +18,9 @@
  *              Frontend has forgotten it: stale aborts and stop strings must not hit it.
  *   -DBOTH     both at once (exhaustive too, but minutes and gigabytes: not for CI).
  * Every mailbox holds CAP = 2 messages, so sends block (backpressure).
+ * Two steps may be in flight (overlap scheduling, --async-scheduling): the Scheduler plans
+ * ahead while one runs, never preempting then, and the Worker runs plans in order.
+ * -DONE_STEP keeps one step in flight, the CPU's default.
  *
  * Nondeterminism stands for what the model does not compute: the client may abort (or
  * disconnect, whose clean-up calls abort) at any moment (ABORTS times); the Tokenizer may
@@ -48,6 +51,8 @@
  *
  * Planted bugs (tests/test_spin.py checks that SPIN finds each, and nothing without them):
  *   BUG_FREE_BEFORE_FENCE        a finished leaf's blocks are freed while a step uses them
+ *   BUG_FENCE_ONE_STEP           they are freed when the first of two steps that plan the
+ *                                leaf returns, while the other still runs
  *   BUG_ABORT_BYPASS             aborts go Frontend -> Scheduler directly, off the FIFO edge
  *   BUG_ABORT_BEFORE_DISPATCH    an abort of a registered child is sent before the child's
  *                                own GenerateRequest was
@@ -67,6 +72,11 @@
 #define A       3      /* a plain request */
 #define NB      3      /* KV blocks */
 #define MAXTOK  2      /* max_tokens of every leaf */
+#ifdef ONE_STEP
+#define MAXFLIGHT 1    /* steps in flight */
+#else
+#define MAXFLIGHT 2
+#endif
 #ifndef CAP
 #define CAP     2      /* mailbox capacity */
 #endif
@@ -109,7 +119,8 @@
 
 #define ERR     255    /* RESULT's eos field for a failed step */
 #define BIT(r)  (1 << (r))
-#define WANT(r) (1 + (out[r] >= 1))    /* blocks a leaf needs for its next step */
+/* blocks a leaf needs for its next step: its tokens committed and in flight */
+#define WANT(r) (1 + (out[r] + in_step[r] >= 1))
 
 mtype = { TOKENIZE, ABORT, SEQ, STOP, RESULT, PAUSE, RESUME };
 
@@ -124,7 +135,7 @@ chan tok_in = [CAP] of { mtype, byte, byte };       /* TOKENIZE(rid, life), ABOR
 chan sch_in = [CAP] of { mtype, byte, byte };       /* SEQ, ABORT (Tokenizer), STOP
                                                        (Detokenizer): (rid, life);
                                                        RESULT (Worker): (mask, eos) */
-chan wk_in  = [1]   of { byte };                    /* StepPlan: the mask of planned rids */
+chan wk_in  = [MAXFLIGHT] of { byte };              /* StepPlan: the mask of planned rids */
 chan det_in = [CAP] of { byte, byte, byte, byte };  /* TokenBatch: (tokens, finished,
                                                        freed, finished with an error) */
 chan fe_in  = [CAP] of { byte, byte, byte, byte, byte };  /* OutputBatch: (deltas,
@@ -142,11 +153,12 @@ bool dispatched[NR];   /* its GenerateRequest is queued for the Tokenizer */
 byte ss[NR];           /* S_* */
 byte out[NR];          /* output tokens committed */
 byte nblk[NR];         /* blocks in its block table */
-bool in_step[NR];      /* planned in the step in flight: the fence */
+byte in_step[NR];      /* steps in flight that plan it (Sequence.in_flight): the fence */
 byte nfree = NB;       /* blocks in the free pool */
-bool in_flight;        /* at most one step in flight */
-bool want_pause[NR];   /* PAUSE received; applied when planning (no step in flight) */
-byte pmask;            /* the rids of the step being planned or in flight */
+byte nflight;          /* steps in flight, at most MAXFLIGHT */
+bool tried_ahead;      /* planning ahead found nothing; try again after the next message */
+bool want_pause[NR];   /* PAUSE received; applied once no step in flight plans the leaf */
+byte pmask;            /* the rids of the step being planned */
 byte pend_tok, pend_fin, pend_freed, pend_err;    /* decided, not yet sent */
 
 /* The Detokenizer: a stop string matched for this rid; nothing more is shown. */
@@ -157,7 +169,8 @@ byte life[NR];         /* registrations of the rid; requests and aborts carry it
 byte slife[NR];        /* the life of the Sequence the Scheduler holds */
 byte arrived[NR];      /* the last life that got past the Tokenizer */
 byte term[NR];         /* terminal events in the current life (invariant 2) */
-bool fence[NR];        /* the step in flight references this leaf's blocks (invariant 3) */
+byte fm0, fm1;         /* the masks of the steps in flight, oldest first: whose blocks the
+                          Worker may still touch (invariant 3) */
 bool released[NR];     /* RELEASED: forgotten by the Frontend and freed by the Scheduler */
 bool gathered;         /* P ended */
 bool drained;          /* the drain check passed (invariant 4) */
@@ -395,14 +408,18 @@ end:
 /* Give r blocks up to WANT(r) (blocks are counted, not named: which block a leaf gets
    changes nothing the model checks, and naming them multiplies the states). */
 inline alloc(r) {
-    assert(nfree >= WANT(r) - nblk[r]);
-    nfree = nfree - (WANT(r) - nblk[r]);
-    nblk[r] = WANT(r)
+    if
+    :: WANT(r) > nblk[r] ->
+        assert(nfree >= WANT(r) - nblk[r]);
+        nfree = nfree - (WANT(r) - nblk[r]);
+        nblk[r] = WANT(r)
+    :: else -> skip             /* reserved by a plan ahead that was given up */
+    fi
 }
 
 /* r's blocks back to the pool: exactly once, never while a step uses them (invariant 3). */
 inline release(r) {
-    assert(!fence[r]);
+    assert(((fm0 | fm1) & BIT(r)) == 0);
     nfree = nfree + nblk[r];
     assert(nfree <= NB);        /* nothing returns twice */
     nblk[r] = 0
@@ -425,8 +442,8 @@ inline finish(r, e) {
     free_seq(r)
 #else
     if
-    :: !in_step[r] -> free_seq(r)
-    :: else -> skip             /* fenced: freed when the step in flight returns */
+    :: in_step[r] == 0 -> free_seq(r)
+    :: else -> skip             /* fenced: freed when the last step that plans it returns */
     fi
 #endif
 }
@@ -447,13 +464,24 @@ inline commit(r) {
 }
 
 inline on_result(mask, eos) {
-    in_flight = 0;
-    for (i : FIRST .. LAST) { fence[i] = 0 }
-    /* The fence has passed: leaves that finished meanwhile give their blocks back. */
+    assert(nflight > 0 && mask == fm0);     /* results come back in plan order */
+    nflight--; fm0 = fm1; fm1 = 0;
     for (i : FIRST .. LAST) {
         if
-        :: in_step[i] && ss[i] == S_FIN -> in_step[i] = 0; free_seq(i)
-        :: else -> in_step[i] = 0
+        :: mask & BIT(i) -> in_step[i]--
+        :: else -> skip
+        fi
+    }
+    /* The fence has passed: leaves that finished meanwhile give their blocks back, once no
+       step in flight plans them any more. */
+    for (i : FIRST .. LAST) {
+        if
+#ifdef BUG_FENCE_ONE_STEP
+        :: mask & BIT(i) && ss[i] == S_FIN -> free_seq(i)     /* the other step is forgotten */
+#else
+        :: mask & BIT(i) && ss[i] == S_FIN && in_step[i] == 0 -> free_seq(i)
+#endif
+        :: else -> skip
         fi
     }
     for (i : FIRST .. LAST) {
@@ -504,6 +532,7 @@ end:
             fi
         :: m == RESULT -> on_result(a, x)
         fi;
+        tried_ahead = 0;                        /* news: planning ahead may find work now */
         i = 0; m = 0; a = 0; x = 0
        }
     od
@@ -511,7 +540,7 @@ end:
 
 /* Preempt by recompute: blocks back now (no step is in flight, so no fence applies). */
 inline preempt(r) {
-    assert(!in_step[r] && !in_flight);
+    assert(in_step[r] == 0 && nflight == 0);
     release(r);
     ss[r] = S_PRE; fire(r, E_PREEMPT)
 }
@@ -530,12 +559,13 @@ inline evict_paused() {
     fi
 }
 
-/* Scheduler.schedule, first: the pauses asked for take effect (no step is in flight). */
+/* Scheduler.schedule, first: the pauses asked for take effect, each once no step in flight
+   plans its leaf (until then the leaf is not planned ahead). */
 inline apply_pauses() {
     for (i : FIRST .. LAST) {
         if
-        :: want_pause[i] && (ss[i] == S_WAIT || ss[i] == S_RUN || ss[i] == S_PRE) ->
-            assert(!in_step[i]);
+        :: (want_pause[i] && in_step[i] == 0
+            && (ss[i] == S_WAIT || ss[i] == S_RUN || ss[i] == S_PRE)) ->
             want_pause[i] = 0; ss[i] = S_PAUSE; fire(i, E_PAUSE)
         :: else -> skip
         fi
@@ -545,17 +575,24 @@ inline apply_pauses() {
 
 /* Scheduler.schedule: running leaves first, preempting the newest running one that is not
    yet planned when the pool is exhausted; then admissions, preempted leaves first, up to
-   the first that does not fit. */
+   the first that does not fit. With a step in flight it plans *ahead*: a running leaf
+   whose tokens in flight reach MAXTOK, or whose pause waits, is left out; where the plain
+   path would preempt it plans nothing (stuck = 2), and the plain path decides once the
+   pipeline has drained. */
 inline plan() {
     pmask = 0;
+    stuck = 0;
     for (i : FIRST .. LAST) {
         if
-        :: ss[i] == S_RUN ->
+        :: (ss[i] == S_RUN && !stuck
+            && (nflight == 0 || (out[i] + in_step[i] < MAXTOK && !want_pause[i]))) ->
             do
             :: WANT(i) <= nblk[i] + nfree -> alloc(i); pmask = pmask | BIT(i); break
             :: WANT(i) > nblk[i] + nfree && PAUSED_BLOCKS ->
                 evict_paused()          /* paused leaves give their blocks up first */
-            :: WANT(i) > nblk[i] + nfree && !PAUSED_BLOCKS ->
+            :: WANT(i) > nblk[i] + nfree && !PAUSED_BLOCKS && nflight > 0 ->
+                stuck = 2; break        /* no preemption while a step runs */
+            :: WANT(i) > nblk[i] + nfree && !PAUSED_BLOCKS && nflight == 0 ->
                 v = i;
                 for (j : FIRST .. LAST) {
                     if
@@ -572,7 +609,6 @@ inline plan() {
         :: else -> skip
         fi
     }
-    stuck = 0;
     for (j : 0 .. 1) {          /* j = 0: preempted leaves, then j = 1: waiting ones */
         for (i : FIRST .. LAST) {
             if
@@ -588,9 +624,28 @@ inline plan() {
             fi
         }
     }
-    assert(pmask != 0);         /* the pool holds one leaf's needs: something always fits */
-    in_flight = 1;
-    for (i : FIRST .. LAST) { in_step[i] = (pmask & BIT(i)) != 0; fence[i] = in_step[i] }
+    if
+    :: stuck == 2 -> assert(nflight > 0); pmask = 0
+    :: else -> skip
+    fi;
+    if
+    :: pmask != 0 ->
+        nflight++;
+        if
+        :: nflight == 1 -> fm0 = pmask
+        :: else -> fm1 = pmask
+        fi;
+        for (i : FIRST .. LAST) {
+            if
+            :: pmask & BIT(i) -> in_step[i]++
+            :: else -> skip
+            fi
+        }
+    :: else ->
+        assert(nflight > 0);    /* the pool holds one leaf's needs: with no step in flight
+                                   something always fits */
+        tried_ahead = 1
+    fi;
     i = 0; j = 0; v = 0; stuck = 0
 }
 
@@ -598,7 +653,8 @@ inline plan() {
                   || ss[2] == S_WAIT || ss[2] == S_RUN || ss[2] == S_PRE \
                   || ss[3] == S_WAIT || ss[3] == S_RUN || ss[3] == S_PRE)
 
-/* The sender task: flush decisions to the Detokenizer; plan when no step is in flight. */
+/* The sender task: flush decisions to the Detokenizer; plan while fewer than MAXFLIGHT
+   steps are in flight. */
 active proctype SchedSend() {
     byte toks, fins, frees, errs;
 end:
@@ -610,11 +666,17 @@ end:
         det_in ! toks, fins, frees, errs;
         toks = 0; fins = 0; frees = 0; errs = 0
        }
-    :: atomic { !in_flight && RUNNABLE -> apply_pauses();
+    :: atomic { (nflight == 0 || (nflight < MAXFLIGHT && !tried_ahead)) && RUNNABLE ->
+                apply_pauses();
                 if
-                :: RUNNABLE -> plan(); wk_in ! pmask
+                :: RUNNABLE -> plan();
+                    if
+                    :: pmask != 0 -> wk_in ! pmask
+                    :: else -> skip /* nothing to plan ahead */
+                    fi
                 :: else -> skip     /* everything left is paused */
-                fi }
+                fi;
+                pmask = 0 }
     od
 }
 
@@ -689,7 +751,7 @@ active proctype Drain() {
         assert(clients_done == CLIENTS);
         assert(len(tok_in) == 0 && len(sch_in) == 0 && len(wk_in) == 0 && len(det_in) == 0
                && len(fe_in) == 0);             /* every mailbox empty */
-        assert(!in_flight && nfree == NB);      /* every block free */
+        assert(nflight == 0 && nfree == NB);    /* every block free */
 #ifdef HAVE_P
         assert(!reg[P] && gathered);            /* invariant 6: P ended with its children */
 #endif

@@ -88,7 +88,8 @@ def _run(cmd: list[str], cwd: Path, check: bool = True) -> str:
 # --- the correct model -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scenario", [[], ["-DREUSE_A"]], ids=["fan-out", "rid-reuse"])
+@pytest.mark.parametrize("scenario", [[], ["-DREUSE_A"], ["-DONE_STEP"]],
+                         ids=["fan-out", "rid-reuse", "one-step-in-flight"])
 def test_model_holds(tmp_path: Path, scenario: list[str]) -> None:
     """Every assertion, no deadlock, the drain check in every final state, and every event
     a move of the table."""
@@ -137,7 +138,8 @@ def test_model_names_every_planted_bug() -> None:
 
 # (define, scenario, a fragment of the assertion pan must report as violated)
 BUGS = [
-    ("BUG_FREE_BEFORE_FENCE", [], "fence["),  # invariant 3
+    ("BUG_FREE_BEFORE_FENCE", [], "(fm0|fm1)"),  # invariant 3
+    ("BUG_FENCE_ONE_STEP", [], "(fm0|fm1)"),  # invariant 3, two steps in flight
     ("BUG_ABORT_BYPASS", ["-DREUSE_A"], "arrived[a]>=x"),  # the FIFO edge
     ("BUG_ABORT_BEFORE_DISPATCH", [], "arrived[a]>=x"),
     ("BUG_LATE_RESULT_COMMIT", [], "term[i]==0"),  # invariants 2 and 5
@@ -160,3 +162,11 @@ def test_planted_bug_is_found(tmp_path: Path, bug: str, scenario: list[str],
     assert SPIN is not None
     trail = _run([SPIN, "-t", "-p", *defines, MODEL.name], tmp_path, check=False)
     assert "assertion violated" in trail
+
+
+def test_fence_bug_needs_two_steps_in_flight(tmp_path: Path) -> None:
+    """BUG_FENCE_ONE_STEP frees a leaf when the first step that plans it returns: harmless
+    with one step in flight, so the one-step model must not report it. (That the two-step
+    model does is test_planted_bug_is_found.)"""
+    pan = build(tmp_path, ["-DBUG_FENCE_ONE_STEP", "-DONE_STEP"], SAFETY)
+    assert_holds(verify(pan), pan, ["-DBUG_FENCE_ONE_STEP", "-DONE_STEP"])
