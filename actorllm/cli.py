@@ -98,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "template) or hermes (<tool_call>{...}</tool_call>)")
     serve.add_argument("--on-engine-death", choices=["exit", "stay"], default="exit",
                        help="when the engine dies: fail in-flight requests, then exit with "
-                       "code 3 (exit, for a supervisor to restart) or keep answering 503")
+                       "code 3 (exit, for a supervisor to restart) or keep answering 503; "
+                       "with --data-parallel-size, stay fails only a dead replica's requests "
+                       "and serves on with the others")
     _slow_client_flags(serve)
     _engine_flags(serve)
 

@@ -146,13 +146,13 @@ class Frontend(ReaderPacing):
         # end before child 1 exists, and the parent would gather early (found by spin).
         self._register_leaves([(rid, index) for rid, _, index in leaves], collector,
                               parent_rid, now)
-        for rid, _, _ in [(req.rid, None, None), *leaves] if n > 1 else leaves:
+        if n > 1:
+            self.registry[req.rid].replica = replica
+        for rid, _, _ in leaves:
             st = self.registry.get(rid)
             if st is not None:  # (a planted bug registers at dispatch: tests/sim/bugs.py)
-                st.replica = replica
-                if rid != req.rid or n == 1:
-                    st.cost = cost
-                    self.router.add(replica, cost)
+                st.replica, st.cost = replica, cost
+                self.router.add(replica, cost)
         # Shielded: once registered, a request is always dispatched, even if the caller
         # is cancelled while the Tokenizer's mailbox is full; otherwise it would leak.
         with trio.CancelScope(shield=True):

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import trio
+from helpers import Call, app_for
 
 from actorllm import cli
 from actorllm.config import EngineConfig
@@ -276,8 +277,12 @@ async def test_killed_replica_fails_only_its_requests_with_stay(tiny_llama_dir: 
         for i in range(3):
             res = await collect(engine, f"after{i}", PROMPTS[i], greedy())
             assert res.error is None and len(res.outputs[0].token_ids) == MAX_TOKENS
+        app = app_for(engine)
+        assert (await Call("/health", method="GET").run(app)).status == 200
+        metrics = b"".join((await Call("/metrics", method="GET").run(app)).chunks).decode()
+        assert 'actorllm:replica_up{replica="1"} 0.0' in metrics
+        assert 'actorllm:replica_up{replica="0"} 1.0' in metrics
         assert sample(engine, "replica_up", replica="1") == 0.0
-        assert sample(engine, "replica_up", replica="0") == 1.0
         assert sample(engine, "replica_deaths_total") == 1.0
         assert sample(engine, "aborted_requests_total", reason="engine_dead") == 2.0
         assert await engine.wait_drained(timeout=15) == []
@@ -286,6 +291,7 @@ async def test_killed_replica_fails_only_its_requests_with_stay(tiny_llama_dir: 
         with trio.fail_after(5):
             await engine.died.wait()
         assert not engine.alive
+        assert (await Call("/health", method="GET").run(app)).status == 503
     assert engine.frontend.registry == {}
 
 
