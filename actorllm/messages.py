@@ -11,6 +11,7 @@ Frontend's ``RequestState``, the Scheduler's ``Sequence``, the Worker's
     Scheduler --StepPlan--> Worker --StepResult--> Scheduler
     Scheduler --TokenBatch--> Detokenizer --OutputBatch--> Frontend
     Detokenizer --StopMatched--> Scheduler
+    engine --ReplicaLost--> Detokenizer   (data parallelism: a replica's process died)
 
 Aborts travel Frontend -> Tokenizer -> Scheduler on the same FIFO edges as the
 request itself, so an abort can never overtake the request it cancels.
