@@ -50,7 +50,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan the next step while one runs, feeding each sampled token "
                         "forward in the Worker (default: on for CUDA, off on the CPU)")
-    g.add_argument("--topology", choices=["single", "engine", "pipeline"], default="single")
+    g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="N replicas of the Scheduler and Worker, each in its own process, "
+                        "behind one HTTP front (needs --topology engine, the default then)")
+    g.add_argument("--topology", choices=["single", "engine", "pipeline"], default=None,
+                   help="where the actors run (default: single; engine with "
+                        "--data-parallel-size above 1)")
     g.add_argument("--trace", metavar="FILE", help="write every state transition as JSON lines")
     g.add_argument("--trace-hops", action="store_true", help="with --trace: every mailbox hop too")
     g.add_argument("--log-level", default="WARNING")
@@ -93,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "template) or hermes (<tool_call>{...}</tool_call>)")
     serve.add_argument("--on-engine-death", choices=["exit", "stay"], default="exit",
                        help="when the engine dies: fail in-flight requests, then exit with "
-                       "code 3 (exit, for a supervisor to restart) or keep answering 503")
+                       "code 3 (exit, for a supervisor to restart) or keep answering 503; "
+                       "with --data-parallel-size, stay fails only a dead replica's requests "
+                       "and serves on with the others")
     _slow_client_flags(serve)
     _engine_flags(serve)
 
@@ -148,7 +155,9 @@ def engine_config(args: argparse.Namespace) -> Any:
             cpu_threads=args.cpu_threads,
             tensor_parallel_size=args.tensor_parallel_size,
             async_scheduling=args.async_scheduling,
-            topology=args.topology,
+            data_parallel_size=args.data_parallel_size,
+            topology=args.topology or ("engine" if args.data_parallel_size > 1 else "single"),
+            on_engine_death=getattr(args, "on_engine_death", None) or "exit",
             trace=args.trace,
             trace_hops=args.trace_hops,
             **_flow_args(args),

@@ -37,6 +37,12 @@ class EngineConfig:
     # Ranks of one model, Megatron-style (actorllm/ranks.py): the Worker's process is rank
     # 0 and starts the others. On the CPU, cpu_threads (None: cores / N) is per rank.
     tensor_parallel_size: int = 1
+    # Replicas of the Scheduler and Worker, each in a process of its own behind one
+    # Frontend (docs/architecture.md, "Data parallelism"); > 1 needs topology "engine".
+    data_parallel_size: int = 1
+    # When a process of the engine dies: "exit" (the engine is dead) or, with data
+    # parallelism, "stay" (only that replica's requests fail; the others serve on).
+    on_engine_death: str = "exit"
     # Plan step N+1 while step N runs (two steps in flight). None: on for CUDA, off on the
     # CPU, where the forward's own Python and the event loop's share one GIL and few cores
     # (measured: no gain at saturation, slower at low load; docs/architecture.md).
@@ -63,6 +69,17 @@ class EngineConfig:
             raise ValueError("--cpu-threads must be at least 1")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be at least 1")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be at least 1, got "
+                             f"{self.data_parallel_size}")
+        if self.data_parallel_size > 1 and self.topology != "engine":
+            raise ValueError(f"--data-parallel-size > 1 needs --topology engine (each replica "
+                             f"is an engine process), got --topology {self.topology}")
+        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError("--data-parallel-size and --tensor-parallel-size cannot both be "
+                             "above 1 yet")
+        if self.on_engine_death not in ("exit", "stay"):
+            raise ValueError("--on-engine-death must be exit or stay")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2")
         if self.topology not in TOPOLOGIES:

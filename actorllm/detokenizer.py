@@ -25,6 +25,7 @@ from actorllm.messages import (
     DetokSetup,
     FrontendInput,
     OutputBatch,
+    ReplicaLost,
     RequestFinished,
     SchedulerInput,
     StopMatched,
@@ -115,6 +116,7 @@ class DecodeState:
     num_prompt_tokens: int = 0
     incarnation: int = 0
     stopped: str | None = None  # the stop string that matched; output is over
+    replica: int = 0  # the data-parallel replica whose Scheduler runs it
 
 
 class Detokenizer:
@@ -126,26 +128,40 @@ class Detokenizer:
         inbox: Inbox[DetokenizerInput],
         frontend: Outbox[FrontendInput],
         scheduler: Outbox[SchedulerInput],
+        *,
+        schedulers: Sequence[Outbox[SchedulerInput]] | None = None,
     ) -> None:
         self.decode = decode
         self.inbox, self.frontend, self.scheduler = inbox, frontend, scheduler
+        # With data parallelism, one per replica: a StopMatched goes back to the replica
+        # whose TokenBatch it came from (the batch's stats name it).
+        self.schedulers = list(schedulers) if schedulers else [scheduler]
+        self.lost: set[int] = set()  # replicas whose process died (ReplicaLost)
         self.states: dict[str, DecodeState] = {}
 
     async def run(self) -> None:
         async for batch in self.inbox:
+            if isinstance(batch, ReplicaLost):
+                self.lost.add(batch.replica)
+                for rid in [r for r, st in self.states.items() if st.replica == batch.replica]:
+                    del self.states[rid]
+                continue
+            replica = batch.stats.replica if batch.stats is not None else 0
+            if replica in self.lost:
+                continue  # late words of a dead replica: its requests have failed already
             deltas: list[TextDelta] = []
             finished: list[RequestFinished] = []
             stops: list[StopMatched] = []
             for out in batch.outputs:
-                self._process(out, deltas, finished, stops)
+                self._process(out, deltas, finished, stops, replica)
             for stop in stops:
-                await self.scheduler.send(stop)
+                await self.schedulers[replica].send(stop)
             if deltas or finished or batch.freed or batch.stats is not None:
                 await self.frontend.send(
                     OutputBatch(tuple(deltas), tuple(finished), batch.freed, batch.stats)
                 )
 
-    def _state(self, rid: str, setup: DetokSetup | None) -> DecodeState:
+    def _state(self, rid: str, setup: DetokSetup | None, replica: int = 0) -> DecodeState:
         st = self.states.get(rid)
         if st is None:
             setup = setup or DetokSetup()
@@ -154,12 +170,13 @@ class Detokenizer:
                 StopMatcher(setup.stop, setup.include_stop_str_in_output),
                 setup.num_prompt_tokens,
                 setup.incarnation,
+                replica=replica,
             )
         return st
 
     def _process(self, out: TokenOut, deltas: list[TextDelta], finished: list[RequestFinished],
-                 stops: list[StopMatched]) -> None:
-        st = self._state(out.rid, out.spec)
+                 stops: list[StopMatched], replica: int = 0) -> None:
+        st = self._state(out.rid, out.spec, replica)
         final = out.finish_reason is not None
         if self._emitting(st):
             kept_ids: list[int] = []

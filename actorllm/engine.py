@@ -30,7 +30,7 @@ from actorllm.config import EngineConfig, ModelInfo, read_model_info
 from actorllm.frontend import Frontend
 from actorllm.lifecycle import load_spec
 from actorllm.mailbox import Mailbox
-from actorllm.messages import GenerateRequest, InvalidRequest
+from actorllm.messages import GenerateRequest, InvalidRequest, ReplicaLost
 from actorllm.metrics import EngineMetrics
 from actorllm.outputs import OutputCollector, RequestError, RequestOutput
 from actorllm.tokenizer import load_hf_tokenizer
@@ -45,6 +45,7 @@ from actorllm.topology.placement import (
     build_runner,
     child_roles,
     set_hop_hooks,
+    split_role,
 )
 from actorllm.topology.supervisor import EngineStartError, Supervisor
 from actorllm.trace import Tracer
@@ -104,6 +105,7 @@ class AsyncEngine:
         self.admission.pending_bytes = lambda: frontend.pending_bytes
         self.admission.max_pending_bytes = config.max_pending_bytes
         self._streams = 0  # generate() calls in progress
+        self.nursery: trio.Nursery | None = None  # open_engine's, for sends of its own
         self._counter = itertools.count()
 
     def new_rid(self, prefix: str = "req") -> str:
@@ -168,6 +170,24 @@ class AsyncEngine:
         lost = self.frontend.lose_all(reason)
         log.error("engine dead: %s; %d live requests failed", reason, lost)
 
+    def lose_replica(self, role: str, reason: str) -> bool:
+        """A data-parallel replica's process died. With ``on_engine_death`` "stay" and
+        another replica alive, fail only the requests routed to it and serve on (True);
+        else False: the caller kills the whole engine (``mark_dead``)."""
+        assert self.supervisor is not None
+        live = [r for r in self.supervisor.live_replicas() if r != role]
+        if self.config.on_engine_death != "stay" or not live or not self.alive:
+            return False
+        replica = split_role(role)[1] or 0
+        lost = self.frontend.lose_all(reason, replica=replica)
+        if self.nursery is not None and "detokenizer" in self.mailboxes:
+            # Its decode state for those requests goes too (the Detokenizer owns it).
+            self.nursery.start_soon(self.mailboxes["detokenizer"].send, ReplicaLost(replica))
+        self.metrics.replica_deaths.inc()
+        log.error("replica %d lost: %s; %d of its requests failed, %d replicas serve on",
+                  replica, reason, lost, len(live))
+        return True
+
     @property
     def busy(self) -> bool:
         """Requests are registered, or generate() streams are still being read."""
@@ -209,6 +229,9 @@ class AsyncEngine:
         m.kv_cache_usage_perc.set(s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total
                                   else 0.0)
         m.on_stats(s)
+        router = self.frontend.router
+        for r, stats in enumerate(router.stats):
+            m.on_replica_stats(stats, router.load[r], router.routed[r], r not in router.dead)
         for box in self.mailboxes.values():
             m.mailbox_depth.labels(mailbox=box.name).set(box.depth)
             m.mailbox_high_water.labels(mailbox=box.name).set(box.high_water)
@@ -240,7 +263,7 @@ async def open_engine(config: EngineConfig | None = None, *,
     config = config or EngineConfig()
     if resources is None:
         resources = await trio.to_thread.run_sync(Resources, config)
-    roles = child_roles(config.topology)
+    roles = child_roles(config.topology, config.data_parallel_size)
     parts = Parts(info=resources.info, hf_tokenizer=resources.hf_tokenizer)
     place = PLACEMENTS[config.topology]
     if place["worker"] == MAIN:
@@ -280,7 +303,8 @@ async def open_engine(config: EngineConfig | None = None, *,
             # The detokenizer child decodes with exactly this process's tokenizer.
             with open(ipc.file(TOKENIZER_FILE), "w") as f:
                 f.write(resources.hf_tokenizer.backend_tokenizer.to_str())
-        wiring = Wiring(MAIN, config.topology, config.mailbox_capacity, ipc)
+        wiring = Wiring(MAIN, config.topology, config.mailbox_capacity, ipc,
+                        replicas=config.data_parallel_size)
         set_hop_hooks(wiring, tracer)
         actors = build_actors(MAIN, wiring, config, parts, tracer)
         engine = AsyncEngine(config, resources, actors["frontend"], actors, wiring.inboxes)
@@ -289,8 +313,10 @@ async def open_engine(config: EngineConfig | None = None, *,
                 nursery.start_soon(inbox.pump, name=f"pump:{inbox.name}")
             for name, actor in actors.items():
                 nursery.start_soon(_run_actor, engine, name, actor, name=f"actor:{name}")
+            engine.nursery = nursery
             if ipc is not None:
-                supervisor = Supervisor(config, ipc, on_death=engine.mark_dead)
+                supervisor = Supervisor(config, ipc, on_death=engine.mark_dead,
+                                        on_replica_death=engine.lose_replica)
                 engine.supervisor = supervisor
                 await supervisor.start(nursery)
                 if handle_sigterm or (handle_sigterm is None and _may_handle_sigterm()):

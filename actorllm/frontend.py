@@ -44,6 +44,7 @@ from actorllm.messages import (
 from actorllm.metrics import EngineMetrics
 from actorllm.outputs import UNLIMITED, FlowLimits, OutputCollector, RequestError
 from actorllm.readers import ReaderPacing
+from actorllm.routing import Router, estimate_cost
 from actorllm.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class RequestState:
     dispatched: bool = False  # its request has left for the Tokenizer (an abort may follow it now)
     abort_sent: bool = False  # an AbortRequest was sent or is owed right after dispatch
     paused_sent: bool = False  # the last FlowControl sent for it said pause
+    replica: int = 0  # the data-parallel replica it was routed to (actorllm/routing.py)
+    cost: int = 0  # its outstanding tokens in the Router's load of that replica
 
     @property
     def responded(self) -> bool:
@@ -89,13 +92,15 @@ class Frontend(ReaderPacing):
         metrics: EngineMetrics | None = None,
         tracer: Tracer | None = None,
         limits: FlowLimits = UNLIMITED,
+        replicas: int = 1,
     ) -> None:
         self.inbox, self.tokenizer = inbox, tokenizer
         self.limits = limits
         self.registry: dict[str, RequestState] = {}
         self.ledger = Ledger("frontend", tracer)
         self.metrics = metrics or EngineMetrics()
-        self.stats = SchedulerStats()
+        self.router = Router(replicas)
+        self.stats = SchedulerStats()  # all replicas' together (router.stats: each one's)
         self.late_outputs_dropped = 0
         # Parents whose children must be aborted, decided in handle() and sent by
         # _abort_sender(). States, not rids: by the time an entry is sent the parent may
@@ -121,6 +126,8 @@ class Frontend(ReaderPacing):
         self._check_unique(rids)
         now = time.monotonic()
         collector = OutputCollector(req.rid, n)
+        replica = self.router.pick(req)  # one for all the children: they share the prompt
+        cost = estimate_cost(req)
         if n == 1:
             leaves = [(req.rid, req.params, 0)]
         else:
@@ -139,18 +146,26 @@ class Frontend(ReaderPacing):
         # end before child 1 exists, and the parent would gather early (found by spin).
         self._register_leaves([(rid, index) for rid, _, index in leaves], collector,
                               parent_rid, now)
+        if n > 1:
+            self.registry[req.rid].replica = replica
+        for rid, _, _ in leaves:
+            st = self.registry.get(rid)
+            if st is not None:  # (a planted bug registers at dispatch: tests/sim/bugs.py)
+                st.replica, st.cost = replica, cost
+                self.router.add(replica, cost)
         # Shielded: once registered, a request is always dispatched, even if the caller
         # is cancelled while the Tokenizer's mailbox is full; otherwise it would leak.
         with trio.CancelScope(shield=True):
             for rid, params, _ in leaves:
-                msg = attrs.evolve(req, rid=rid, params=params, arrival_time=now)
+                msg = attrs.evolve(req, rid=rid, params=params, arrival_time=now,
+                                   replica=replica)
                 await self._dispatch(rid, msg)
                 st = self.registry.get(rid)
                 if st is None:
                     continue
                 st.dispatched = True
                 if st.abort_sent:  # aborted while we were still sending: it goes right after
-                    await self.tokenizer.send(AbortRequest(rid))
+                    await self.tokenizer.send(AbortRequest(rid, replica))
                 elif collector.paused:  # a sibling's output paused the request meanwhile
                     self._queue_flow([st])
         self.metrics.on_arrival()
@@ -202,7 +217,7 @@ class Frontend(ReaderPacing):
                 # Not yet dispatched: submit() sends the abort right after the request,
                 # so it can never overtake it on the FIFO edge.
                 if cst.dispatched:
-                    await self.tokenizer.send(AbortRequest(cst.rid))
+                    await self.tokenizer.send(AbortRequest(cst.rid, cst.replica))
 
     def _abort_targets(self, st: RequestState) -> list[RequestState]:
         """The leaves an abort of ``st`` must reach: its live children, or itself."""
@@ -252,7 +267,8 @@ class Frontend(ReaderPacing):
         for rid in msg.freed:
             self._on_freed(rid)
         if msg.stats is not None:
-            self.stats = msg.stats
+            self.router.on_stats(msg.stats)
+            self.stats = self.router.total()
 
     def _live(self, rid: str) -> RequestState | None:
         st = self.registry.get(rid)
@@ -276,6 +292,9 @@ class Frontend(ReaderPacing):
             st.first_token = st.first_token or now
             st.last_token = now
             st.num_output_tokens += len(d.token_ids)
+            done = min(len(d.token_ids), st.cost)
+            st.cost -= done
+            self.router.sub(st.replica, done)
             self.metrics.generation_tokens.inc(len(d.token_ids))
         if col.failed:
             return  # cancelled (stream timeout): the reader gets the error, nothing after it
@@ -342,6 +361,8 @@ class Frontend(ReaderPacing):
         self.ledger.fire(st.rid, "forget")
         self.ledger.drop(st.rid)
         del self.registry[st.rid]
+        self.router.sub(st.replica, st.cost)
+        st.cost = 0
         if st.parent is not None:
             parent = self.registry[st.parent]
             if self._gatherable(parent):
@@ -353,11 +374,18 @@ class Frontend(ReaderPacing):
         """Invariant 6: a parent ends iff every child has been released."""
         return all(c not in self.registry for c in parent.children)
 
-    def lose_all(self, message: str) -> int:
-        """The engine process died: fail every live request with ``message``."""
+    def lose_all(self, message: str, replica: int | None = None) -> int:
+        """The engine process died: fail every live request with ``message``. With
+        ``replica``, only that data-parallel replica died: fail only the requests routed
+        to it, and route nothing more there."""
+        if replica is not None:
+            self.router.kill(replica)
+            self.stats = self.router.total()
         lost = 0
         for rid, st in list(self.registry.items()):
             if st.children or rid not in self.registry:
+                continue
+            if replica is not None and st.replica != replica:
                 continue
             answered = st.responded
             if st.view.may("lose"):  # (not when the engine had already freed it)

@@ -11,6 +11,7 @@ Frontend's ``RequestState``, the Scheduler's ``Sequence``, the Worker's
     Scheduler --StepPlan--> Worker --StepResult--> Scheduler
     Scheduler --TokenBatch--> Detokenizer --OutputBatch--> Frontend
     Detokenizer --StopMatched--> Scheduler
+    engine --ReplicaLost--> Detokenizer   (data parallelism: a replica's process died)
 
 Aborts travel Frontend -> Tokenizer -> Scheduler on the same FIFO edges as the
 request itself, so an abort can never overtake the request it cancels.
@@ -21,6 +22,17 @@ from __future__ import annotations
 from typing import Union
 
 import attrs
+
+from actorllm.control import (  # parent <-> child; re-exported here
+    DrainQuery,
+    DrainReport,
+    Heartbeat,
+    Hello,
+    MailboxStat,
+    Ready,
+    Shutdown,
+    StartFailed,
+)
 
 
 class InvalidRequest(ValueError):
@@ -143,6 +155,7 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     arrival_time: float = 0.0
     tools: str | None = None  # chat: a JSON list of tool definitions for the template
+    replica: int = 0  # set by the Frontend: the data-parallel replica that runs it
 
 
 @attrs.frozen
@@ -150,6 +163,7 @@ class AbortRequest:
     """Frontend -> Tokenizer -> Scheduler: stop future work for ``rid`` (idempotent)."""
 
     rid: str
+    replica: int = 0  # the replica its request was routed to (the Tokenizer's outbox)
 
 
 @attrs.frozen
@@ -159,6 +173,7 @@ class FlowControl:
 
     rid: str
     pause: bool
+    replica: int = 0  # as AbortRequest.replica
 
 
 # --- Frontend -> Tokenizer -> Scheduler -------------------------------------------
@@ -309,6 +324,7 @@ class SchedulerStats:
     sample_s: float = 0.0  # ... and in sampling
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache, at admissions
     prefix_cache_hits: int = 0  # ... and found there
+    replica: int = 0  # which data-parallel replica's Scheduler (0 without data parallelism)
 
 
 @attrs.frozen
@@ -318,6 +334,14 @@ class TokenBatch:
     outputs: tuple[TokenOut, ...] = ()
     freed: tuple[str, ...] = ()
     stats: SchedulerStats | None = None
+
+
+@attrs.frozen
+class ReplicaLost:
+    """Engine -> Detokenizer: data-parallel replica ``replica``'s process died (its requests
+    have failed): forget their decode state and drop whatever it sent that is still late."""
+
+    replica: int
 
 
 @attrs.frozen
@@ -360,81 +384,13 @@ class OutputBatch:
     stats: SchedulerStats | None = None
 
 
-# --- process supervision (actorllm.topology; see actorllm.transport for the handshake) ---
-
-
-@attrs.frozen
-class Hello:
-    """First words on a control channel, each way: a peer built from other code is refused."""
-
-    protocol: int  # actorllm.transport.PROTOCOL_VERSION
-    codec: int  # actorllm.codec.VERSION
-    schema: str  # fingerprint of every message class and its fields
-    role: str  # "parent", "engine", "detokenizer"
-    pid: int
-
-
-@attrs.frozen
-class Ready:
-    """Child -> parent: resources loaded, actors running, inboxes bound."""
-
-    role: str
-    pid: int
-
-
-@attrs.frozen
-class StartFailed:
-    """Child -> parent: it could not start (or, after Ready, an actor crashed); it exits next."""
-
-    role: str
-    message: str
-
-
-@attrs.frozen
-class MailboxStat:
-    name: str
-    depth: int
-    high_water: int
-
-
-@attrs.frozen
-class Heartbeat:
-    """Both ways, every half second; a child's carries its mailboxes' depths for /metrics."""
-
-    role: str
-    seq: int
-    mailboxes: tuple[MailboxStat, ...] = ()
-
-
-@attrs.frozen
-class DrainQuery:
-    """Parent -> child: report what your actors and mailboxes still hold (invariant 4)."""
-
-    token: int
-
-
-@attrs.frozen
-class DrainReport:
-    role: str
-    token: int
-    problems: tuple[str, ...] = ()
-    rejected_frames: int = 0  # frames its sockets refused (garbage, wrong type) so far
-
-
-@attrs.frozen
-class Shutdown:
-    """Parent -> child: stop the actors and exit 0."""
-
-    reason: str = ""
-
-
 # --- what each actor's inbox accepts --------------------------------------------------
 
 TokenizerInput = Union[GenerateRequest, AbortRequest, FlowControl]  # noqa: UP007 - run time
 SchedulerInput = Union[  # noqa: UP007
     SequenceRequest, AbortRequest, FlowControl, StepResult, StopMatched]
 WorkerInput = StepPlan
-DetokenizerInput = TokenBatch
+DetokenizerInput = Union[TokenBatch, ReplicaLost]  # noqa: UP007
 FrontendInput = Union[OutputBatch, RequestFailed]  # noqa: UP007
 ControlMessage = Union[  # noqa: UP007
     Hello, Ready, StartFailed, Heartbeat, DrainQuery, DrainReport, Shutdown
@@ -444,6 +400,6 @@ MESSAGE_TYPES: tuple[type, ...] = (
     StructuredOutput, SamplingParams, ChatMessage, GenerateRequest, AbortRequest, FlowControl,
     SequenceRequest, RequestFailed, NewSeqData, ScheduledSeq, StepPlan, TokenLogprob,
     SampledToken, PromptLogprobs, StepResult, DetokSetup, TokenOut, SchedulerStats, TokenBatch,
-    StopMatched, TextDelta, RequestFinished, OutputBatch, Hello, Ready, StartFailed,
+    StopMatched, TextDelta, RequestFinished, OutputBatch, ReplicaLost, Hello, Ready, StartFailed,
     MailboxStat, Heartbeat, DrainQuery, DrainReport, Shutdown,
 )

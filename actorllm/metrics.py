@@ -97,6 +97,32 @@ class EngineMetrics:
             "without a read", registry=r)
         self.num_requests_paused = Gauge(p + "num_requests_paused", "Sequences paused",
                                          registry=r)
+        # Data parallelism: each replica's figures, labelled (the series above are totals).
+        self.replica_num_requests_running = Gauge(
+            p + "replica_num_requests_running", "Sequences running, per replica",
+            ["replica"], registry=r)
+        self.replica_num_requests_waiting = Gauge(
+            p + "replica_num_requests_waiting", "Sequences waiting, per replica",
+            ["replica"], registry=r)
+        self.replica_kv_cache_usage_perc = Gauge(
+            p + "replica_kv_cache_usage_perc", "Fraction of a replica's KV blocks in use",
+            ["replica"], registry=r)
+        self.replica_outstanding_tokens = Gauge(
+            p + "replica_outstanding_tokens", "Tokens the Frontend estimates a replica still "
+            "has to process (its routing load)", ["replica"], registry=r)
+        self.replica_up = Gauge(p + "replica_up", "1 while a replica serves, 0 once it died",
+                                ["replica"], registry=r)
+        self.replica_requests_routed = Counter(
+            p + "replica_requests_routed", "Requests (leaves) routed to a replica",
+            ["replica"], registry=r)
+        self.replica_engine_steps = Counter(p + "replica_engine_steps", "Steps a replica's "
+                                            "Worker ran", ["replica"], registry=r)
+        self.replica_prefix_cache_hits = Counter(
+            p + "replica_prefix_cache_hits", "Prefix cache hits, in tokens, per replica",
+            ["replica"], registry=r)
+        self.replica_deaths = Counter(p + "replica_deaths", "Replicas whose process died "
+                                      "while the others served on", registry=r)
+        self._replica_totals: dict[tuple[int, str], float] = {}
         self._totals = {"steps": 0.0, "forward_s": 0.0, "sample_s": 0.0,
                         "num_preemptions": 0.0, "prefix_cache_queries": 0.0,
                         "prefix_cache_hits": 0.0, "late_results_dropped": 0.0}
@@ -116,6 +142,24 @@ class EngineMetrics:
                 counter.inc(value - self._totals[name])
                 self._totals[name] = value
         self.num_requests_paused.set(getattr(stats, "num_paused", 0))
+
+    def on_replica_stats(self, stats: Any, outstanding: int, routed: int, up: bool) -> None:
+        """One replica's ``SchedulerStats`` (and the Router's view of it) into its series."""
+        label = str(stats.replica)
+        self.replica_num_requests_running.labels(replica=label).set(stats.num_running)
+        self.replica_num_requests_waiting.labels(replica=label).set(stats.num_waiting)
+        self.replica_kv_cache_usage_perc.labels(replica=label).set(
+            stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
+        self.replica_outstanding_tokens.labels(replica=label).set(outstanding)
+        self.replica_up.labels(replica=label).set(1.0 if up else 0.0)
+        for name, counter, value in (
+                ("steps", self.replica_engine_steps, stats.steps),
+                ("hits", self.replica_prefix_cache_hits, stats.prefix_cache_hits),
+                ("routed", self.replica_requests_routed, routed)):
+            key = (stats.replica, name)
+            if value > self._replica_totals.get(key, 0.0):
+                counter.labels(replica=label).inc(value - self._replica_totals.get(key, 0.0))
+                self._replica_totals[key] = float(value)
 
     def watch_flows(self, frontend: Any) -> None:
         """Read the Frontend's flow-control figures when scraped (they change per token)."""

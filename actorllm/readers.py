@@ -56,7 +56,7 @@ class ReaderPacing:
                 or not st.dispatched or st.paused_sent == want):
             return
         st.paused_sent = want
-        await self.tokenizer.send(FlowControl(st.rid, want))
+        await self.tokenizer.send(FlowControl(st.rid, want, st.replica))
 
     def _pace(self, col: OutputCollector) -> None:
         """After a delta: pause the request if its reader is too far behind."""

@@ -60,6 +60,7 @@ class Scheduler(Pacing):
     optional priority order, pauses for slow readers, one or two steps in flight."""
 
     pool_class = BlockPool  # a seam for the simulation's planted bugs (tests/sim/bugs.py)
+    replica = 0  # data-parallel replica, stamped on its stats (set by build_actors)
 
     def __init__(
         self,
@@ -102,8 +103,7 @@ class Scheduler(Pacing):
         self.worker_drops: list[str] = []  # rids whose Worker state may go (StepPlan.drop)
         self._outputs: list[TokenOut] = []
         self._freed: list[str] = []
-        self._stats_dirty = False
-        self._wake = trio.Event()
+        self._stats_dirty, self._wake = False, trio.Event()
         # Counters (exported through SchedulerStats); ahead_tokens_dropped: rows planned
         # ahead for a sequence that ended meanwhile.
         self.num_preemptions = self.late_results_dropped = self.late_stops_dropped = 0
@@ -437,7 +437,7 @@ class Scheduler(Pacing):
             kv_blocks_used=self.pool.num_used, kv_blocks_total=self.pool.num_blocks,
             num_preemptions=self.num_preemptions, num_paused=len(self.paused),
             late_results_dropped=self.late_results_dropped, steps=self.steps,
-            forward_s=self.forward_s, sample_s=self.sample_s,
+            forward_s=self.forward_s, sample_s=self.sample_s, replica=self.replica,
             prefix_cache_queries=self.pool.queries, prefix_cache_hits=self.pool.hits)
 
     def drain_problems(self) -> list[str]:

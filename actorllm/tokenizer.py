@@ -3,7 +3,8 @@
 Owns nothing long-lived. Every ``GenerateRequest`` leaves as exactly one
 ``SequenceRequest`` (to the Scheduler) or one ``RequestFailed`` (to the Frontend).
 ``AbortRequest`` is forwarded to the Scheduler on the same FIFO edge as the
-requests, so it always arrives after the request it cancels.
+requests, so it always arrives after the request it cancels. With data parallelism
+each message goes to the replica its ``replica`` field names (the Frontend's choice).
 
 Tokenizing and templating run in a worker thread, not on the trio loop, unless the
 input is short: a 1 MB prompt takes about a second to tokenize, and this actor shares
@@ -192,15 +193,20 @@ class Tokenizer:
         scheduler: Outbox[SchedulerInput],
         frontend: Outbox[FrontendInput],
         tracer: Tracer | None = None,
+        *,
+        schedulers: Sequence[Outbox[SchedulerInput]] | None = None,
     ) -> None:
         self.encoder = encoder
         self.inbox, self.scheduler, self.frontend = inbox, scheduler, frontend
+        # With data parallelism, one outbox per replica: each message goes to the replica
+        # the Frontend chose for its rid (its ``replica`` field).
+        self.schedulers = list(schedulers) if schedulers else [scheduler]
         self.ledger = Ledger("tokenizer", tracer)
 
     async def run(self) -> None:
         async for msg in self.inbox:
             if isinstance(msg, (AbortRequest, FlowControl)):
-                await self.scheduler.send(msg)
+                await self.schedulers[msg.replica].send(msg)
                 continue
             try:
                 # A grammar's first compile may take milliseconds: never on the loop.
@@ -221,7 +227,7 @@ class Tokenizer:
                 await self.frontend.send(RequestFailed(msg.rid, f"tokenizer error: {exc}",
                                                        "internal"))
                 continue
-            await self.scheduler.send(seq)
+            await self.schedulers[msg.replica].send(seq)
 
     def drain_problems(self) -> list[str]:
         return [f"tokenizer ledger holds {sorted(self.ledger.views)}"] if len(self.ledger) else []

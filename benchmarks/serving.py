@@ -14,7 +14,8 @@ What it does, in order (issue 11):
 2. Measures the physical limit: torch's matmul rate for the model's own shapes, in
    actorllm's virtualenv, pinned and threaded like the servers.
 3. For each server in turn (vLLM, then actorllm with each ``--topologies`` entry, then
-   with each ``--tensor-parallel-sizes`` entry over 1), on
+   with each ``--tensor-parallel-sizes`` entry over 1, then in the ``engine`` topology
+   with each ``--data-parallel-sizes`` entry over 1), on
    loopback and pinned to the same cores: spawns it, waits for ``/health`` (the
    start-up time), sends one greedy probe per endpoint (to check that both servers
    tokenize and decode alike), then runs every serving scenario with the *same*
@@ -1543,6 +1544,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-sizes", type=parse_sizes, default=[1], metavar="N,M",
                    help="actorllm in the first topology with each --tensor-parallel-size "
                         "(e.g. 1,2; sizes over 1 are extra servers actorllm-<topology>-tpN)")
+    p.add_argument("--data-parallel-sizes", type=parse_sizes, default=[1], metavar="N,M",
+                   help="actorllm (topology engine) with each --data-parallel-size (e.g. "
+                        "1,2; sizes over 1 are extra servers actorllm-engine-dpN)")
     p.add_argument("--skip-vllm", action="store_true", help="actorllm only (no ratios)")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-serving", action="store_true", help="offline comparison only")
@@ -1686,6 +1690,11 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     specs += [ServerSpec(f"actorllm-{args.topologies[0]}-tp{n}", "actorllm", args.topologies[0],
                          extra_args=("--tensor-parallel-size", str(n)))
               for n in args.tensor_parallel_sizes if n > 1]
+    # Data parallelism (issue 17): N engine replicas sharing the pinned cores (each
+    # replica's Worker gets (cores - 1) / N threads).
+    specs += [ServerSpec(f"actorllm-engine-dp{n}", "actorllm", "engine",
+                         extra_args=("--data-parallel-size", str(n)))
+              for n in args.data_parallel_sizes if n > 1]
     scenarios = [] if args.skip_serving else serving_scenarios(args)
     if args.scenarios:
         unknown = set(args.scenarios) - {sc.name for sc in scenarios}

@@ -18,10 +18,12 @@ from actorllm.messages import (
     AbortRequest,
     ChatMessage,
     DetokSetup,
+    FlowControl,
     GenerateRequest,
     NewSeqData,
     OutputBatch,
     PromptLogprobs,
+    ReplicaLost,
     RequestFailed,
     RequestFinished,
     SampledToken,
@@ -53,6 +55,9 @@ def codec_seeds() -> list[bytes]:
     lp = TokenLogprob(5, -0.25, ((5, -0.25), (9, -2.0)))
     msgs = [
         p, ChatMessage("user", "hi"), AbortRequest("r"),
+        # data parallelism: the replica a rid was routed to, on each message that needs it
+        AbortRequest("r", 1), FlowControl("r", True, 1), ReplicaLost(1),
+        GenerateRequest("r", p, prompt="hello", replica=1),
         GenerateRequest("r", p, messages=(ChatMessage("user", "héllo"),)),
         GenerateRequest("r", p, prompt="hello"),
         GenerateRequest("r", p, prompt_token_ids=(1, 2, 3)),
@@ -64,6 +69,7 @@ def codec_seeds() -> list[bytes]:
         StepResult(4, error="boom"),
         TokenBatch((TokenOut("r", (9,), (lp,), "stop", "a", None, DetokSetup(("a",))),),
                    ("r",), SchedulerStats(1, 2, 3, 4)),
+        TokenBatch((), ("r",), SchedulerStats(1, 2, 3, 4, replica=1)),
         StopMatched("r", "a"),
         OutputBatch((TextDelta("r", "x", (9,), (lp,)),),
                     (RequestFinished("r", "length", None, 3),), ("r",)),

@@ -86,7 +86,7 @@ def test_structured_garbage_is_rejected_with_codec_error(fields: typing.Any, nam
 
 
 def test_wrong_field_type_is_rejected() -> None:
-    data = msgpack.packb([codec.VERSION, ["AbortRequest", [42]]])
+    data = msgpack.packb([codec.VERSION, ["AbortRequest", [42, 0]]])
     with pytest.raises(codec.CodecError, match="expected str"):
         codec.decode(data)
 

@@ -15,7 +15,9 @@ Engine death (a child process exits, an actor raises): every live request has al
 failed with ``engine_dead`` (``AsyncEngine.mark_dead``). With ``--on-engine-death exit``
 (the default) the server lets those answers go out, stops, and exits with
 ``EXIT_ENGINE_DEAD``, so that a supervisor restarts it; with ``stay`` it keeps
-answering 503 ``engine_dead`` until signalled.
+answering 503 ``engine_dead`` until signalled. With data parallelism and ``stay``, a
+replica's death is not the engine's: only its requests fail, the others serve on, and
+``engine.died`` is set only when the last replica dies (``AsyncEngine.lose_replica``).
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ from actorllm.topology.placement import (
     build_actors,
     build_runner,
     set_hop_hooks,
+    split_role,
 )
 from actorllm.trace import Tracer
 from actorllm.transport import (
@@ -98,7 +99,7 @@ def set_parent_death_signal(sig: int = signal.SIGHUP) -> bool:
 
 def load_parts(role: str, config: EngineConfig, ipc: IpcDir) -> Parts:
     """Load what child ``role`` needs. Raises with a one-line reason on failure."""
-    if role == "engine":
+    if split_role(role)[0] == "engine":  # (engine0, engine1, ...: data-parallel replicas)
         info = read_model_info(config.model, config.max_model_len)
         return Parts(info=info, runner=build_runner(config, info))
     if role == "detokenizer":

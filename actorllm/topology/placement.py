@@ -8,6 +8,12 @@ FIFO order (an abort never overtakes its request). Edges inside a process stay
 trio memory channels. (Control traffic between parent and child has sockets of its
 own: see :mod:`actorllm.topology.child`.)
 
+Data parallelism (``data_parallel_size`` N > 1, the ``engine`` placement only): the
+``engine`` role is replicated as children ``engine0`` .. ``engine{N-1}``, each with its
+own Scheduler inbox at ``scheduler{r}.sock``; a sender in the main process holds one
+outbox per replica for each edge into a Scheduler (:meth:`Wiring.outs`), and every
+replica pushes into the one Detokenizer inbox.
+
 Every process builds its part of the graph the same way, ``single`` included:
 :class:`Wiring` for the mailboxes, then :func:`build_actors` from the :class:`Parts`
 that process loaded. So the actors do not know where their peers live.
@@ -67,9 +73,23 @@ INBOX_TYPES: dict[str, Any] = {
 WORKER_CAPACITY = 2  # one step in flight, one queued: more would only add latency
 
 
-def child_roles(topology: str) -> tuple[str, ...]:
-    """The child processes a topology needs, in start order."""
-    return tuple(dict.fromkeys(r for r in PLACEMENTS[topology].values() if r != MAIN))
+REPLICATED = "engine"  # the role data parallelism replicates
+
+
+def child_roles(topology: str, replicas: int = 1) -> tuple[str, ...]:
+    """The child processes a topology needs, in start order (``replicas`` > 1: the
+    ``engine`` role becomes ``engine0`` .. ``engine{replicas-1}``)."""
+    roles = dict.fromkeys(r for r in PLACEMENTS[topology].values() if r != MAIN)
+    if replicas > 1 and REPLICATED in roles:
+        return tuple(x for r in roles for x in (
+            [f"{r}{i}" for i in range(replicas)] if r == REPLICATED else [r]))
+    return tuple(roles)
+
+
+def split_role(role: str) -> tuple[str, int | None]:
+    """``"engine1"`` -> ``("engine", 1)``; a role that is not a replica -> ``(role, None)``."""
+    base = role.rstrip("0123456789")
+    return base, (int(role[len(base):]) if base != role else None)
 
 
 # --- one process's mailboxes and actors ------------------------------------------------
@@ -81,14 +101,19 @@ class Wiring:
     ``inboxes[actor]`` for each actor placed here: a :class:`ZmqInbox` (with a bound
     socket) when some sender lives elsewhere, else a plain :class:`Mailbox`.
     ``out(sender, target)``: the target's inbox when it is local, else a
-    :class:`ZmqOutbox` of its own for that edge.
+    :class:`ZmqOutbox` of its own for that edge; ``outs(sender, target)``: one per
+    replica of the target (``replicas`` > 1 and the target lives in a replica).
     """
 
-    def __init__(self, role: str, topology: str, capacity: int, ipc: IpcDir | None) -> None:
+    def __init__(self, role: str, topology: str, capacity: int, ipc: IpcDir | None,
+                 replicas: int = 1) -> None:
         place = PLACEMENTS[topology]
         self.role = role
+        role, replica = split_role(role)
+        sock = f"{{}}{replica}.sock" if replica is not None else "{}.sock"
         self.inboxes: dict[str, Mailbox[Any]] = {}
         self.outboxes: dict[tuple[str, str], Outbox[Any]] = {}
+        self.fanout: dict[tuple[str, str], list[Outbox[Any]]] = {}
         self.remote_inboxes: list[ZmqInbox[Any]] = []
         self.remote_outboxes: list[ZmqOutbox[Any]] = []
         try:
@@ -99,7 +124,7 @@ class Wiring:
                 if any(place[s] != role for s, t in EDGES if t == actor):
                     assert ipc is not None, "a multi-process topology needs an IpcDir"
                     inbox: Mailbox[Any] = ZmqInbox(actor, INBOX_TYPES[actor], cap,
-                                                   ipc.endpoint(f"{actor}.sock"))
+                                                   ipc.endpoint(sock.format(actor)))
                     self.remote_inboxes.append(inbox)  # type: ignore[arg-type]
                 else:
                     inbox = Mailbox(actor, INBOX_TYPES[actor], cap)
@@ -109,13 +134,21 @@ class Wiring:
                     continue
                 if place[target] == role:
                     self.outboxes[(sender, target)] = self.inboxes[target]
-                else:
-                    assert ipc is not None
+                    continue
+                assert ipc is not None
+                names = [f"{target}.sock"]
+                if replicas > 1 and place[target] == REPLICATED:
+                    names = [f"{target}{r}.sock" for r in range(replicas)]
+                boxes: list[Outbox[Any]] = []
+                for i, name in enumerate(names):
                     box: ZmqOutbox[Any] = ZmqOutbox(
-                        ipc.endpoint(f"{target}.sock"), INBOX_TYPES[target],
-                        name=f"{sender}->{target}", hwm=capacity)
-                    self.outboxes[(sender, target)] = box
+                        ipc.endpoint(name), INBOX_TYPES[target],
+                        name=f"{sender}->{target}" + (str(i) if len(names) > 1 else ""),
+                        hwm=capacity)
                     self.remote_outboxes.append(box)
+                    boxes.append(box)
+                self.outboxes[(sender, target)] = boxes[0]
+                self.fanout[(sender, target)] = boxes
         except BaseException:
             self.close()
             raise
@@ -123,6 +156,11 @@ class Wiring:
     def out(self, sender: str, target: str) -> Outbox[Any]:
         """Where ``sender`` sends to ``target``."""
         return self.outboxes[(sender, target)]
+
+    def outs(self, sender: str, target: str) -> list[Outbox[Any]]:
+        """Where ``sender`` sends to each replica of ``target`` (one outbox without data
+        parallelism), indexed by replica."""
+        return self.fanout.get((sender, target), [self.outboxes[(sender, target)]])
 
     def problems(self) -> list[str]:
         """Messages still waiting in this process's mailboxes (invariant 4)."""
@@ -186,7 +224,8 @@ def worker_threads(config: EngineConfig) -> int | None:
     """Torch threads for the Worker's process (for each rank with tensor parallelism):
     ``--cpu-threads`` when given; else, when the Worker has a process of its own on the
     CPU, one per core it may run on less one, left to the process that serves HTTP,
-    shared among the ranks; else None (torch's default, or ``ModelRunner``'s cores / N).
+    shared among the ranks (and among the replicas of data parallelism, at least one
+    each); else None (torch's default, or ``ModelRunner``'s cores / N).
 
     On a few cores an OpenMP thread that shares its core with another busy process
     stalls every parallel region it is part of: on 2 cores the ``engine`` topology gave
@@ -195,7 +234,8 @@ def worker_threads(config: EngineConfig) -> int | None:
     if config.cpu_threads is not None:
         return config.cpu_threads
     if config.device == "cpu" and PLACEMENTS[config.topology]["worker"] != MAIN:
-        cores = len(os.sched_getaffinity(0)) - 1
+        # With data parallelism the replicas share the cores: each gets its part.
+        cores = (len(os.sched_getaffinity(0)) - 1) // config.data_parallel_size
         return max(1, cores // config.tensor_parallel_size)
     return None
 
@@ -214,7 +254,8 @@ def _torch_dtype(name: str | None) -> Any:
 
 def build_actors(role: str, wiring: Wiring, config: EngineConfig, parts: Parts,
                  tracer: Tracer | None) -> dict[str, Any]:
-    """The actors placed in ``role`` by ``config.topology``, wired to ``wiring``."""
+    """The actors placed in ``role`` by ``config.topology``, wired to ``wiring``
+    (``role`` may name a data-parallel replica, ``engine1``)."""
     from actorllm.detokenizer import Detokenizer
     from actorllm.frontend import Frontend
     from actorllm.scheduler import Scheduler
@@ -222,6 +263,7 @@ def build_actors(role: str, wiring: Wiring, config: EngineConfig, parts: Parts,
 
     place = PLACEMENTS[config.topology]
     inbox, out = wiring.inboxes, wiring.out
+    role, replica = split_role(role)
     actors: dict[str, Any] = {}
     if place["frontend"] == role:
         from actorllm.outputs import FlowLimits
@@ -229,12 +271,14 @@ def build_actors(role: str, wiring: Wiring, config: EngineConfig, parts: Parts,
         limits = FlowLimits(config.max_pending_bytes_per_request, config.max_pending_bytes,
                             config.stream_timeout)
         actors["frontend"] = Frontend(inbox["frontend"], out("frontend", "tokenizer"),
-                                      tracer=tracer, limits=limits)
+                                      tracer=tracer, limits=limits,
+                                      replicas=config.data_parallel_size)
     if place["tokenizer"] == role:
         assert parts.info is not None
         actors["tokenizer"] = Tokenizer(PromptEncoder(parts.hf_tokenizer, parts.info),
                                         inbox["tokenizer"], out("tokenizer", "scheduler"),
-                                        out("tokenizer", "frontend"), tracer)
+                                        out("tokenizer", "frontend"), tracer,
+                                        schedulers=wiring.outs("tokenizer", "scheduler"))
     if place["scheduler"] == role:
         actors["scheduler"] = Scheduler(
             inbox["scheduler"], out("scheduler", "worker"), out("scheduler", "detokenizer"),
@@ -245,6 +289,7 @@ def build_actors(role: str, wiring: Wiring, config: EngineConfig, parts: Parts,
             enable_prefix_caching=config.enable_prefix_caching,
             scheduling_policy=config.scheduling_policy,
         )
+        actors["scheduler"].replica = replica or 0
     if place["worker"] == role:
         from actorllm.worker import Worker  # torch: only where a Worker lives
 
@@ -252,7 +297,8 @@ def build_actors(role: str, wiring: Wiring, config: EngineConfig, parts: Parts,
     if place["detokenizer"] == role:
         actors["detokenizer"] = Detokenizer(parts.decode, inbox["detokenizer"],
                                             out("detokenizer", "frontend"),
-                                            out("detokenizer", "scheduler"))
+                                            out("detokenizer", "scheduler"),
+                                            schedulers=wiring.outs("detokenizer", "scheduler"))
     return actors
 
 

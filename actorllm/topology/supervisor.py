@@ -47,7 +47,7 @@ from actorllm.topology.child import (
     SHUTDOWN_GRACE,
     child_argv,
 )
-from actorllm.topology.placement import child_roles
+from actorllm.topology.placement import child_roles, split_role
 from actorllm.transport import (
     HandshakeError,
     IpcDir,
@@ -101,17 +101,22 @@ class Supervisor:
     """Starts the children of one topology, watches them, and stops them.
 
     ``on_death(message)`` is called once, when a child dies after start-up. ``argv``
-    overrides the command that starts a child (tests use it to run impostors).
+    overrides the command that starts a child (tests use it to run impostors). With data
+    parallelism, ``on_replica_death(role, message)`` is asked first when a replica's
+    process dies: True means the engine lives on without it (``--on-engine-death stay``
+    and another replica lives), and ``on_death`` is not called.
     """
 
     def __init__(self, config: EngineConfig, ipc: IpcDir, *,
                  on_death: Callable[[str], None],
                  argv: Callable[[str], list[str]] | None = None,
-                 ready_timeout: float = READY_TIMEOUT) -> None:
+                 ready_timeout: float = READY_TIMEOUT,
+                 on_replica_death: Callable[[str, str], bool] | None = None) -> None:
         self.config = config
         self.ipc = ipc
-        self.roles = child_roles(config.topology)
+        self.roles = child_roles(config.topology, config.data_parallel_size)
         self.on_death = on_death
+        self.on_replica_death = on_replica_death
         self.argv = argv or (lambda role: child_argv(role, config, ipc))
         self.ready_timeout = ready_timeout
         self.children: dict[str, Child] = {}
@@ -205,6 +210,9 @@ class Supervisor:
         if child.crash is not None:
             message += f" ({child.crash})"
         log.error("%s", message)
+        if self.on_replica_death is not None and split_role(child.role)[1] is not None \
+                and self.dead is None and self.on_replica_death(child.role, message):
+            return
         if self.dead is None:
             self.dead = message
             self.on_death(message)
@@ -349,6 +357,11 @@ class Supervisor:
                 child.pidfd = None
         if self._ctl_in is not None:
             self._ctl_in.close()
+
+    def live_replicas(self) -> list[str]:
+        """The data-parallel replicas' roles whose process has not exited."""
+        return [c.role for c in self.children.values()
+                if split_role(c.role)[1] is not None and not c.exited.is_set()]
 
     def pids(self) -> dict[str, int]:
         """Each child's process id, by role."""
