@@ -169,17 +169,26 @@ async def test_a_stopped_remote_rank_kills_an_idle_engine(
 
 async def test_a_dead_driver_leaves_no_remote_rank_behind(
         port: int, tmp_path: Path, cleanup: list[Any]) -> None:
-    rank = _second_host(port, tmp_path / "rank.log")
-    cleanup.append(rank)
+    # Two processes say RANK=1: the store lets one in, the other leaves at once.
+    twins = [_second_host(port, tmp_path / f"rank{i}.log") for i in (0, 1)]
+    cleanup.extend(twins)
     config = _config(2, topology="engine")  # the driver in a child: killable
     async with open_engine(config, resources=Resources(config)) as engine:
         assert engine.supervisor is not None
         driver = engine.supervisor.pids()["engine"]
         async for _ in engine.generate(GenerateRequest("warm", GREEDY, prompt="hi")):
             pass  # the group has run steps; now it idles in a broadcast
+        with trio.fail_after(30):  # the loser may still be importing torch
+            while all(t.poll() is None for t in twins):
+                await trio.sleep(0.1)
+        (twin,) = [i for i, t in enumerate(twins) if t.poll() is not None]
+        assert twins[twin].returncode == 2
+        assert f"actorllm: error: rank 1 has already joined the driver at 127.0.0.1:{port}" \
+            in (tmp_path / f"rank{twin}.log").read_text()
+        rank = twins[1 - twin]
         os.kill(driver, signal.SIGKILL)
         code = await trio.to_thread.run_sync(_exits, rank, 10.0)
-        assert code == 4, (tmp_path / "rank.log").read_text()[-2000:]
+        assert code == 4, (tmp_path / f"rank{1 - twin}.log").read_text()[-2000:]
 
 
 def test_a_remote_rank_that_never_comes_is_a_start_up_error_within_the_timeout(
