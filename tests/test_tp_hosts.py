@@ -15,6 +15,7 @@ within the configured time. What is not: two real hosts, NCCL across hosts.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -258,3 +259,35 @@ def test_rendezvous_flags_out_of_range_are_one_line_cli_errors(
 
     assert cli_main(["run", "hi", "--tensor-parallel-size", "2", *flags]) == 2
     assert capsys.readouterr().err == f"actorllm: error: {want}\n"
+
+
+def test_a_rendezvous_port_in_use_is_a_one_line_error() -> None:
+    from actorllm.rendezvous import Rendezvous, driver_store
+
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        with pytest.raises(ValueError, match=rf"^cannot listen for tensor-parallel ranks on "
+                                             rf"port {taken}: .*address already in use"):
+            driver_store(Rendezvous("127.0.0.1", taken, 1, 5.0))
+
+
+@pytest.mark.parametrize(("env", "want"), [
+    ({"MASTER_PORT": "4321"}, ("127.0.0.1", 0, 2, 300.0)),  # all local: any free port
+    ({"ACTORLLM_TP_LOCAL_RANKS": "1"}, ("127.0.0.1", 29500, 1, 300.0)),
+    ({"ACTORLLM_TP_LOCAL_RANKS": "1", "MASTER_PORT": "1234", "ACTORLLM_TP_TIMEOUT": "9"},
+     ("127.0.0.1", 1234, 1, 9.0)),
+    ({"ACTORLLM_TP_LOCAL_RANKS": "0"}, "--tensor-parallel-local-ranks must be in [1, 2]"),
+    ({"ACTORLLM_TP_TIMEOUT": "soon"}, "--tensor-parallel-timeout must be a number of seconds"),
+])
+def test_the_drivers_rendezvous_comes_from_the_environment(
+        env: dict[str, str], want: tuple[Any, ...] | str) -> None:
+    from actorllm.rendezvous import Rendezvous
+
+    if isinstance(want, str):
+        with pytest.raises(ValueError, match=rf"^{re.escape(want)}"):
+            Rendezvous.from_env(2, env)
+    else:
+        r = Rendezvous.from_env(2, env)
+        assert (r.addr, r.port, r.local_ranks, r.timeout) == want
