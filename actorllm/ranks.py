@@ -231,12 +231,22 @@ class RankGroup:
         timeout = self.rdv.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         waiting = set(range(1, self.spec.world))
+        # A rank that joined and then died or stopped while loading (no process handle
+        # when it is remote) is told by its heartbeat, not by the deadline.
+        loading, joined = HeartbeatMonitor(self.store, range(1, self.spec.world)), set[int]()
         while waiting:
             for rank in sorted(waiting):
                 if status(self.store, rank) == "ready":
                     waiting.discard(rank)
                     continue
                 self._failed(rank)
+                if rank not in joined and self.store.check([joined_key(rank)]):
+                    joined.add(rank)
+                    loading.touch(rank)
+                if rank in joined and loading.stale([rank]) == rank:
+                    raise ValueError(f"tensor-parallel rank {rank} ({self._where(rank)}) "
+                                     f"joined, then sent no heartbeat for "
+                                     f"{HEARTBEAT_TIMEOUT:g} s while loading")
                 proc = self.procs[rank - 1] if rank < self.rdv.local_ranks else None
                 code = proc.poll() if proc is not None else None
                 if code is not None:

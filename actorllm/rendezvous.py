@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -190,9 +190,15 @@ class HeartbeatMonitor:
         self._seen = {r: (-1, now) for r in ranks}  # rank -> (counter, when it last moved)
         self._checked = 0.0
 
-    def stale(self) -> int | None:
-        """The first rank whose heartbeat is overdue, else None (reads the store at most
-        every HEARTBEAT_INTERVAL; each read is a local round trip)."""
+    def touch(self, rank: int) -> None:
+        """Start ``rank``'s clock now (it has just been seen to join)."""
+        self._seen[rank] = (self._seen[rank][0], time.monotonic())
+
+    def stale(self, among: Iterable[int] | None = None) -> int | None:
+        """The first rank (of ``among``, default all) whose heartbeat is overdue, else
+        None. Reads the store at most every HEARTBEAT_INTERVAL; each read is a local
+        round trip. A rank is overdue HEARTBEAT_TIMEOUT after the monitor was made, it
+        was touched, or its counter last moved, whichever is last."""
         now = time.monotonic()
         if now - self._checked >= HEARTBEAT_INTERVAL:
             self._checked = now
@@ -200,7 +206,7 @@ class HeartbeatMonitor:
                 latest = self.store.add(heartbeat_key(rank), 0)
                 if latest != count:
                     self._seen[rank] = (latest, now)
-        for rank, (_, moved) in self._seen.items():
-            if now - moved > HEARTBEAT_TIMEOUT:
+        for rank in self._seen if among is None else among:
+            if now - self._seen[rank][1] > HEARTBEAT_TIMEOUT:
                 return rank
         return None

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -201,6 +202,35 @@ def test_a_remote_rank_that_never_comes_is_a_start_up_error_within_the_timeout(
             r"within 2 s \(start `actorllm rank` with RANK=1 WORLD_SIZE=2 on its host\)$")):
         Resources(_config(2))
     assert time.monotonic() - t0 < 2.0 + 10.0  # the timeout, and loading the driver's shard
+
+
+def test_a_remote_rank_that_stops_while_loading_fails_start_up_by_its_heartbeat(
+        port: int, tmp_path: Path, cleanup: list[Any]) -> None:
+    from actorllm.rendezvous import joined_key, rank_store
+
+    rank = _second_host(port, tmp_path / "rank.log")
+    cleanup.append(rank)
+    errors: list[str] = []
+
+    def driver() -> None:
+        try:
+            cleanup.append(Resources(_config(2)).runner)
+        except ValueError as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=driver)
+    thread.start()
+    # Read the driver's store as any client may; stop the rank once it has joined (its
+    # shard then takes a second or so to load).
+    store = rank_store("127.0.0.1", port, 60.0)
+    while not store.check([joined_key(1)]):
+        time.sleep(0.005)
+    rank.send_signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    thread.join(60.0)
+    assert errors == [f"tensor-parallel rank 1 (remote, at 127.0.0.1:{port}) joined, then "
+                      "sent no heartbeat for 3 s while loading"]
+    assert time.monotonic() - t0 < 6.0  # not the 60 s timeout
 
 
 def test_a_remote_rank_with_another_world_size_is_refused_by_name(
