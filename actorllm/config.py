@@ -35,7 +35,8 @@ class EngineConfig:
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     cpu_threads: int | None = None  # the Worker process's torch threads; None: worker_threads
     # Ranks of one model, Megatron-style (actorllm/ranks.py): the Worker's process is rank
-    # 0 and starts the others. On the CPU, cpu_threads (None: cores / N) is per rank.
+    # 0 and starts the others on this host, or some on other hosts (actorllm/rendezvous.py;
+    # from the environment). On the CPU, cpu_threads (None: cores / N) is per rank.
     tensor_parallel_size: int = 1
     # Plan step N+1 while step N runs (two steps in flight). None: on for CUDA, off on the
     # CPU, where the forward's own Python and the event loop's share one GIL and few cores

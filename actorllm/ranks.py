@@ -1,11 +1,12 @@
 """Tensor-parallel ranks: the driver's side (:class:`RankGroup`) and a rank's process.
 
 With ``--tensor-parallel-size N`` the Worker's :class:`~actorllm.worker.ModelRunner` is
-rank 0, the *driver*; it starts ranks 1..N-1 as processes (``python -m actorllm.ranks``)
-that each hold their shard of the weights (:mod:`actorllm.model.parallel`) and of the KV
-cache, and do nothing but run the model forward on what the driver broadcasts. The
-driver alone keeps sampling state, computes logits and samples, so seeded sampling is
-the same as on one rank; the ranks own no request state at all.
+rank 0, the *driver*; ranks 1..N-1 are processes (``actorllm rank``, started by the
+driver or on other hosts) that each hold their shard of the weights
+(:mod:`actorllm.model.parallel`) and of the KV cache, and do nothing but run the model
+forward on what the driver broadcasts. The driver alone keeps sampling state, computes
+logits and samples, so seeded sampling is the same as on one rank; the ranks own no
+request state at all.
 
 Per step, the driver broadcasts the packed :class:`~actorllm.model.ForwardBatch` over
 torch.distributed (a 6-int header, then one int64 tensor holding every field), and all
