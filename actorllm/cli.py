@@ -344,7 +344,7 @@ def cmd_rank(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), force=True,
                         format=f"%(asctime)s %(levelname)s [rank {rank} %(process)d] "
                                "%(name)s: %(message)s")
-    from actorllm.ranks import serve_rank
+    from actorllm.rank_process import serve_rank
 
     try:
         return serve_rank(args.model, timeout=args.timeout, num_threads=args.cpu_threads,

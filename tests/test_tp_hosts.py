@@ -252,7 +252,7 @@ def test_a_remote_rank_with_another_world_size_is_refused_by_name(
 ])
 def test_the_rank_refuses_an_incomplete_rendezvous_environment(
         monkeypatch: pytest.MonkeyPatch, env: dict[str, str], want: str) -> None:
-    from actorllm.ranks import serve_rank
+    from actorllm.rank_process import serve_rank
 
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
