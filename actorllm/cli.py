@@ -1,4 +1,4 @@
-"""The ``actorllm`` command: ``run``, ``serve`` and ``replay``.
+"""The ``actorllm`` command: ``run``, ``serve``, ``replay`` and ``rank``.
 
 Start-up matters here: torch and transformers are imported only by the commands
 that need them, so ``actorllm --help`` answers at once. Errors in flags, models or
@@ -47,6 +47,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="shard the model over N processes (torch.distributed: gloo on the "
                         "CPU, NCCL on CUDA); N must divide the attention heads")
+    g.add_argument("--tensor-parallel-local-ranks", type=int, default=None, metavar="K",
+                   help="ranks 0..K-1 run on this host; K..N-1 join from other hosts "
+                        "(`actorllm rank`) at MASTER_ADDR:MASTER_PORT (default: all local)")
+    g.add_argument("--tensor-parallel-timeout", type=float, default=None, metavar="S",
+                   help="how long every rank gets to join and load its shard (default 300)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan the next step while one runs, feeding each sampled token "
                         "forward in the Worker (default: on for CUDA, off on the CPU)")
@@ -110,6 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--redrive", action="store_true",
                         help="re-run the Scheduler on the recorded inputs")
     replay.add_argument("--json", action="store_true", help="machine-readable report")
+
+    rank = sub.add_parser("rank", help="a tensor-parallel rank for a driver on another "
+                          "host (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE from the env)")
+    rank.add_argument("--model", help="this host's copy of the model (default: the driver's "
+                      "path)")
+    rank.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                      help="how long to wait for the driver to answer")
+    rank.add_argument("--cpu-threads", type=int, default=None,
+                      help="torch threads of this rank (default: one per core)")
+    rank.add_argument("--watch-stdin", action="store_true", help=argparse.SUPPRESS)
+    rank.add_argument("--log-level", default="WARNING")
     return parser
 
 
@@ -312,6 +328,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_main(config, args)
 
 
+def tensor_parallel_env(args: argparse.Namespace, environ: Any = os.environ) -> None:
+    """The rendezvous flags, as the environment the runner reads them from
+    (actorllm/rendezvous.py): it is built in this process or in an ``engine`` child that
+    inherits the environment, like ``MASTER_ADDR``."""
+    local, timeout = (getattr(args, "tensor_parallel_local_ranks", None),
+                      getattr(args, "tensor_parallel_timeout", None))
+    if local is not None:
+        if not 1 <= local <= args.tensor_parallel_size:
+            raise CliError(f"--tensor-parallel-local-ranks must be in [1, "
+                           f"{args.tensor_parallel_size}] (--tensor-parallel-size), got {local}")
+        environ["ACTORLLM_TP_LOCAL_RANKS"] = str(local)
+    if timeout is not None:
+        if not timeout > 0:
+            raise CliError(f"--tensor-parallel-timeout must be positive, got {timeout:g}")
+        environ["ACTORLLM_TP_TIMEOUT"] = str(timeout)
+
+
+def cmd_rank(args: argparse.Namespace) -> int:
+    """``actorllm rank``: one tensor-parallel rank (actorllm/ranks.py ``serve_rank``)."""
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        raise CliError("--cpu-threads must be at least 1")
+    rank = os.environ.get("RANK", "?")
+    logging.basicConfig(level=args.log_level.upper(), force=True,
+                        format=f"%(asctime)s %(levelname)s [rank {rank} %(process)d] "
+                               "%(name)s: %(message)s")
+    from actorllm.rank_process import serve_rank
+
+    try:
+        return serve_rank(args.model, timeout=args.timeout, num_threads=args.cpu_threads,
+                          watch_stdin=args.watch_stdin)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from actorllm.replay import replay_main
 
@@ -339,10 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        tensor_parallel_env(args)
         if args.command == "run":
             return cmd_run(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "rank":
+            return cmd_rank(args)
         return cmd_replay(args)
     except CliError as exc:
         sys.stderr.write(f"actorllm: error: {exc}\n")

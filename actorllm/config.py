@@ -35,7 +35,8 @@ class EngineConfig:
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     cpu_threads: int | None = None  # the Worker process's torch threads; None: worker_threads
     # Ranks of one model, Megatron-style (actorllm/ranks.py): the Worker's process is rank
-    # 0 and starts the others. On the CPU, cpu_threads (None: cores / N) is per rank.
+    # 0 and starts the others on this host, or some on other hosts (actorllm/rendezvous.py;
+    # from the environment). On the CPU, cpu_threads (None: cores / N) is per rank.
     tensor_parallel_size: int = 1
     # Replicas of the Scheduler and Worker, each in a process of its own behind one
     # Frontend (docs/architecture.md, "Data parallelism"); > 1 needs topology "engine".

@@ -1,11 +1,12 @@
 """Tensor-parallel ranks: the driver's side (:class:`RankGroup`) and a rank's process.
 
 With ``--tensor-parallel-size N`` the Worker's :class:`~actorllm.worker.ModelRunner` is
-rank 0, the *driver*; it starts ranks 1..N-1 as processes (``python -m actorllm.ranks``)
-that each hold their shard of the weights (:mod:`actorllm.model.parallel`) and of the KV
-cache, and do nothing but run the model forward on what the driver broadcasts. The
-driver alone keeps sampling state, computes logits and samples, so seeded sampling is
-the same as on one rank; the ranks own no request state at all.
+rank 0, the *driver*; ranks 1..N-1 are processes (``actorllm rank``, started by the
+driver or on other hosts) that each hold their shard of the weights
+(:mod:`actorllm.model.parallel`) and of the KV cache, and do nothing but run the model
+forward on what the driver broadcasts. The driver alone keeps sampling state, computes
+logits and samples, so seeded sampling is the same as on one rank; the ranks own no
+request state at all.
 
 Per step, the driver broadcasts the packed :class:`~actorllm.model.ForwardBatch` over
 torch.distributed (a 6-int header, then one int64 tensor holding every field), and all
@@ -15,36 +16,40 @@ driver, the broadcast is one copy per rank of a few KB, it is ordered with the
 all-reduces that follow it by construction, and a rank then needs no event loop,
 no codec and no mailbox, only torch.
 
-Rendezvous is torch.distributed's standard one: the driver binds a free loopback port
-and gives each rank ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` in its
-environment (``init_method="env://"``). Backend: gloo on the CPU, NCCL on CUDA.
+Rendezvous (:mod:`actorllm.rendezvous`): the driver hosts the group's TCPStore and
+starts ranks 1..K-1 itself (K = ``--tensor-parallel-local-ranks``, default all); ranks
+K..N-1 are started on other hosts by ``actorllm rank`` with the standard
+``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``. Every rank, local or not, runs
+the same code: join the store, read the driver's :class:`RankSpec` from it, load its
+shard, say ``ready`` (or ``failed: why``), form the group. Backend: gloo on the CPU,
+NCCL on CUDA.
 
-No orphans. A rank's stdin is a pipe from the driver; it exits at once when that pipe
-reaches EOF, which happens when the driver closes the group or its process dies in any
-way (PR_SET_PDEATHSIG would not do: the driver may start ranks from a worker thread,
-and the signal fires when that *thread* exits). A rank that loses a peer mid-collective
-gets gloo's "connection closed" error and exits too.
+No orphans. A local rank's stdin is a pipe from the driver; it exits at once when that
+pipe reaches EOF, which happens when the driver closes the group or its process dies in
+any way (PR_SET_PDEATHSIG would not do: the driver may start ranks from a worker
+thread, and the signal fires when that *thread* exits). Every rank also exits when its
+heartbeat to the driver's store fails, or when its collective loses the driver (gloo's
+"connection closed"): that is how a remote rank leaves.
 
 Death. :meth:`RankGroup.watch` (run by the Worker actor) raises :class:`RankDied`
-within ``WATCH_INTERVAL`` of a rank exiting; the Worker actor then fails, and the
-engine is dead as when a child process dies (``engine_dead``). A step that fails
-after its broadcast leaves the ranks out of step with the driver, so it is fatal too.
+within ``WATCH_INTERVAL`` of a local rank exiting, and within ``HEARTBEAT_TIMEOUT`` of
+any rank's heartbeat stopping (a remote rank's death, a stopped process, a lost
+network); the Worker actor then fails, and the engine is dead as when a child process
+dies (``engine_dead``). A step that fails after its broadcast leaves the ranks out of
+step with the driver, so it is fatal too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
 import os
-import select
-import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,12 +58,19 @@ import trio
 
 from actorllm.exit_codes import describe_exit
 from actorllm.model import ForwardBatch, KVCache, LlamaForCausalLM
-from actorllm.model.parallel import TensorParallel
+from actorllm.rendezvous import (
+    HEARTBEAT_TIMEOUT,
+    SPEC,
+    HeartbeatMonitor,
+    Rendezvous,
+    driver_store,
+    joined_key,
+    status,
+)
 
 log = logging.getLogger(__name__)
 
 WATCH_INTERVAL = 0.1  # how often the driver looks for a dead rank
-READY_TIMEOUT = 300.0  # loading a large shard can take minutes; a failure reports at once
 # Ranks wait in a broadcast for the next step for as long as the engine is idle, so the
 # group's timeout must outlast any idle spell; dead peers are noticed by closed sockets
 # and by watch(), not by this timeout.
@@ -73,7 +85,7 @@ class RankDied(RuntimeError):
 
 @dataclass(frozen=True)
 class RankSpec:
-    """What every rank builds (sent to each rank process as JSON)."""
+    """What every rank builds (put in the rendezvous store as JSON for every rank)."""
 
     model: str
     world: int
@@ -90,16 +102,10 @@ def dist_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def rank_device(device: str, rank: int) -> torch.device:
-    """Rank ``rank``'s device: the same CPU, or the ``rank``-th GPU from the driver's."""
+def rank_device(device: str, local_rank: int) -> torch.device:
+    """A rank's device: the same CPU, or the ``local_rank``-th GPU from the driver's."""
     dev = torch.device(device)
-    return torch.device("cuda", (dev.index or 0) + rank) if dev.type == "cuda" else dev
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return torch.device("cuda", (dev.index or 0) + local_rank) if dev.type == "cuda" else dev
 
 
 # --- the per-step broadcast ----------------------------------------------------------
@@ -118,11 +124,20 @@ def broadcast_batch(batch: ForwardBatch) -> None:
     torch.distributed.broadcast(payload, src=0)
 
 
-def receive_batch(device: torch.device) -> ForwardBatch:
-    """Rank: the driver's next batch (blocks while the engine is idle)."""
+def broadcast_stop(device: torch.device) -> None:
+    """Driver: tell every rank the group is closing (a header of -1 tokens)."""
+    torch.distributed.broadcast(torch.full((_HEADER,), -1, dtype=torch.int64, device=device),
+                                src=0)
+
+
+def receive_batch(device: torch.device) -> ForwardBatch | None:
+    """Rank: the driver's next batch (blocks while the engine is idle); None when the
+    driver closes the group."""
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
     torch.distributed.broadcast(header, src=0)
     tokens, seqs, width, sampled, max_q, max_k = header.tolist()
+    if tokens < 0:
+        return None
     sizes = [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, sampled]
     payload = torch.empty(sum(sizes), dtype=torch.int64, device=device)
     torch.distributed.broadcast(payload, src=0)
@@ -139,22 +154,29 @@ def receive_batch(device: torch.device) -> ForwardBatch:
 
 
 class RankGroup:
-    """Ranks 1..world-1 of one driver: started when it is made, joined by :meth:`connect`.
+    """Ranks 1..world-1 of one driver: the local ones started when it is made, all of
+    them joined by :meth:`connect`.
 
     One group per process at a time (torch.distributed's default group). ``broken``
-    names why the group can no longer run a step, once it cannot.
+    names why the group can no longer run a step, once it cannot. ``rendezvous``
+    defaults to :meth:`Rendezvous.from_env` (every rank local unless the environment
+    says otherwise).
     """
 
-    def __init__(self, spec: RankSpec) -> None:
+    def __init__(self, spec: RankSpec, rendezvous: Rendezvous | None = None) -> None:
         if torch.distributed.is_initialized():
             raise ValueError("this process already belongs to a torch.distributed group "
                              "(one tensor-parallel ModelRunner per process)")
         self.spec = spec
-        self.port = _free_port()
+        self.rdv = rendezvous or Rendezvous.from_env(spec.world)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.broken: str | None = None
         self._connected = False
         self._closed = False
+        self._monitor: HeartbeatMonitor | None = None
+        self.store: Any = driver_store(self.rdv)  # torch.distributed.TCPStore
+        self.port = self.store.port
+        self.store.set(SPEC, json.dumps(dataclasses.asdict(spec)))
         env = dict(os.environ)
         # The rank must import this very actorllm, installed or not.
         root = str(Path(__file__).resolve().parents[1])
@@ -162,54 +184,91 @@ class RankGroup:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port),
                    WORLD_SIZE=str(spec.world))
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        argv = [sys.executable, "-m", "actorllm.ranks", json.dumps(asdict(spec)), str(level)]
+        argv = [sys.executable, "-m", "actorllm", "rank", "--watch-stdin",
+                "--log-level", str(level)]
         try:
-            for rank in range(1, spec.world):
+            for rank in range(1, self.rdv.local_ranks):
                 self.procs.append(subprocess.Popen(
                     argv, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+                    stdin=subprocess.PIPE))
                 log.info("started tensor-parallel rank %d (pid %d)", rank, self.procs[-1].pid)
         except BaseException:
             self.close()
             raise
+        if self.rdv.remote:
+            log.warning("waiting for tensor-parallel ranks %d..%d at %s (actorllm rank)",
+                        self.rdv.local_ranks, spec.world - 1, self.rdv.where(self.port))
 
     @property
     def pids(self) -> list[int]:
-        """Process ids of ranks 1..world-1."""
+        """Process ids of the local ranks 1..local_ranks-1."""
         return [p.pid for p in self.procs]
 
-    def connect(self, timeout: float = READY_TIMEOUT) -> None:
+    def _where(self, rank: int) -> str:
+        if rank < self.rdv.local_ranks:
+            return f"pid {self.procs[rank - 1].pid}"
+        return f"remote, at {self.rdv.where(self.port)}"
+
+    def _failed(self, rank: int) -> None:
+        said = status(self.store, rank) if self.store is not None else None
+        if said is not None and said.startswith("failed: "):
+            raise ValueError(f"tensor-parallel rank {rank} failed to start: "
+                             f"{said.removeprefix('failed: ')}")
+
+    def connect(self, timeout: float | None = None) -> None:
         """Wait until every rank has loaded its shard, then form the group (as rank 0).
 
-        Raises a one-line ``ValueError`` naming the rank that failed to start.
+        Raises a one-line ``ValueError`` naming the rank that failed to start, or the
+        first one not there after ``timeout`` (default: the rendezvous's).
         """
-        waiting = {p.stdout.fileno(): (rank, p) for rank, p in enumerate(self.procs, 1)
-                   if p.stdout is not None}
-        lines: dict[int, bytes] = {}
+        assert self.store is not None
+        timeout = self.rdv.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
+        waiting = set(range(1, self.spec.world))
+        # A rank that joined and then died or stopped while loading (no process handle
+        # when it is remote) is told by its heartbeat, not by the deadline.
+        loading, joined = HeartbeatMonitor(self.store, range(1, self.spec.world)), set[int]()
         while waiting:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ValueError(f"tensor-parallel rank {min(r for r, _ in waiting.values())} "
-                                 f"not ready after {timeout:g} s")
-            readable, _, _ = select.select(list(waiting), [], [], min(left, 0.5))
-            for fd in readable:
-                rank, proc = waiting[fd]
-                chunk = os.read(fd, 4096)
-                lines[rank] = lines.get(rank, b"") + chunk
-                said = [x.strip() for x in lines[rank].decode(errors="replace").splitlines()]
-                if "ready" in said:
-                    del waiting[fd]
-                elif not chunk or any(x.startswith("failed: ") for x in said):
-                    code = proc.wait()  # it says why, then exits; or it died silently
-                    why = next((x.removeprefix("failed: ") for x in said
-                                if x.startswith("failed: ")), f"exit code {describe_exit(code)}")
-                    raise ValueError(f"tensor-parallel rank {rank} failed to start: {why}")
-        torch.distributed.init_process_group(
-            dist_backend(rank_device(self.spec.device, 0)),
-            init_method=f"tcp://127.0.0.1:{self.port}", rank=0, world_size=self.spec.world,
-            timeout=COLLECTIVE_TIMEOUT)
+            for rank in sorted(waiting):
+                if status(self.store, rank) == "ready":
+                    waiting.discard(rank)
+                    continue
+                self._failed(rank)
+                if rank not in joined and self.store.check([joined_key(rank)]):
+                    joined.add(rank)
+                    loading.touch(rank)
+                if rank in joined and loading.stale([rank]) == rank:
+                    raise ValueError(f"tensor-parallel rank {rank} ({self._where(rank)}) "
+                                     f"joined, then sent no heartbeat for "
+                                     f"{HEARTBEAT_TIMEOUT:g} s while loading")
+                proc = self.procs[rank - 1] if rank < self.rdv.local_ranks else None
+                code = proc.poll() if proc is not None else None
+                if code is not None:
+                    self._failed(rank)  # it may have said why just before it exited
+                    raise ValueError(f"tensor-parallel rank {rank} failed to start: exit "
+                                     f"code {describe_exit(code)}")
+            if waiting and time.monotonic() >= deadline:
+                rank = min(waiting)
+                if self.store.check([joined_key(rank)]):
+                    raise ValueError(f"tensor-parallel rank {rank} not ready after {timeout:g} s")
+                if rank < self.rdv.local_ranks:
+                    raise ValueError(f"tensor-parallel rank {rank} did not start within "
+                                     f"{timeout:g} s")
+                raise ValueError(
+                    f"tensor-parallel rank {rank} did not join the rendezvous at "
+                    f"{self.rdv.where(self.port)} within {timeout:g} s (start `actorllm rank` "
+                    f"with RANK={rank} WORLD_SIZE={self.spec.world} on its host)")
+            if waiting:
+                time.sleep(0.05)
+        try:
+            torch.distributed.init_process_group(
+                dist_backend(rank_device(self.spec.device, 0)), store=self.store, rank=0,
+                world_size=self.spec.world, timeout=COLLECTIVE_TIMEOUT)
+        except Exception as exc:  # a rank said ready, then vanished
+            raise ValueError(f"the tensor-parallel group did not form: "
+                             f"{str(exc).splitlines()[0]}") from None
         self._connected = True
+        self._monitor = HeartbeatMonitor(self.store, range(1, self.spec.world))
         log.info("tensor-parallel group of %d ranks formed on port %d", self.spec.world,
                  self.port)
 
@@ -228,16 +287,22 @@ class RankGroup:
             raise
 
     def dead(self) -> str | None:
-        """Why the group is unusable: a rank that exited, else a broken step, else None."""
+        """Why the group is unusable: a local rank that exited, a rank whose heartbeat
+        stopped, else a broken step, else None."""
         for rank, proc in enumerate(self.procs, 1):
             code = proc.poll()
             if code is not None:
                 return (f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
                         f"{describe_exit(code)}")
+        if self._monitor is not None and not self._closed:
+            rank = self._monitor.stale()
+            if rank is not None:
+                return (f"tensor-parallel rank {rank} ({self._where(rank)}) sent no heartbeat "
+                        f"for {HEARTBEAT_TIMEOUT:g} s: it died, hung or lost the network")
         return self.broken
 
     async def watch(self) -> None:
-        """Return never; raise :class:`RankDied` once a rank has exited."""
+        """Return never; raise :class:`RankDied` once a rank has exited or gone silent."""
         while True:
             reason = self.dead()
             if reason is not None and reason != self.broken:
@@ -246,18 +311,26 @@ class RankGroup:
 
     async def check(self) -> None:
         """After a step: raise :class:`RankDied` if it left the group broken (naming the
-        rank whose exit broke it, when one exits within a second)."""
+        rank whose death broke it, when one is seen dead soon: within a second for a
+        local rank's exit, a heartbeat timeout for a remote rank)."""
         if self.broken is None:
             return
-        with trio.move_on_after(1.0):
+        wait = HEARTBEAT_TIMEOUT + 1.0 if self.rdv.remote else 1.0
+        with trio.move_on_after(wait):
             while self.dead() == self.broken:
                 await trio.sleep(0.02)
         raise RankDied(self.dead() or self.broken)
 
     def close(self) -> None:
-        """Stop every rank (EOF on its stdin; SIGKILL after 5 s) and leave the group."""
+        """Stop every local rank (EOF on its stdin; SIGKILL after 5 s), leave the group and
+        close the store (remote ranks see their heartbeat fail and exit)."""
         if self._closed:
             return
+        if self._connected and self.dead() is None:
+            try:  # so that every rank, local or remote, exits 0 knowing why
+                broadcast_stop(rank_device(self.spec.device, 0))
+            except Exception:
+                log.debug("could not tell the ranks to stop", exc_info=True)
         self._closed = True
         for proc in self.procs:
             if proc.stdin is not None:
@@ -269,82 +342,7 @@ class RankGroup:
                 log.warning("tensor-parallel rank (pid %d) did not stop; killing it", proc.pid)
                 proc.kill()
                 proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
         if self._connected and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-
-
-# --- a rank's process -----------------------------------------------------------------
-
-
-def _exit_when_orphaned() -> None:
-    """EOF on stdin: the driver closed the group or died. Leave at once."""
-    try:
-        while sys.stdin.buffer.read(4096):
-            pass
-    finally:
-        os._exit(EXIT_ORPHANED)
-
-
-def _say(line: str) -> None:
-    sys.stdout.write(line.replace("\n", " ") + "\n")
-    sys.stdout.flush()
-
-
-def _build(spec: RankSpec, tp: TensorParallel
-           ) -> tuple[LlamaForCausalLM, list[KVCache], Any, torch.device]:
-    from actorllm.model import load_config, load_model
-    from actorllm.model.llama import allocate_kv_caches, head_dim_of
-    from actorllm.ops import select_backend
-    from actorllm.ops.cpu_linear import pack_linears
-
-    device = rank_device(spec.device, tp.rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if spec.num_threads is not None:
-        torch.set_num_threads(spec.num_threads)
-    dtype = getattr(torch, spec.dtype)
-    config = load_config(spec.model)
-    backend = select_backend(spec.attention_backend, device, dtype=dtype,
-                             head_dim=head_dim_of(config), block_size=spec.block_size)
-    model = load_model(spec.model, dtype=dtype, device=device, config=config, tp=tp)
-    if device.type == "cpu":
-        pack_linears(model)
-    kv = allocate_kv_caches(config, spec.num_blocks, spec.block_size, dtype, device, tp)
-    return model, kv, backend, device
-
-
-def main(argv: list[str] | None = None) -> int:
-    """A rank's process: ``python -m actorllm.ranks SPEC_JSON LOG_LEVEL`` with the
-    torch.distributed variables in its environment."""
-    args = sys.argv[1:] if argv is None else argv
-    spec = RankSpec(**json.loads(args[0]))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
-    threading.Thread(target=_exit_when_orphaned, daemon=True).start()
-    logging.basicConfig(level=args[1] if len(args) > 1 else "WARNING",
-                        format=f"%(asctime)s %(levelname)s [rank {rank} %(process)d] "
-                               "%(name)s: %(message)s")
-    tp = TensorParallel(rank, world)
-    try:
-        model, kv, backend, device = _build(spec, tp)
-    except Exception as exc:
-        log.exception("rank %d failed to load", rank)
-        _say(f"failed: {str(exc).strip() or type(exc).__name__}")
-        return 1
-    _say("ready")
-    try:
-        torch.distributed.init_process_group(dist_backend(device), init_method="env://",
-                                             rank=rank, world_size=world,
-                                             timeout=COLLECTIVE_TIMEOUT)
-        with torch.inference_mode():
-            while True:
-                model(receive_batch(device), kv, backend)
-    except Exception:
-        log.exception("rank %d failed", rank)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        self._monitor = None
+        self.store = None  # the last reference: the store's server stops
