@@ -50,7 +50,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-local-ranks", type=int, default=None, metavar="K",
                    help="ranks 0..K-1 run on this host; K..N-1 join from other hosts "
                         "(`actorllm rank`) at MASTER_ADDR:MASTER_PORT (default: all local)")
-    g.add_argument("--tensor-parallel-timeout", type=float, default=None, metavar="S",
+    g.add_argument("--tensor-parallel-timeout", type=float, default=300.0, metavar="S",
                    help="how long every rank gets to join and load its shard (default 300)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan the next step while one runs, feeding each sampled token "
@@ -170,6 +170,8 @@ def engine_config(args: argparse.Namespace) -> Any:
             dtype=args.dtype,
             cpu_threads=args.cpu_threads,
             tensor_parallel_size=args.tensor_parallel_size,
+            tensor_parallel_local_ranks=args.tensor_parallel_local_ranks,
+            tensor_parallel_timeout=args.tensor_parallel_timeout,
             async_scheduling=args.async_scheduling,
             data_parallel_size=args.data_parallel_size,
             topology=args.topology or ("engine" if args.data_parallel_size > 1 else "single"),
@@ -328,23 +330,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_main(config, args)
 
 
-def tensor_parallel_env(args: argparse.Namespace, environ: Any = os.environ) -> None:
-    """The rendezvous flags, as the environment the runner reads them from
-    (actorllm/rendezvous.py): it is built in this process or in an ``engine`` child that
-    inherits the environment, like ``MASTER_ADDR``."""
-    local, timeout = (getattr(args, "tensor_parallel_local_ranks", None),
-                      getattr(args, "tensor_parallel_timeout", None))
-    if local is not None:
-        if not 1 <= local <= args.tensor_parallel_size:
-            raise CliError(f"--tensor-parallel-local-ranks must be in [1, "
-                           f"{args.tensor_parallel_size}] (--tensor-parallel-size), got {local}")
-        environ["ACTORLLM_TP_LOCAL_RANKS"] = str(local)
-    if timeout is not None:
-        if not timeout > 0:
-            raise CliError(f"--tensor-parallel-timeout must be positive, got {timeout:g}")
-        environ["ACTORLLM_TP_TIMEOUT"] = str(timeout)
-
-
 def cmd_rank(args: argparse.Namespace) -> int:
     """``actorllm rank``: one tensor-parallel rank (actorllm/ranks.py ``serve_rank``)."""
     if args.cpu_threads is not None and args.cpu_threads < 1:
@@ -389,7 +374,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        tensor_parallel_env(args)
         if args.command == "run":
             return cmd_run(args)
         if args.command == "serve":

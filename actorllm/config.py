@@ -35,9 +35,12 @@ class EngineConfig:
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     cpu_threads: int | None = None  # the Worker process's torch threads; None: worker_threads
     # Ranks of one model, Megatron-style (actorllm/ranks.py): the Worker's process is rank
-    # 0 and starts the others on this host, or some on other hosts (actorllm/rendezvous.py;
-    # from the environment). On the CPU, cpu_threads (None: cores / N) is per rank.
+    # 0 and starts ranks 1..local-1 on this host; the others join from other hosts
+    # (actorllm/rendezvous.py, at MASTER_ADDR:MASTER_PORT). On the CPU, cpu_threads (None:
+    # cores / N) is per rank.
     tensor_parallel_size: int = 1
+    tensor_parallel_local_ranks: int | None = None  # None: all of them on this host
+    tensor_parallel_timeout: float = 300.0  # for every rank to join and load its shard
     # Replicas of the Scheduler and Worker, each in a process of its own behind one
     # Frontend (docs/architecture.md, "Data parallelism"); > 1 needs topology "engine".
     data_parallel_size: int = 1
@@ -70,6 +73,13 @@ class EngineConfig:
             raise ValueError("--cpu-threads must be at least 1")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be at least 1")
+        local = self.tensor_parallel_local_ranks
+        if local is not None and not 1 <= local <= self.tensor_parallel_size:
+            raise ValueError(f"--tensor-parallel-local-ranks must be in [1, "
+                             f"{self.tensor_parallel_size}] (--tensor-parallel-size), got {local}")
+        if not self.tensor_parallel_timeout > 0:
+            raise ValueError(f"--tensor-parallel-timeout must be positive, got "
+                             f"{self.tensor_parallel_timeout:g}")
         if self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be at least 1, got "
                              f"{self.data_parallel_size}")

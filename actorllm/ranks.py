@@ -159,8 +159,7 @@ class RankGroup:
 
     One group per process at a time (torch.distributed's default group). ``broken``
     names why the group can no longer run a step, once it cannot. ``rendezvous``
-    defaults to :meth:`Rendezvous.from_env` (every rank local unless the environment
-    says otherwise).
+    defaults to every rank on this host (:meth:`Rendezvous.for_driver`).
     """
 
     def __init__(self, spec: RankSpec, rendezvous: Rendezvous | None = None) -> None:
@@ -168,7 +167,7 @@ class RankGroup:
             raise ValueError("this process already belongs to a torch.distributed group "
                              "(one tensor-parallel ModelRunner per process)")
         self.spec = spec
-        self.rdv = rendezvous or Rendezvous.from_env(spec.world)
+        self.rdv = rendezvous or Rendezvous.for_driver(spec.world)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.broken: str | None = None
         self._connected = False

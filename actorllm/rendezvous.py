@@ -16,11 +16,10 @@ to it with the standard variables ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/
   exits when a bump fails, i.e. when the driver's store is gone (the driver died or
   closed the group) or unreachable for :data:`RANK_STORE_TIMEOUT`.
 
-Which ranks run on this host and how long to wait for the others come from
-``ACTORLLM_TP_LOCAL_RANKS`` and ``ACTORLLM_TP_TIMEOUT`` (set by ``actorllm run|serve
---tensor-parallel-local-ranks/--tensor-parallel-timeout``), read where the runner is
-built, so they reach an ``engine`` child process through its environment like
-``MASTER_ADDR`` does.
+Which ranks run on this host and how long to wait for the others are the engine's
+settings (``EngineConfig.tensor_parallel_local_ranks``/``tensor_parallel_timeout``,
+``--tensor-parallel-local-ranks``/``--tensor-parallel-timeout``); where the store
+listens is the standard ``MASTER_PORT``.
 """
 
 from __future__ import annotations
@@ -37,8 +36,6 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-ENV_LOCAL_RANKS = "ACTORLLM_TP_LOCAL_RANKS"
-ENV_TIMEOUT = "ACTORLLM_TP_TIMEOUT"
 DEFAULT_TIMEOUT = 300.0  # loading a large shard can take minutes; a failure reports at once
 DEFAULT_PORT = 29500  # torchrun's
 HEARTBEAT_INTERVAL = 0.25
@@ -80,23 +77,21 @@ class Rendezvous:
         return self.port != 0
 
     @classmethod
-    def from_env(cls, world: int, environ: Mapping[str, str] = os.environ) -> Rendezvous:
-        """The rendezvous of a driver of ``world`` ranks; a one-line ``ValueError`` if the
-        environment asks for the impossible.
+    def for_driver(cls, world: int, local_ranks: int | None = None,
+                   timeout: float = DEFAULT_TIMEOUT,
+                   environ: Mapping[str, str] = os.environ) -> Rendezvous:
+        """The rendezvous of a driver of ``world`` ranks, ``local_ranks`` of them (None:
+        all) on this host (``EngineConfig.tensor_parallel_local_ranks``/``_timeout``); a
+        one-line ``ValueError`` if that is impossible.
 
         All ranks local (the default): a free loopback port; ``MASTER_*`` are ignored, so
         a job that has them set for something else does not collide with it. Some
         remote: the store listens on ``MASTER_PORT`` (default 29500) on every interface.
         """
-        local = _int(environ, ENV_LOCAL_RANKS, world, "--tensor-parallel-local-ranks")
+        local = world if local_ranks is None else local_ranks
         if not 1 <= local <= world:
             raise ValueError(f"--tensor-parallel-local-ranks must be in [1, {world}] "
                              f"(--tensor-parallel-size), got {local}")
-        try:
-            timeout = float(environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT))
-        except ValueError:
-            raise ValueError(f"--tensor-parallel-timeout must be a number of seconds, got "
-                             f"{environ[ENV_TIMEOUT]!r}") from None
         if not timeout > 0:
             raise ValueError(f"--tensor-parallel-timeout must be positive, got {timeout:g}")
         if local == world:

@@ -43,6 +43,7 @@ from actorllm.model.parallel import TensorParallel, check_tensor_parallel
 from actorllm.ops import select_backend
 from actorllm.ops.cpu_linear import pack_linears
 from actorllm.ranks import RankDied, RankGroup, RankSpec
+from actorllm.rendezvous import Rendezvous
 from actorllm.sampler import SamplingState, prompt_logprobs, sample
 from actorllm.structured import Grammar, GrammarBackend, LLGuidanceBackend, MaskFiller
 
@@ -63,7 +64,8 @@ class ModelRunner:
     the engine's one :class:`ModelInfo` (read from ``model_dir`` when not given), so the
     Worker refuses and stops on exactly what the Tokenizer and the Scheduler do.
     ``tensor_parallel_size`` > 1 makes this runner the driver of that many ranks
-    (:mod:`actorllm.ranks`); :meth:`close` stops them.
+    (:mod:`actorllm.ranks`), meeting at ``rendezvous`` (default: all on this host);
+    :meth:`close` stops them.
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class ModelRunner:
         num_threads: int | None = None,
         info: ModelInfo | None = None,
         tensor_parallel_size: int = 1,
+        rendezvous: Rendezvous | None = None,
     ) -> None:
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
@@ -125,7 +128,7 @@ class ModelRunner:
         self.ranks: RankGroup | None = RankGroup(RankSpec(
             str(model_dir), tp.world, num_blocks, block_size,
             str(self.dtype).removeprefix("torch."), device, self.backend_name, num_threads,
-        )) if tp.enabled else None
+        ), rendezvous) if tp.enabled else None
         try:
             self.model = load_model(model_dir, dtype=self.dtype, device=self.device,
                                     config=config, tp=tp)
@@ -389,8 +392,7 @@ class Worker:
         to back: with two steps in flight the next starts the moment one ends, not when
         this event loop, busy with other actors, turns. Results return in order
         (``run_sync_soon`` keeps its callbacks' order) and leave from here."""
-        # A runner may outlive an engine (LLM reuses its weights): a new Scheduler knows
-        # nothing of rids an earlier one left behind, so neither may we.
+        # A runner may outlive an engine (LLM reuses it): forget an earlier one's rids.
         self.runner.drop_all()
         ranks = self.runner.ranks
         plans: queue.SimpleQueue[StepPlan | None] = queue.SimpleQueue()
@@ -420,9 +422,7 @@ class Worker:
         try:
             async for plan in self.inbox:
                 plans.put(plan)
-        except BaseException:
-            # Cancelled or failed: the plans the thread has not started are dropped, so
-            # it stops after the step it is in (a step cannot be interrupted).
+        except BaseException:  # cancelled or failed: the thread stops after its step
             with contextlib.suppress(queue.Empty):
                 while True:
                     plans.get_nowait()

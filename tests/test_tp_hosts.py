@@ -1,8 +1,8 @@
 """Tensor-parallel ranks on other hosts (actorllm/rendezvous.py, ``actorllm rank``).
 
 Every test here plays both hosts on loopback: the driver (this process, or an
-``engine`` child) runs with ``--tensor-parallel-local-ranks 1``, i.e. the environment
-``ACTORLLM_TP_LOCAL_RANKS=1`` plus ``MASTER_ADDR``/``MASTER_PORT``, and the test starts
+``engine`` child) runs with ``--tensor-parallel-local-ranks 1`` (``EngineConfig.
+tensor_parallel_local_ranks``) and ``MASTER_ADDR``/``MASTER_PORT``, and the test starts
 rank 1 itself, as a second host would: ``python -m actorllm rank`` with ``RANK`` and
 ``WORLD_SIZE`` in its environment, not a child of the driver and not watched by it
 through a process handle. What is checked: the tokens equal one rank's; the driver's
@@ -54,15 +54,13 @@ def port(monkeypatch: pytest.MonkeyPatch) -> int:
     p = _free_port()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(p))
-    monkeypatch.setenv("ACTORLLM_TP_LOCAL_RANKS", "1")
-    monkeypatch.setenv("ACTORLLM_TP_TIMEOUT", "60")
     return p
 
 
 def _second_host(port: int, log: Path, *, world: int = 2, timeout: float = 60.0
                  ) -> subprocess.Popen[bytes]:
     """Rank 1 started the way the README tells a second host to start it."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACTORLLM_TP_")}
+    env = dict(os.environ)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="1",
                WORLD_SIZE=str(world), PYTHONPATH=str(ROOT))
     with log.open("wb") as f:
@@ -73,7 +71,10 @@ def _second_host(port: int, log: Path, *, world: int = 2, timeout: float = 60.0
 
 
 def _config(tp: int, **kw: Any) -> EngineConfig:
-    return EngineConfig(model=str(MODEL), tensor_parallel_size=tp, **{**CACHE, **kw})
+    """With tp > 1, rank 0 here and the others from elsewhere (the second host)."""
+    remote = dict(tensor_parallel_local_ranks=1, tensor_parallel_timeout=60.0) if tp > 1 \
+        else {}
+    return EngineConfig(model=str(MODEL), tensor_parallel_size=tp, **{**CACHE, **remote, **kw})
 
 
 def _exits(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
@@ -194,13 +195,12 @@ async def test_a_dead_driver_leaves_no_remote_rank_behind(
 
 
 def test_a_remote_rank_that_never_comes_is_a_start_up_error_within_the_timeout(
-        port: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ACTORLLM_TP_TIMEOUT", "2")
+        port: int) -> None:
     t0 = time.monotonic()
     with pytest.raises(ValueError, match=(
             rf"^tensor-parallel rank 1 did not join the rendezvous at 127.0.0.1:{port} "
             r"within 2 s \(start `actorllm rank` with RANK=1 WORLD_SIZE=2 on its host\)$")):
-        Resources(_config(2))
+        Resources(_config(2, tensor_parallel_timeout=2.0))
     assert time.monotonic() - t0 < 2.0 + 10.0  # the timeout, and loading the driver's shard
 
 
@@ -266,7 +266,7 @@ def test_the_rank_refuses_an_incomplete_rendezvous_environment(
 
 
 def test_the_rank_command_without_a_driver_fails_in_one_line_after_its_timeout() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACTORLLM_TP_")}
+    env = dict(os.environ)
     port = _free_port()
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="1", WORLD_SIZE="2",
                PYTHONPATH=str(ROOT))
@@ -303,21 +303,23 @@ def test_a_rendezvous_port_in_use_is_a_one_line_error() -> None:
             driver_store(Rendezvous("127.0.0.1", taken, 1, 5.0))
 
 
-@pytest.mark.parametrize(("env", "want"), [
-    ({"MASTER_PORT": "4321"}, ("127.0.0.1", 0, 2, 300.0)),  # all local: any free port
-    ({"ACTORLLM_TP_LOCAL_RANKS": "1"}, ("127.0.0.1", 29500, 1, 300.0)),
-    ({"ACTORLLM_TP_LOCAL_RANKS": "1", "MASTER_PORT": "1234", "ACTORLLM_TP_TIMEOUT": "9"},
-     ("127.0.0.1", 1234, 1, 9.0)),
-    ({"ACTORLLM_TP_LOCAL_RANKS": "0"}, "--tensor-parallel-local-ranks must be in [1, 2]"),
-    ({"ACTORLLM_TP_TIMEOUT": "soon"}, "--tensor-parallel-timeout must be a number of seconds"),
+@pytest.mark.parametrize(("local", "timeout", "env", "want"), [
+    (None, 300.0, {"MASTER_PORT": "4321"}, ("127.0.0.1", 0, 2, 300.0)),  # all local: any port
+    (2, 300.0, {"MASTER_PORT": "4321"}, ("127.0.0.1", 0, 2, 300.0)),
+    (1, 300.0, {}, ("127.0.0.1", 29500, 1, 300.0)),  # torchrun's default port
+    (1, 9.0, {"MASTER_PORT": "1234"}, ("127.0.0.1", 1234, 1, 9.0)),
+    (0, 300.0, {}, "--tensor-parallel-local-ranks must be in [1, 2]"),
+    (1, 0.0, {}, "--tensor-parallel-timeout must be positive"),
+    (1, 300.0, {"MASTER_PORT": "x"}, "MASTER_PORT must be an integer"),
 ])
-def test_the_drivers_rendezvous_comes_from_the_environment(
-        env: dict[str, str], want: tuple[Any, ...] | str) -> None:
+def test_the_drivers_rendezvous_comes_from_its_settings_and_master_port(
+        local: int | None, timeout: float, env: dict[str, str],
+        want: tuple[Any, ...] | str) -> None:
     from actorllm.rendezvous import Rendezvous
 
     if isinstance(want, str):
         with pytest.raises(ValueError, match=rf"^{re.escape(want)}"):
-            Rendezvous.from_env(2, env)
+            Rendezvous.for_driver(2, local, timeout, env)
     else:
-        r = Rendezvous.from_env(2, env)
+        r = Rendezvous.for_driver(2, local, timeout, env)
         assert (r.addr, r.port, r.local_ranks, r.timeout) == want

@@ -196,7 +196,8 @@ class Parts:
 
 def build_runner(config: EngineConfig, info: ModelInfo) -> Any:
     """The ModelRunner for ``config``; ValueError if its KV cache cannot hold one sequence."""
-    from actorllm.worker import ModelRunner  # torch: only where a Worker lives
+    from actorllm.rendezvous import Rendezvous  # torch: only where a Worker lives
+    from actorllm.worker import ModelRunner
 
     runner = ModelRunner(
         config.model,
@@ -209,6 +210,10 @@ def build_runner(config: EngineConfig, info: ModelInfo) -> Any:
         num_threads=worker_threads(config),
         info=info,
         tensor_parallel_size=config.tensor_parallel_size,
+        rendezvous=Rendezvous.for_driver(config.tensor_parallel_size,
+                                         config.tensor_parallel_local_ranks,
+                                         config.tensor_parallel_timeout)
+        if config.tensor_parallel_size > 1 else None,
     )
     capacity = runner.num_blocks * config.block_size
     if capacity < info.max_model_len:
