@@ -295,8 +295,6 @@ async def open_engine(config: EngineConfig | None = None, *,
                 wiring.close()
             if ipc is not None:
                 ipc.remove()
-            if tracer is not None:
-                tracer.close()
 
     try:
         if ipc is not None and "detokenizer" in roles:
@@ -334,6 +332,10 @@ async def open_engine(config: EngineConfig | None = None, *,
         raise
     finally:
         await stop()
+        # Closed only here, once the nursery has exited: an actor woken with a message
+        # just before the cancel still runs one more step, and that step may trace.
+        if tracer is not None:
+            tracer.close()
 
 
 async def _run_actor(engine: AsyncEngine, name: str, actor: Any) -> None:

@@ -17,9 +17,14 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import trio
 
 from actorllm.cli import main
+from actorllm.config import EngineConfig
+from actorllm.engine import open_engine
 from actorllm.lifecycle import load_spec
+from actorllm.llm import collect
+from actorllm.messages import SamplingParams
 from actorllm.trace import Tracer
 
 ROOT = Path(__file__).parents[1]
@@ -147,6 +152,37 @@ def test_tracer_lines_from_two_writers_stay_whole(tmp_path: Path) -> None:
     b.close()
     lines = _lines(path)
     assert len(lines) == 401 and lines[0]["kind"] == "header"
+
+
+def _live_task_names() -> list[str]:
+    names: list[str] = []
+    todo = [trio.lowlevel.current_root_task()]
+    while todo:
+        task = todo.pop()
+        names.append(task.name)
+        todo.extend(t for n in task.child_nurseries for t in n.child_tasks)
+    return names
+
+
+async def test_the_engine_closes_its_trace_only_after_every_actor_has_stopped(
+        tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An actor woken with a message just before the engine's cancel runs one more step,
+    and that step may write a hop line: closing the file any earlier is a write to a closed
+    descriptor (seen once in CI as ``OSError: [Errno 9]``)."""
+    alive_at_close: list[list[str]] = []
+    real_close = Tracer.close
+
+    def close(self: Tracer) -> None:
+        alive_at_close.append([n for n in _live_task_names() if n.startswith("actor:")])
+        real_close(self)
+
+    monkeypatch.setattr(Tracer, "close", close)
+    config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64,
+                          trace=str(tmp_path / "t.jsonl"), trace_hops=True)
+    async with open_engine(config) as engine:
+        await collect(engine, "r0", "close me", SamplingParams(max_tokens=3, ignore_eos=True))
+    assert alive_at_close == [[]]
+    assert any(line.get("kind") == "recv" for line in _lines(tmp_path / "t.jsonl"))
 
 
 def test_tracer_without_hops_writes_no_hop_lines(tmp_path: Path) -> None:
