@@ -108,21 +108,24 @@ class RemoteReplicas:
         self.store.set(CONFIG, json.dumps(config.as_dict()))
         self.monitor: Any = HeartbeatMonitor(self.store, self.ranks, DP)
         self.hosts: dict[int, str] = {}
+        self.ctl: dict[int, str] = {}  # each joined replica's control inbox
         log.warning("waiting for data-parallel replicas %d..%d at %s (actorllm replica)",
                     self.ranks.start, self.world - 1, self.where)
 
-    def joined(self, rank: int) -> dict[str, str] | None:
-        """Replica ``rank``'s endpoints once it has published them (then its Hello
-        follows); connects the data outboxes to it the first time."""
+    def joined(self, rank: int) -> bool:
+        """Whether replica ``rank`` has published its endpoints (its Hello follows);
+        the first time, connect the data outboxes to it and note its control inbox."""
         if rank in self.hosts:
-            return None
+            return True
         if not self.store.check([endpoints_key(rank)]):
-            return None
+            return False
         endpoints: dict[str, str] = json.loads(self.store.get(endpoints_key(rank)))
         self.hosts[rank] = endpoints.pop(HOST, "?")
+        self.ctl[rank] = endpoints[f"{REPLICATED}{rank}.ctl"]
         self.monitor.touch(rank)
         self.wiring.connect_remote(endpoints)
-        return endpoints
+        log.info("%s joined", self.name(rank))
+        return True
 
     def name(self, rank: int) -> str:
         """``engine1 (remote, on HOST)``: how messages name it."""

@@ -91,7 +91,6 @@ class Child:
     report: DrainReport | None = None
     kill_reason: str | None = None
     crash: str | None = None  # what a crashing child said before it exited
-    ctl_endpoint: str | None = None  # a remote replica's control inbox
 
     @property
     def running(self) -> bool:
@@ -236,7 +235,7 @@ class Supervisor:
         rank, remote = split_role(child.role)[1], self.remote
         assert rank is not None and remote is not None
         failure: str | None = None
-        while failure is None and not self.stopping and not self._joined(child):
+        while failure is None and not self.stopping and not remote.joined(rank):
             failure = remote.failed(rank)  # (refused before it had a control channel)
             await trio.sleep(0.05)
         while failure is None and not self.stopping and not child.ready:
@@ -248,32 +247,26 @@ class Supervisor:
             self._fail_start(failure)
             return
         last = trio.current_time()
-        while not child.exited.is_set():  # (shutdown sets it before closing the store)
+        while not self.stopping:  # (then shutdown watches it: see _left)
             now = trio.current_time()
             # After a stall of this loop, heartbeats may wait unread in the socket: judge
             # the silence only once the control loop has had a turn.
             silent, stalled, last = now - child.last_heard, now - last > 1.0, now
-            if self.stopping:
-                if not child.ready or silent > REMOTE_TIMEOUT or remote.stopped(rank):
-                    break
-            elif silent > REMOTE_TIMEOUT and not stalled:
-                child.kill_reason = (f"{remote.name(rank)} stopped responding (no heartbeat "
-                                     f"for {silent:.1f} s): it died, hung or lost the network")
-                break
+            if silent > REMOTE_TIMEOUT and not stalled:
+                child.exited.set()
+                self._died(child, f"{remote.name(rank)} stopped responding (no heartbeat for "
+                                  f"{silent:.1f} s): it died, hung or lost the network")
+                return
             await trio.sleep(0.1)
-        child.exited.set()
-        if not self.stopping:
-            self._died(child, child.kill_reason or "")
 
-    def _joined(self, child: Child) -> bool:
-        """Whether a remote replica has said where it listens (read from the store once)."""
-        if child.ctl_endpoint is None:
-            endpoints = self.remote.joined(split_role(child.role)[1])
-            if endpoints is None:
-                return False
-            child.ctl_endpoint = endpoints[f"{child.role}.ctl"]
-            log.info("%s joined", self.remote.name(split_role(child.role)[1]))
-        return True
+    def _left(self, child: Child) -> bool:
+        """Shutdown's view of a remote replica: gone once it has marked itself stopped, or
+        is silent, or was never ready (it leaves when the store closes)."""
+        if not child.exited.is_set() and (
+                not child.ready or trio.current_time() - child.last_heard > REMOTE_TIMEOUT
+                or self.remote.stopped(split_role(child.role)[1])):
+            child.exited.set()
+        return child.exited.is_set()
 
     def _died(self, child: Child, message: str) -> None:
         """A child that was ready is gone: its replica is lost, or the engine is dead."""
@@ -323,12 +316,12 @@ class Supervisor:
             self._fail_start(str(exc))
         else:
             child.hello = hello
-        if child.proc is None:
-            self._joined(child)  # (its endpoints precede its Hello in the store)
+        endpoint = self.ipc.endpoint(f"{child.role}.ctl")
+        if child.proc is None and self.remote.joined(split_role(child.role)[1]):
+            endpoint = self.remote.ctl[split_role(child.role)[1]]  # (published before Hello)
         # Answer either way: a mismatched child then refuses us too, with its own words.
-        child.ctl = ZmqOutbox(child.ctl_endpoint or self.ipc.endpoint(f"{child.role}.ctl"),
-                              ControlMessage,
-                              name=f"parent->{child.role}", hwm=CONTROL_CAPACITY)
+        child.ctl = ZmqOutbox(endpoint, ControlMessage, name=f"parent->{child.role}",
+                              hwm=CONTROL_CAPACITY)
         await child.ctl.send(make_hello("parent"))
 
     async def _heartbeats(self) -> None:
@@ -394,6 +387,10 @@ class Supervisor:
     async def shutdown(self, reason: str = "engine stopping") -> None:
         """Stop every child: Shutdown, then SIGTERM, then SIGKILL; reap them all."""
         self.stopping = True
+
+        def running(c: Child) -> bool:
+            return c.running if c.proc is not None else not self._left(c)
+
         for child in self.children.values():
             if not child.running:
                 continue
@@ -407,7 +404,7 @@ class Supervisor:
                 if child.proc is not None:  # (a remote one leaves when the store closes)
                     child.proc.terminate()
         for sig in (None, signal.SIGTERM, signal.SIGKILL):
-            live = [c for c in self.children.values() if c.running]
+            live = [c for c in self.children.values() if running(c)]
             if not live:
                 break
             for child in live:
@@ -415,7 +412,7 @@ class Supervisor:
                     log.warning("%s process did not stop; sending %s", child.role, sig.name)
                     child.proc.send_signal(sig)
             with trio.move_on_after(SHUTDOWN_GRACE if sig is None else 2.0):
-                while any(c.running for c in live):
+                while any(running(c) for c in live):
                     await trio.sleep(0.02)
         for child in self.children.values():
             if child.proc is not None:
