@@ -34,8 +34,9 @@ from test_data_parallel import MAX_TOKENS, PROMPTS, _outcome, _streaming, dp_con
 from actorllm import cli
 from actorllm.config import EngineConfig
 from actorllm.engine import open_engine
-from actorllm.llm import collect
+from actorllm.llm import collect, make_request
 from actorllm.messages import AbortRequest, SchedulerInput
+from actorllm.outputs import RequestError
 from actorllm.topology import EngineStartError
 from actorllm.topology.child import REMOTE_TIMEOUT
 from actorllm.transport import IpcDir, ZmqInbox, ZmqOutbox
@@ -146,6 +147,23 @@ async def test_a_killed_remote_replica_fails_only_its_requests_with_stay(
         assert sample(engine, "replica_up", replica="1") == 0.0
         assert sample(engine, "replica_deaths_total") == 1.0
         assert await engine.wait_drained(timeout=15) == []
+
+
+async def test_a_stopped_remote_replica_without_stay_kills_the_engine(
+        port: int, tmp_path: Path, cleanup: list[Any], tiny_llama_dir: Path) -> None:
+    replica = _replica(port, tmp_path / "replica.log", tiny_llama_dir)
+    cleanup.append(replica)
+    async with open_engine(_config(tiny_llama_dir)) as engine:
+        collectors = await _streaming(engine, 2)
+        (rid,) = [r for r in collectors if engine.frontend.registry[r].replica == 1]
+        replica.send_signal(signal.SIGSTOP)  # hung, not dead: its sockets stay open
+        error = await _outcome(collectors[rid])
+        assert error is not None and error.code == "engine_dead"
+        assert str(error).startswith("engine1 (remote, on ")
+        assert not engine.alive  # (replica 0's request may have finished by then)
+        with pytest.raises(RequestError, match=r"^engine1 \(remote, on "):
+            await engine.submit(make_request("late", PROMPTS[0], greedy()))
+    replica.kill()
 
 
 def _health(port: int) -> int | None:
