@@ -221,6 +221,35 @@ async def test_a_replica_with_another_world_size_is_refused_on_both_sides(
     assert lines == ["actorllm: error: WORLD_SIZE=3, but the main host runs 2 replicas"]
 
 
+def test_a_replica_with_the_rank_of_a_local_one_is_refused_on_both_sides(
+        port: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The main host's side without its processes: its store, endpoints and config.
+    from actorllm.topology.placement import MAIN, Wiring
+    from actorllm.topology.remote import RemoteReplicas, serve_replica
+
+    config = EngineConfig(topology="engine", data_parallel_size=3,
+                          data_parallel_local_replicas=2)
+    ipc = IpcDir()
+    wiring = Wiring(MAIN, "engine", 8, ipc, replicas=3, local_replicas=2)
+    ctl: ZmqInbox[Any] = ZmqInbox("parent.ctl", SchedulerInput, 8, ipc.endpoint("p.ctl"))
+    try:
+        remote = RemoteReplicas(config, wiring, ctl)
+        assert sorted(wiring.deferred) == ["scheduler2.sock"]  # replica 2 is remote
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("WORLD_SIZE", "3")
+        want = ("RANK=1 is a replica the main host runs itself "
+                "(--data-parallel-local-replicas 2): give RANK in [2, 2]")
+        with pytest.raises(ValueError, match=rf"^{re.escape(want)}$"):
+            serve_replica(timeout=5.0)
+        assert remote.failed(1) == f"data-parallel replica 1 failed to start: {want}"
+        assert not remote.joined(2)
+        remote.close()
+    finally:
+        wiring.close()
+        ctl.close()
+        ipc.remove()
+
+
 @pytest.mark.parametrize(("flags", "want"), [
     (["--data-parallel-size", "2", "--data-parallel-local-replicas", "3"],
      "--data-parallel-local-replicas must be in [1, 2] (--data-parallel-size), got 3"),

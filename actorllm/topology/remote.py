@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 from typing import Any
 
@@ -234,8 +235,6 @@ def serve_replica(model: str | None = None, *, timeout: float = 300.0,
     if store.add(joined_key(rank, DP), 1) > 1:
         raise ValueError(f"data-parallel replica {rank} has already joined the main host at "
                          f"{addr}:{port}")
-    hooks = _Hooks(store, rank, route_address(addr, port))
-    start_heartbeat(store, rank, hooks.lost, DP)  # also while loading: the main may die
     try:
         store.wait([CONFIG, MAIN_ENDPOINTS])
         config = EngineConfig(**json.loads(store.get(CONFIG)))
@@ -252,6 +251,11 @@ def serve_replica(model: str | None = None, *, timeout: float = 300.0,
     except ValueError as exc:
         store.set(status_key(rank, DP), f"failed: {exc}")
         raise
+    hooks = _Hooks(store, rank, route_address(addr, port))
+    start_heartbeat(store, rank, hooks.lost, DP)  # also while loading: the main may die
+    # Ctrl-C stops it as SIGTERM does (trio's receiver, exit 0); the main host then sees
+    # its heartbeats stop, as for any replica that leaves.
+    signal.signal(signal.SIGINT, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     if num_threads is None and config.device == "cpu":
         num_threads = max(1, len(os.sched_getaffinity(0)) - 1)  # one left to its loop
     config = attrs.evolve(config, model=model or config.model, cpu_threads=num_threads,
