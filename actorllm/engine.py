@@ -124,14 +124,15 @@ class AsyncEngine:
     def died(self) -> trio.Event:
         return self.admission.died
 
-    async def submit(self, request: GenerateRequest, *, reserved: bool = False
-                     ) -> OutputCollector:
+    async def submit(self, request: GenerateRequest, *, reserved: bool = False,
+                     final_only: bool = False) -> OutputCollector:
         """Register and dispatch; read the returned collector for outputs.
 
         Raises RequestError(code="engine_dead") once the engine is dead or stopping, and
         InvalidRequest for a non-zero ``priority`` unless the policy is ``priority``.
         ``reserved``: the caller holds an ``admission.reserve()`` made before a drain
-        began, so only a stopped or dead engine refuses it.
+        began, so only a stopped or dead engine refuses it. ``final_only``: the collector
+        gives one output, everything merged, when the request ends (no stream).
         """
         if request.params.priority and self.config.scheduling_policy != "priority":
             raise InvalidRequest("priority is only honoured with --scheduling-policy "
@@ -140,7 +141,7 @@ class AsyncEngine:
             refused = self.admission.refusal()
             if refused is not None:
                 raise RequestError(str(refused), "engine_dead")
-        collector = await self.frontend.submit(request)
+        collector = await self.frontend.submit(request, final_only=final_only)
         if not self.alive:  # it died while we dispatched: fail what we just registered
             self.frontend.lose_all(self.dead_reason or "the engine is not running")
         return collector
@@ -149,9 +150,11 @@ class AsyncEngine:
         """Stop ``rid``; ``reason`` labels the ``aborted_requests`` metric."""
         await self.frontend.abort(rid, reason)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Stream deltas for one request; leaving early (or being cancelled) aborts it."""
-        collector = await self.submit(request)
+    async def generate(self, request: GenerateRequest, *, final_only: bool = False
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream deltas for one request; leaving early (or being cancelled) aborts it.
+        ``final_only``: one output, at the end, instead of the deltas."""
+        collector = await self.submit(request, final_only=final_only)
         self._streams += 1
         try:
             async for out in collector:

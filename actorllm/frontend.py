@@ -119,13 +119,15 @@ class Frontend(ReaderPacing):
 
     # --- called by the API layer -------------------------------------------------------
 
-    async def submit(self, req: GenerateRequest) -> OutputCollector:
-        """Register ``req`` (and its children), then dispatch. Returns its collector."""
+    async def submit(self, req: GenerateRequest, *, final_only: bool = False
+                     ) -> OutputCollector:
+        """Register ``req`` (and its children), then dispatch. Returns its collector
+        (``final_only``: one that wakes its reader only at the end, unpaced)."""
         n = req.params.n
         rids = [req.rid] if n == 1 else [req.rid, *(f"{req.rid}-{i}" for i in range(n))]
         self._check_unique(rids)
         now = time.monotonic()
-        collector = OutputCollector(req.rid, n)
+        collector = OutputCollector(req.rid, n, final_only=final_only)
         replica = self.router.pick(req)  # one for all the children: they share the prompt
         cost = estimate_cost(req)
         if n == 1:
@@ -187,8 +189,9 @@ class Frontend(ReaderPacing):
         self.ledger.fire(rid, "register")
         st = self.registry[rid] = RequestState(rid, collector, self.ledger.view(rid),
                                                parent=parent, index=index, arrival=now)
-        collector.on_read = self._on_read  # flow control (readers.py): leaves by collector
-        self.flows.setdefault(collector, []).append(st)
+        if not collector.final_only:  # flow control (readers.py): leaves by collector
+            collector.on_read = self._on_read
+            self.flows.setdefault(collector, []).append(st)
 
     async def _dispatch(self, rid: str, msg: GenerateRequest) -> None:
         """Send one registered request to the Tokenizer."""
@@ -298,6 +301,10 @@ class Frontend(ReaderPacing):
             self.metrics.generation_tokens.inc(len(d.token_ids))
         if col.failed:
             return  # cancelled (stream timeout): the reader gets the error, nothing after it
+        if col.final_only:  # no backlog to count or pace: the reader takes all at the end
+            col.put_delta(st.index, d.text, d.token_ids, d.logprobs, d.prompt_logprobs,
+                          d.prompt_token_ids)
+            return
         before = col.pending_bytes
         waited = col.oldest is not None
         col.put_delta(st.index, d.text, d.token_ids, d.logprobs, d.prompt_logprobs,

@@ -203,6 +203,13 @@ def load_spec() -> Spec:
     return spec
 
 
+@cache
+def _within(candidates: frozenset[str | None], states: tuple[State, ...]) -> bool:
+    # Memoized: the Frontend asks "responded?" for every delta of every request, and a view
+    # takes only a handful of distinct candidate sets (frozensets cache their hash).
+    return all(s in states for s in candidates)
+
+
 class View:
     """One actor's knowledge of one request's state (see the module docstring).
 
@@ -226,7 +233,7 @@ class View:
 
     def within(self, *states: State) -> bool:
         """Whether the request is certainly in one of ``states``."""
-        return all(s in states for s in self.states)
+        return _within(self.states, states)
 
     def may(self, event: str) -> bool:
         """Whether ``event`` is legal from at least one candidate state."""

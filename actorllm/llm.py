@@ -48,13 +48,15 @@ def make_request(rid: str, prompt: Prompt, params: SamplingParams) -> GenerateRe
 
 
 async def collect(engine: AsyncEngine, rid: str, prompt: Prompt,
-                  params: SamplingParams) -> GenerationResult:
-    """Run one prompt to the end and return its accumulated result."""
+                  params: SamplingParams, *, final_only: bool = True) -> GenerationResult:
+    """Run one prompt to the end and return its accumulated result (``final_only``: the
+    engine wakes this task once, at the end, not once per step)."""
     choices: dict[int, Merged] = {}
     n_prompt = 0
     error: str | None = None
     try:
-        async for out in engine.generate(make_request(rid, prompt, params)):
+        async for out in engine.generate(make_request(rid, prompt, params),
+                                         final_only=final_only):
             merge_all(choices, out)
             n_prompt = out.num_prompt_tokens or n_prompt
     except RequestError as exc:

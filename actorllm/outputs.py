@@ -160,8 +160,13 @@ class OutputCollector:
 
     merged_type: type[Merged] = Merged  # the fold; the simulation plants a faulty one
 
-    def __init__(self, rid: str, n: int) -> None:
+    def __init__(self, rid: str, n: int, *, final_only: bool = False) -> None:
         self.rid, self.n = rid, n
+        # The reader wants the whole result, not a stream (``LLM.generate``, a non-streaming
+        # HTTP request): it is woken once, at the end or on an error, not for every step's
+        # delta. Its output is a result being built rather than a backlog, so it is not
+        # counted as pending and never paces the request.
+        self.final_only = final_only
         self._pending: dict[int, Merged] = {}
         self._done: set[int] = set()
         self._error: RequestError | None = None
@@ -190,6 +195,10 @@ class OutputCollector:
         return self._error is not None
 
     def _arrived(self, cost: int, tokens: int) -> None:
+        if self.final_only:
+            if len(self._done) == self.n:
+                self._event.set()
+            return
         self.pending_bytes += cost
         self.pending_tokens += tokens
         if self.oldest is None:

@@ -236,6 +236,18 @@ def hf_greedy(
     return new_ids, logprobs
 
 
+def greedy_expectations(model_dir: str | Path, tokenizer: Any, prompts: list[str],
+                        max_new_tokens: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """transformers' greedy continuation of each prompt, as ids and as text."""
+    model = hf_model(model_dir)
+    backend = tokenizer.backend_tokenizer
+    out = {}
+    for prompt in prompts:
+        new, _ = hf_greedy(model, tokenizer(prompt).input_ids, max_new_tokens)
+        out[prompt] = (tuple(new), backend.decode(new, skip_special_tokens=True))
+    return out
+
+
 # --- raw ASGI calls (the in-process server tests) -----------------------------------------
 
 CONTEXT = 256  # the tiny models' max_position_embeddings

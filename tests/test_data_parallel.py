@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import Call, app_for
+from helpers import Call, app_for, greedy_expectations
 
 from actorllm import cli
 from actorllm.config import EngineConfig
@@ -57,15 +57,9 @@ def sample(engine: AsyncEngine, name: str, **labels: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_llama_dir: Path, tiny_tokenizer: Any, hf_greedy_fn: Any) -> dict[str, Any]:
+def expected(tiny_llama_dir: Path, tiny_tokenizer: Any) -> dict[str, Any]:
     """transformers' greedy continuation of each prompt, as ids and as text."""
-    out = {}
-    backend = tiny_tokenizer.backend_tokenizer
-    for prompt in PROMPTS:
-        ids = tiny_tokenizer(prompt).input_ids
-        new, _ = hf_greedy_fn(tiny_llama_dir, ids, MAX_TOKENS)
-        out[prompt] = (tuple(new), backend.decode(new, skip_special_tokens=True))
-    return out
+    return greedy_expectations(tiny_llama_dir, tiny_tokenizer, PROMPTS, MAX_TOKENS)
 
 
 # --- the Router's rule, without processes -------------------------------------------------

@@ -7,6 +7,8 @@ machines); a machine without one keeps the torch backend, which the
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -82,3 +84,15 @@ def test_select_backend_cpu_and_fallback(monkeypatch, caplog, tmp_path):
     assert "cpu kernel unavailable" in caplog.text
     with pytest.raises(BackendUnavailable, match="no-such-cc"):
         select_backend("cpu", "cpu")
+
+
+def test_the_kernel_runs_on_torchs_openmp_runtime_not_a_second_one():
+    """The kernel's threads are the calling thread's OpenMP team, the one torch's ops
+    use (cpu_paged_decode.c says why): one libgomp in the process, not two."""
+    case = make_case([(64, 1), (9, 1)], num_heads=8, num_kv_heads=2, head_dim=32, seed=5)
+    CpuBackend(build_kernel(), num_threads=2).paged_attention(**case, max_seqlen_q=1,
+                                                              max_seqlen_k=64)
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    names = ("libgomp", "libiomp", "libomp")
+    runtimes = {line.split()[-1] for line in maps if any(n in line for n in names)}
+    assert len(runtimes) == 1, runtimes

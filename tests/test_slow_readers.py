@@ -92,6 +92,24 @@ async def test_stalled_reader_is_paused_then_cancelled_after_the_timeout(
         assert sample(engine, "consumer_lag_tokens_sum") == held * (held + 1) / 2
 
 
+async def test_a_final_only_reader_is_woken_once_and_never_paced(tiny_llama_dir: Path) -> None:
+    """``LLM.generate`` and non-streaming HTTP take the whole result at the end. With the
+    16-byte mark that pauses a stalled stream above, a final-only request runs to the end
+    unpaused (paced, it would stall until the stream timeout cancelled it), and its reader
+    is woken once, with every token."""
+    prompt = "a stalled reader"
+    want = await reference(tiny_llama_dir, prompt)
+    async with engine_for(tiny_llama_dir, max_pending_bytes_per_request=16,
+                          stream_timeout=0.5) as engine:
+        request = GenerateRequest("whole", GREEDY, prompt=prompt)
+        outs = [out async for out in engine.generate(request, final_only=True)]
+        assert len(outs) == 1 and outs[0].finished
+        assert list(outs[0].outputs[0].token_ids) == want
+        assert sample(engine, "requests_paused_total") == 0
+        assert sample(engine, "consumer_lag_tokens_count") == 0
+        assert sample(engine, "pending_output_bytes") == 0
+
+
 async def read_when_paused(engine: AsyncEngine, col: OutputCollector) -> tuple[list[int], int]:
     """A reader that reads only once the engine has paused its request: the token ids it
     got, and how many reads it made."""

@@ -25,6 +25,7 @@ import msgpack
 import pytest
 import trio
 import zmq
+from helpers import greedy_expectations
 
 from actorllm import codec
 from actorllm.config import EngineConfig
@@ -79,15 +80,9 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_llama_dir: Path, tiny_tokenizer: Any, hf_greedy_fn: Any) -> dict[str, Any]:
+def expected(tiny_llama_dir: Path, tiny_tokenizer: Any) -> dict[str, Any]:
     """transformers' greedy continuation of each prompt, as ids and as text."""
-    out = {}
-    backend = tiny_tokenizer.backend_tokenizer
-    for prompt in PROMPTS:
-        ids = tiny_tokenizer(prompt).input_ids
-        new, _ = hf_greedy_fn(tiny_llama_dir, ids, MAX_TOKENS)
-        out[prompt] = (tuple(new), backend.decode(new, skip_special_tokens=True))
-    return out
+    return greedy_expectations(tiny_llama_dir, tiny_tokenizer, PROMPTS, MAX_TOKENS)
 
 
 # --- identical results in every topology ----------------------------------------------------

@@ -14,11 +14,15 @@
  *
  * The query heads that share a KV head (GQA) are processed together, so each key and
  * value row is loaded once per group. Work is split over (sequence, KV head) pairs
- * between `num_threads` threads made here with pthreads; the caller picks the count.
+ * between `num_threads` threads of an OpenMP parallel region; the caller picks the
+ * count. OpenMP rather than threads made here: the library links libgomp, which is the
+ * one torch has already loaded, so the region runs on the calling thread's OpenMP team,
+ * the very threads that just ran the step's matmuls. Threads of our own would have to
+ * be scheduled beside that team's workers, which spin for a while after each region:
+ * on 2 cores that made the kernel slower with 2 threads than with 1.
  * Built by actorllm/ops/cpu_backend.py with the machine's C compiler.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -31,7 +35,6 @@ typedef struct {
     float *out;
     int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
     float scale;
-    int64_t begin, end; /* range of (seq, kv_head) work items */
 } job_t;
 
 /* Up to this many context positions are scored before the running softmax is updated:
@@ -132,12 +135,6 @@ static void one_item(const job_t *j, int64_t item) {
     item_d(j, item, j->head_dim, group);
 }
 
-static void *run_job(void *arg) {
-    const job_t *j = (const job_t *)arg;
-    for (int64_t i = j->begin; i < j->end; i++) one_item(j, i);
-    return NULL;
-}
-
 /* Returns 0 on success, -1 when a shape is beyond the kernel's fixed limits. */
 int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                      const int32_t *block_tables, const int32_t *seq_lens, float *out,
@@ -151,22 +148,10 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
     if (num_threads < 1) num_threads = 1;
     if (num_threads > 64) num_threads = 64;
     if (num_threads > items) num_threads = (int)(items > 0 ? items : 1);
-    job_t jobs[64];
-    pthread_t threads[64];
-    for (int t = 0; t < num_threads; t++) {
-        jobs[t] = (job_t){q, k_cache, v_cache, block_tables, seq_lens, out,
-                          num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                          max_blocks, scale, items * t / num_threads,
-                          items * (t + 1) / num_threads};
-    }
-    int started = 0;
-    for (int t = 1; t < num_threads; t++) {
-        if (pthread_create(&threads[t], NULL, run_job, &jobs[t]) != 0) break;
-        started = t;
-    }
-    /* This thread takes the first share, and any share a thread could not be made for. */
-    run_job(&jobs[0]);
-    for (int t = started + 1; t < num_threads; t++) run_job(&jobs[t]);
-    for (int t = 1; t <= started; t++) pthread_join(threads[t], NULL);
+    const job_t job = {q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs,
+                       num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale};
+    /* Static contiguous shares: each thread walks its own run of sequences. */
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t i = 0; i < items; i++) one_item(&job, i);
     return 0;
 }

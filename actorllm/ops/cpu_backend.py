@@ -37,7 +37,7 @@ SOURCE = "cpu_paged_decode.c"
 # Reassociation lets the compiler vectorize the dot products; no -ffast-math, whose
 # finite-math assumption would break the kernel's -inf start of the running maximum.
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
-         "-fassociative-math", "-fno-signed-zeros", "-fPIC", "-shared", "-pthread")
+         "-fassociative-math", "-fno-signed-zeros", "-fPIC", "-shared", "-fopenmp")
 
 
 class CpuKernelError(RuntimeError):

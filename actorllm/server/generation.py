@@ -234,7 +234,8 @@ class GenerationResponse(Response):
         self._reserved = cost
         for job in self.jobs:
             try:
-                job.collector = await state.engine.submit(job.request, reserved=True)
+                job.collector = await state.engine.submit(job.request, reserved=True,
+                                                          final_only=not self.stream)
             except InvalidRequest as exc:  # a live duplicate request id
                 raise invalid(exc) from None
             if self._nursery is not None:
