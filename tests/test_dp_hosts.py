@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import free_port, other_host, wait_exit
+from helpers import free_port, greedy_expectations, other_host, wait_exit
 from test_data_parallel import MAX_TOKENS, PROMPTS, _outcome, _streaming, dp_config, greedy, sample
 
 from actorllm import cli
@@ -88,12 +88,12 @@ def _replica(port: int, log: Path, model: Path, **kw: Any) -> subprocess.Popen[b
 
 async def test_a_replica_on_another_host_serves_like_a_local_one_and_stops_with_0(
         port: int, tmp_path: Path, cleanup: list[Any], tiny_llama_dir: Path,
-        tiny_tokenizer: Any, hf_greedy_fn: Any) -> None:
+        tiny_tokenizer: Any) -> None:
     # Two processes say RANK=1: the store lets one in, the other leaves at once.
     twins = [_replica(port, tmp_path / f"replica{i}.log", tiny_llama_dir) for i in (0, 1)]
     cleanup.extend(twins)
-    wants = [hf_greedy_fn(tiny_llama_dir, tiny_tokenizer(p).input_ids, MAX_TOKENS)[0]
-             for p in PROMPTS]  # (before the engine: it would stall its event loop)
+    # transformers' (before the engine: it would stall its event loop)
+    wants = greedy_expectations(tiny_llama_dir, tiny_tokenizer, PROMPTS, MAX_TOKENS)
     async with open_engine(_config(tiny_llama_dir)) as engine:
         assert engine.supervisor is not None
         assert list(engine.supervisor.pids()) == ["engine0"]  # replica 1 is nobody's child
@@ -106,8 +106,9 @@ async def test_a_replica_on_another_host_serves_like_a_local_one_and_stops_with_
         assert [sample(engine, "replica_requests_routed_total", replica=str(r))
                 for r in (0, 1)] == [2.0, 2.0]
         assert sample(engine, "replica_engine_steps_total", replica="1") > 0
-        for res, want in zip(results, wants, strict=True):
-            assert list(res.outputs[0].token_ids) == want
+        for prompt, res in zip(PROMPTS, results, strict=True):
+            (out,) = res.outputs
+            assert (tuple(out.token_ids), out.text) == wants[prompt]
         assert await engine.wait_drained(timeout=15) == []  # the remote one answers too
         with trio.fail_after(30):  # the loser may still be importing torch
             while all(t.poll() is None for t in twins):
