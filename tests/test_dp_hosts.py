@@ -133,7 +133,7 @@ async def test_a_killed_remote_replica_fails_only_its_requests_with_stay(
         replica.kill()  # no process handle on the main host's side: only silence
         t0 = trio.current_time()
         outcomes = {rid: await _outcome(col) for rid, col in collectors.items() if on[rid]}
-        assert trio.current_time() - t0 < REMOTE_TIMEOUT + 2.0
+        assert trio.current_time() - t0 < REMOTE_TIMEOUT + 3.0  # (a loaded CI box)
         ((message, code),) = {(str(e), e.code) for e in outcomes.values() if e}
         assert all(outcomes.values()) and code == "engine_dead"
         assert re.fullmatch(r"engine1 \(remote, on \S+ 127\.0\.0\.1\) stopped responding \(no "
