@@ -1,4 +1,4 @@
-"""The ``actorllm`` command: ``run``, ``serve``, ``replay`` and ``rank``.
+"""The ``actorllm`` command: ``run``, ``serve``, ``replay``, ``rank`` and ``replica``.
 
 Start-up matters here: torch and transformers are imported only by the commands
 that need them, so ``actorllm --help`` answers at once. Errors in flags, models or
@@ -58,6 +58,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                    help="N replicas of the Scheduler and Worker, each in its own process, "
                         "behind one HTTP front (needs --topology engine, the default then)")
+    g.add_argument("--data-parallel-local-replicas", type=int, default=None, metavar="K",
+                   help="replicas 0..K-1 run here; K..N-1 join from other hosts "
+                        "(`actorllm replica`) at MASTER_ADDR:MASTER_PORT (default: all here)")
+    g.add_argument("--data-parallel-timeout", type=float, default=300.0, metavar="S",
+                   help="how long every replica gets to join and load (default 300)")
     g.add_argument("--topology", choices=["single", "engine", "pipeline"], default=None,
                    help="where the actors run (default: single; engine with "
                         "--data-parallel-size above 1)")
@@ -126,6 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="torch threads of this rank (default: one per core)")
     rank.add_argument("--watch-stdin", action="store_true", help=argparse.SUPPRESS)
     rank.add_argument("--log-level", default="WARNING")
+
+    replica = sub.add_parser("replica", help="a data-parallel replica for a main host "
+                             "elsewhere (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE from the env)")
+    replica.add_argument("--model", help="this host's copy of the model (default: the main "
+                         "host's path)")
+    replica.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                         help="how long to wait for the main host to answer")
+    replica.add_argument("--cpu-threads", type=int, default=None,
+                         help="torch threads of this replica (default: one per core less one)")
+    replica.add_argument("--log-level", default="WARNING")
     return parser
 
 
@@ -174,6 +189,8 @@ def engine_config(args: argparse.Namespace) -> Any:
             tensor_parallel_timeout=args.tensor_parallel_timeout,
             async_scheduling=args.async_scheduling,
             data_parallel_size=args.data_parallel_size,
+            data_parallel_local_replicas=args.data_parallel_local_replicas,
+            data_parallel_timeout=args.data_parallel_timeout,
             topology=args.topology or ("engine" if args.data_parallel_size > 1 else "single"),
             on_engine_death=getattr(args, "on_engine_death", None) or "exit",
             trace=args.trace,
@@ -347,6 +364,27 @@ def cmd_rank(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
 
 
+def cmd_replica(args: argparse.Namespace) -> int:
+    """``actorllm replica``: one data-parallel replica (actorllm/topology/remote.py)."""
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        raise CliError("--cpu-threads must be at least 1")
+    logging.basicConfig(level=args.log_level.upper(), force=True,
+                        format=f"%(asctime)s %(levelname)s [replica {os.environ.get('RANK', '?')}"
+                               " %(process)d] %(name)s: %(message)s")
+    from actorllm.topology.remote import serve_replica
+
+    try:
+        code = serve_replica(args.model, timeout=args.timeout, num_threads=args.cpu_threads)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    # As a local replica does (actorllm/topology/__main__.py): skip the interpreter's
+    # finalization, seconds of freeing torch's memory, and the store's heartbeat thread.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from actorllm.replay import replay_main
 
@@ -380,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_serve(args)
         if args.command == "rank":
             return cmd_rank(args)
+        if args.command == "replica":
+            return cmd_replica(args)
         return cmd_replay(args)
     except CliError as exc:
         sys.stderr.write(f"actorllm: error: {exc}\n")

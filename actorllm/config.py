@@ -44,6 +44,10 @@ class EngineConfig:
     # Replicas of the Scheduler and Worker, each in a process of its own behind one
     # Frontend (docs/architecture.md, "Data parallelism"); > 1 needs topology "engine".
     data_parallel_size: int = 1
+    # Replicas 0..local-1 run on this host; the others join from other hosts (`actorllm
+    # replica`, at MASTER_ADDR:MASTER_PORT: actorllm/topology/remote.py). None: all here.
+    data_parallel_local_replicas: int | None = None
+    data_parallel_timeout: float = 300.0  # for every replica to join and load its model
     # When a process of the engine dies: "exit" (the engine is dead) or, with data
     # parallelism, "stay" (only that replica's requests fail; the others serve on).
     on_engine_death: str = "exit"
@@ -89,6 +93,13 @@ class EngineConfig:
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError("--data-parallel-size and --tensor-parallel-size cannot both be "
                              "above 1 yet")
+        local = self.data_parallel_local_replicas
+        if local is not None and not 1 <= local <= self.data_parallel_size:
+            raise ValueError(f"--data-parallel-local-replicas must be in [1, "
+                             f"{self.data_parallel_size}] (--data-parallel-size), got {local}")
+        if not self.data_parallel_timeout > 0:
+            raise ValueError(f"--data-parallel-timeout must be positive, got "
+                             f"{self.data_parallel_timeout:g}")
         if self.on_engine_death not in ("exit", "stay"):
             raise ValueError("--on-engine-death must be exit or stay")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -111,6 +122,13 @@ class EngineConfig:
         if self.async_scheduling is None:
             return self.device.startswith("cuda")
         return self.async_scheduling
+
+    @property
+    def local_replicas(self) -> int:
+        """How many data-parallel replicas run on this host (the rest join from others)."""
+        if self.data_parallel_local_replicas is None:
+            return self.data_parallel_size
+        return self.data_parallel_local_replicas
 
     def as_dict(self) -> dict[str, object]:
         return attrs.asdict(self)

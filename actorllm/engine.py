@@ -305,7 +305,8 @@ async def open_engine(config: EngineConfig | None = None, *,
             with open(ipc.file(TOKENIZER_FILE), "w") as f:
                 f.write(resources.hf_tokenizer.backend_tokenizer.to_str())
         wiring = Wiring(MAIN, config.topology, config.mailbox_capacity, ipc,
-                        replicas=config.data_parallel_size)
+                        replicas=config.data_parallel_size,
+                        local_replicas=config.local_replicas)
         set_hop_hooks(wiring, tracer)
         actors = build_actors(MAIN, wiring, config, parts, tracer)
         engine = AsyncEngine(config, resources, actors["frontend"], actors, wiring.inboxes)
@@ -317,7 +318,7 @@ async def open_engine(config: EngineConfig | None = None, *,
             engine.nursery = nursery
             if ipc is not None:
                 supervisor = Supervisor(config, ipc, on_death=engine.mark_dead,
-                                        on_replica_death=engine.lose_replica)
+                                        on_replica_death=engine.lose_replica, wiring=wiring)
                 engine.supervisor = supervisor
                 await supervisor.start(nursery)
                 if handle_sigterm or (handle_sigterm is None and _may_handle_sigterm()):

@@ -16,6 +16,11 @@ to it with the standard variables ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/
   exits when a bump fails, i.e. when the driver's store is gone (the driver died or
   closed the group) or unreachable for :data:`RANK_STORE_TIMEOUT`.
 
+The keys live under a prefix: :data:`TP` (``actorllm/``) for tensor-parallel ranks,
+:data:`DP` (``actorllm/dp/``) for data-parallel replicas on other hosts
+(:mod:`actorllm.topology.remote`, which uses the same store helpers with its own keys
+beside these).
+
 Which ranks run on this host and how long to wait for the others are the engine's
 settings (``EngineConfig.tensor_parallel_local_ranks``/``tensor_parallel_timeout``,
 ``--tensor-parallel-local-ranks``/``--tensor-parallel-timeout``); where the store
@@ -44,22 +49,25 @@ HEARTBEAT_INTERVAL = 0.25
 HEARTBEAT_TIMEOUT = 3.0
 RANK_STORE_TIMEOUT = 30.0  # a rank that cannot reach the driver's store this long leaves
 
-SPEC = "actorllm/spec"
+TP = "actorllm/"  # the key prefix of tensor-parallel ranks
+DP = "actorllm/dp/"  # the key prefix of data-parallel replicas
+SPEC = f"{TP}spec"
 
 
-def joined_key(rank: int) -> str:
+def joined_key(rank: int, prefix: str = TP) -> str:
     """Bumped once by each rank on arrival."""
-    return f"actorllm/joined/{rank}"
+    return f"{prefix}joined/{rank}"
 
 
-def status_key(rank: int) -> str:
-    """``ready`` or ``failed: REASON``."""
-    return f"actorllm/status/{rank}"
+def status_key(rank: int, prefix: str = TP) -> str:
+    """``ready`` or ``failed: REASON`` (a data-parallel replica: ``failed: REASON`` or
+    ``stopped``)."""
+    return f"{prefix}status/{rank}"
 
 
-def heartbeat_key(rank: int) -> str:
+def heartbeat_key(rank: int, prefix: str = TP) -> str:
     """Bumped by the rank every HEARTBEAT_INTERVAL."""
-    return f"actorllm/heartbeat/{rank}"
+    return f"{prefix}heartbeat/{rank}"
 
 
 @dataclass(frozen=True)
@@ -96,12 +104,17 @@ class Rendezvous:
             raise ValueError(f"--tensor-parallel-timeout must be positive, got {timeout:g}")
         if local == world:
             return cls("127.0.0.1", 0, local, timeout)
-        port = _int(environ, "MASTER_PORT", DEFAULT_PORT, "MASTER_PORT")
-        return cls("127.0.0.1", port, local, timeout)
+        return cls("127.0.0.1", master_port(environ), local, timeout)
 
     def where(self, store_port: int) -> str:
         """``MASTER_ADDR:PORT`` as a remote rank should be told it (for messages)."""
         return f"{os.environ.get('MASTER_ADDR', '<this host>')}:{store_port}"
+
+
+def master_port(environ: Mapping[str, str] = os.environ) -> int:
+    """Where a driver with ranks (or replicas) on other hosts listens: ``MASTER_PORT``,
+    default 29500; a one-line ``ValueError`` if it is not an integer."""
+    return _int(environ, "MASTER_PORT", DEFAULT_PORT, "MASTER_PORT")
 
 
 def _int(environ: Mapping[str, str], name: str, default: int, flag: str) -> int:
@@ -114,9 +127,10 @@ def _int(environ: Mapping[str, str], name: str, default: int, flag: str) -> int:
         raise ValueError(f"{flag} must be an integer, got {raw!r}") from None
 
 
-def rank_env() -> tuple[str, int, int, int]:
+def rank_env(zero: str = "rank 0 is the driver, `actorllm serve`"
+             ) -> tuple[str, int, int, int]:
     """A rank's ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``; a one-line
-    ``ValueError`` naming what is missing or wrong."""
+    ``ValueError`` naming what is missing or wrong (``zero``: who rank 0 is)."""
     missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
                if not os.environ.get(v)]
     if missing:
@@ -127,39 +141,42 @@ def rank_env() -> tuple[str, int, int, int]:
     except ValueError:
         raise ValueError("MASTER_PORT, RANK and WORLD_SIZE must be integers") from None
     if not 1 <= rank < world:
-        raise ValueError(f"RANK must be in [1, WORLD_SIZE-1] (rank 0 is the driver, "
-                         f"`actorllm serve`), got RANK={rank} WORLD_SIZE={world}")
+        raise ValueError(f"RANK must be in [1, WORLD_SIZE-1] ({zero}), "
+                         f"got RANK={rank} WORLD_SIZE={world}")
     return os.environ["MASTER_ADDR"], port, rank, world
 
 
-def driver_store(rdv: Rendezvous) -> dist.TCPStore:
-    """The group's store, hosted by this process (the server listens on every interface)."""
+def driver_store(rdv: Rendezvous, who: str = "tensor-parallel ranks") -> dist.TCPStore:
+    """The group's store, hosted by this process (the server listens on every interface);
+    ``who`` joins it (for the message when the port is taken)."""
     try:
         return dist.TCPStore(rdv.addr, rdv.port, None, True,
                              datetime.timedelta(seconds=rdv.timeout), wait_for_workers=False)
     except (RuntimeError, OSError) as exc:
-        raise ValueError(f"cannot listen for tensor-parallel ranks on port {rdv.port}: "
+        raise ValueError(f"cannot listen for {who} on port {rdv.port}: "
                          f"{str(exc).splitlines()[0]}") from None
 
 
-def rank_store(addr: str, port: int, timeout: float) -> dist.TCPStore:
+def rank_store(addr: str, port: int, timeout: float,
+               who: str = "tensor-parallel driver") -> dist.TCPStore:
     """Connect to the driver's store, retrying until ``timeout`` (the driver may start
-    later); a one-line ``ValueError`` when it never answers."""
+    later); a one-line ``ValueError`` when it never answers (naming ``who``)."""
     try:
         store = dist.TCPStore(addr, port, None, False, datetime.timedelta(seconds=timeout))
     except (RuntimeError, OSError):
-        raise ValueError(f"no tensor-parallel driver answered at {addr}:{port} within "
+        raise ValueError(f"no {who} answered at {addr}:{port} within "
                          f"{timeout:g} s") from None
     return store
 
 
-def status(store: dist.TCPStore, rank: int) -> str | None:
+def status(store: dist.TCPStore, rank: int, prefix: str = TP) -> str | None:
     """Rank ``rank``'s status, None before it has one."""
-    key = status_key(rank)
+    key = status_key(rank, prefix)
     return store.get(key).decode() if store.check([key]) else None
 
 
-def start_heartbeat(store: dist.TCPStore, rank: int, on_lost: Callable[[str], None]) -> None:
+def start_heartbeat(store: dist.TCPStore, rank: int, on_lost: Callable[[str], None],
+                    prefix: str = TP) -> None:
     """Rank side: bump ``heartbeat/RANK`` every HEARTBEAT_INTERVAL from a daemon thread;
     call ``on_lost(why)`` (which should exit) when the driver's store is gone."""
     store.set_timeout(datetime.timedelta(seconds=RANK_STORE_TIMEOUT))
@@ -167,7 +184,7 @@ def start_heartbeat(store: dist.TCPStore, rank: int, on_lost: Callable[[str], No
     def beat() -> None:
         while True:
             try:
-                store.add(heartbeat_key(rank), 1)
+                store.add(heartbeat_key(rank, prefix), 1)
             except Exception as exc:  # the store's server went away: the driver did
                 on_lost(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
                 return
@@ -179,8 +196,9 @@ def start_heartbeat(store: dist.TCPStore, rank: int, on_lost: Callable[[str], No
 class HeartbeatMonitor:
     """Driver side: which rank's heartbeat has stood still for HEARTBEAT_TIMEOUT."""
 
-    def __init__(self, store: dist.TCPStore, ranks: range) -> None:
+    def __init__(self, store: dist.TCPStore, ranks: Iterable[int], prefix: str = TP) -> None:
         self.store = store
+        self.prefix = prefix
         now = time.monotonic()
         self._seen = {r: (-1, now) for r in ranks}  # rank -> (counter, when it last moved)
         self._checked = 0.0
@@ -198,7 +216,7 @@ class HeartbeatMonitor:
         if now - self._checked >= HEARTBEAT_INTERVAL:
             self._checked = now
             for rank, (count, _) in self._seen.items():
-                latest = self.store.add(heartbeat_key(rank), 0)
+                latest = self.store.add(heartbeat_key(rank, self.prefix), 0)
                 if latest != count:
                     self._seen[rank] = (latest, now)
         for rank in self._seen if among is None else among:

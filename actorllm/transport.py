@@ -184,22 +184,29 @@ class ZmqOutbox(Generic[T]):
     ``send`` type-checks like a Mailbox, encodes with the codec and waits while the
     peer is full (SNDHWM reached). Messages keep their order. ``linger_ms``: how long
     frames still queued at ``close`` may take to leave (0: dropped; data edges of a
-    stopping engine carry nothing anyone waits for).
+    stopping engine carry nothing anyone waits for). ``endpoint`` None: connected later
+    (:meth:`connect`), once the peer has said where it listens; until then a send waits.
     """
 
-    def __init__(self, endpoint: str, message_type: Any, *, name: str, hwm: int = 256,
+    def __init__(self, endpoint: str | None, message_type: Any, *, name: str, hwm: int = 256,
                  linger_ms: int = 0, ctx: zmq.Context[Any] | None = None) -> None:
         self.name = name
         self.linger_ms = linger_ms
-        self.endpoint = endpoint
+        self.endpoint = endpoint or "(not connected yet)"
         self.types = accepted_types(message_type)
         self.sent = 0
         self._sock = (ctx or context()).socket(zmq.PUSH)
         self._sock.setsockopt(zmq.SNDHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, linger_ms)  # bounded: never waits on a dead peer
-        self._sock.connect(endpoint)  # queues until the peer binds (no ZMQ_IMMEDIATE)
+        if endpoint is not None:
+            self.connect(endpoint)
         self._fd: int = self._sock.getsockopt(zmq.FD)
         self._lock = trio.Lock()  # one waiter per FD
+
+    def connect(self, endpoint: str) -> None:
+        """Connect to the peer's inbox (its one endpoint: one edge, one FIFO pipe)."""
+        self.endpoint = endpoint
+        self._sock.connect(endpoint)  # queues until the peer binds (no ZMQ_IMMEDIATE)
 
     def _check(self, msg: Any) -> bytes:
         if not isinstance(msg, self.types):
@@ -277,8 +284,15 @@ class ZmqInbox(Mailbox[T]):
         self._sock.setsockopt(zmq.RCVHWM, hwm or capacity)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(endpoint)
+        self.endpoint = self.bind(endpoint)
         self._fd: int = self._sock.getsockopt(zmq.FD)
+
+    def bind(self, endpoint: str) -> str:
+        """Listen at ``endpoint`` too (a PULL socket may listen on several: ``ipc://`` for
+        peers on this host, ``tcp://0.0.0.0:0`` for others); returns where it listens,
+        with the port a ``:0`` endpoint was given."""
+        self._sock.bind(endpoint)
+        return str(self._sock.getsockopt(zmq.LAST_ENDPOINT).decode())
 
     async def pump(self) -> None:
         """Move frames from the socket into the mailbox until the socket is closed."""

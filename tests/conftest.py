@@ -6,18 +6,22 @@
 ``tiny_qwen2_dir``: Qwen2, qkv bias, tied embeddings. Both hold the tokenizer files and a
 generation config, so each is a complete model directory. Builders live in ``helpers.py``.
 
+``port`` and ``cleanup``: for tests that play other hosts on loopback.
+
 ``resources`` (per module) and ``engine`` (per test): the tiny Llama behind a single-topology
 engine; leaving ``engine`` asserts the engine drained (invariant 4) unless the test killed it.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import subprocess
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from helpers import build_tiny_model, build_tokenizer, hf_greedy
+from helpers import build_tiny_model, build_tokenizer, free_port, hf_greedy
 from hypothesis import settings
 from sim.profiles import register_profiles
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -87,3 +91,27 @@ async def engine(resources: Resources) -> AsyncIterator[AsyncEngine]:
         # kill it check that themselves.
         if not eng.died.is_set():
             assert await eng.wait_drained(5.0) == []
+
+
+@pytest.fixture
+def port(monkeypatch: pytest.MonkeyPatch) -> int:
+    """The rendezvous of a driver (or main host) here with ranks (replicas) elsewhere:
+    ``MASTER_ADDR``/``MASTER_PORT`` on loopback, a free port."""
+    p = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(p))
+    return p
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[Any]]:
+    """Things to close and processes to kill after the test, whatever it did."""
+    things: list[Any] = []
+    yield things
+    for t in things:
+        if isinstance(t, subprocess.Popen):
+            if t.poll() is None:
+                t.kill()
+                t.wait()
+        else:
+            t.close()

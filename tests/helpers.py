@@ -9,6 +9,10 @@ in session-scoped fixtures; import them directly when a test needs a variant.
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -307,3 +311,36 @@ def app_for(engine: AsyncEngine, **kw: Any) -> Any:
     from actorllm.server import build_app  # the server stack only for the tests that ask
 
     return build_app(engine, served_model_name="m", **kw)
+
+
+# --- other hosts, played on loopback (tests/test_tp_hosts.py, tests/test_dp_hosts.py) ----
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
+    """``proc``'s exit code, or None if it still runs after ``timeout`` seconds."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def other_host(command: str, port: int, log: Path, model: Path, *, rank: int = 1,
+               world: int = 2, timeout: float = 60.0) -> subprocess.Popen[bytes]:
+    """``python -m actorllm COMMAND`` (``rank`` or ``replica``) started the way the
+    README tells a second host to start it: the rendezvous in its environment, not a
+    child the driver started; its output goes to ``log``."""
+    env = dict(os.environ)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+               WORLD_SIZE=str(world), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    with log.open("wb") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "actorllm", command, "--model", str(model),
+             "--cpu-threads", "1", "--timeout", str(timeout), "--log-level", "INFO"],
+            env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)

@@ -22,12 +22,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
+from helpers import free_port, other_host, wait_exit
 
 from actorllm.config import EngineConfig, default_model_dir
 from actorllm.engine import Resources, open_engine
@@ -42,32 +42,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 CACHE = dict(num_kv_blocks=64, block_size=4, max_model_len=128, cpu_threads=1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-def port(monkeypatch: pytest.MonkeyPatch) -> int:
-    """The driver's side of the environment: rank 0 here, rank 1 elsewhere."""
-    p = _free_port()
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(p))
-    return p
-
-
 def _second_host(port: int, log: Path, *, world: int = 2, timeout: float = 60.0
                  ) -> subprocess.Popen[bytes]:
     """Rank 1 started the way the README tells a second host to start it."""
-    env = dict(os.environ)
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="1",
-               WORLD_SIZE=str(world), PYTHONPATH=str(ROOT))
-    with log.open("wb") as f:
-        return subprocess.Popen(
-            [sys.executable, "-m", "actorllm", "rank", "--model", str(MODEL),
-             "--cpu-threads", "1", "--timeout", str(timeout), "--log-level", "INFO"],
-            env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)
+    return other_host("rank", port, log, MODEL, world=world, timeout=timeout)
 
 
 def _config(tp: int, **kw: Any) -> EngineConfig:
@@ -75,27 +53,6 @@ def _config(tp: int, **kw: Any) -> EngineConfig:
     remote = dict(tensor_parallel_local_ranks=1, tensor_parallel_timeout=60.0) if tp > 1 \
         else {}
     return EngineConfig(model=str(MODEL), tensor_parallel_size=tp, **{**CACHE, **remote, **kw})
-
-
-def _exits(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None
-
-
-@pytest.fixture
-def cleanup() -> Iterator[list[Any]]:
-    """Runners to close and processes to kill, whatever the test did."""
-    things: list[Any] = []
-    yield things
-    for t in things:
-        if isinstance(t, subprocess.Popen):
-            if t.poll() is None:
-                t.kill()
-                t.wait()
-        else:
-            t.close()
 
 
 async def _generate(res: Resources, params: SamplingParams) -> list[list[int]]:
@@ -125,7 +82,7 @@ async def test_a_rank_on_another_host_gives_one_ranks_tokens_and_leaves_with_the
     assert got == await _generate(one, GREEDY)
     assert all(len(t) == GREEDY.max_tokens for t in got)
     two.runner.close()
-    assert _exits(rank, 10.0) == 0, (tmp_path / "rank.log").read_text()[-2000:]
+    assert wait_exit(rank, 10.0) == 0, (tmp_path / "rank.log").read_text()[-2000:]
 
 
 async def test_killing_the_remote_rank_mid_step_fails_requests_with_engine_dead(
@@ -190,7 +147,7 @@ async def test_a_dead_driver_leaves_no_remote_rank_behind(
             in (tmp_path / f"rank{twin}.log").read_text()
         rank = twins[1 - twin]
         os.kill(driver, signal.SIGKILL)
-        code = await trio.to_thread.run_sync(_exits, rank, 10.0)
+        code = await trio.to_thread.run_sync(wait_exit, rank, 10.0)
         assert code == 4, (tmp_path / f"rank{1 - twin}.log").read_text()[-2000:]
 
 
@@ -240,7 +197,7 @@ def test_a_remote_rank_with_another_world_size_is_refused_by_name(
     with pytest.raises(ValueError, match=r"^tensor-parallel rank 1 failed to start: "
                                          r"WORLD_SIZE=3, but the driver runs 2 ranks$"):
         Resources(_config(2))
-    assert _exits(rank, 10.0) == 2  # and it says so on its own host, in one line
+    assert wait_exit(rank, 10.0) == 2  # and it says so on its own host, in one line
     lines = [x for x in (tmp_path / "rank.log").read_text().splitlines() if "error:" in x]
     assert lines == ["actorllm: error: WORLD_SIZE=3, but the driver runs 2 ranks"]
 
@@ -267,7 +224,7 @@ def test_the_rank_refuses_an_incomplete_rendezvous_environment(
 
 def test_the_rank_command_without_a_driver_fails_in_one_line_after_its_timeout() -> None:
     env = dict(os.environ)
-    port = _free_port()
+    port = free_port()
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="1", WORLD_SIZE="2",
                PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-m", "actorllm", "rank", "--timeout", "1"],

@@ -28,6 +28,9 @@ The modules, in import order (each imports only those before it):
   process uses it, ``single`` included.
 - :mod:`~actorllm.topology.child`: a child process: its command line, entry point and
   control loop, and the constants of the control protocol both sides share.
+- :mod:`~actorllm.topology.remote`: data-parallel replicas on other hosts (``actorllm
+  replica``) and the main host's side of their rendezvous; imports torch.distributed,
+  so the Supervisor imports it only when some replicas are remote.
 - :mod:`~actorllm.topology.supervisor`: the parent's side: starting, watching and
   stopping the children.
 """

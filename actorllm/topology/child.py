@@ -14,6 +14,12 @@ parent died removes the socket directory on its way out. SIGTERM (the parent's
 last-resort stop) and SIGHUP both end a child cleanly. Once a child begins to
 exit, ``alarm(SHUTDOWN_GRACE)`` guarantees that it does. Children ignore SIGINT: a
 Ctrl-C reaches the parent, which stops them in order.
+
+A data-parallel replica on another host (``actorllm replica``,
+:mod:`actorllm.topology.remote`) runs this same code through :func:`run_child`, with
+TCP endpoints for the ipc ones, no parent process id to watch (its parent's heartbeats
+and the rendezvous store tell it the main host is gone) and :class:`RemoteHooks` that
+publish where it listens and mark a clean stop.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -69,6 +75,9 @@ TOKENIZER_FILE = "tokenizer.json"  # the parent's tokenizer, for a detokenizer c
 
 HEARTBEAT_INTERVAL = 0.5  # both directions
 PARENT_TIMEOUT = 10.0  # a parent silent this long is presumed gone
+# A ready replica on another host silent this long is dead to its parent (no process to
+# watch; a false alarm only loses that replica's requests with --on-engine-death stay).
+REMOTE_TIMEOUT = 3.0
 HANDSHAKE_TIMEOUT = 30.0
 SHUTDOWN_GRACE = 5  # seconds a child may take to stop before it is killed
 CONTROL_LINGER_MS = 1000  # a child's last control messages get this long to leave
@@ -118,6 +127,16 @@ def load_parts(role: str, config: EngineConfig, ipc: IpcDir) -> Parts:
     raise ValueError(f"unknown role {role!r}")
 
 
+class RemoteHooks(Protocol):
+    """What a replica on another host adds to a child's life (see module docstring)."""
+
+    def announce(self, ctl: ZmqInbox[Any], wiring: Wiring) -> None:
+        """Its inboxes are bound: say where, before the Hello."""
+
+    def stopping(self) -> None:
+        """The parent said Shutdown: the main host going away now is no loss."""
+
+
 @attrs.define
 class _ChildExit:
     code: int = EXIT_OK
@@ -135,7 +154,8 @@ def _begin_exit(why: str) -> None:
     signal.alarm(SHUTDOWN_GRACE)  # SIGALRM's default action ends us if cleanup hangs
 
 
-async def _child_main(role: str, config: EngineConfig, ipc: IpcDir, parent_pid: int) -> int:
+async def _child_main(role: str, config: EngineConfig, ipc: IpcDir, parent_pid: int | None,
+                      remote: RemoteHooks | None) -> int:
     result = _ChildExit()
     orphaned = trio.Event()
     ctl_in: ZmqInbox[Any] = ZmqInbox(f"{role}.ctl", ControlMessage, CONTROL_CAPACITY,
@@ -146,6 +166,8 @@ async def _child_main(role: str, config: EngineConfig, ipc: IpcDir, parent_pid: 
                                         linger_ms=CONTROL_LINGER_MS)
     wiring = Wiring(role, config.topology, config.mailbox_capacity, ipc)
     try:
+        if remote is not None:
+            remote.announce(ctl_in, wiring)
         async with trio.open_nursery() as nursery:
 
             async def on_signal() -> None:
@@ -163,19 +185,21 @@ async def _child_main(role: str, config: EngineConfig, ipc: IpcDir, parent_pid: 
             for inbox in wiring.remote_inboxes:
                 nursery.start_soon(inbox.pump)
             result.code = await _child_body(role, config, ipc, parent_pid, ctl_in, ctl_out,
-                                            wiring)
+                                            wiring, remote)
             nursery.cancel_scope.cancel()
     finally:
         wiring.close()
         ctl_in.close()
         ctl_out.close()
-        if orphaned.is_set() or os.getppid() != parent_pid or result.code == EXIT_ORPHANED:
+        if orphaned.is_set() or result.code == EXIT_ORPHANED or (
+                parent_pid is not None and os.getppid() != parent_pid):
             ipc.remove()  # nobody else is left to do it
     return result.code
 
 
-async def _child_body(role: str, config: EngineConfig, ipc: IpcDir, parent_pid: int,
-                      ctl_in: ZmqInbox[Any], ctl_out: ZmqOutbox[Any], wiring: Wiring) -> int:
+async def _child_body(role: str, config: EngineConfig, ipc: IpcDir, parent_pid: int | None,
+                      ctl_in: ZmqInbox[Any], ctl_out: ZmqOutbox[Any], wiring: Wiring,
+                      remote: RemoteHooks | None) -> int:
     await ctl_out.send(make_hello(role))
     hello: Any = None
     with trio.move_on_after(HANDSHAKE_TIMEOUT):
@@ -208,7 +232,7 @@ async def _child_body(role: str, config: EngineConfig, ipc: IpcDir, parent_pid: 
                     nursery.start_soon(actor.run, name=f"actor:{name}")
                 await ctl_out.send(Ready(role, os.getpid()))
                 code = await _serve_control(role, parent_pid, ctl_in, ctl_out, wiring,
-                                            actors)
+                                            actors, remote)
                 nursery.cancel_scope.cancel()
         except Exception as exc:
             # An actor crashed: tell the parent why before the exit code does.
@@ -224,9 +248,9 @@ async def _child_body(role: str, config: EngineConfig, ipc: IpcDir, parent_pid: 
             tracer.close()
 
 
-async def _serve_control(role: str, parent_pid: int, ctl_in: ZmqInbox[Any],
+async def _serve_control(role: str, parent_pid: int | None, ctl_in: ZmqInbox[Any],
                          ctl_out: ZmqOutbox[Any], wiring: Wiring,
-                         actors: dict[str, Any]) -> int:
+                         actors: dict[str, Any], remote: RemoteHooks | None) -> int:
     """Answer the parent until it says Shutdown or is gone; returns the exit code."""
     last_heard = trio.current_time()
     code = EXIT_OK
@@ -237,8 +261,9 @@ async def _serve_control(role: str, parent_pid: int, ctl_in: ZmqInbox[Any],
             for seq in itertools.count(1):
                 await trio.sleep(HEARTBEAT_INTERVAL)
                 silent = trio.current_time() - last_heard
-                if os.getppid() != parent_pid or silent > PARENT_TIMEOUT:
-                    _begin_exit(f"parent {parent_pid} is gone (silent {silent:.1f} s)")
+                if silent > PARENT_TIMEOUT or (parent_pid is not None
+                                               and os.getppid() != parent_pid):
+                    _begin_exit(f"parent {parent_pid or ''} is gone (silent {silent:.1f} s)")
                     code = EXIT_ORPHANED
                     nursery.cancel_scope.cancel()
                     return
@@ -255,6 +280,8 @@ async def _serve_control(role: str, parent_pid: int, ctl_in: ZmqInbox[Any],
                 await ctl_out.send(DrainReport(role, msg.token, tuple(problems),
                                                wiring.rejected + ctl_in.rejected))
             elif isinstance(msg, Shutdown):
+                if remote is not None:
+                    remote.stopping()
                 _begin_exit(f"asked by the parent ({msg.reason})")
                 break
             elif not isinstance(msg, Heartbeat):
@@ -287,9 +314,15 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s %(levelname)s [{role} %(process)d] "
                                "%(name)s: %(message)s")
     config = EngineConfig(**json.loads(config_json))
-    ipc = IpcDir(ipc_path, owner=False)
+    return run_child(role, config, IpcDir(ipc_path, owner=False), parent_pid)
+
+
+def run_child(role: str, config: EngineConfig, ipc: IpcDir, parent_pid: int | None,
+              remote: RemoteHooks | None = None) -> int:
+    """Run child ``role`` until it stops; returns its exit code. ``parent_pid`` None and
+    ``remote``: a replica on another host (:mod:`actorllm.topology.remote`)."""
     try:
-        code = trio.run(_child_main, role, config, ipc, parent_pid)
+        code = trio.run(_child_main, role, config, ipc, parent_pid, remote)
     except BaseException:
         log.exception("%s process crashed", role)
         code = EXIT_FAILED

@@ -12,7 +12,9 @@ Data parallelism (``data_parallel_size`` N > 1, the ``engine`` placement only): 
 ``engine`` role is replicated as children ``engine0`` .. ``engine{N-1}``, each with its
 own Scheduler inbox at ``scheduler{r}.sock``; a sender in the main process holds one
 outbox per replica for each edge into a Scheduler (:meth:`Wiring.outs`), and every
-replica pushes into the one Detokenizer inbox.
+replica pushes into the one Detokenizer inbox. Replicas on other hosts
+(``local_replicas`` < N, :mod:`actorllm.topology.remote`): the outboxes to them wait
+unconnected (``Wiring.deferred``) until each replica says where it listens.
 
 Every process builds its part of the graph the same way, ``single`` included:
 :class:`Wiring` for the mailboxes, then :func:`build_actors` from the :class:`Parts`
@@ -103,10 +105,12 @@ class Wiring:
     ``out(sender, target)``: the target's inbox when it is local, else a
     :class:`ZmqOutbox` of its own for that edge; ``outs(sender, target)``: one per
     replica of the target (``replicas`` > 1 and the target lives in a replica).
+    Replicas ``local_replicas`` and above live on other hosts: their outboxes are made
+    unconnected, listed in ``deferred`` by socket name (see :meth:`connect_remote`).
     """
 
     def __init__(self, role: str, topology: str, capacity: int, ipc: IpcDir | None,
-                 replicas: int = 1) -> None:
+                 replicas: int = 1, local_replicas: int | None = None) -> None:
         place = PLACEMENTS[topology]
         self.role = role
         role, replica = split_role(role)
@@ -116,6 +120,8 @@ class Wiring:
         self.fanout: dict[tuple[str, str], list[Outbox[Any]]] = {}
         self.remote_inboxes: list[ZmqInbox[Any]] = []
         self.remote_outboxes: list[ZmqOutbox[Any]] = []
+        self.deferred: dict[str, list[ZmqOutbox[Any]]] = {}
+        local = replicas if local_replicas is None else local_replicas
         try:
             for actor in ACTORS:
                 if place[actor] != role:
@@ -141,11 +147,14 @@ class Wiring:
                     names = [f"{target}{r}.sock" for r in range(replicas)]
                 boxes: list[Outbox[Any]] = []
                 for i, name in enumerate(names):
+                    here = len(names) == 1 or i < local
                     box: ZmqOutbox[Any] = ZmqOutbox(
-                        ipc.endpoint(name), INBOX_TYPES[target],
+                        ipc.endpoint(name) if here else None, INBOX_TYPES[target],
                         name=f"{sender}->{target}" + (str(i) if len(names) > 1 else ""),
                         hwm=capacity)
                     self.remote_outboxes.append(box)
+                    if not here:
+                        self.deferred.setdefault(name, []).append(box)
                     boxes.append(box)
                 self.outboxes[(sender, target)] = boxes[0]
                 self.fanout[(sender, target)] = boxes
@@ -161,6 +170,13 @@ class Wiring:
         """Where ``sender`` sends to each replica of ``target`` (one outbox without data
         parallelism), indexed by replica."""
         return self.fanout.get((sender, target), [self.outboxes[(sender, target)]])
+
+    def connect_remote(self, endpoints: dict[str, str]) -> None:
+        """Connect the deferred outboxes to a remote replica's inboxes, ``{socket name:
+        endpoint}`` as it published them (``scheduler1.sock`` -> ``tcp://...``)."""
+        for name, endpoint in endpoints.items():
+            for box in self.deferred.get(name, []):
+                box.connect(endpoint)
 
     def problems(self) -> list[str]:
         """Messages still waiting in this process's mailboxes (invariant 4)."""
@@ -229,8 +245,8 @@ def worker_threads(config: EngineConfig) -> int | None:
     """Torch threads for the Worker's process (for each rank with tensor parallelism):
     ``--cpu-threads`` when given; else, when the Worker has a process of its own on the
     CPU, one per core it may run on less one, left to the process that serves HTTP,
-    shared among the ranks (and among the replicas of data parallelism, at least one
-    each); else None (torch's default, or ``ModelRunner``'s cores / N).
+    shared among the ranks (and among the replicas of data parallelism on this host, at
+    least one each); else None (torch's default, or ``ModelRunner``'s cores / N).
 
     On a few cores an OpenMP thread that shares its core with another busy process
     stalls every parallel region it is part of: on 2 cores the ``engine`` topology gave
@@ -240,7 +256,7 @@ def worker_threads(config: EngineConfig) -> int | None:
         return config.cpu_threads
     if config.device == "cpu" and PLACEMENTS[config.topology]["worker"] != MAIN:
         # With data parallelism the replicas share the cores: each gets its part.
-        cores = (len(os.sched_getaffinity(0)) - 1) // config.data_parallel_size
+        cores = (len(os.sched_getaffinity(0)) - 1) // config.local_replicas
         return max(1, cores // config.tensor_parallel_size)
     return None
 

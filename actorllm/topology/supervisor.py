@@ -10,6 +10,11 @@ same message, and the remaining children are stopped when the engine context
 exits. Restarting would need generation numbers on every message and a replay of
 lost requests; a supervisor above actorllm (systemd, Kubernetes) restarts the
 whole server instead, with /health telling it when.
+
+Data-parallel replicas on other hosts (:mod:`actorllm.topology.remote`) are children
+without a process: the Supervisor waits for them to join its rendezvous store, learns
+their death from their heartbeats' silence, and tells them to stop; otherwise they are
+handled as local ones.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from actorllm.topology.child import (
     CONTROL_CAPACITY,
     HEARTBEAT_INTERVAL,
     PARENT_CTL,
+    REMOTE_TIMEOUT,
     SHUTDOWN_GRACE,
     child_argv,
 )
@@ -74,7 +80,7 @@ class Child:
     """One child process as its supervisor sees it."""
 
     role: str
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | None  # None: a replica on another host
     pidfd: int | None
     exited: trio.Event = attrs.Factory(trio.Event)
     hello: Hello | None = None
@@ -87,14 +93,9 @@ class Child:
     crash: str | None = None  # what a crashing child said before it exited
 
     @property
-    def pid(self) -> int:
-        """The child's process id."""
-        return self.proc.pid
-
-    @property
     def running(self) -> bool:
         """The child has not exited yet (it may still be unreaped)."""
-        return self.proc.poll() is None
+        return self.proc.poll() is None if self.proc is not None else not self.exited.is_set()
 
 
 class Supervisor:
@@ -104,15 +105,19 @@ class Supervisor:
     overrides the command that starts a child (tests use it to run impostors). With data
     parallelism, ``on_replica_death(role, message)`` is asked first when a replica's
     process dies: True means the engine lives on without it (``--on-engine-death stay``
-    and another replica lives), and ``on_death`` is not called.
+    and another replica lives), and ``on_death`` is not called. ``wiring``: this
+    process's, needed when some replicas are remote (``config.local_replicas`` < N).
     """
 
     def __init__(self, config: EngineConfig, ipc: IpcDir, *,
                  on_death: Callable[[str], None],
                  argv: Callable[[str], list[str]] | None = None,
                  ready_timeout: float = READY_TIMEOUT,
-                 on_replica_death: Callable[[str, str], bool] | None = None) -> None:
+                 on_replica_death: Callable[[str, str], bool] | None = None,
+                 wiring: Any = None) -> None:
         self.config = config
+        self.wiring = wiring
+        self.remote: Any = None  # actorllm.topology.remote.RemoteReplicas
         self.ipc = ipc
         self.roles = child_roles(config.topology, config.data_parallel_size)
         self.on_death = on_death
@@ -134,18 +139,33 @@ class Supervisor:
         """Spawn every child and wait until all are ready; raises EngineStartError."""
         self._ctl_in = ZmqInbox(PARENT_CTL, ControlMessage, CONTROL_CAPACITY,
                                 self.ipc.endpoint(PARENT_CTL), on_reject=self._on_reject)
+        remote = [r for r in self.roles
+                  if (split_role(r)[1] or 0) >= self.config.local_replicas]
+        timeout = self.config.data_parallel_timeout if remote else self.ready_timeout
+        if remote:
+            from actorllm.topology.remote import RemoteReplicas  # torch.distributed's store
+
+            try:
+                self.remote = RemoteReplicas(self.config, self.wiring, self._ctl_in)
+            except ValueError as exc:
+                raise EngineStartError(str(exc)) from None
         nursery.start_soon(self._ctl_in.pump)
         nursery.start_soon(self._control_loop)
         nursery.start_soon(self._heartbeats)  # a child that is ready early needs them
         for role in self.roles:
+            if role in remote:
+                child = self.children[role] = Child(role, None, None)
+                nursery.start_soon(self._watch_remote, child, name=f"watch:{role}")
+                continue
             child = self._spawn(role)
             nursery.start_soon(self._watch, child, name=f"watch:{role}")
-        with trio.move_on_after(self.ready_timeout):
+        with trio.move_on_after(timeout):
             await self._settled.wait()
         if not self._settled.is_set():
             waiting = [c.role for c in self.children.values() if not c.ready]
-            self._fail_start(f"{', '.join(waiting)} process not ready after "
-                             f"{self.ready_timeout:g} s")
+            away = [r for r in waiting if r in remote]  # the likelier cause: name it
+            self._fail_start(self.remote.missing(split_role(away[0])[1], timeout) if away
+                             else f"{', '.join(waiting)} process not ready after {timeout:g} s")
         if self._start_error is not None:
             raise EngineStartError(self._start_error)
 
@@ -191,6 +211,7 @@ class Supervisor:
         else:
             while child.running:
                 await trio.sleep(0.05)
+        assert child.proc is not None
         code = child.proc.wait()  # reaps it
         child.exited.set()
         if self.stopping:
@@ -205,8 +226,50 @@ class Supervisor:
             with trio.move_on_after(0.2):  # a crash report may still be in the socket
                 while child.crash is None:
                     await trio.sleep(0.01)
-        message = child.kill_reason or (f"{child.role} process exited with code "
-                                        f"{describe_exit(code)}")
+        self._died(child, child.kill_reason or (f"{child.role} process exited with code "
+                                                f"{describe_exit(code)}"))
+
+    async def _watch_remote(self, child: Child) -> None:
+        """A replica on another host: wait for it to join, then for its heartbeats to
+        stop (its death) or for it to obey a Shutdown."""
+        rank, remote = split_role(child.role)[1], self.remote
+        assert rank is not None and remote is not None
+        failure: str | None = None
+        while failure is None and not self.stopping and not remote.joined(rank):
+            failure = remote.failed(rank)  # (refused before it had a control channel)
+            await trio.sleep(0.05)
+        while failure is None and not self.stopping and not child.ready:
+            if remote.stale(rank):  # loading sends no control heartbeats; the store's go on
+                failure = f"{remote.name(rank)} joined, then sent no heartbeat while loading"
+            await trio.sleep(0.1)
+        if failure is not None:
+            child.exited.set()
+            self._fail_start(failure)
+            return
+        last = trio.current_time()
+        while not self.stopping:  # (then shutdown watches it: see _left)
+            now = trio.current_time()
+            # After a stall of this loop, heartbeats may wait unread in the socket: judge
+            # the silence only once the control loop has had a turn.
+            silent, stalled, last = now - child.last_heard, now - last > 1.0, now
+            if silent > REMOTE_TIMEOUT and not stalled:
+                child.exited.set()
+                self._died(child, f"{remote.name(rank)} stopped responding (no heartbeat for "
+                                  f"{silent:.1f} s): it died, hung or lost the network")
+                return
+            await trio.sleep(0.1)
+
+    def _left(self, child: Child) -> bool:
+        """Shutdown's view of a remote replica: gone once it has marked itself stopped, or
+        is silent, or was never ready (it leaves when the store closes)."""
+        if not child.exited.is_set() and (
+                not child.ready or trio.current_time() - child.last_heard > REMOTE_TIMEOUT
+                or self.remote.stopped(split_role(child.role)[1])):
+            child.exited.set()
+        return child.exited.is_set()
+
+    def _died(self, child: Child, message: str) -> None:
+        """A child that was ready is gone: its replica is lost, or the engine is dead."""
         if child.crash is not None:
             message += f" ({child.crash})"
         log.error("%s", message)
@@ -253,9 +316,12 @@ class Supervisor:
             self._fail_start(str(exc))
         else:
             child.hello = hello
+        endpoint = self.ipc.endpoint(f"{child.role}.ctl")
+        if child.proc is None and self.remote.joined(split_role(child.role)[1]):
+            endpoint = self.remote.ctl[split_role(child.role)[1]]  # (published before Hello)
         # Answer either way: a mismatched child then refuses us too, with its own words.
-        child.ctl = ZmqOutbox(self.ipc.endpoint(f"{child.role}.ctl"), ControlMessage,
-                              name=f"parent->{child.role}", hwm=CONTROL_CAPACITY)
+        child.ctl = ZmqOutbox(endpoint, ControlMessage, name=f"parent->{child.role}",
+                              hwm=CONTROL_CAPACITY)
         await child.ctl.send(make_hello("parent"))
 
     async def _heartbeats(self) -> None:
@@ -270,7 +336,7 @@ class Supervisor:
                 except trio.WouldBlock:
                     pass
                 silent = now - child.last_heard
-                if not child.ready or self.stopping:
+                if not child.ready or self.stopping or child.proc is None:
                     continue  # loading a model sends no heartbeats; READY_TIMEOUT covers it
                 if silent > CHILD_TIMEOUT and child.kill_reason is None:
                     child.kill_reason = (f"{child.role} process stopped responding "
@@ -321,6 +387,10 @@ class Supervisor:
     async def shutdown(self, reason: str = "engine stopping") -> None:
         """Stop every child: Shutdown, then SIGTERM, then SIGKILL; reap them all."""
         self.stopping = True
+
+        def running(c: Child) -> bool:
+            return c.running if c.proc is not None else not self._left(c)
+
         for child in self.children.values():
             if not child.running:
                 continue
@@ -331,20 +401,22 @@ class Supervisor:
                     raise trio.WouldBlock
                 child.ctl.send_nowait(Shutdown(reason))
             except trio.WouldBlock:
-                child.proc.terminate()
+                if child.proc is not None:  # (a remote one leaves when the store closes)
+                    child.proc.terminate()
         for sig in (None, signal.SIGTERM, signal.SIGKILL):
-            live = [c for c in self.children.values() if c.running]
+            live = [c for c in self.children.values() if running(c)]
             if not live:
                 break
             for child in live:
-                if sig is not None:
+                if sig is not None and child.proc is not None:
                     log.warning("%s process did not stop; sending %s", child.role, sig.name)
                     child.proc.send_signal(sig)
             with trio.move_on_after(SHUTDOWN_GRACE if sig is None else 2.0):
-                while any(c.running for c in live):
+                while any(running(c) for c in live):
                     await trio.sleep(0.02)
         for child in self.children.values():
-            child.proc.wait()
+            if child.proc is not None:
+                child.proc.wait()
             child.exited.set()
             if child.ctl is not None:
                 child.ctl.close()
@@ -357,6 +429,8 @@ class Supervisor:
                 child.pidfd = None
         if self._ctl_in is not None:
             self._ctl_in.close()
+        if self.remote is not None:
+            self.remote.close()
 
     def live_replicas(self) -> list[str]:
         """The data-parallel replicas' roles whose process has not exited."""
@@ -364,5 +438,5 @@ class Supervisor:
                 if split_role(c.role)[1] is not None and not c.exited.is_set()]
 
     def pids(self) -> dict[str, int]:
-        """Each child's process id, by role."""
-        return {role: child.pid for role, child in self.children.items()}
+        """Each local child's process id, by role."""
+        return {role: c.proc.pid for role, c in self.children.items() if c.proc is not None}
