@@ -129,8 +129,7 @@ class Scheduler(Pacing):
         while True:
             await self._wake.wait()
             self._wake = trio.Event()
-            # Plan before passing outputs on: the next step then runs while the
-            # Detokenizer and the Frontend handle this one's tokens, not after them.
+            # Plan first: the next step runs while the Detokenizer and Frontend work.
             while len(self.in_flight) < self.max_steps_in_flight:
                 plan = self.schedule()
                 if plan is None:
