@@ -121,27 +121,24 @@ def build_parser() -> argparse.ArgumentParser:
                         help="re-run the Scheduler on the recorded inputs")
     replay.add_argument("--json", action="store_true", help="machine-readable report")
 
-    rank = sub.add_parser("rank", help="a tensor-parallel rank for a driver on another "
-                          "host (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE from the env)")
-    rank.add_argument("--model", help="this host's copy of the model (default: the driver's "
-                      "path)")
-    rank.add_argument("--timeout", type=float, default=300.0, metavar="S",
-                      help="how long to wait for the driver to answer")
-    rank.add_argument("--cpu-threads", type=int, default=None,
-                      help="torch threads of this rank (default: one per core)")
+    rank = _joiner(sub, "rank", "a tensor-parallel rank", "the driver", "one per core")
     rank.add_argument("--watch-stdin", action="store_true", help=argparse.SUPPRESS)
-    rank.add_argument("--log-level", default="WARNING")
-
-    replica = sub.add_parser("replica", help="a data-parallel replica for a main host "
-                             "elsewhere (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE from the env)")
-    replica.add_argument("--model", help="this host's copy of the model (default: the main "
-                         "host's path)")
-    replica.add_argument("--timeout", type=float, default=300.0, metavar="S",
-                         help="how long to wait for the main host to answer")
-    replica.add_argument("--cpu-threads", type=int, default=None,
-                         help="torch threads of this replica (default: one per core less one)")
-    replica.add_argument("--log-level", default="WARNING")
+    _joiner(sub, "replica", "a data-parallel replica", "the main host",
+            "one per core less one")
     return parser
+
+
+def _joiner(sub: Any, name: str, what: str, peer: str, threads: str) -> Any:
+    """The subcommand of a process that joins ``peer`` on another host."""
+    p = sub.add_parser(name, help=f"{what} for {peer} on another host (MASTER_ADDR, "
+                       "MASTER_PORT, RANK, WORLD_SIZE from the env)")
+    p.add_argument("--model", help=f"this host's copy of the model (default: {peer}'s path)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                   help=f"how long to wait for {peer} to answer")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help=f"torch threads of this {name} (default: {threads})")
+    p.add_argument("--log-level", default="WARNING")
+    return p
 
 
 def _slow_client_flags(p: argparse.ArgumentParser) -> None:

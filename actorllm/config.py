@@ -17,6 +17,16 @@ def default_model_dir() -> Path:
     return Path(str(importlib.resources.files("actorllm").joinpath("assets/default-model")))
 
 
+def _check_here_and_wait(kind: str, what: str, local: int | None, size: int,
+                         timeout: float) -> None:
+    """``--{kind}-local-{what}`` within [1, size] and a positive ``--{kind}-timeout``."""
+    if local is not None and not 1 <= local <= size:
+        raise ValueError(f"--{kind}-local-{what} must be in [1, {size}] (--{kind}-size), "
+                         f"got {local}")
+    if not timeout > 0:
+        raise ValueError(f"--{kind}-timeout must be positive, got {timeout:g}")
+
+
 @attrs.frozen
 class EngineConfig:
     """Everything that shapes an engine. Sizes are validated against the model at start-up."""
@@ -77,13 +87,8 @@ class EngineConfig:
             raise ValueError("--cpu-threads must be at least 1")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be at least 1")
-        local = self.tensor_parallel_local_ranks
-        if local is not None and not 1 <= local <= self.tensor_parallel_size:
-            raise ValueError(f"--tensor-parallel-local-ranks must be in [1, "
-                             f"{self.tensor_parallel_size}] (--tensor-parallel-size), got {local}")
-        if not self.tensor_parallel_timeout > 0:
-            raise ValueError(f"--tensor-parallel-timeout must be positive, got "
-                             f"{self.tensor_parallel_timeout:g}")
+        _check_here_and_wait("tensor-parallel", "ranks", self.tensor_parallel_local_ranks,
+                             self.tensor_parallel_size, self.tensor_parallel_timeout)
         if self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be at least 1, got "
                              f"{self.data_parallel_size}")
@@ -93,13 +98,8 @@ class EngineConfig:
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError("--data-parallel-size and --tensor-parallel-size cannot both be "
                              "above 1 yet")
-        local = self.data_parallel_local_replicas
-        if local is not None and not 1 <= local <= self.data_parallel_size:
-            raise ValueError(f"--data-parallel-local-replicas must be in [1, "
-                             f"{self.data_parallel_size}] (--data-parallel-size), got {local}")
-        if not self.data_parallel_timeout > 0:
-            raise ValueError(f"--data-parallel-timeout must be positive, got "
-                             f"{self.data_parallel_timeout:g}")
+        _check_here_and_wait("data-parallel", "replicas", self.data_parallel_local_replicas,
+                             self.data_parallel_size, self.data_parallel_timeout)
         if self.on_engine_death not in ("exit", "stay"):
             raise ValueError("--on-engine-death must be exit or stay")
         if self.max_model_len is not None and self.max_model_len < 2:
