@@ -17,9 +17,10 @@ def default_model_dir() -> Path:
     return Path(str(importlib.resources.files("actorllm").joinpath("assets/default-model")))
 
 
-def _check_here_and_wait(kind: str, what: str, local: int | None, size: int,
+def check_here_and_wait(kind: str, what: str, local: int | None, size: int,
                          timeout: float) -> None:
-    """``--{kind}-local-{what}`` within [1, size] and a positive ``--{kind}-timeout``."""
+    """``--{kind}-local-{what}`` within [1, size] and a positive ``--{kind}-timeout`` (for
+    the config and for a rendezvous made without one)."""
     if local is not None and not 1 <= local <= size:
         raise ValueError(f"--{kind}-local-{what} must be in [1, {size}] (--{kind}-size), "
                          f"got {local}")
@@ -87,7 +88,7 @@ class EngineConfig:
             raise ValueError("--cpu-threads must be at least 1")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be at least 1")
-        _check_here_and_wait("tensor-parallel", "ranks", self.tensor_parallel_local_ranks,
+        check_here_and_wait("tensor-parallel", "ranks", self.tensor_parallel_local_ranks,
                              self.tensor_parallel_size, self.tensor_parallel_timeout)
         if self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be at least 1, got "
@@ -98,7 +99,7 @@ class EngineConfig:
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError("--data-parallel-size and --tensor-parallel-size cannot both be "
                              "above 1 yet")
-        _check_here_and_wait("data-parallel", "replicas", self.data_parallel_local_replicas,
+        check_here_and_wait("data-parallel", "replicas", self.data_parallel_local_replicas,
                              self.data_parallel_size, self.data_parallel_timeout)
         if self.on_engine_death not in ("exit", "stay"):
             raise ValueError("--on-engine-death must be exit or stay")

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from actorllm.config import check_here_and_wait
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 300.0  # loading a large shard can take minutes; a failure reports at once
@@ -96,12 +98,8 @@ class Rendezvous:
         a job that has them set for something else does not collide with it. Some
         remote: the store listens on ``MASTER_PORT`` (default 29500) on every interface.
         """
+        check_here_and_wait("tensor-parallel", "ranks", local_ranks, world, timeout)
         local = world if local_ranks is None else local_ranks
-        if not 1 <= local <= world:
-            raise ValueError(f"--tensor-parallel-local-ranks must be in [1, {world}] "
-                             f"(--tensor-parallel-size), got {local}")
-        if not timeout > 0:
-            raise ValueError(f"--tensor-parallel-timeout must be positive, got {timeout:g}")
         if local == world:
             return cls("127.0.0.1", 0, local, timeout)
         return cls("127.0.0.1", master_port(environ), local, timeout)

@@ -248,6 +248,22 @@ def greedy_expectations(model_dir: str | Path, tokenizer: Any, prompts: list[str
     return out
 
 
+async def collect_all(engine: AsyncEngine, prompts: list[str],
+                      params: Any) -> list[Any]:
+    """Every prompt submitted at once (rids ``g0``, ``g1``, ...); results in prompt order."""
+    from actorllm.llm import collect
+
+    results: list[Any] = [None] * len(prompts)
+
+    async def one(i: int) -> None:
+        results[i] = await collect(engine, f"g{i}", prompts[i], params)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+    return results
+
+
 # --- raw ASGI calls (the in-process server tests) -----------------------------------------
 
 CONTEXT = 256  # the tiny models' max_position_embeddings

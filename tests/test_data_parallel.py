@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import Call, app_for, greedy_expectations
+from helpers import Call, app_for, collect_all, greedy_expectations
 
 from actorllm import cli
 from actorllm.config import EngineConfig
@@ -152,12 +152,7 @@ async def test_two_replicas_match_one_and_spread_share_and_free(
         router = engine.frontend.router
         # Same greedy tokens as one replica and as transformers; submitted together, so
         # they spread over both replicas.
-        results: list[Any] = [None] * len(PROMPTS)
-        async with trio.open_nursery() as nursery:
-            for i, prompt in enumerate(PROMPTS):
-                async def one_(i: int = i, prompt: str = prompt) -> None:
-                    results[i] = await collect(engine, f"g{i}", prompt, greedy())
-                nursery.start_soon(one_)
+        results = await collect_all(engine, PROMPTS, greedy())
         for prompt, res, ref in zip(PROMPTS, results, one, strict=True):
             (out,) = res.outputs
             assert (out.token_ids, out.text) == expected[prompt]

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import free_port, greedy_expectations, other_host, wait_exit
+from helpers import collect_all, free_port, greedy_expectations, other_host, wait_exit
 from test_data_parallel import MAX_TOKENS, PROMPTS, _outcome, _streaming, dp_config, greedy, sample
 
 from actorllm import cli
@@ -97,12 +97,7 @@ async def test_a_replica_on_another_host_serves_like_a_local_one_and_stops_with_
     async with open_engine(_config(tiny_llama_dir)) as engine:
         assert engine.supervisor is not None
         assert list(engine.supervisor.pids()) == ["engine0"]  # replica 1 is nobody's child
-        results: list[Any] = [None] * len(PROMPTS)
-        async with trio.open_nursery() as nursery:
-            for i, prompt in enumerate(PROMPTS):
-                async def one(i: int = i, prompt: str = prompt) -> None:
-                    results[i] = await collect(engine, f"g{i}", prompt, greedy())
-                nursery.start_soon(one)
+        results = await collect_all(engine, PROMPTS, greedy())
         assert [sample(engine, "replica_requests_routed_total", replica=str(r))
                 for r in (0, 1)] == [2.0, 2.0]
         assert sample(engine, "replica_engine_steps_total", replica="1") > 0
