@@ -301,14 +301,12 @@ class Frontend(ReaderPacing):
             self.metrics.generation_tokens.inc(len(d.token_ids))
         if col.failed:
             return  # cancelled (stream timeout): the reader gets the error, nothing after it
-        if col.final_only:  # no backlog to count or pace: the reader takes all at the end
-            col.put_delta(st.index, d.text, d.token_ids, d.logprobs, d.prompt_logprobs,
-                          d.prompt_token_ids)
-            return
         before = col.pending_bytes
         waited = col.oldest is not None
         col.put_delta(st.index, d.text, d.token_ids, d.logprobs, d.prompt_logprobs,
                       d.prompt_token_ids)
+        if col.final_only:  # no backlog to count or pace: the reader takes all at the end
+            return
         self.pending_bytes += col.pending_bytes - before
         if d.token_ids:
             self.metrics.consumer_lag.observe(col.pending_tokens)
