@@ -42,6 +42,7 @@ from actorllm.model.llama import allocate_kv_caches, head_dim_of
 from actorllm.model.parallel import TensorParallel, check_tensor_parallel
 from actorllm.ops import select_backend
 from actorllm.ops.cpu_linear import pack_linears
+from actorllm.ops.threads import StepThreads
 from actorllm.ranks import RankDied, RankGroup, RankSpec
 from actorllm.rendezvous import Rendezvous
 from actorllm.sampler import SamplingState, prompt_logprobs, sample
@@ -148,6 +149,7 @@ class ModelRunner:
         # _last_sample).
         self._failed_rids: frozenset[str] = frozenset()
         self.fed_forward = 0  # rows that fed a sampled token forward (overlap scheduling)
+        self.threads = StepThreads(self.device.type)  # small steps on one thread
         log.info(
             "model runner: %s on %s x%d (%s, %s attention, %s), %d KV blocks of %d tokens "
             "(%.1f MiB per rank)",
@@ -233,6 +235,7 @@ class ModelRunner:
                 else None
             try:
                 batch = self._prepare(plan)
+                self.threads.use_for(batch.input_ids.shape[0])
                 hidden = (self.model(batch, self.kv_caches, self.backend)
                           if self.ranks is None
                           else self.ranks.forward(self.model, batch, self.kv_caches,

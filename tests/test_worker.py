@@ -186,6 +186,47 @@ def test_cpu_threads_sets_torch_threads(tiny_llama_dir: Path):
         EngineConfig(cpu_threads=0)
 
 
+def test_a_small_step_runs_on_one_thread_and_a_large_one_on_all(tiny_llama_dir: Path):
+    """Sleeping OpenMP threads cost more to wake than a small step saves
+    (ops/threads.py): the step thread's team is 1 below SMALL_STEP_TOKENS tokens, the
+    configured count from there on, and each step's outputs do not depend on it."""
+    from actorllm.ops.threads import SMALL_STEP_TOKENS
+
+    before = torch.get_num_threads()
+    try:
+        r = ModelRunner(tiny_llama_dir, num_blocks=64, block_size=BLOCK_SIZE, num_threads=2)
+        seen: list[int] = []
+        forward = r.model.forward
+
+        def recording(*args, **kwargs):
+            seen.append(torch.get_num_threads())
+            return forward(*args, **kwargs)
+
+        r.model.forward = recording  # type: ignore[method-assign]
+        s = Script(r)
+        big = [0, *range(20, 20 + SMALL_STEP_TOKENS)]
+        small = big[:SMALL_STEP_TOKENS - 1]
+        results: list[StepResult] = []
+
+        def steps() -> None:  # in a thread of its own, as the Worker's steps run
+            new = NewSeqData(GREEDY, tuple(big))
+            results.append(s.step(s.seq("big", big, 0, True, new)))
+            new = NewSeqData(GREEDY, tuple(small))
+            results.append(s.step(s.seq("small", small, 0, True, new)))
+            results.append(s.step(s.seq("big2", big, 0, True, NewSeqData(GREEDY, tuple(big)))))
+
+        t = threading.Thread(target=steps)
+        t.start()
+        t.join()
+        assert seen == [2, 1, 2]
+        # The same prompt on two threads and on one: the same greedy token.
+        hf = hf_model(tiny_llama_dir)
+        assert [results[0].tokens[0].token_id] == hf_greedy(hf, big, 1)[0]
+        assert [results[1].tokens[0].token_id] == hf_greedy(hf, small, 1)[0]
+    finally:
+        torch.set_num_threads(before)
+
+
 class _GatedRunner:
     """A stand-in ModelRunner (the Worker actor is under test): each step waits for its
     gate, and records the step ids it started."""
