@@ -390,16 +390,20 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def openmp_defaults(environ: dict[str, str] | os._Environ[str]) -> None:
     """OpenMP settings for a process that runs a Worker beside other busy threads; set
-    before torch loads OpenMP, and only where the user has not set them.
+    before torch loads OpenMP, and only where the user has set neither.
 
-    ``OMP_WAIT_POLICY=PASSIVE``: a torch thread waiting at a barrier sleeps instead of
-    spinning. On few cores the Worker's threads share them with the event loop (and,
-    across processes, with the HTTP process); a spinning thread takes the core another
-    one needs, and a parallel region waits for its slowest thread. Measured on 2 cores
-    with another process busy half the time: a 64-sequence decode step took 200-600 ms
-    with 2 spinning threads, 43-62 ms with 2 passive ones, 66 ms with one thread.
+    ``GOMP_SPINCOUNT=10000``: a torch thread waiting between parallel regions spins
+    briefly (well under a millisecond), then sleeps. A step's regions come back to back,
+    so the spin catches the next one; between steps the thread sleeps and leaves the
+    core to the event loop (and, across processes, to the HTTP process). Spinning for
+    libgomp's default (300,000) took cores others needed: on 2 cores beside another
+    process busy half the time, a 64-sequence decode step took 200-600 ms. Never
+    spinning (``OMP_WAIT_POLICY=PASSIVE``, the default before) wakes a sleeping thread
+    for every region: the same step alone took 15-17 ms against 10-12 ms with the short
+    spin, and was not slower beside a busy thread or process (``ops/threads.py``).
     """
-    environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
+        environ["GOMP_SPINCOUNT"] = "10000"
 
 
 def main(argv: list[str] | None = None) -> int:

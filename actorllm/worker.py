@@ -42,7 +42,7 @@ from actorllm.model.llama import allocate_kv_caches, head_dim_of
 from actorllm.model.parallel import TensorParallel, check_tensor_parallel
 from actorllm.ops import select_backend
 from actorllm.ops.cpu_linear import pack_linears
-from actorllm.ops.threads import StepThreads
+from actorllm.ops.threads import StepThreads, single_threaded
 from actorllm.ranks import RankDied, RankGroup, RankSpec
 from actorllm.rendezvous import Rendezvous
 from actorllm.sampler import SamplingState, prompt_logprobs, sample
@@ -130,12 +130,15 @@ class ModelRunner:
             str(model_dir), tp.world, num_blocks, block_size,
             str(self.dtype).removeprefix("torch."), device, self.backend_name, num_threads,
         ), rendezvous) if tp.enabled else None
+        self.threads = StepThreads(self.device.type)  # the step thread's team, per step
         try:
-            self.model = load_model(model_dir, dtype=self.dtype, device=self.device,
-                                    config=config, tp=tp)
-            self.packed_linears = pack_linears(self.model) if self.device.type == "cpu" else 0
-            self.kv_caches: list[KVCache] = allocate_kv_caches(
-                config, num_blocks, block_size, self.dtype, self.device, tp)
+            with single_threaded():  # no OpenMP team in this thread: see ops/threads.py
+                self.model = load_model(model_dir, dtype=self.dtype, device=self.device,
+                                        config=config, tp=tp)
+                self.packed_linears = pack_linears(self.model) \
+                    if self.device.type == "cpu" else 0
+                self.kv_caches: list[KVCache] = allocate_kv_caches(
+                    config, num_blocks, block_size, self.dtype, self.device, tp)
             if self.ranks is not None:
                 self.ranks.connect()
                 weakref.finalize(self, self.ranks.close)
@@ -149,7 +152,6 @@ class ModelRunner:
         # _last_sample).
         self._failed_rids: frozenset[str] = frozenset()
         self.fed_forward = 0  # rows that fed a sampled token forward (overlap scheduling)
-        self.threads = StepThreads(self.device.type)  # small steps on one thread
         log.info(
             "model runner: %s on %s x%d (%s, %s attention, %s), %d KV blocks of %d tokens "
             "(%.1f MiB per rank)",

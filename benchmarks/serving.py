@@ -255,7 +255,8 @@ class Settings:
                                             if p)
         # What the actorllm CLI sets for its own process (cli.openmp_defaults), said here
         # so that the offline run through the Python API gets it too.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+            env["GOMP_SPINCOUNT"] = "10000"
         env.update(self.actorllm_extra_env)
         return env
 
@@ -266,7 +267,7 @@ class Settings:
         if spec.is_peer:
             keys += ["VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", *self.vllm_extra_env]
         else:
-            keys += ["OMP_WAIT_POLICY", *self.actorllm_extra_env]
+            keys += ["OMP_WAIT_POLICY", "GOMP_SPINCOUNT", *self.actorllm_extra_env]
         return {"cpus": self.cpus if self.taskset else "unpinned (no taskset)",
                 "dtype": self.dtype, "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
@@ -1353,7 +1354,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"`{cfg['command']}` on {env['cpu_model']} ({env['logical_cpus']} logical CPUs; "
         f"{env['cpu_flags']}), servers pinned to CPUs {cfg['cpus']}, {cfg['threads']} "
         f"OMP threads each (actorllm's `engine` child: one less, `--cpu-threads`' default; "
-        f"actorllm with OMP_WAIT_POLICY=PASSIVE, its CLI's default), dtype {cfg['dtype']}, "
+        f"actorllm with GOMP_SPINCOUNT=10000, its CLI's default), dtype {cfg['dtype']}, "
         f"tcmalloc "
         f"{'on' if env['tcmalloc'] else 'off'} (both){extra_env}. vLLM {env['vllm']} (torch "
         f"{env['torch_vllm']}), actorllm {env['actorllm']} at {env['git_commit'][:10]}"

@@ -26,21 +26,26 @@ def test_help_is_instant_and_imports_no_torch() -> None:
     assert "run" in out.stdout and "serve" in out.stdout and "replay" in out.stdout
 
 
-@pytest.mark.parametrize("given", [None, "ACTIVE"])
-def test_openmp_wait_policy_is_set_before_torch_loads(given: str | None) -> None:
-    """The CLI makes torch's OpenMP threads sleep at barriers unless the user chose, and
-    does it before anything imports torch (libgomp reads it once, when it loads)."""
+@pytest.mark.parametrize("given,want", [
+    ({}, "None 10000 False"),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE None False"),
+    ({"GOMP_SPINCOUNT": "5"}, "None 5 False"),
+])
+def test_openmp_spin_is_set_before_torch_loads(given: dict[str, str], want: str) -> None:
+    """The CLI makes torch's OpenMP threads spin only briefly before they sleep unless
+    the user chose a wait policy or a spin, and does it before anything imports torch
+    (libgomp reads them once, when it loads)."""
     code = ("import os, sys\nfrom actorllm import cli\n"
             "cli.cmd_run = lambda args: print(os.environ.get('OMP_WAIT_POLICY'),"
-            " 'torch' in sys.modules) or 0\n"
+            " os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules) or 0\n"
             "sys.exit(cli.main(['run', 'x']))\n")
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if given:
-        env["OMP_WAIT_POLICY"] = given
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(given)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, env=env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [given or "PASSIVE", "False"]
+    assert out.stdout.split() == want.split()
 
 
 def test_run_without_model_uses_the_embedded_model() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -225,6 +226,43 @@ def test_a_small_step_runs_on_one_thread_and_a_large_one_on_all(tiny_llama_dir: 
         assert [results[1].tokens[0].token_id] == hf_greedy(hf, small, 1)[0]
     finally:
         torch.set_num_threads(before)
+
+
+_POOLS = """
+import os, sys, threading, torch
+from actorllm.messages import NewSeqData, SamplingParams, ScheduledSeq, StepPlan
+from actorllm.worker import ModelRunner
+def threads():
+    return len(os.listdir("/proc/self/task"))
+torch.set_num_threads(2)  # (its first call may start a thread of torch's own pthreadpool)
+before = threads()
+r = ModelRunner(sys.argv[1], num_blocks=64, block_size=4, num_threads=2)
+built = threads()
+prompt = tuple(range(20, 84))
+plan = StepPlan(1, (ScheduledSeq("a", prompt, 0, tuple(range(16)), True,
+                                 NewSeqData(SamplingParams(temperature=0.0), prompt)),))
+seen = []
+t = threading.Thread(target=lambda: (r.execute(plan), seen.append(threads())))
+t.start(); t.join()
+print(before, built, seen[0])
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_only_the_step_thread_starts_an_openmp_team(tiny_llama_dir: Path):
+    """Building the runner makes no OpenMP threads in the building thread (libgomp
+    throttles every team's spin once it manages more threads than CPUs); the step
+    thread's first large step makes its team's one other thread."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _POOLS, str(tiny_llama_dir)],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert out.returncode == 0, out.stderr
+    before, built, stepped = map(int, out.stdout.split())
+    assert built == before
+    assert stepped == before + 2  # the step thread and its team's other thread
 
 
 class _GatedRunner:

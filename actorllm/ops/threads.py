@@ -1,12 +1,19 @@
-"""How many OpenMP threads a CPU step runs on.
+"""How many OpenMP threads a CPU step runs on, and which thread owns the team.
 
-torch's intra-op threads are an OpenMP team. With ``OMP_WAIT_POLICY=PASSIVE`` (the
-CLI's default: a spinning thread would take the core the event loop or the client
-needs) the team's other threads sleep between parallel regions, and waking them costs
-more than a small region saves: one decode step of 4 to 32 sequences of the embedded
-model took 20-50 % longer on 2 threads than on 1 (``docs/architecture.md``, "Speed on
-the CPU"). A step of fewer than ``SMALL_STEP_TOKENS`` tokens therefore runs on one
-thread; larger ones (prefill chunks, big decode batches) on all the Worker has.
+torch's intra-op threads are an OpenMP team. Between parallel regions its other threads
+spin for a while, then sleep; waking a sleeping one costs more than a small region
+saves. So:
+
+- A step of fewer than ``SMALL_STEP_TOKENS`` tokens runs on one thread, larger ones
+  (prefill chunks, big decode batches) on all the Worker has. One decode step of 4 to
+  32 sequences of the embedded model took 20-50 % longer on 2 threads than on 1.
+- Only the step thread has a team. libgomp gives every thread that starts a parallel
+  region a pool of its own, and once it manages more threads than there are CPUs it
+  cuts every spin to almost nothing ("throttled"), so each region wakes sleeping
+  threads. The ModelRunner is built in another thread (the main one) and builds it
+  with one thread (:func:`single_threaded`): no pool there. With the CLI's short spin
+  (``cli.openmp_defaults``), a 64-sequence decode step on 2 threads went from 15-17 ms
+  to 10-12 ms.
 
 The count is the calling thread's own (OpenMP's ``nthreads-var`` is per thread), so
 :meth:`StepThreads.use_for` must be called from the thread that runs the step. oneDNN's
@@ -14,6 +21,9 @@ matmuls and the C decode kernel read the same setting.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -40,3 +50,14 @@ class StepThreads:
         if n != self.current:
             torch.set_num_threads(n)
             self.current = n
+
+
+@contextlib.contextmanager
+def single_threaded() -> Iterator[None]:
+    """Run the block on one torch thread in this thread; the count is restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
