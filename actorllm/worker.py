@@ -152,19 +152,11 @@ class ModelRunner:
         # _last_sample).
         self._failed_rids: frozenset[str] = frozenset()
         self.fed_forward = 0  # rows that fed a sampled token forward (overlap scheduling)
-        log.info(
-            "model runner: %s on %s x%d (%s, %s attention, %s), %d KV blocks of %d tokens "
-            "(%.1f MiB per rank)",
-            config.architectures[0],
-            self.device,
-            tp.world,
-            self.dtype,
-            self.backend_name,
-            "oneDNN packed linears" if self.packed_linears else "torch linears",
-            num_blocks,
-            block_size,
-            num_blocks * block_bytes / 2**20,
-        )
+        log.info("model runner: %s on %s x%d (%s, %s attention, %s), %d KV blocks of %d "
+                 "tokens (%.1f MiB per rank)", config.architectures[0], self.device, tp.world,
+                 self.dtype, self.backend_name,
+                 "oneDNN packed linears" if self.packed_linears else "torch linears",
+                 num_blocks, block_size, num_blocks * block_bytes / 2**20)
 
     def _default_num_blocks(self, kv_cache_bytes: int | None, block_bytes: int) -> int:
         if kv_cache_bytes is not None:
