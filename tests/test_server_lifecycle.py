@@ -50,7 +50,7 @@ def _long_stream(client: openai.OpenAI) -> openai.Stream:  # type: ignore[type-a
 
 
 # `actorllm serve` with at most two live sequences and every model step held 10 ms, so
-# the two streams of the drain test (~250 steps) outlive the checks made while draining
+# the streams of the drain tests (~250 steps) outlive the checks made while draining
 # however fast the machine: without the hold they could end, and the server exit, first.
 _SLOW_STEPS = """
 import logging, sys, time
@@ -111,7 +111,7 @@ def test_overload_env_key_and_graceful_drain(tiny_llama_dir: Path, tmp_path: Pat
 
 def test_drain_timeout_aborts_the_rest(tiny_llama_dir: Path, tmp_path: Path) -> None:
     srv = ServerProcess(tiny_llama_dir, "--drain-timeout", "0", "--served-model-name", "m",
-                        log_dir=tmp_path)
+                        script=_SLOW_STEPS, log_dir=tmp_path)
     try:
         base = srv.wait_ready()
         assert http(base + "/health")[0] == 200
