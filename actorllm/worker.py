@@ -60,7 +60,8 @@ class ModelRunner:
 
     ``num_blocks`` or ``kv_cache_bytes`` sizes the cache (neither: a default budget).
     ``dtype`` defaults to fp32 on CPU and bf16 on CUDA. ``num_threads`` sets torch's
-    intra-op threads for the process (None: leave torch's default, one per core).
+    intra-op threads for the process (None: leave torch's default, one per core);
+    ``large_step_threads`` those of a prefill-sized step (None: the same; ops/threads.py).
     ``execute`` is synchronous and must be called from one thread at a time. ``info`` is
     the engine's one :class:`ModelInfo` (read from ``model_dir`` when not given), so the
     Worker refuses and stops on exactly what the Tokenizer and the Scheduler do.
@@ -80,6 +81,7 @@ class ModelRunner:
         device: str = "cpu",
         attention_backend: str = "auto",
         num_threads: int | None = None,
+        large_step_threads: int | None = None,
         info: ModelInfo | None = None,
         tensor_parallel_size: int = 1,
         rendezvous: Rendezvous | None = None,
@@ -130,7 +132,8 @@ class ModelRunner:
             str(model_dir), tp.world, num_blocks, block_size,
             str(self.dtype).removeprefix("torch."), device, self.backend_name, num_threads,
         ), rendezvous) if tp.enabled else None
-        self.threads = StepThreads(self.device.type)  # the step thread's team, per step
+        # The step thread's team, per step.
+        self.threads = StepThreads(self.device.type, large=large_step_threads)
         try:
             with single_threaded():  # no OpenMP team in this thread: see ops/threads.py
                 self.model = load_model(model_dir, dtype=self.dtype, device=self.device,

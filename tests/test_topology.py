@@ -34,7 +34,12 @@ from actorllm.llm import LLM, collect, make_request
 from actorllm.messages import GenerateRequest, SamplingParams
 from actorllm.outputs import RequestError
 from actorllm.topology import supervisor as supervisor_module
-from actorllm.topology.placement import PLACEMENTS, child_roles, worker_threads
+from actorllm.topology.placement import (
+    PLACEMENTS,
+    child_roles,
+    large_step_threads,
+    worker_threads,
+)
 from actorllm.topology.supervisor import Supervisor
 from actorllm.transport import PROTOCOL_VERSION, IpcDir, schema_fingerprint
 
@@ -548,3 +553,18 @@ def test_worker_threads_leave_a_core_to_the_http_process(monkeypatch: pytest.Mon
             max(1, (cores - 1) // 2)
     assert worker_threads(EngineConfig(model="m", topology="single")) is None
     assert worker_threads(EngineConfig(model="m", topology="single", cpu_threads=2)) == 2
+
+
+@pytest.mark.parametrize("cores", [1, 2, 16])
+def test_a_prefill_step_gets_the_core_left_to_http(monkeypatch: pytest.MonkeyPatch,
+                                                   cores: int) -> None:
+    """Where the Worker left a core to the HTTP process, a prefill-sized step may use it;
+    --cpu-threads, tensor parallelism and a Worker beside the HTTP loop keep one count."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    for topology in ("engine", "pipeline"):
+        config = EngineConfig(model="m", topology=topology)
+        assert large_step_threads(config) == cores
+        assert large_step_threads(attrs.evolve(config, cpu_threads=1)) is None
+        assert large_step_threads(attrs.evolve(config, device="cuda")) is None
+        assert large_step_threads(attrs.evolve(config, tensor_parallel_size=2)) is None
+    assert large_step_threads(EngineConfig(model="m", topology="single")) is None

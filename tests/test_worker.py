@@ -190,12 +190,14 @@ def test_cpu_threads_sets_torch_threads(tiny_llama_dir: Path):
 def test_a_small_step_runs_on_one_thread_and_a_large_one_on_all(tiny_llama_dir: Path):
     """Sleeping OpenMP threads cost more to wake than a small step saves
     (ops/threads.py): the step thread's team is 1 below SMALL_STEP_TOKENS tokens, the
-    configured count from there on, and each step's outputs do not depend on it."""
-    from actorllm.ops.threads import SMALL_STEP_TOKENS
+    configured count from there on, ``large_step_threads`` from LARGE_STEP_TOKENS, and
+    each step's outputs do not depend on it."""
+    from actorllm.ops.threads import LARGE_STEP_TOKENS, SMALL_STEP_TOKENS
 
     before = torch.get_num_threads()
     try:
-        r = ModelRunner(tiny_llama_dir, num_blocks=64, block_size=BLOCK_SIZE, num_threads=2)
+        r = ModelRunner(tiny_llama_dir, num_blocks=192, block_size=BLOCK_SIZE, num_threads=2,
+                        large_step_threads=3)
         seen: list[int] = []
         forward = r.model.forward
 
@@ -207,23 +209,32 @@ def test_a_small_step_runs_on_one_thread_and_a_large_one_on_all(tiny_llama_dir: 
         s = Script(r)
         big = [0, *range(20, 20 + SMALL_STEP_TOKENS)]
         small = big[:SMALL_STEP_TOKENS - 1]
+        # Four prompts of 128 tokens in one step: LARGE_STEP_TOKENS (the tiny model's
+        # context is 256).
+        prefills = [[0, *(20 + (i * 7 + k) % 300 for i in range(127))] for k in range(4)]
         results: list[StepResult] = []
 
-        def steps() -> None:  # in a thread of its own, as the Worker's steps run
-            new = NewSeqData(GREEDY, tuple(big))
-            results.append(s.step(s.seq("big", big, 0, True, new)))
-            new = NewSeqData(GREEDY, tuple(small))
-            results.append(s.step(s.seq("small", small, 0, True, new)))
-            results.append(s.step(s.seq("big2", big, 0, True, NewSeqData(GREEDY, tuple(big)))))
+        def one(rid: str, ids: list[int]) -> ScheduledSeq:
+            return s.seq(rid, ids, 0, True, NewSeqData(GREEDY, tuple(ids)))
 
+        def steps() -> None:  # in a thread of its own, as the Worker's steps run
+            results.append(s.step(one("big", big)))
+            results.append(s.step(one("small", small)))
+            results.append(s.step(*(one(f"p{k}", ids) for k, ids in enumerate(prefills))))
+            results.append(s.step(one("big2", big)))
+
+        assert 4 * 128 == LARGE_STEP_TOKENS
         t = threading.Thread(target=steps)
         t.start()
         t.join()
-        assert seen == [2, 1, 2]
-        # The same prompt on two threads and on one: the same greedy token.
+        assert seen == [2, 1, 3, 2]
+        # The same prompts on 1, 2 and 3 threads: the same greedy tokens as transformers.
         hf = hf_model(tiny_llama_dir)
         assert [results[0].tokens[0].token_id] == hf_greedy(hf, big, 1)[0]
         assert [results[1].tokens[0].token_id] == hf_greedy(hf, small, 1)[0]
+        got = {t.rid: t.token_id for t in results[2].tokens}
+        assert [got[f"p{k}"] for k in range(4)] == [hf_greedy(hf, ids, 1)[0][0]
+                                                    for ids in prefills]
     finally:
         torch.set_num_threads(before)
 

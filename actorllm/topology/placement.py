@@ -224,6 +224,7 @@ def build_runner(config: EngineConfig, info: ModelInfo) -> Any:
         dtype=_torch_dtype(config.dtype),
         attention_backend=config.attention_backend,
         num_threads=worker_threads(config),
+        large_step_threads=large_step_threads(config),
         info=info,
         tensor_parallel_size=config.tensor_parallel_size,
         rendezvous=Rendezvous.for_driver(config.tensor_parallel_size,
@@ -258,6 +259,19 @@ def worker_threads(config: EngineConfig) -> int | None:
         # With data parallelism the replicas share the cores: each gets its part.
         cores = (len(os.sched_getaffinity(0)) - 1) // config.local_replicas
         return max(1, cores // config.tensor_parallel_size)
+    return None
+
+
+def large_step_threads(config: EngineConfig) -> int | None:
+    """Torch threads for a prefill-sized step (``ops/threads.LARGE_STEP_TOKENS`` tokens or
+    more) where :func:`worker_threads` left a core to the HTTP process: the cores this
+    replica may run on, that one included (a long step leaves that process little to
+    do). None (the same as every step's) with ``--cpu-threads``, tensor parallelism, or
+    a Worker in the HTTP process."""
+    if config.cpu_threads is not None or config.tensor_parallel_size > 1:
+        return None
+    if config.device == "cpu" and PLACEMENTS[config.topology]["worker"] != MAIN:
+        return max(1, len(os.sched_getaffinity(0)) // config.local_replicas)
     return None
 
 
