@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -44,7 +44,7 @@ def _exit_when_orphaned() -> None:
         os._exit(EXIT_ORPHANED)
 
 
-def _driver_lost(why: str) -> None:
+def _driver_lost(why: str) -> NoReturn:
     log.error("the tensor-parallel driver is gone (%s); leaving", why)
     logging.shutdown()
     os._exit(EXIT_ORPHANED)
@@ -80,9 +80,9 @@ def serve_rank(model: str | None = None, *, timeout: float = 300.0,
     until the driver goes. ``model`` overrides the driver's path (another host may keep
     the checkpoint elsewhere); ``num_threads`` the driver's per-rank threads.
 
-    Returns 0 when the driver closes the group, EXIT_ORPHANED when it is lost; raises
-    a one-line ``ValueError`` when the rank cannot start (after telling the driver why,
-    once it has joined).
+    Returns 0 when the driver closes the group; exits the process with EXIT_ORPHANED
+    when it is lost; raises a one-line ``ValueError`` when the rank cannot start (after
+    telling the driver why, once it has joined).
     """
     addr, port, rank, world = rank_env()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
@@ -118,7 +118,9 @@ def serve_rank(model: str | None = None, *, timeout: float = 300.0,
             while (batch := receive_batch(device)) is not None:
                 model_(batch, kv, backend)
     except Exception as exc:  # the driver died, or broke a step
-        log.warning("rank %d leaves: %s", rank, str(exc).splitlines()[0] if str(exc) else exc)
-        return EXIT_ORPHANED
+        # Leave as the heartbeat does, without running the interpreter's exit: the
+        # broken group's C++ threads are still alive, and destroying them there aborts
+        # the process (SIGABRT, "terminate called without an active exception").
+        _driver_lost(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     log.info("rank %d: the driver closed the group", rank)
     return 0
