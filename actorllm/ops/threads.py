@@ -12,8 +12,8 @@ saves. So:
   process, because a thread sharing a core with a busy process stalls every region it
   is in; but during a 2,048-token step of 200-300 ms that process has little to do,
   and on 2 cores the idle core is half the machine. ``engine`` at saturation, 2
-  threads for such steps and 1 for the rest: median TTFT 505-507 ms against 710-904
-  with 1 thread throughout, output tok/s 2,374-2,812 against 2,084-2,477.
+  threads for such steps and 1 for the rest: median TTFT 452-540 ms against 710-904
+  with 1 thread throughout (``placement.large_step_threads``; docs/architecture.md).
 - Only the step thread has a team. libgomp gives every thread that starts a parallel
   region a pool of its own, and once it manages more threads than there are CPUs it
   cuts every spin to almost nothing ("throttled"), so each region wakes sleeping
