@@ -53,15 +53,15 @@ class ServerProcess:
 
     def __init__(self, model_dir: Path, *args: str, env: dict[str, str] | None = None,
                  settings: dict[str, int] | None = None, log_dir: Path | None = None,
-                 script: str | None = None) -> None:
+                 script: str | None = None, prelude: str = "") -> None:
         flags = ["serve", "--model", str(model_dir), "--num-kv-blocks", "512", *args]
         if "--port" not in args:
             flags += ["--port", "0"]
         if script is not None:  # a `python -c` stand-in for `python -m actorllm`
             cmd = [sys.executable, "-c", script, *flags]
-        elif settings:
-            extra = ",".join(f"{k}={v}" for k, v in settings.items())
-            cmd = [sys.executable, "-c", _SERVE_SCRIPT, extra, *flags]
+        elif settings or prelude:  # `prelude`: code run in the server before it starts
+            extra = ",".join(f"{k}={v}" for k, v in (settings or {}).items())
+            cmd = [sys.executable, "-c", prelude + _SERVE_SCRIPT, extra, *flags]
         else:
             cmd = [sys.executable, "-m", "actorllm", *flags]
         self.stderr_path = (log_dir or Path("/tmp")) / f"server-{os.getpid()}-{id(self)}.log"

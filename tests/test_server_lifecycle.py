@@ -49,30 +49,24 @@ def _long_stream(client: openai.OpenAI) -> openai.Stream:  # type: ignore[type-a
                                      extra_body={"ignore_eos": True})
 
 
-# `actorllm serve` with at most two live sequences and every model step held 10 ms, so
-# the streams of the drain tests (~250 steps) outlive the checks made while draining
-# however fast the machine: without the hold they could end, and the server exit, first.
-_SLOW_STEPS = """
-import logging, sys, time
-from actorllm.cli import build_parser, engine_config
-from actorllm.server import serve_main
+# Every model step held 10 ms, so the streams of the drain tests (~250 steps) outlive
+# the checks made while draining however fast the machine: without the hold they could
+# end, and the server exit, first.
+_HOLD_STEPS = """
+import time
 from actorllm.worker import ModelRunner
 execute = ModelRunner.execute
 def held(self, plan):
     time.sleep(0.01)
     return execute(self, plan)
 ModelRunner.execute = held
-args = build_parser().parse_args(sys.argv[1:])
-args.max_pending = 2
-logging.basicConfig(level=args.log_level.upper())
-sys.exit(serve_main(engine_config(args), args))
 """
 
 
 def test_overload_env_key_and_graceful_drain(tiny_llama_dir: Path, tmp_path: Path) -> None:
     srv = ServerProcess(tiny_llama_dir, "--served-model-name", "m", "--drain-timeout", "60",
-                        env={"ACTORLLM_API_KEY": "env-key"}, script=_SLOW_STEPS,
-                        log_dir=tmp_path)
+                        env={"ACTORLLM_API_KEY": "env-key"}, settings={"max_pending": 2},
+                        prelude=_HOLD_STEPS, log_dir=tmp_path)
     try:
         base = srv.wait_ready()
         keyless = openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0)
@@ -111,7 +105,7 @@ def test_overload_env_key_and_graceful_drain(tiny_llama_dir: Path, tmp_path: Pat
 
 def test_drain_timeout_aborts_the_rest(tiny_llama_dir: Path, tmp_path: Path) -> None:
     srv = ServerProcess(tiny_llama_dir, "--drain-timeout", "0", "--served-model-name", "m",
-                        script=_SLOW_STEPS, log_dir=tmp_path)
+                        prelude=_HOLD_STEPS, log_dir=tmp_path)
     try:
         base = srv.wait_ready()
         assert http(base + "/health")[0] == 200

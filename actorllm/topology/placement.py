@@ -255,7 +255,7 @@ def worker_threads(config: EngineConfig) -> int | None:
     """
     if config.cpu_threads is not None:
         return config.cpu_threads
-    if config.device == "cpu" and PLACEMENTS[config.topology]["worker"] != MAIN:
+    if _worker_apart_on_cpu(config):
         # With data parallelism the replicas share the cores: each gets its part.
         cores = (len(os.sched_getaffinity(0)) - 1) // config.local_replicas
         return max(1, cores // config.tensor_parallel_size)
@@ -270,9 +270,14 @@ def large_step_threads(config: EngineConfig) -> int | None:
     a Worker in the HTTP process."""
     if config.cpu_threads is not None or config.tensor_parallel_size > 1:
         return None
-    if config.device == "cpu" and PLACEMENTS[config.topology]["worker"] != MAIN:
+    if _worker_apart_on_cpu(config):
         return max(1, len(os.sched_getaffinity(0)) // config.local_replicas)
     return None
+
+
+def _worker_apart_on_cpu(config: EngineConfig) -> bool:
+    """Whether the Worker runs on the CPU in a process other than the HTTP one."""
+    return config.device == "cpu" and PLACEMENTS[config.topology]["worker"] != MAIN
 
 
 def _torch_dtype(name: str | None) -> Any:
