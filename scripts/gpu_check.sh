@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The whole GPU verification of the attention kernels, as one command:
-#   1. make CuPy importable (pip install cupy-cuda12x / -cuda13x to match torch's CUDA, only
-#      if `import cupy` fails; from $CUPY_WHEEL_DIR without an index when that is set, for
-#      machines without network) and check that NVRTC compiles a trivial kernel;
+#   1. make the project and CuPy importable: the project itself (pip install -e . --no-deps)
+#      where `import actorllm.spec` fails (a bare checkout on sys.path lacks the spec/ that
+#      the package maps in), the project's missing runtime packages, and cupy-cuda12x /
+#      -cuda13x to match torch's CUDA, each only if its import fails; from $WHEEL_DIR without
+#      an index when that is set, for machines without network (such as the device
+#      machines, whose image has torch and CuPy but not trio or pyzmq); then check that
+#      NVRTC compiles a trivial kernel;
 #   2. the GPU tests (tests/gpu) and the CPU tests of the ops, with skip reasons shown;
 #   3. benchmarks/cuda_kernels.py (writes benchmarks/results/kernels.{json,md}).
 # Everything printed is also written to benchmarks/results/gpu_check.log.
@@ -32,15 +36,30 @@ main() {
   "$PYTHON" -c "import torch; p = torch.cuda.get_device_properties(0); \
 print(f'gpu_check: {p.name}, sm_{p.major}{p.minor}, torch {torch.__version__} (CUDA {torch.version.cuda})')"
 
+  pip_install() {
+    if [ -n "${WHEEL_DIR:-}" ]; then
+      "$PYTHON" -m pip install -q --no-index --find-links "$WHEEL_DIR" "$@"
+    else
+      "$PYTHON" -m pip install -q "$@"
+    fi
+  }
+  for need in trio:trio zmq:pyzmq pytest_trio:pytest-trio attrs:attrs msgpack:msgpack \
+              prometheus_client:prometheus-client hypothesis:hypothesis; do
+    if ! "$PYTHON" -c "import ${need%%:*}" 2>/dev/null; then
+      echo "gpu_check: ${need%%:*} is not importable; installing ${need#*:}"
+      pip_install "${need#*:}" || echo "gpu_check: could not install ${need#*:}"
+    fi
+  done
+  if ! "$PYTHON" -c "import actorllm.spec" 2>/dev/null; then
+    echo "gpu_check: actorllm is not installed; installing this checkout (editable, no deps)"
+    "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . \
+      || echo "gpu_check: could not install the checkout; the tests will not load"
+  fi
   if ! "$PYTHON" -c "import cupy" 2>/dev/null; then
     major=$("$PYTHON" -c "import torch; print(torch.version.cuda.split('.')[0])")
     pkg="cupy-cuda${major}x"
     echo "gpu_check: cupy is not importable; installing $pkg"
-    if [ -n "${CUPY_WHEEL_DIR:-}" ]; then
-      "$PYTHON" -m pip install -q --no-index --find-links "$CUPY_WHEEL_DIR" "$pkg"
-    else
-      "$PYTHON" -m pip install -q "$pkg"
-    fi || echo "gpu_check: could not install $pkg; the GPU tests will be skipped"
+    pip_install "$pkg" || echo "gpu_check: could not install $pkg; the GPU tests will be skipped"
   fi
   "$PYTHON" - <<'EOF' || echo "gpu_check: CuPy/NVRTC smoke test failed (see above)"
 import cupy

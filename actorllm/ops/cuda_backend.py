@@ -158,6 +158,7 @@ class CudaBackend:
         except Exception as exc:  # ImportError, or a CuPy that cannot find its CUDA libraries
             raise BackendUnavailable(f"cupy is not importable: {_one_line(exc)}") from exc
         self._cupy = cupy
+        self._device = cupy.cuda.Device(index)
         self._streams: dict[int, Any] = {}
         self._configs: dict[tuple[torch.dtype, int, int], _Kernels] = {}
         self.num_sms = torch.cuda.get_device_properties(index).multi_processor_count
@@ -202,8 +203,10 @@ class CudaBackend:
         return stream
 
     def _launch(self, kernel: Any, grid: tuple[int, ...], block: int, args: tuple, smem: int = 0):
-        with self._cupy.cuda.Device(self.device_index), self._stream():
-            kernel(grid, (block,), args, shared_mem=smem)
+        # The stream goes to the launch itself: entering it as a context manager on every
+        # launch costs host time that a one-token decode step can see.
+        with self._device:
+            kernel(grid, (block,), args, shared_mem=smem, stream=self._stream())
 
     def _check_device(self, t: Tensor) -> None:
         if t.device.index != self.device_index:

@@ -84,7 +84,7 @@ def build_case(
         q=q,
         k_cache=k_cache,
         v_cache=v_cache,
-        block_tables=torch.tensor(tables, dtype=torch.int32, device="cuda").view(len(specs), -1),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device="cuda").view(len(specs), width),
         seq_lens=torch.tensor([s for s, _ in specs], dtype=torch.int32, device="cuda"),
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device="cuda"),
         scale=head_dim**-0.5,
