@@ -365,15 +365,14 @@ class ModelRunner:
             return t.to(device=self.device, dtype=dtype, non_blocking=True)
 
         return ForwardBatch(
-            input_ids=dev(input_ids),
-            positions=dev(positions),
-            slot_mapping=dev(slots),
+            input_ids=dev(input_ids), positions=dev(positions), slot_mapping=dev(slots),
             block_tables=dev(flat, torch.int32).view(len(seqs), width),
             seq_lens=dev(seq_lens, torch.int32),
             cu_seqlens_q=dev(cu, torch.int32),
             sample_indices=dev(sample_indices),
             max_seqlen_q=max_q,
             max_seqlen_k=max(seq_lens),
+            slots_valid=True,  # every table entry was checked to be a block above
         )
 
 

@@ -26,6 +26,19 @@ def test_packed_linear_equals_f_linear_for_any_row_count(rows: int, bias: bool) 
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(8, 96), (3, 8, 96), (2, 5, 96)])
+def test_packed_linear_keeps_leading_dims(shape: tuple[int, ...]) -> None:
+    """2-D inputs of a bucket's size skip the reshape and slice; other shapes take them."""
+    torch.manual_seed(1)
+    linear = nn.Linear(96, 40)
+    x = torch.randn(shape)
+    with torch.inference_mode():
+        want = F.linear(x, linear.weight, linear.bias)
+        got = PackedLinear(linear)(x)
+    assert got.shape == want.shape == (*shape[:-1], 40)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_buckets_cover_and_bound_the_row_counts() -> None:
     sizes = {_bucket(r) for r in range(1, 4097)}
     assert all(_bucket(r) >= r for r in range(1, 4097))

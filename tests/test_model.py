@@ -23,7 +23,7 @@ from actorllm.model import (
     load_config,
     load_model,
 )
-from actorllm.model.llama import head_dim_of
+from actorllm.model.llama import RMSNorm, RotaryEmbedding, _apply_rope, head_dim_of
 from actorllm.ops import select_backend
 
 BLOCK_SIZE = 4
@@ -173,6 +173,45 @@ def test_bf16_load_runs(tiny_llama_dir: Path):
             model(make_batch([(TOKENS[:9], 0, [1, 2, 3])]), caches, BACKEND)
         )
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 2048])
+@pytest.mark.parametrize("dim", [256, 4096])
+def test_fp32_rms_norm_is_bit_equal_to_transformers(rows: int, dim: int):
+    """The fp32 fast path (one ``torch.rms_norm``) against transformers' own module."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(rows + dim)
+    ours, theirs = RMSNorm(dim, 1e-5), LlamaRMSNorm(dim, eps=1e-5)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(dim))
+        theirs.weight.copy_(ours.weight)
+    for scale in (1e-3, 1.0, 50.0):
+        x = torch.randn(rows, dim) * scale
+        with torch.inference_mode():
+            assert torch.equal(ours(x), theirs(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_bit_equal_to_transformers(dtype: torch.dtype):
+    """The rolled rotation with a signed sin against transformers' ``rotate_half`` form."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    head_dim, tokens = 64, 37
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    positions = torch.randint(0, 4000, (tokens,))
+    cos, signed_sin = RotaryEmbedding(inv_freq, 1.0)(positions, dtype)
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    hf_cos, hf_sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    q = torch.randn(tokens, 8, head_dim).to(dtype)
+    k = torch.randn(tokens, 2, head_dim).to(dtype)
+    # transformers works on [batch, heads, tokens, dim] with cos/sin [batch, tokens, dim].
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                          hf_cos[None], hf_sin[None])
+    assert torch.equal(_apply_rope(q, cos, signed_sin), want_q[0].transpose(0, 1))
+    assert torch.equal(_apply_rope(k, cos, signed_sin), want_k[0].transpose(0, 1))
 
 
 # ----------------------------------------------------------------------------- loader errors

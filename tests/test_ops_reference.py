@@ -224,6 +224,17 @@ def test_write_kv_skips_minus_one():
     assert torch.equal(v_cache, want_v)
 
 
+def test_write_kv_with_valid_slots_promised_writes_the_same():
+    """``slots_valid=True`` (the engine's batches) skips the look for -1, nothing else."""
+    k_caches = [torch.zeros(4, 16, 2, 8) for _ in range(4)]
+    slots = torch.tensor([5, 63, 17, 0])
+    key, value = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+    backend.write_kv(key, value, k_caches[0], k_caches[1], slots)
+    backend.write_kv(key, value, k_caches[2], k_caches[3], slots, slots_valid=True)
+    assert torch.equal(k_caches[0], k_caches[2]) and torch.equal(k_caches[1], k_caches[3])
+    assert k_caches[2].view(-1, 2, 8)[63].equal(key[1])
+
+
 def test_write_kv_all_skipped_and_empty():
     k_cache = torch.zeros(2, 16, 1, 8)
     v_cache = torch.zeros_like(k_cache)

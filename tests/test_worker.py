@@ -139,6 +139,16 @@ def test_failing_step_returns_an_error_and_the_runner_goes_on(runner: ModelRunne
     assert runner.num_states == 0
 
 
+def test_batches_promise_valid_slots_only_after_checking_the_tables(runner: ModelRunner):
+    """``ForwardBatch.slots_valid`` lets the attention backend skip its look for -1 slots;
+    it holds because _prepare refuses any block-table entry outside the cache."""
+    with pytest.raises(ValueError, match="out of range"):
+        runner._prepare(StepPlan(1, (ScheduledSeq("x", (5, 6, 7, 8, 9), 0, (2, -1), True),)))
+    batch = runner._prepare(StepPlan(2, (ScheduledSeq("x", (5, 6, 7, 8, 9), 0, (2, 0), True),)))
+    assert batch.slots_valid
+    assert batch.slot_mapping.tolist() == [8, 9, 10, 11, 0]
+
+
 def test_runner_facts(runner: ModelRunner, tiny_qwen2_dir: Path):
     assert runner.eos_token_ids == (1,)
     assert runner.vocab_size == 400 and runner.max_model_len == 256

@@ -17,9 +17,12 @@ class AttentionBackend(Protocol):
     name: str  # "torch", "cpu" or "cuda"
 
     def write_kv(
-        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+        *, slots_valid: bool = False,
     ) -> None:
-        """Scatter ``[num_tokens, num_kv_heads, head_dim]`` K/V into the caches; slot -1 skips."""
+        """Scatter ``[num_tokens, num_kv_heads, head_dim]`` K/V into the caches; slot -1 skips.
+
+        ``slots_valid`` promises that no slot is -1, so a backend need not look."""
         ...
 
     def paged_attention(

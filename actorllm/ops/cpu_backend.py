@@ -128,9 +128,11 @@ class CpuBackend(TorchBackend):
         if not (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype
                 == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()):
             return super().decode(q, k_cache, v_cache, block_tables, seq_lens, max_len, scale)
-        q = q.contiguous()
-        tables = block_tables.to(torch.int32).contiguous()
-        lens = seq_lens.to(torch.int32).contiguous()
+        # The engine passes int32, contiguous tables and lengths: test before converting,
+        # since even a no-op conversion is an op dispatch (and GIL round trip) per layer.
+        q = q if q.is_contiguous() else q.contiguous()
+        tables, lens = (t if t.dtype is torch.int32 and t.is_contiguous()
+                        else t.to(torch.int32).contiguous() for t in (block_tables, seq_lens))
         out = torch.empty_like(q)
         num_seqs, num_heads, head_dim = q.shape
         threads = self.num_threads or torch.get_num_threads()

@@ -217,12 +217,14 @@ class CudaBackend:
     # ---------------------------------------------------------------- ops
 
     def write_kv(
-        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+        *, slots_valid: bool = False,
     ) -> None:
         """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the caches.
 
-        Slot ``-1`` is skipped. Slots are not range-checked (that would need a device sync):
-        every other slot must be below ``num_blocks * block_size``.
+        Slot ``-1`` is skipped by the kernel itself (``slots_valid`` changes nothing). Slots
+        are not range-checked (that would need a device sync): every other slot must be
+        below ``num_blocks * block_size``.
         """
         check_cuda_write_kv_args(key, value, k_cache, v_cache, slot_mapping)
         self._check_device(k_cache)
