@@ -372,7 +372,7 @@ class ModelRunner:
             sample_indices=dev(sample_indices),
             max_seqlen_q=max_q,
             max_seqlen_k=max(seq_lens),
-            slots_valid=True,  # every table entry was checked to be a block above
+            slots_valid=True,  # every block-table entry was range-checked above
         )
 
 
