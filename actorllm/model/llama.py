@@ -59,7 +59,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype is torch.float32:
-            # One op instead of six, bit-equal to the path below in fp32 (checked in
+            # One op instead of eight, bit-equal to the path below in fp32 (checked in
             # tests/test_model.py); every op a step saves is one less GIL round trip.
             return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
