@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 import time
@@ -34,6 +33,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+from offline_throughput import workload  # noqa: E402  (the same seeded prompts, longer)
+
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -54,12 +56,6 @@ def build_model(path: Path, layers: int) -> Path:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
-
-
-def workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    return [([rng.randrange(10, vocab) for _ in range(rng.randint(64, 512))],
-             rng.randint(64, 256)) for _ in range(n)]
 
 
 def run_once(llm: Any, overlap: bool, work: list[tuple[list[int], int]]) -> dict[str, Any]:
@@ -127,8 +123,8 @@ def main() -> int:
         from transformers import AutoTokenizer
 
         vocab = len(AutoTokenizer.from_pretrained(model))
-        work = workload(args.num_prompts, vocab, args.seed)
-        warm = workload(8, vocab, args.seed + 1)
+        work = workload(args.num_prompts, vocab, args.seed, prompt=(64, 512), output=(64, 256))
+        warm = workload(8, vocab, args.seed + 1, prompt=(64, 512), output=(64, 256))
         blocks = args.num_prompts * (512 + 256) // 16 + 64
         for backend in ("torch", "cuda"):
             llm = LLM(model=str(model), device="cuda", dtype="bfloat16",

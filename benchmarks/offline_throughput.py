@@ -57,10 +57,12 @@ def build_model(path: Path, seed: int) -> Path:
     return path
 
 
-def workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+def workload(n: int, vocab: int, seed: int, prompt: tuple[int, int] = (16, 512),
+             output: tuple[int, int] = (16, 256)) -> list[tuple[list[int], int]]:
+    """``n`` seeded (random prompt ids, output length) pairs, lengths uniform in the ranges."""
     rng = random.Random(seed)
-    return [([rng.randrange(10, vocab) for _ in range(rng.randint(16, 512))],
-             rng.randint(16, 256)) for _ in range(n)]
+    return [([rng.randrange(10, vocab) for _ in range(rng.randint(*prompt))],
+             rng.randint(*output)) for _ in range(n)]
 
 
 def run_actorllm(model: Path, work: list[tuple[list[int], int]], max_num_seqs: int

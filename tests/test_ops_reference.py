@@ -226,13 +226,13 @@ def test_write_kv_skips_minus_one():
 
 def test_write_kv_with_valid_slots_promised_writes_the_same():
     """``slots_valid=True`` (the engine's batches) skips the look for -1, nothing else."""
-    k_caches = [torch.zeros(4, 16, 2, 8) for _ in range(4)]
+    caches = [torch.zeros(4, 16, 2, 8) for _ in range(4)]  # k, v checked; k, v promised
     slots = torch.tensor([5, 63, 17, 0])
     key, value = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
-    backend.write_kv(key, value, k_caches[0], k_caches[1], slots)
-    backend.write_kv(key, value, k_caches[2], k_caches[3], slots, slots_valid=True)
-    assert torch.equal(k_caches[0], k_caches[2]) and torch.equal(k_caches[1], k_caches[3])
-    assert k_caches[2].view(-1, 2, 8)[63].equal(key[1])
+    backend.write_kv(key, value, caches[0], caches[1], slots)
+    backend.write_kv(key, value, caches[2], caches[3], slots, slots_valid=True)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[2].view(-1, 2, 8)[63].equal(key[1])
 
 
 def test_write_kv_all_skipped_and_empty():
