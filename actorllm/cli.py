@@ -41,9 +41,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     g.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads in the Worker's process (default: one per core; with "
-                        "--topology engine or pipeline, one per core less one, left to the "
-                        "HTTP process); per rank with --tensor-parallel-size (default: "
-                        "cores / N)")
+                        "--topology engine or pipeline, or under `serve`, one per core less "
+                        "one, left to the event loop that serves HTTP, but all of them for "
+                        "prefill-sized steps); per rank with --tensor-parallel-size "
+                        "(default: cores / N)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="shard the model over N processes (torch.distributed: gloo on the "
                         "CPU, NCCL on CUDA); N must divide the attention heads")
@@ -181,6 +182,7 @@ def engine_config(args: argparse.Namespace) -> Any:
             device=args.device,
             dtype=args.dtype,
             cpu_threads=args.cpu_threads,
+            serving_http=args.command == "serve",
             tensor_parallel_size=args.tensor_parallel_size,
             tensor_parallel_local_ranks=args.tensor_parallel_local_ranks,
             tensor_parallel_timeout=args.tensor_parallel_timeout,

@@ -45,6 +45,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     cpu_threads: int | None = None  # the Worker process's torch threads; None: worker_threads
+    # The main process's event loop serves HTTP (`actorllm serve`): on the CPU, a Worker
+    # beside it (`single`) leaves it a core for ordinary steps (placement.worker_threads).
+    serving_http: bool = False
     # Ranks of one model, Megatron-style (actorllm/ranks.py): the Worker's process is rank
     # 0 and starts ranks 1..local-1 on this host; the others join from other hosts
     # (actorllm/rendezvous.py, at MASTER_ADDR:MASTER_PORT). On the CPU, cpu_threads (None:

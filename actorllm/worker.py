@@ -21,7 +21,6 @@ import os
 import queue
 import time
 import weakref
-from array import array
 from pathlib import Path
 
 import torch
@@ -30,7 +29,6 @@ import trio
 from actorllm.config import ModelInfo, read_model_info
 from actorllm.mailbox import Inbox, Outbox
 from actorllm.messages import (
-    FEED_LAST_SAMPLE,
     NewSeqData,
     PromptLogprobs,
     SampledToken,
@@ -42,7 +40,9 @@ from actorllm.model.llama import allocate_kv_caches, head_dim_of
 from actorllm.model.parallel import TensorParallel, check_tensor_parallel
 from actorllm.ops import select_backend
 from actorllm.ops.cpu_linear import pack_linears
+from actorllm.ops.cpu_step import load_decode_step
 from actorllm.ops.threads import StepThreads, single_threaded
+from actorllm.packing import pack_plan
 from actorllm.ranks import RankDied, RankGroup, RankSpec
 from actorllm.rendezvous import Rendezvous
 from actorllm.sampler import SamplingState, prompt_logprobs, sample
@@ -142,6 +142,10 @@ class ModelRunner:
                     if self.device.type == "cpu" else 0
                 self.kv_caches: list[KVCache] = allocate_kv_caches(
                     config, num_blocks, block_size, self.dtype, self.device, tp)
+            # A busy server's steps are mostly decode: on the CPU they run as one op call
+            # (ops/cpu_step.py), which releases the GIL once instead of once per op.
+            self.decode_step = load_decode_step(self.model, self.backend) \
+                if self.device.type == "cpu" and not tp.enabled else None
             if self.ranks is not None:
                 self.ranks.connect()
                 weakref.finalize(self, self.ranks.close)
@@ -155,10 +159,12 @@ class ModelRunner:
         # _last_sample).
         self._failed_rids: frozenset[str] = frozenset()
         self.fed_forward = 0  # rows that fed a sampled token forward (overlap scheduling)
-        log.info("model runner: %s on %s x%d (%s, %s attention, %s), %d KV blocks of %d "
+        self.one_op_steps = 0  # steps run by decode_step
+        log.info("model runner: %s on %s x%d (%s, %s attention, %s%s), %d KV blocks of %d "
                  "tokens (%.1f MiB per rank)", config.architectures[0], self.device, tp.world,
                  self.dtype, self.backend_name,
                  "oneDNN packed linears" if self.packed_linears else "torch linears",
+                 ", decode steps in one op" if self.decode_step is not None else "",
                  num_blocks, block_size, num_blocks * block_bytes / 2**20)
 
     def _default_num_blocks(self, kv_cache_bytes: int | None, block_bytes: int) -> int:
@@ -233,10 +239,14 @@ class ModelRunner:
             try:
                 batch = self._prepare(plan)
                 self.threads.use_for(batch.input_ids.shape[0])
-                hidden = (self.model(batch, self.kv_caches, self.backend)
-                          if self.ranks is None
-                          else self.ranks.forward(self.model, batch, self.kv_caches,
-                                                  self.backend))
+                if self.decode_step is not None and self.decode_step.applies(batch):
+                    hidden = self.decode_step(batch, self.kv_caches)
+                    self.one_op_steps += 1
+                elif self.ranks is None:
+                    hidden = self.model(batch, self.kv_caches, self.backend)
+                else:
+                    hidden = self.ranks.forward(self.model, batch, self.kv_caches,
+                                                self.backend)
                 logits = self.model.compute_logits(hidden[batch.sample_indices])
             finally:
                 if masks is not None:
@@ -306,74 +316,9 @@ class ModelRunner:
         return grammar
 
     def _prepare(self, plan: StepPlan) -> ForwardBatch:
-        """Pack the plan into device tensors: flat int arrays built in one pass, one copy each.
-
-        Per-token work is one list comprehension per sequence (the slots of its new
-        tokens); every tensor is made from a flat ``array`` without per-element objects.
-        """
-        bs, num_blocks = self.block_size, self.num_blocks
-        seqs = plan.seqs
-        input_ids, positions, slots = array("q"), array("q"), array("q")
-        seq_lens, cu, sample_indices = array("i"), array("i", [0]), array("q")
-        tables: list[tuple[int, ...]] = []
-        max_q = 0
-        for s in seqs:
-            q_len, start = len(s.token_ids), s.start_pos
-            seq_len = start + q_len
-            if q_len == 0:
-                raise ValueError(f"rid {s.rid!r}: scheduled with no tokens")
-            if seq_len > self.max_model_len:
-                raise ValueError(
-                    f"rid {s.rid!r}: {seq_len} tokens exceed max_model_len {self.max_model_len}"
-                )
-            needed = -(-seq_len // bs)
-            table = s.block_table
-            if len(table) < needed:
-                raise ValueError(
-                    f"rid {s.rid!r}: {seq_len} tokens need {needed} blocks, "
-                    f"block table has {len(table)}"
-                )
-            if needed and (min(table[:needed]) < 0 or max(table[:needed]) >= num_blocks):
-                raise ValueError(f"block table entry out of range [0, {num_blocks})")
-            tables.append(table[:needed])
-            if s.token_ids[0] == FEED_LAST_SAMPLE:
-                input_ids.append(self._last_sample(s.rid, s.start_pos))
-            else:
-                input_ids.extend(s.token_ids)
-            if q_len == 1:
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                span = range(start, seq_len)
-                positions.extend(span)
-                slots.extend([table[p // bs] * bs + p % bs for p in span])
-            seq_lens.append(seq_len)
-            cu.append(cu[-1] + q_len)
-            if s.sample:
-                sample_indices.append(cu[-1] - 1)
-            max_q = max(max_q, q_len)
-        width = max(len(t) for t in tables)
-        flat = array("i")
-        for t in tables:
-            flat.extend(t)
-            if len(t) < width:
-                flat.extend((0,) * (width - len(t)))
-
-        def dev(a: array, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            kind = torch.int64 if a.typecode == "q" else torch.int32
-            t = torch.frombuffer(a, dtype=kind) if len(a) else torch.empty(0, dtype=kind)
-            return t.to(device=self.device, dtype=dtype, non_blocking=True)
-
-        return ForwardBatch(
-            input_ids=dev(input_ids), positions=dev(positions), slot_mapping=dev(slots),
-            block_tables=dev(flat, torch.int32).view(len(seqs), width),
-            seq_lens=dev(seq_lens, torch.int32),
-            cu_seqlens_q=dev(cu, torch.int32),
-            sample_indices=dev(sample_indices),
-            max_seqlen_q=max_q,
-            max_seqlen_k=max(seq_lens),
-            slots_valid=True,  # every block-table entry was range-checked above
-        )
+        """The plan packed into device tensors (:func:`actorllm.packing.pack_plan`)."""
+        return pack_plan(plan, self.block_size, self.num_blocks, self.max_model_len,
+                         self.device, self._last_sample)
 
 
 class Worker:

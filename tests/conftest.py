@@ -14,6 +14,7 @@ engine; leaving ``engine`` asserts the engine drained (invariant 4) unless the t
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -28,10 +29,19 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from actorllm.config import EngineConfig
 from actorllm.engine import AsyncEngine, Resources, open_engine
+from actorllm.ops.cpu_backend import CpuKernelError, build_kernel
+from actorllm.ops.cpu_step import build_op_library
 
 # The tiny models are all per-op overhead: one intra-op thread is ~5x faster than two
 # threads spinning against each other on a busy 2-core box (and right under pytest-xdist).
 torch.set_num_threads(1)
+
+# The C decode kernel and the one-op decode step are compiled on first use (~10 s here);
+# build them now, so that no test's deadline pays for it (without a compiler: skipped,
+# and the tests that need them say so).
+with contextlib.suppress(CpuKernelError):
+    build_kernel()
+    build_op_library()
 
 # `ci` unless --hypothesis-profile names another (hypothesis's plugin may load that one
 # before or after this module is imported; either way it wins).

@@ -101,3 +101,11 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("actorllm: error:"), out.stderr
     assert message in lines[0]
+
+
+@pytest.mark.parametrize(("command", "serving"), [("serve", True), ("run", False)])
+def test_only_serve_tells_the_engine_its_loop_serves_http(command: str, serving: bool) -> None:
+    """`serve` leaves a core to its event loop in `single` (placement.worker_threads)."""
+    from actorllm.cli import build_parser, engine_config
+
+    assert engine_config(build_parser().parse_args([command])).serving_http is serving

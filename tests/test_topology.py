@@ -541,8 +541,9 @@ async def test_engine_refuses_requests_after_exit(tiny_llama_dir: Path) -> None:
 @pytest.mark.parametrize("cores", [1, 2, 16])
 def test_worker_threads_leave_a_core_to_the_http_process(monkeypatch: pytest.MonkeyPatch,
                                                          cores: int) -> None:
-    """A Worker with a process of its own on the CPU gets one thread per core less one (at
-    least one); beside the HTTP server it keeps torch's default; --cpu-threads wins."""
+    """A Worker with a process of its own on the CPU, or beside the loop of `actorllm serve`
+    with one rank, gets one thread per core less one (at least one); beside an offline
+    engine's loop it keeps torch's default; --cpu-threads wins."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     for topology in ("engine", "pipeline"):
         config = EngineConfig(model="m", topology=topology)
@@ -553,13 +554,19 @@ def test_worker_threads_leave_a_core_to_the_http_process(monkeypatch: pytest.Mon
             max(1, (cores - 1) // 2)
     assert worker_threads(EngineConfig(model="m", topology="single")) is None
     assert worker_threads(EngineConfig(model="m", topology="single", cpu_threads=2)) == 2
+    # `actorllm serve` in `single`: the loop beside the Worker serves HTTP.
+    served = EngineConfig(model="m", topology="single", serving_http=True)
+    assert worker_threads(served) == max(1, cores - 1)
+    assert worker_threads(attrs.evolve(served, cpu_threads=2)) == 2
+    assert worker_threads(attrs.evolve(served, tensor_parallel_size=2)) is None
+    assert worker_threads(attrs.evolve(served, device="cuda")) is None
 
 
 @pytest.mark.parametrize("cores", [1, 2, 16])
 def test_a_prefill_step_gets_the_core_left_to_http(monkeypatch: pytest.MonkeyPatch,
                                                    cores: int) -> None:
     """Where the Worker left a core to the HTTP process, a prefill-sized step may use it;
-    --cpu-threads, tensor parallelism and a Worker beside the HTTP loop keep one count."""
+    --cpu-threads, tensor parallelism and a Worker beside an offline loop keep one count."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     for topology in ("engine", "pipeline"):
         config = EngineConfig(model="m", topology=topology)
@@ -568,3 +575,6 @@ def test_a_prefill_step_gets_the_core_left_to_http(monkeypatch: pytest.MonkeyPat
         assert large_step_threads(attrs.evolve(config, device="cuda")) is None
         assert large_step_threads(attrs.evolve(config, tensor_parallel_size=2)) is None
     assert large_step_threads(EngineConfig(model="m", topology="single")) is None
+    served = EngineConfig(model="m", topology="single", serving_http=True)
+    assert large_step_threads(served) == cores
+    assert large_step_threads(attrs.evolve(served, tensor_parallel_size=2)) is None

@@ -24,6 +24,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -44,10 +45,10 @@ class CpuKernelError(RuntimeError):
     """The C kernel could not be built or loaded; the message says why in one line."""
 
 
-def _source() -> Path:
+def _source(name: str) -> Path:
     root = os.environ.get("ACTORLLM_KERNEL_DIR") or str(
         importlib.resources.files("actorllm.kernels"))
-    return Path(root) / SOURCE
+    return Path(root) / name
 
 
 def _cpu_key() -> str:
@@ -60,19 +61,24 @@ def _cpu_key() -> str:
     return f"{platform.machine()} {platform.processor()} {flags}"
 
 
-def build_kernel(cache_dir: Path | None = None) -> Path:
-    """Compile the kernel (once per source, flags and CPU) and return the shared object."""
-    src = _source()
+def build_library(source: str, compiler: str, flags: Sequence[str],
+                  libs: Sequence[str] = (), cache_dir: Path | None = None,
+                  timeout: float = 120) -> Path:
+    """Compile ``actorllm/kernels/<source>`` into a shared object, once per source text,
+    compiler, flags and CPU, and return its path in the cache.
+
+    ``compiler`` is a path or a name on ``PATH``; ``libs`` come after the source on the
+    command line. ``CpuKernelError`` says in one line why a build failed.
+    """
+    src = _source(source)
     if not src.is_file():
         raise CpuKernelError(f"kernel source {src} is missing")
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise CpuKernelError("no C compiler found (set CC, or install gcc)")
     code = src.read_bytes()
-    digest = hashlib.sha256(code + " ".join(FLAGS).encode() + _cpu_key().encode()).hexdigest()
+    key = " ".join((compiler, *flags, *libs, _cpu_key())).encode()
+    digest = hashlib.sha256(code + key).hexdigest()
     cache = cache_dir or Path(os.environ.get("ACTORLLM_CACHE_DIR")
                               or Path.home() / ".cache" / "actorllm")
-    target = cache / f"cpu_paged_decode-{digest[:16]}.so"
+    target = cache / f"{src.stem}-{digest[:16]}.so"
     if target.is_file():
         return target
     cache.mkdir(parents=True, exist_ok=True)
@@ -80,19 +86,29 @@ def build_kernel(cache_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(src), "-lm"],
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([compiler, *flags, "-o", tmp, str(src), *libs],
+                              capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
-            first = (proc.stderr.strip().splitlines() or ["(no output)"])[0]
-            raise CpuKernelError(f"{cc} failed on {src.name}: {first}")
+            errors = [line for line in proc.stderr.splitlines() if " error: " in line]
+            first = (errors or proc.stderr.strip().splitlines() or ["(no output)"])[0]
+            raise CpuKernelError(f"{compiler} failed on {src.name}: {first}")
         os.replace(tmp, target)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise CpuKernelError(f"could not run {cc}: {exc}") from exc
+        raise CpuKernelError(f"could not run {compiler}: {exc}") from exc
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("built %s with %s", target.name, cc)
+    log.info("built %s with %s", target.name, compiler)
     return target
+
+
+def build_kernel(cache_dir: Path | None = None) -> Path:
+    """Compile the decode kernel (once per source, flags and CPU) and return the shared
+    object."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise CpuKernelError("no C compiler found (set CC, or install gcc)")
+    return build_library(SOURCE, cc, FLAGS, ("-lm",), cache_dir)
 
 
 class CpuBackend(TorchBackend):
@@ -113,6 +129,8 @@ class CpuBackend(TorchBackend):
         fn.restype = ctypes.c_int
         self._fn = fn
         self.num_threads = num_threads
+        #: The kernel's entry point, for C++ that calls it directly (ops/cpu_step.py).
+        self.kernel_address: int = ctypes.cast(fn, ctypes.c_void_p).value or 0
 
     def decode(
         self,

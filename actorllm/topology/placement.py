@@ -244,18 +244,21 @@ def build_runner(config: EngineConfig, info: ModelInfo) -> Any:
 
 def worker_threads(config: EngineConfig) -> int | None:
     """Torch threads for the Worker's process (for each rank with tensor parallelism):
-    ``--cpu-threads`` when given; else, when the Worker has a process of its own on the
-    CPU, one per core it may run on less one, left to the process that serves HTTP,
-    shared among the ranks (and among the replicas of data parallelism on this host, at
-    least one each); else None (torch's default, or ``ModelRunner``'s cores / N).
+    ``--cpu-threads`` when given; else, on the CPU, one per core it may run on less one,
+    left to the event loop that serves HTTP (another process's, or in ``single`` under
+    ``actorllm serve`` the Worker's own process's), shared among the ranks (and among
+    the replicas of data parallelism on this host, at least one each); else None
+    (torch's default, or ``ModelRunner``'s cores / N).
 
-    On a few cores an OpenMP thread that shares its core with another busy process
-    stalls every parallel region it is part of: on 2 cores the ``engine`` topology gave
-    735 output tok/s with 2 Worker threads and 1,087 with 1 (docs/architecture.md).
+    On a few cores an OpenMP thread that shares its core with another busy thread stalls
+    every parallel region it is part of: on 2 cores the ``engine`` topology gave 735
+    output tok/s with 2 Worker threads and 1,087 with 1, and ``single``, once a decode
+    step released the GIL only once (ops/cpu_step.py), 2,354-2,815 against 1,929-2,223
+    (docs/architecture.md).
     """
     if config.cpu_threads is not None:
         return config.cpu_threads
-    if _worker_apart_on_cpu(config):
+    if _leaves_a_core(config):
         # With data parallelism the replicas share the cores: each gets its part.
         cores = (len(os.sched_getaffinity(0)) - 1) // config.local_replicas
         return max(1, cores // config.tensor_parallel_size)
@@ -264,20 +267,28 @@ def worker_threads(config: EngineConfig) -> int | None:
 
 def large_step_threads(config: EngineConfig) -> int | None:
     """Torch threads for a prefill-sized step (``ops/threads.LARGE_STEP_TOKENS`` tokens or
-    more) where :func:`worker_threads` left a core to the HTTP process: the cores this
-    replica may run on, that one included (a long step leaves that process little to
-    do). None (the same as every step's) with ``--cpu-threads``, tensor parallelism, or
-    a Worker in the HTTP process."""
+    more) where :func:`worker_threads` left a core to an event loop: the cores this
+    replica may run on, that one included (a long step leaves the loop little to do).
+    None (the same as every step's) with ``--cpu-threads`` or tensor parallelism."""
     if config.cpu_threads is not None or config.tensor_parallel_size > 1:
         return None
-    if _worker_apart_on_cpu(config):
+    if _leaves_a_core(config):
         return max(1, len(os.sched_getaffinity(0)) // config.local_replicas)
     return None
 
 
-def _worker_apart_on_cpu(config: EngineConfig) -> bool:
-    """Whether the Worker runs on the CPU in a process other than the HTTP one."""
-    return config.device == "cpu" and PLACEMENTS[config.topology]["worker"] != MAIN
+def _leaves_a_core(config: EngineConfig) -> bool:
+    """Whether the Worker's ordinary steps leave a core to an event loop: on the CPU, in a
+    process of its own, or in the process that serves HTTP with one rank (tensor-parallel
+    ranks are processes of their own, sized by ``ModelRunner``). Beside an offline
+    engine's loop (``LLM``, ``actorllm run``) the Worker keeps every core: that loop has
+    little to do, and offline output tok/s measured 3,515-4,190 with 2 threads against
+    2,819-3,002 with 1."""
+    if config.device != "cpu":
+        return False
+    if PLACEMENTS[config.topology]["worker"] != MAIN:
+        return True
+    return config.serving_http and config.tensor_parallel_size == 1
 
 
 def _torch_dtype(name: str | None) -> Any:

@@ -1,0 +1,155 @@
+// A whole decode step of the Llama-family model as one torch op, so the GIL is released
+// once per step instead of once per op.
+//
+// Why: on the CPU every torch op called from Python drops the GIL for its work and takes
+// it back after. A decode step of the embedded model is ~150 such calls, and in the
+// `single` topology the event loop holds the GIL between them: measured, a 64-sequence
+// step took ~10 ms alone and ~24 ms beside a busy loop, each retake waiting for the
+// loop's next release. Here the same ATen ops run from C++ under one release (the op is
+// called through torch.ops, whose binding drops the GIL for the call).
+//
+// It computes what actorllm/model/llama.py computes for a batch of one new token per
+// sequence, op for op (the Python module stays the reference and the path for prefill,
+// other dtypes and tensor parallelism): the same RMSNorm, RoPE, the oneDNN packed
+// linears with rows padded to the same buckets (ops/cpu_linear.py), the KV write by
+// index_copy_ and the decode attention of the C kernel (cpu_paged_decode.c), whose
+// address the caller passes in. Tests compare it with the module (tests/test_cpu_step.py).
+//
+// Built by actorllm/ops/cpu_step.py against the installed torch's headers.
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/embedding.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/rms_norm.h>
+#include <ATen/ops/silu.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+using DecodeFn = int (*)(const float*, const float*, const float*, const int32_t*,
+                         const int32_t*, float*, int64_t, int64_t, int64_t, int64_t,
+                         int64_t, int64_t, float, int);
+
+// Rows padded as ops/cpu_linear.py's _bucket pads them: the same oneDNN kernels run.
+int64_t bucket(int64_t rows) {
+  if (rows <= 64) return (rows + 7) / 8 * 8;
+  if (rows <= 512) return (rows + 63) / 64 * 64;
+  return (rows + 255) / 256 * 256;
+}
+
+// PackedLinear.forward for a 2-D input, through the boxed dispatcher call (the op's
+// schema has types whose unboxed C++ spelling has changed between torch releases).
+Tensor packed_linear(const c10::OperatorHandle& op, const Tensor& x, const Tensor& weight,
+                     const std::optional<Tensor>& bias) {
+  const int64_t rows = x.size(0);
+  const int64_t padded = bucket(rows);
+  Tensor in = padded == rows ? x : at::constant_pad_nd(x, {0, 0, 0, padded - rows}, 0);
+  std::vector<c10::IValue> stack;
+  stack.reserve(6);
+  stack.emplace_back(in);
+  stack.emplace_back(weight);
+  stack.emplace_back(bias);
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  Tensor out = stack[0].toTensor();
+  return padded == rows ? out : out.narrow(0, 0, rows);
+}
+
+// Weights per layer in `weights` (after the embedding at index 0), and biases per layer
+// in `biases`, in this order.
+constexpr int64_t kWeightsPerLayer = 6;  // input norm, qkv, o, post norm, gate_up, down
+constexpr int64_t kBiasesPerLayer = 4;   // qkv, o, gate_up, down
+
+Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
+                    const Tensor& slot_mapping, const Tensor& block_tables,
+                    const Tensor& seq_lens, at::TensorList weights,
+                    const c10::List<std::optional<Tensor>>& biases, at::TensorList k_caches,
+                    at::TensorList v_caches, const Tensor& inv_freq, double rope_scaling,
+                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+                    double scale, int64_t decode_fn) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 1 + kWeightsPerLayer * layers,
+              "llama_decode: expected ", 1 + kWeightsPerLayer * layers, " weights, got ",
+              weights.size());
+  TORCH_CHECK(static_cast<int64_t>(biases.size()) == kBiasesPerLayer * layers,
+              "llama_decode: expected ", kBiasesPerLayer * layers, " biases");
+  TORCH_CHECK(input_ids.dim() == 1 && input_ids.size(0) == block_tables.size(0),
+              "llama_decode: one token per sequence");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
+              "llama_decode: block tables and lengths must be contiguous int32");
+  static const c10::OperatorHandle linear_op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  const auto decode = reinterpret_cast<DecodeFn>(decode_fn);
+  const int64_t tokens = input_ids.size(0);
+  const int64_t hidden_size = weights[0].size(1);
+  const int64_t q_size = num_heads * head_dim;
+  const std::vector<int64_t> norm_shape{hidden_size};
+
+  Tensor h = at::embedding(weights[0], input_ids);
+  // RotaryEmbedding.forward: cos and the signed sin, [T, 1, D].
+  Tensor freqs = positions.unsqueeze(1).to(at::kFloat).mul(inv_freq.unsqueeze(0));
+  Tensor cos = freqs.cos().mul(rope_scaling);
+  Tensor sin = freqs.sin().mul(rope_scaling);
+  cos = at::cat({cos, cos}, -1).to(h.scalar_type()).unsqueeze(1);
+  sin = at::cat({sin.neg(), sin}, -1).to(h.scalar_type()).unsqueeze(1);
+
+  for (int64_t l = 0; l < layers; ++l) {
+    const Tensor* w = &weights[1 + kWeightsPerLayer * l];
+    const int64_t b = kBiasesPerLayer * l;
+    // Attention.
+    Tensor x = at::rms_norm(h, norm_shape, w[0], eps);
+    Tensor qkv = packed_linear(linear_op, x, w[1], biases.get(b))
+                     .view({tokens, num_heads + 2 * num_kv_heads, head_dim});
+    Tensor rot = qkv.narrow(1, 0, num_heads + num_kv_heads);
+    Tensor qk = rot.mul(cos).add(rot.roll({head_dim / 2}, {-1}).mul(sin));
+    Tensor k = qk.narrow(1, num_heads, num_kv_heads);
+    Tensor v = qkv.narrow(1, num_heads + num_kv_heads, num_kv_heads);
+    const Tensor& k_cache = k_caches[l];
+    const Tensor& v_cache = v_caches[l];
+    k_cache.view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, k);
+    v_cache.view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, v);
+    Tensor q = qk.narrow(1, 0, num_heads).contiguous();
+    Tensor attn = at::empty_like(q);
+    const int rc = decode(q.data_ptr<float>(), k_cache.data_ptr<float>(),
+                          v_cache.data_ptr<float>(), block_tables.data_ptr<int32_t>(),
+                          seq_lens.data_ptr<int32_t>(), attn.data_ptr<float>(), tokens,
+                          num_heads, num_kv_heads, head_dim, k_cache.size(1),
+                          block_tables.size(1), static_cast<float>(scale),
+                          at::get_num_threads());
+    TORCH_CHECK(rc == 0, "llama_decode: the decode kernel refused the shape");
+    h = h.add(packed_linear(linear_op, attn.view({tokens, q_size}), w[2], biases.get(b + 1)));
+    // MLP.
+    x = at::rms_norm(h, norm_shape, w[3], eps);
+    auto gate_up = packed_linear(linear_op, x, w[4], biases.get(b + 2)).chunk(2, -1);
+    h = h.add(packed_linear(linear_op, at::silu(gate_up[0]).mul(gate_up[1]), w[5],
+                            biases.get(b + 3)));
+  }
+  return h;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(actorllm, m) {
+  m.def("llama_decode(Tensor input_ids, Tensor positions, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor seq_lens, Tensor[] weights, Tensor?[] biases, "
+        "Tensor[] k_caches, Tensor[] v_caches, Tensor inv_freq, float rope_scaling, "
+        "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, "
+        "int decode_fn) -> Tensor");
+}
+
+// Not CPU alone: the packed weights are oneDNN tensors (the MkldnnCPU dispatch key).
+TORCH_LIBRARY_IMPL(actorllm, CompositeExplicitAutograd, m) {
+  m.impl("llama_decode", &llama_decode);
+}

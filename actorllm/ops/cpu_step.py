@@ -1,0 +1,171 @@
+"""A decode step of the whole model as one torch op on the CPU (``kernels/cpu_decode_step.cpp``).
+
+Every torch op called from Python releases the GIL for its work and takes it back after.
+A decode step of the embedded model is about 150 of them, and where the forward shares
+its process with a busy event loop (the ``single`` topology) each retake waits for the
+loop's next release: a 64-sequence step measured ~10 ms alone and ~24 ms beside the loop
+at saturation. :class:`DecodeStep` runs the same ops from C++, called once through
+``torch.ops``, whose binding releases the GIL for the whole call.
+
+It covers what most steps of a busy server are: one new token for every sequence, fp32,
+one rank, every linear packed for oneDNN (:mod:`actorllm.ops.cpu_linear`) and the C
+decode kernel for attention (:mod:`actorllm.ops.cpu_backend`). The Python model in
+:mod:`actorllm.model.llama` stays the reference and runs every other step (prefill and
+mixed steps, other dtypes, tensor parallelism); tests compare the two
+(``tests/test_cpu_step.py``).
+
+The op is compiled on first use with the machine's C++ compiler (``$CXX``, else
+``c++``/``g++``) against the installed torch's headers (8 s here) and cached with the C
+kernel; without one, :func:`load_decode_step` raises ``CpuKernelError`` and the Worker
+keeps the Python forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from actorllm.model.llama import (
+    DecoderLayer,
+    ForwardBatch,
+    KVCache,
+    LlamaForCausalLM,
+    RotaryEmbedding,
+)
+from actorllm.ops.cpu_backend import CpuBackend, CpuKernelError, build_library
+from actorllm.ops.cpu_linear import PackedLinear
+
+log = logging.getLogger(__name__)
+
+SOURCE = "cpu_decode_step.cpp"
+# The decode kernel's limits (cpu_paged_decode.c): beyond them it refuses the shape.
+_MAX_GROUP, _MAX_HEAD_DIM = 16, 256
+
+_lock = threading.Lock()
+_loaded: Path | None = None
+
+
+def _torch_flags() -> tuple[list[str], list[str]]:
+    root = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = ["-O2", "-std=c++20", "-fPIC", "-shared", "-w",
+             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_ASSERT_ONLY_METHOD_OPERATORS",
+             f"-I{root / 'include'}",
+             # the version is in the key: a new torch rebuilds
+             f"-DACTORLLM_TORCH_VERSION=\"{torch.__version__}\""]
+    libs = [f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
+    return flags, libs
+
+
+def build_op_library(cache_dir: Path | None = None) -> Path:
+    """Compile the op (once per source, torch and CPU) and return the shared object."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        raise CpuKernelError("no C++ compiler found (set CXX, or install g++)")
+    if not (Path(torch.__file__).parent / "include" / "torch" / "library.h").is_file():
+        raise CpuKernelError("this torch has no C++ headers")
+    flags, libs = _torch_flags()
+    return build_library(SOURCE, cxx, flags, libs, cache_dir, timeout=300)
+
+
+def load_op_library() -> Path:
+    """Build the op if needed and register it in this process (once: a process can hold
+    one library that defines ``torch.ops.actorllm``)."""
+    global _loaded
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        path = build_op_library()
+        try:
+            torch.ops.load_library(str(path))
+        except OSError as exc:
+            raise CpuKernelError(f"could not load {path.name}: {exc}") from exc
+        _loaded = path
+        return path
+
+
+def why_not(model: torch.nn.Module, backend: object, dtype: torch.dtype) -> str | None:
+    """Why :class:`DecodeStep` cannot run this model, or None when it can."""
+    if type(model) is not LlamaForCausalLM:
+        return f"the model is a {type(model).__name__}"
+    if model.tp.enabled:
+        return "the model is tensor-parallel"
+    if dtype != torch.float32:
+        return f"the dtype is {dtype}, not float32"
+    if not isinstance(backend, CpuBackend):
+        return f"the attention backend is {getattr(backend, 'name', backend)!r}, not 'cpu'"
+    if type(model.rotary) is not RotaryEmbedding:
+        return "the rotary embedding is not the default one"
+    layer = model.model.layers[0]
+    attn = layer.self_attn
+    if attn.head_dim > _MAX_HEAD_DIM or attn.num_heads // attn.num_kv_heads > _MAX_GROUP:
+        return "the decode kernel does not take this head shape"
+    for layer in model.model.layers:
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                   layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if not all(isinstance(m, PackedLinear) for m in linears):
+            return "the linears are not packed for oneDNN"
+    return None
+
+
+class DecodeStep:
+    """``model.forward`` for batches of one new token per sequence, as one op call.
+
+    Holds references to the model's weights (it copies nothing); build it after
+    :func:`~actorllm.ops.cpu_linear.pack_linears` and use it with the same backend.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, backend: CpuBackend) -> None:
+        problem = why_not(model, backend, model.model.embed_tokens.weight.dtype)
+        if problem is not None:
+            raise ValueError(f"DecodeStep cannot run this model: {problem}")
+        load_op_library()
+        layers: list[DecoderLayer] = list(model.model.layers)
+        self.weights: list[Tensor] = [model.model.embed_tokens.weight.detach()]
+        self.biases: list[Tensor | None] = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.weights += [layer.input_layernorm.weight.detach(), attn.qkv_proj.packed_weight,
+                             attn.o_proj.packed_weight,
+                             layer.post_attention_layernorm.weight.detach(),
+                             mlp.gate_up_proj.packed_weight, mlp.down_proj.packed_weight]
+            self.biases += [attn.qkv_proj.bias, attn.o_proj.bias, mlp.gate_up_proj.bias,
+                            mlp.down_proj.bias]
+        attn = layers[0].self_attn
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        self.head_dim, self.scale = attn.head_dim, attn.scale
+        self.eps = layers[0].input_layernorm.eps
+        self.inv_freq: Tensor = model.rotary.inv_freq
+        self.rope_scaling = float(model.rotary.attention_scaling)
+        self.kernel = backend.kernel_address
+
+    @staticmethod
+    def applies(batch: ForwardBatch) -> bool:
+        """Whether ``batch`` is one this op runs: one new token per sequence, no -1 slot."""
+        return batch.max_seqlen_q == 1 and batch.slots_valid
+
+    def __call__(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> Tensor:
+        """Hidden states ``[T, hidden]``, as ``model(batch, kv_caches, backend)`` returns."""
+        return torch.ops.actorllm.llama_decode(
+            batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
+            batch.seq_lens, self.weights, self.biases, [k for k, _ in kv_caches],
+            [v for _, v in kv_caches], self.inv_freq, self.rope_scaling, self.num_heads,
+            self.num_kv_heads, self.head_dim, self.eps, self.scale, self.kernel)
+
+
+def load_decode_step(model: torch.nn.Module, backend: object) -> DecodeStep | None:
+    """A :class:`DecodeStep` for ``model``, or None (logged) where it cannot run or build."""
+    problem = why_not(model, backend, next(model.parameters()).dtype)
+    if problem is None:
+        try:
+            return DecodeStep(model, backend)  # type: ignore[arg-type]
+        except CpuKernelError as exc:
+            problem = str(exc)
+    log.info("decode steps run the Python model: %s", problem)
+    return None

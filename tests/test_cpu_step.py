@@ -1,0 +1,170 @@
+"""The one-op decode step (ops/cpu_step.py, kernels/cpu_decode_step.cpp) against the model.
+
+The op runs the ops of ``LlamaForCausalLM.forward`` in the same order on the same
+tensors, so its hidden states and the K/V it writes must be *equal* to the module's, not
+merely close; greedy parity with transformers through the runner is checked on top.
+The op is built with the machine's C++ compiler against torch's headers (g++ is part of
+the project's machines); where it cannot be built the runner keeps the module, which
+the last tests check.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import hf_greedy, hf_model
+
+from actorllm.messages import NewSeqData, SamplingParams, ScheduledSeq, StepPlan
+from actorllm.model import ForwardBatch
+from actorllm.model.llama import LlamaForCausalLM
+from actorllm.ops import TorchBackend, cpu_step
+from actorllm.ops.cpu_backend import CpuKernelError, build_library
+from actorllm.ops.cpu_step import DecodeStep, load_decode_step, why_not
+from actorllm.worker import ModelRunner
+
+BLOCK = 4
+
+
+def _decode_batch(lens: list[int], tables: list[list[int]], vocab: int, seed: int
+                  ) -> ForwardBatch:
+    g = torch.Generator().manual_seed(seed)
+    width = max(len(t) for t in tables)
+    pos = [n - 1 for n in lens]
+    return ForwardBatch(
+        input_ids=torch.randint(0, vocab, (len(lens),), generator=g),
+        positions=torch.tensor(pos),
+        slot_mapping=torch.tensor([t[p // BLOCK] * BLOCK + p % BLOCK
+                                   for t, p in zip(tables, pos, strict=True)]),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                  dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        cu_seqlens_q=torch.arange(len(lens) + 1, dtype=torch.int32),
+        sample_indices=torch.arange(len(lens)),
+        max_seqlen_q=1, max_seqlen_k=max(lens), slots_valid=True)
+
+
+@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_dir"])
+def runner(request: pytest.FixtureRequest) -> ModelRunner:
+    """Llama (no biases, untied) and Qwen2 (qkv bias, tied embeddings)."""
+    return ModelRunner(request.getfixturevalue(request.param), num_blocks=200,
+                       block_size=BLOCK)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 7, 9, 64, 65])  # 9 and 65 pad to a bucket
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_step_equals_the_module_bit_for_bit(runner: ModelRunner, num_seqs: int,
+                                                   threads: int) -> None:
+    assert runner.decode_step is not None
+    rng = random.Random(num_seqs)
+    blocks = list(range(runner.num_blocks))
+    rng.shuffle(blocks)
+    lens = [rng.randint(1, 12) for _ in range(num_seqs)]
+    tables = []
+    for n in lens:
+        tables.append(blocks[:-(-n // BLOCK)])
+        del blocks[:len(tables[-1])]
+    batch = _decode_batch(lens, tables, runner.vocab_size, seed=num_seqs)
+    g = torch.Generator().manual_seed(1)
+    caches = [(torch.randn(k.shape, generator=g), torch.randn(v.shape, generator=g))
+              for k, v in runner.kv_caches]
+    copies = [(k.clone(), v.clone()) for k, v in caches]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            want = runner.model(batch, caches, runner.backend)
+            got = runner.decode_step(batch, copies)
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == want.shape
+    assert torch.equal(got, want)
+    for (k, v), (k2, v2) in zip(caches, copies, strict=True):
+        assert torch.equal(k, k2) and torch.equal(v, v2)  # the same K/V, in the same slots
+
+
+def test_the_runner_runs_decode_steps_in_the_op_and_matches_transformers(
+        runner: ModelRunner) -> None:
+    """Greedy through the runner (prefill by the module, decode by the op) against
+    transformers' generate on the same weights."""
+    model_dir = runner._model_dir
+    hf = hf_model(model_dir)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    prompts = {"a": [0, *range(30, 47)], "b": [0, 9, 200, 7]}
+    want = {rid: hf_greedy(hf, p, 12)[0] for rid, p in prompts.items()}
+    free = list(range(runner.num_blocks))
+    random.Random(3).shuffle(free)
+    tables = {rid: [free.pop() for _ in range(-(-(len(p) + 12) // BLOCK))]
+              for rid, p in prompts.items()}
+    got: dict[str, list[int]] = {rid: [] for rid in prompts}
+    before = runner.one_op_steps
+    for step in range(12):
+        seqs = []
+        for rid, p in prompts.items():
+            if step == 0:
+                seqs.append(ScheduledSeq(rid, tuple(p), 0, tuple(tables[rid]), True,
+                                         NewSeqData(greedy, tuple(p))))
+            else:
+                seqs.append(ScheduledSeq(rid, (got[rid][-1],), len(p) + step - 1,
+                                         tuple(tables[rid]), True, None))
+        result = runner.execute(StepPlan(step + 1, tuple(seqs)))
+        assert result.error is None, result.error
+        for t in result.tokens:
+            got[t.rid].append(t.token_id)
+    runner.execute(StepPlan(13, (), tuple(prompts)))
+    assert runner.one_op_steps - before == 11  # every step after the prefill
+    assert got == want
+
+
+def test_only_one_token_per_sequence_batches_with_valid_slots_apply() -> None:
+    batch = _decode_batch([3, 5], [[0], [1, 2]], 100, seed=0)
+    assert DecodeStep.applies(batch)
+    prefill = ForwardBatch(**{**batch.__dict__, "max_seqlen_q": 2})
+    assert not DecodeStep.applies(prefill)
+    unchecked = ForwardBatch(**{**batch.__dict__, "slots_valid": False})
+    assert not DecodeStep.applies(unchecked)
+
+
+def test_models_the_op_does_not_cover_keep_the_module(tiny_llama_dir: Path) -> None:
+    torch_runner = ModelRunner(tiny_llama_dir, num_blocks=16, block_size=BLOCK,
+                               attention_backend="torch")
+    assert torch_runner.decode_step is None
+    assert "not 'cpu'" in why_not(torch_runner.model, TorchBackend(), torch.float32)
+    bf16 = ModelRunner(tiny_llama_dir, num_blocks=16, block_size=BLOCK,
+                       dtype=torch.bfloat16)
+    assert bf16.decode_step is None
+    assert isinstance(bf16.model, LlamaForCausalLM)
+    with pytest.raises(ValueError, match="cannot run this model"):
+        DecodeStep(torch_runner.model, TorchBackend())  # type: ignore[arg-type]
+
+
+def test_a_failed_build_keeps_the_module(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                         tmp_path: Path, caplog: pytest.LogCaptureFixture
+                                         ) -> None:
+    """No C++ compiler: the build says so in one line, and the runner runs the module."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    monkeypatch.setenv("ACTORLLM_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(CpuKernelError, match="no-such-c"):
+        cpu_step.build_op_library()
+
+    def no_library() -> Path:
+        raise CpuKernelError("no C++ compiler found")
+
+    monkeypatch.setattr(cpu_step, "load_op_library", no_library)
+    with caplog.at_level("INFO", logger="actorllm.ops.cpu_step"):
+        runner = ModelRunner(tiny_llama_dir, num_blocks=16, block_size=BLOCK)
+    assert runner.decode_step is None
+    assert "no C++ compiler" in caplog.text
+    assert load_decode_step(runner.model, runner.backend) is None
+
+
+def test_a_compile_error_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    (kernels / "broken.cpp").write_text("int f() { return undefined_name; }\n")
+    monkeypatch.setenv("ACTORLLM_KERNEL_DIR", str(kernels))
+    with pytest.raises(CpuKernelError, match=r"broken\.cpp: .*undefined_name") as info:
+        build_library("broken.cpp", "g++", ["-shared", "-fPIC"], cache_dir=tmp_path / "c")
+    assert "\n" not in str(info.value)
