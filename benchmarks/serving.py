@@ -1353,7 +1353,8 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"`{cfg['command']}` on {env['cpu_model']} ({env['logical_cpus']} logical CPUs; "
         f"{env['cpu_flags']}), servers pinned to CPUs {cfg['cpus']}, {cfg['threads']} "
-        f"OMP threads each (actorllm's `engine` child: one less, `--cpu-threads`' default; "
+        f"OMP threads each (actorllm's Worker, in `engine`'s child or beside `serve`'s loop "
+        f"in `single`: one less but for prefill-sized steps, `--cpu-threads`' default; "
         f"actorllm with GOMP_SPINCOUNT=10000, its CLI's default), dtype {cfg['dtype']}, "
         f"tcmalloc "
         f"{'on' if env['tcmalloc'] else 'off'} (both){extra_env}. vLLM {env['vllm']} (torch "
