@@ -55,7 +55,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="how long every rank gets to join and load its shard (default 300)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan the next step while one runs, feeding each sampled token "
-                        "forward in the Worker (default: on for CUDA, off on the CPU)")
+                        "forward in the Worker (default: on for CUDA; on the CPU, on for "
+                        "`serve` in the single topology, off otherwise)")
     g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                    help="N replicas of the Scheduler and Worker, each in its own process, "
                         "behind one HTTP front (needs --topology engine, the default then)")

@@ -65,9 +65,10 @@ class EngineConfig:
     # When a process of the engine dies: "exit" (the engine is dead) or, with data
     # parallelism, "stay" (only that replica's requests fail; the others serve on).
     on_engine_death: str = "exit"
-    # Plan step N+1 while step N runs (two steps in flight). None: on for CUDA, off on the
-    # CPU, where the forward's own Python and the event loop's share one GIL and few cores
-    # (measured: no gain at saturation, slower at low load; docs/architecture.md).
+    # Plan step N+1 while step N runs (two steps in flight). None: on for CUDA; on the CPU,
+    # on only for `single` under `actorllm serve` with one rank, where a decode step holds
+    # the GIL once (ops/cpu_step.py) and the loop's planning fits beside it (measured:
+    # docs/architecture.md, "Why it is mostly off on the CPU").
     async_scheduling: bool | None = None
     mailbox_capacity: int = 256
     topology: str = "single"
@@ -124,7 +125,9 @@ class EngineConfig:
     def overlap(self) -> bool:
         """Whether the Scheduler keeps two steps in flight (``async_scheduling`` resolved)."""
         if self.async_scheduling is None:
-            return self.device.startswith("cuda")
+            return self.device.startswith("cuda") or (
+                self.serving_http and self.topology == "single"
+                and self.tensor_parallel_size == 1)
         return self.async_scheduling
 
     @property

@@ -105,7 +105,14 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None
 
 @pytest.mark.parametrize(("command", "serving"), [("serve", True), ("run", False)])
 def test_only_serve_tells_the_engine_its_loop_serves_http(command: str, serving: bool) -> None:
-    """`serve` leaves a core to its event loop in `single` (placement.worker_threads)."""
+    """`serve` leaves a core to its event loop in `single` (placement.worker_threads)..."""
     from actorllm.cli import build_parser, engine_config
 
-    assert engine_config(build_parser().parse_args([command])).serving_http is serving
+    config = engine_config(build_parser().parse_args([command]))
+    assert config.serving_http is serving
+    # ... and there, on the CPU, plans the next step while one runs (config.overlap).
+    assert config.overlap is serving
+    assert not engine_config(build_parser().parse_args(
+        [command, "--no-async-scheduling"])).overlap
+    assert not engine_config(build_parser().parse_args([command, "--topology", "engine"])).overlap
+    assert engine_config(build_parser().parse_args([command, "--device", "cuda"])).overlap
