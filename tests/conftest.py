@@ -37,8 +37,8 @@ from actorllm.ops.cpu_step import build_op_library
 torch.set_num_threads(1)
 
 # The C decode kernel and the one-op decode step are compiled on first use (~10 s here);
-# build them now, so that no test's deadline pays for it (without a compiler: skipped,
-# and the tests that need them say so).
+# build them now, so that no test's deadline pays for it. Without a compiler nothing is
+# built here, and the tests of the two (test_ops_cpu, test_cpu_step) fail saying why.
 with contextlib.suppress(CpuKernelError):
     build_kernel()
     build_op_library()

@@ -105,12 +105,13 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None
 
 @pytest.mark.parametrize(("command", "serving"), [("serve", True), ("run", False)])
 def test_only_serve_tells_the_engine_its_loop_serves_http(command: str, serving: bool) -> None:
-    """`serve` leaves a core to its event loop in `single` (placement.worker_threads)..."""
+    """`serve` tells the engine its loop serves HTTP: in `single` on the CPU the Worker
+    then leaves that loop a core (placement.worker_threads) and the Scheduler plans the
+    next step while one runs (config.overlap)."""
     from actorllm.cli import build_parser, engine_config
 
     config = engine_config(build_parser().parse_args([command]))
     assert config.serving_http is serving
-    # ... and there, on the CPU, plans the next step while one runs (config.overlap).
     assert config.overlap is serving
     assert not engine_config(build_parser().parse_args(
         [command, "--no-async-scheduling"])).overlap

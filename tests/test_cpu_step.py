@@ -26,6 +26,7 @@ from actorllm.ops.cpu_step import DecodeStep, load_decode_step, why_not
 from actorllm.worker import ModelRunner
 
 BLOCK = 4
+cpu_step.load_op_library()  # raises, saying why, where the op cannot be built here
 
 
 def _decode_batch(lens: list[int], tables: list[list[int]], vocab: int, seed: int

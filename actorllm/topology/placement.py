@@ -252,9 +252,9 @@ def worker_threads(config: EngineConfig) -> int | None:
 
     On a few cores an OpenMP thread that shares its core with another busy thread stalls
     every parallel region it is part of: on 2 cores the ``engine`` topology gave 735
-    output tok/s with 2 Worker threads and 1,087 with 1, and ``single``, once a decode
-    step released the GIL only once (ops/cpu_step.py), 2,354-2,815 against 1,929-2,223
-    (docs/architecture.md).
+    output tok/s with 2 Worker threads and 1,087 with 1, and ``single`` under ``serve``,
+    with decode steps in one op (ops/cpu_step.py), 2,476-3,090 with 1 thread for
+    ordinary steps against 2,047-2,429 with 2 (docs/architecture.md).
     """
     if config.cpu_threads is not None:
         return config.cpu_threads
