@@ -125,10 +125,16 @@ class EngineConfig:
     def overlap(self) -> bool:
         """Whether the Scheduler keeps two steps in flight (``async_scheduling`` resolved)."""
         if self.async_scheduling is None:
-            return self.device.startswith("cuda") or (
-                self.serving_http and self.topology == "single"
-                and self.tensor_parallel_size == 1)
+            return self.device.startswith("cuda") or self.worker_beside_http
         return self.async_scheduling
+
+    @property
+    def worker_beside_http(self) -> bool:
+        """Whether the one-rank Worker shares its process with the event loop that serves
+        HTTP (`single` under `actorllm serve`): on the CPU it then leaves that loop a core
+        (placement.worker_threads), and overlap scheduling is on by default."""
+        return self.serving_http and self.topology == "single" \
+            and self.tensor_parallel_size == 1
 
     @property
     def local_replicas(self) -> int:

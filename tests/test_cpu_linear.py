@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actorllm.ops.cpu_linear import PackedLinear, _bucket, pack_linears, packing_available
+from actorllm.ops.cpu_linear import PackedLinear, bucket_rows, pack_linears, packing_available
 
 pytestmark = pytest.mark.skipif(
     not packing_available(torch.empty(1, 1)), reason="this torch has no oneDNN linear")
@@ -40,8 +40,8 @@ def test_packed_linear_keeps_leading_dims(shape: tuple[int, ...]) -> None:
 
 
 def test_buckets_cover_and_bound_the_row_counts() -> None:
-    sizes = {_bucket(r) for r in range(1, 4097)}
-    assert all(_bucket(r) >= r for r in range(1, 4097))
+    sizes = {bucket_rows(r) for r in range(1, 4097)}
+    assert all(bucket_rows(r) >= r for r in range(1, 4097))
     assert len(sizes) <= 8 + 7 + 14  # what bounds oneDNN's kernel cache
 
 

@@ -39,19 +39,13 @@ using DecodeFn = int (*)(const float*, const float*, const float*, const int32_t
                          const int32_t*, float*, int64_t, int64_t, int64_t, int64_t,
                          int64_t, int64_t, float, int);
 
-// Rows padded as ops/cpu_linear.py's _bucket pads them: the same oneDNN kernels run.
-int64_t bucket(int64_t rows) {
-  if (rows <= 64) return (rows + 7) / 8 * 8;
-  if (rows <= 512) return (rows + 63) / 64 * 64;
-  return (rows + 255) / 256 * 256;
-}
-
-// PackedLinear.forward for a 2-D input, through the boxed dispatcher call (the op's
-// schema has types whose unboxed C++ spelling has changed between torch releases).
+// PackedLinear.forward for a 2-D input of `rows` rows padded to `padded` (the caller's
+// ops/cpu_linear.bucket_rows, so the same oneDNN kernels run), through the boxed
+// dispatcher call (the op's schema has types whose unboxed C++ spelling has changed
+// between torch releases).
 Tensor packed_linear(const c10::OperatorHandle& op, const Tensor& x, const Tensor& weight,
-                     const std::optional<Tensor>& bias) {
+                     const std::optional<Tensor>& bias, int64_t padded) {
   const int64_t rows = x.size(0);
-  const int64_t padded = bucket(rows);
   Tensor in = padded == rows ? x : at::constant_pad_nd(x, {0, 0, 0, padded - rows}, 0);
   std::vector<c10::IValue> stack;
   stack.reserve(6);
@@ -77,7 +71,7 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
                     const c10::List<std::optional<Tensor>>& biases, at::TensorList k_caches,
                     at::TensorList v_caches, const Tensor& inv_freq, double rope_scaling,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                    double scale, int64_t decode_fn) {
+                    double scale, int64_t padded_rows, int64_t decode_fn) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 1 + kWeightsPerLayer * layers,
               "llama_decode: expected ", 1 + kWeightsPerLayer * layers, " weights, got ",
@@ -86,6 +80,7 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
               "llama_decode: expected ", kBiasesPerLayer * layers, " biases");
   TORCH_CHECK(input_ids.dim() == 1 && input_ids.size(0) == block_tables.size(0),
               "llama_decode: one token per sequence");
+  TORCH_CHECK(padded_rows >= input_ids.size(0), "llama_decode: padded_rows below the rows");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
               "llama_decode: block tables and lengths must be contiguous int32");
@@ -110,7 +105,7 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
     const int64_t b = kBiasesPerLayer * l;
     // Attention.
     Tensor x = at::rms_norm(h, norm_shape, w[0], eps);
-    Tensor qkv = packed_linear(linear_op, x, w[1], biases.get(b))
+    Tensor qkv = packed_linear(linear_op, x, w[1], biases.get(b), padded_rows)
                      .view({tokens, num_heads + 2 * num_kv_heads, head_dim});
     Tensor rot = qkv.narrow(1, 0, num_heads + num_kv_heads);
     Tensor qk = rot.mul(cos).add(rot.roll({head_dim / 2}, {-1}).mul(sin));
@@ -129,12 +124,14 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
                           block_tables.size(1), static_cast<float>(scale),
                           at::get_num_threads());
     TORCH_CHECK(rc == 0, "llama_decode: the decode kernel refused the shape");
-    h = h.add(packed_linear(linear_op, attn.view({tokens, q_size}), w[2], biases.get(b + 1)));
+    h = h.add(packed_linear(linear_op, attn.view({tokens, q_size}), w[2], biases.get(b + 1),
+                            padded_rows));
     // MLP.
     x = at::rms_norm(h, norm_shape, w[3], eps);
-    auto gate_up = packed_linear(linear_op, x, w[4], biases.get(b + 2)).chunk(2, -1);
+    auto gate_up =
+        packed_linear(linear_op, x, w[4], biases.get(b + 2), padded_rows).chunk(2, -1);
     h = h.add(packed_linear(linear_op, at::silu(gate_up[0]).mul(gate_up[1]), w[5],
-                            biases.get(b + 3)));
+                            biases.get(b + 3), padded_rows));
   }
   return h;
 }
@@ -146,7 +143,7 @@ TORCH_LIBRARY(actorllm, m) {
         "Tensor block_tables, Tensor seq_lens, Tensor[] weights, Tensor?[] biases, "
         "Tensor[] k_caches, Tensor[] v_caches, Tensor inv_freq, float rope_scaling, "
         "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, "
-        "int decode_fn) -> Tensor");
+        "int padded_rows, int decode_fn) -> Tensor");
 }
 
 // Not CPU alone: the packed weights are oneDNN tensors (the MkldnnCPU dispatch key).

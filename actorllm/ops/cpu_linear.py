@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 _BATCH_HINT = 64
 
 
-def _bucket(rows: int) -> int:
+def bucket_rows(rows: int) -> int:
     """Rows padded up to one of a few sizes. oneDNN compiles (and caches, up to 1,024 per
     process) a kernel for every row count it meets; without buckets a server's RSS grew
     by megabytes per few hundred requests of varied lengths."""
@@ -63,7 +63,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         rows = flat.shape[0]
-        padded = _bucket(rows)
+        padded = bucket_rows(rows)
         if padded != rows:
             flat = F.pad(flat, (0, 0, 0, padded - rows))
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias,

@@ -39,7 +39,7 @@ from actorllm.model.llama import (
     RotaryEmbedding,
 )
 from actorllm.ops.cpu_backend import CpuBackend, CpuKernelError, build_library
-from actorllm.ops.cpu_linear import PackedLinear
+from actorllm.ops.cpu_linear import PackedLinear, bucket_rows
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +90,13 @@ def load_op_library() -> Path:
         return path
 
 
-def why_not(model: torch.nn.Module, backend: object, dtype: torch.dtype) -> str | None:
-    """Why :class:`DecodeStep` cannot run this model, or None when it can."""
+def why_not(model: torch.nn.Module, backend: object) -> str | None:
+    """Why :class:`DecodeStep` cannot run this model with this backend, or None when it can."""
     if type(model) is not LlamaForCausalLM:
         return f"the model is a {type(model).__name__}"
     if model.tp.enabled:
         return "the model is tensor-parallel"
+    dtype = model.model.embed_tokens.weight.dtype
     if dtype != torch.float32:
         return f"the dtype is {dtype}, not float32"
     if not isinstance(backend, CpuBackend):
@@ -122,7 +123,7 @@ class DecodeStep:
     """
 
     def __init__(self, model: LlamaForCausalLM, backend: CpuBackend) -> None:
-        problem = why_not(model, backend, model.model.embed_tokens.weight.dtype)
+        problem = why_not(model, backend)
         if problem is not None:
             raise ValueError(f"DecodeStep cannot run this model: {problem}")
         load_op_library()
@@ -156,16 +157,14 @@ class DecodeStep:
             batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
             batch.seq_lens, self.weights, self.biases, [k for k, _ in kv_caches],
             [v for _, v in kv_caches], self.inv_freq, self.rope_scaling, self.num_heads,
-            self.num_kv_heads, self.head_dim, self.eps, self.scale, self.kernel)
+            self.num_kv_heads, self.head_dim, self.eps, self.scale,
+            bucket_rows(batch.input_ids.shape[0]), self.kernel)
 
 
 def load_decode_step(model: torch.nn.Module, backend: object) -> DecodeStep | None:
     """A :class:`DecodeStep` for ``model``, or None (logged) where it cannot run or build."""
-    problem = why_not(model, backend, next(model.parameters()).dtype)
-    if problem is None:
-        try:
-            return DecodeStep(model, backend)  # type: ignore[arg-type]
-        except CpuKernelError as exc:
-            problem = str(exc)
-    log.info("decode steps run the Python model: %s", problem)
-    return None
+    try:
+        return DecodeStep(model, backend)  # type: ignore[arg-type]
+    except (ValueError, CpuKernelError) as exc:
+        log.info("decode steps run the Python model: %s", exc)
+        return None

@@ -286,9 +286,7 @@ def _leaves_a_core(config: EngineConfig) -> bool:
     2,819-3,002 with 1."""
     if config.device != "cpu":
         return False
-    if PLACEMENTS[config.topology]["worker"] != MAIN:
-        return True
-    return config.serving_http and config.tensor_parallel_size == 1
+    return PLACEMENTS[config.topology]["worker"] != MAIN or config.worker_beside_http
 
 
 def _torch_dtype(name: str | None) -> Any:
