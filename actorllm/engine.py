@@ -311,8 +311,6 @@ async def open_engine(config: EngineConfig | None = None, *,
         actors = build_actors(MAIN, wiring, config, parts, tracer)
         engine = AsyncEngine(config, resources, actors["frontend"], actors, wiring.inboxes)
         async with trio.open_nursery() as nursery:
-            for inbox in wiring.remote_inboxes:
-                nursery.start_soon(inbox.pump, name=f"pump:{inbox.name}")
             for name, actor in actors.items():
                 nursery.start_soon(_run_actor, engine, name, actor, name=f"actor:{name}")
             engine.nursery = nursery

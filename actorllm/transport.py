@@ -13,17 +13,23 @@ Theory of operation (trio, no threads):
   the rule is: try the operation with ``NOBLOCK``; on ``EAGAIN`` look at
   ``zmq.EVENTS``; only if the event is still absent, wait with
   ``trio.lowlevel.wait_readable(fd)``, and then start over.
-- Only one task may wait on one FD. A :class:`ZmqInbox` has exactly one reader
-  task (:meth:`ZmqInbox.pump`); a :class:`ZmqOutbox` serialises its senders with a
-  lock, so at most one of them waits on its FD.
-- Bounded everywhere. The pump moves frames from the socket into an ordinary
-  bounded :class:`Mailbox`; when that is full the pump stops reading, the PULL
-  socket's RCVHWM fills, then the PUSH socket's SNDHWM, and the sender's ``send``
-  waits (on POLLOUT, through the same FD/EVENTS dance). Nothing buffers without
-  limit (the kernel's socket buffer adds its fixed size, as for any socket).
+- Only one task may wait on one FD. A :class:`ZmqInbox` is read by its one
+  receiver (the owning actor), which reads the socket itself; a
+  :class:`ZmqOutbox` serialises its senders with a lock, so at most one of them
+  waits on its FD.
+- No reader task between the socket and the actor. An earlier design had one, a
+  "pump" moving frames into the mailbox ahead of the actor; its task switch and
+  bookkeeping made a hop 100 us instead of 83 (docs/architecture.md, "The cost
+  of a hop").
+- Bounded everywhere. Frames leave the socket only as the actor receives them;
+  while it does not, the PULL socket's RCVHWM fills, then the PUSH socket's
+  SNDHWM, and the sender's ``send`` waits (on POLLOUT, through the same
+  FD/EVENTS dance). Nothing buffers without limit (the kernel's socket buffer
+  adds its fixed size, as for any socket).
 - Because a :class:`ZmqInbox` *is* a Mailbox, actors of the receiving process
-  send to it directly; only remote peers go through the socket. An actor never
-  knows which kind of inbox or outbox it holds.
+  send to it directly (its memory channel); only remote peers go through the
+  socket. A local send wakes a receiver parked on the FD by cancelling the scope
+  it waits in. An actor never knows which kind of inbox or outbox it holds.
 - A frame that is not a valid message for the inbox (garbage from a rogue peer,
   another codec version, a wrong type) is counted in ``rejected`` and dropped; it
   never crashes the process.
@@ -64,7 +70,7 @@ PROTOCOL_VERSION = 1
 """Bump when the transport's framing, endpoints or control protocol change."""
 
 MAX_FRAME_BYTES = 64 << 20  # a peer that sends more is disconnected by ZeroMQ itself
-PUMP_BATCH = 256  # frames moved per pump wake-up before it yields to other tasks
+READ_BATCH = 256  # frames read from a socket per look, before other tasks run
 _LOG_FIRST_REJECTS = 10  # then one line every 1000 rejected frames
 
 # Unix socket paths must fit in sun_path (108 bytes); keep room for "/scheduler.sock".
@@ -267,9 +273,11 @@ RejectHook = Callable[[bytes, str], None]
 class ZmqInbox(Mailbox[T]):
     """A Mailbox that remote peers also reach: a PULL socket bound at ``endpoint``.
 
-    Local actors ``send`` to it as to any Mailbox. :meth:`pump` is the socket's one
-    reader task: start it in the owner's nursery. ``depth`` and ``high_water`` count
-    the messages waiting in the mailbox (not those still inside ZeroMQ's queues).
+    Local actors ``send`` to it as to any Mailbox. Its one receiver reads the socket
+    itself: :meth:`receive` returns a message sent from this process if one waits,
+    else the next frame in the socket, else parks on the socket's FD inside a cancel
+    scope that a local ``send`` cancels. ``depth`` and ``high_water`` count the local
+    messages waiting; remote ones wait inside ZeroMQ's queues, which ``hwm`` bounds.
     """
 
     def __init__(self, name: str, message_type: Any, capacity: int, endpoint: str, *,
@@ -286,6 +294,7 @@ class ZmqInbox(Mailbox[T]):
         self._sock.setsockopt(zmq.LINGER, 0)
         self.endpoint = self.bind(endpoint)
         self._fd: int = self._sock.getsockopt(zmq.FD)
+        self._parked: trio.CancelScope | None = None  # the receiver, waiting on the FD
 
     def bind(self, endpoint: str) -> str:
         """Listen at ``endpoint`` too (a PULL socket may listen on several: ``ipc://`` for
@@ -294,43 +303,91 @@ class ZmqInbox(Mailbox[T]):
         self._sock.bind(endpoint)
         return str(self._sock.getsockopt(zmq.LAST_ENDPOINT).decode())
 
-    async def pump(self) -> None:
-        """Move frames from the socket into the mailbox until the socket is closed."""
-        try:
-            await self._pump()
-        except (trio.ClosedResourceError, trio.BrokenResourceError, MailboxClosed):
-            return  # close() while we waited on the FD, or the mailbox was closed
+    async def send(self, msg: T) -> None:
+        """Deliver ``msg`` from this process, waiting while the box is full."""
+        await super().send(msg)
+        self._wake()
 
-    async def _pump(self) -> None:
-        sock = self._sock
+    def send_nowait(self, msg: T) -> None:
+        """Deliver from this process without waiting; raises trio.WouldBlock when full."""
+        super().send_nowait(msg)
+        self._wake()
+
+    def _wake(self) -> None:
+        # The receiver may be parked on the socket's FD, which a local message does not
+        # touch: stop that wait, and it looks at the mailbox again.
+        if self._parked is not None:
+            self._parked.cancel()
+
+    async def receive(self) -> T:
+        """The next message, local or remote, waiting for one if there is none."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        waited = False
         while True:
-            moved = 0
-            while moved < PUMP_BATCH:
-                try:
-                    data = sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
+            try:
+                msg = self._next_nowait()
+                break
+            except trio.WouldBlock:
+                pass
+            sock = self._sock
+            if not sock.closed and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                # Frames are there: a batch of garbage filled the last look, or recv's
+                # command throttle hid the latest. Let the other tasks run, then read.
+                await trio.lowlevel.checkpoint()
+            else:
+                await self._park()
+            waited = True
+        if not waited:
+            await trio.lowlevel.cancel_shielded_checkpoint()  # receive is a schedule point
+        return msg
+
+    def receive_nowait(self) -> T:
+        """The next message; raises trio.WouldBlock when there is none yet."""
+        return self._next_nowait()
+
+    def _next_nowait(self) -> T:
+        # Local messages first, then the socket, one frame at a time: taking more out of
+        # the socket than asked for would only move them from one bounded queue to another.
+        try:
+            msg = self._recv.receive_nowait()
+        except trio.WouldBlock:
+            msg = self._read_socket()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise MailboxClosed(self.name) from None
+        if self.hop_hook is not None:
+            self.hop_hook(self.name, "recv", msg)
+        return msg
+
+    def _read_socket(self) -> T:
+        """The next valid message waiting in the socket (reading at most a batch of
+        frames); raises trio.WouldBlock if there is none."""
+        sock = self._sock
+        for _ in range(READ_BATCH):
+            try:
+                data = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            except zmq.ZMQError:
+                if sock.closed:
                     break
-                except zmq.ZMQError:
-                    if sock.closed:
-                        return
-                    raise
-                moved += 1
-                msg = self._decode(data)
-                if msg is None:
-                    continue
-                try:
-                    self.send_nowait(msg)
-                except trio.WouldBlock:
-                    # Full: wait here. Meanwhile ZeroMQ's queues fill and the sender blocks.
-                    await self.send(msg)
-            if moved == PUMP_BATCH:
-                await trio.lowlevel.checkpoint()  # a flood must not starve the other tasks
-                continue
-            if sock.closed:
-                return
-            if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                continue
-            await trio.lowlevel.wait_readable(self._fd)
+                raise
+            msg = self._decode(data)
+            if msg is not None:
+                if self.hop_hook is not None:
+                    self.hop_hook(self.name, "send", msg)
+                return msg  # type: ignore[no-any-return]
+        raise trio.WouldBlock
+
+    async def _park(self) -> None:
+        # Only one task may wait on an FD: trio raises BusyResourceError for a second
+        # receiver, as an inbox has one owner.
+        with trio.CancelScope() as self._parked:
+            try:
+                await trio.lowlevel.wait_readable(self._fd)
+            except trio.ClosedResourceError:
+                pass  # close(): the mailbox is closed too, and says so on the next look
+            finally:
+                self._parked = None
 
     def _decode(self, data: bytes) -> Any:
         try:

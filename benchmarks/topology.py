@@ -147,7 +147,6 @@ async def echo_main(ipc_path: str) -> None:
     out = ZmqOutbox(ipc.endpoint("bench.sock"), TextDelta, name="echo->bench")
     count = 0
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(inbox.pump)
         await out.send(TextDelta("ready", "", ()))
         async for msg in inbox:
             if msg.rid == "ping":
@@ -253,7 +252,6 @@ async def bench_zmq(args: argparse.Namespace) -> dict[str, Any]:
     child = subprocess.Popen([sys.executable, __file__, "--echo", ipc.path])
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(inbox.pump)
             with trio.fail_after(60):
                 assert (await inbox.receive()).rid == "ready"
             ping = payload("ping")

@@ -59,7 +59,6 @@ async def test_one_inbox_hears_ipc_and_tcp_edges_each_in_order_and_a_late_connec
             for box in (near, far)}
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(inbox.pump)
             for box in (near, far):
                 async def produce(box: ZmqOutbox[Any] = box) -> None:
                     for m in sent[box.name]:

@@ -383,7 +383,6 @@ async def main():
     ctl_in = ZmqInbox("engine.ctl", ControlMessage, 16, sys.argv[-1])
     out = ZmqOutbox(sys.argv[-2], ControlMessage, name="out", linger_ms=1000)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(ctl_in.pump)
         await out.send(make_hello("engine"))
         await ctl_in.receive()
         await out.send(Ready("engine", os.getpid()))

@@ -62,7 +62,6 @@ async def test_messages_cross_in_order(ipc: IpcDir) -> None:
     out = ZmqOutbox(ipc.endpoint("s.sock"), SchedulerInput, name="tokenizer->scheduler")
     msgs: list[Any] = [AbortRequest(str(i)) for i in range(300)] + [StopMatched("r", "\n")]
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(inbox.pump)
 
         async def produce() -> None:
             for m in msgs:
@@ -84,7 +83,6 @@ async def test_local_and_remote_senders_share_one_inbox(ipc: IpcDir) -> None:
     inbox = ZmqInbox("scheduler", SchedulerInput, 8, ipc.endpoint("s.sock"))
     out = ZmqOutbox(ipc.endpoint("s.sock"), SchedulerInput, name="remote")
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(inbox.pump)
         await inbox.send(StepResult(1))
         await out.send(AbortRequest("a"))
         got = {type(await inbox.receive()) for _ in range(2)}
@@ -115,12 +113,11 @@ async def test_full_peer_applies_backpressure_then_everything_arrives(ipc: IpcDi
             sent += 1
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(inbox.pump)
         nursery.start_soon(produce)
         await trio.sleep(0.5)  # nobody reads: the pipeline fills and the sender stops
         blocked_at = sent
         assert blocked_at < 60, f"sent {blocked_at} messages into a full peer"
-        assert inbox.depth == inbox.capacity == inbox.high_water
+        assert inbox.depth == 0  # remote messages wait in ZeroMQ, not in the mailbox
         got = [int((await inbox.receive()).rid) for _ in range(total)]
         nursery.cancel_scope.cancel()
     assert got == list(range(total))
@@ -128,13 +125,60 @@ async def test_full_peer_applies_backpressure_then_everything_arrives(ipc: IpcDi
     inbox.close()
 
 
-async def test_closing_the_socket_ends_the_pump(ipc: IpcDir) -> None:
+async def test_closing_the_inbox_wakes_its_parked_receiver(ipc: IpcDir) -> None:
     inbox = ZmqInbox("a", AbortRequest, 4, ipc.endpoint("a.sock"))
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(inbox.pump)
-        await trio.sleep(0.05)
-        inbox.close()  # wakes the pump parked on the FD; it returns, no error
-    assert [m async for m in inbox] == []
+    await inbox.send(AbortRequest("left"))
+    got: list[AbortRequest] = []
+
+    async def read_all() -> None:
+        got.extend([m async for m in inbox])  # ends at MailboxClosed
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_all)
+            await trio.sleep(0.05)  # the receiver took "left" and now waits on the socket
+            inbox.close()
+    assert got == [AbortRequest("left")]
+
+
+async def test_a_local_send_wakes_a_receiver_parked_on_the_socket(ipc: IpcDir) -> None:
+    # The Scheduler in the engine process waits for a remote request or the Worker's
+    # local StepResult, whichever comes first.
+    inbox = ZmqInbox("scheduler", SchedulerInput, 8, ipc.endpoint("s.sock"))
+    out = ZmqOutbox(ipc.endpoint("s.sock"), SchedulerInput, name="remote")
+    got: list[Any] = []
+
+    async def receive_two() -> None:
+        got.append(await inbox.receive())
+        got.append(await inbox.receive())
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(receive_two)
+            await trio.sleep(0.05)  # parked on the FD: nothing anywhere yet
+            inbox.send_nowait(StepResult(1))
+            await trio.sleep(0.05)
+            assert got == [StepResult(1)]  # woken by the local send, parked again
+            await out.send(AbortRequest("a"))  # the socket still wakes it afterwards
+    assert got == [StepResult(1), AbortRequest("a")]
+    out.close()
+    inbox.close()
+
+
+async def test_a_cancelled_receive_leaves_the_inbox_usable(ipc: IpcDir) -> None:
+    inbox = ZmqInbox("a", AbortRequest, 4, ipc.endpoint("a.sock"))
+    out = ZmqOutbox(ipc.endpoint("a.sock"), AbortRequest, name="remote")
+    with trio.move_on_after(0.05) as scope:
+        await inbox.receive()
+    assert scope.cancelled_caught
+    await out.send(AbortRequest("after"))
+    await inbox.send(AbortRequest("local"))
+    with trio.fail_after(5):
+        got = {(await inbox.receive()).rid for _ in range(2)}
+    assert got == {"after", "local"}
+    assert inbox.received == 1 and inbox.depth == 0
+    out.close()
+    inbox.close()
 
 
 def _push_garbage(frames: list[bytes]) -> tuple[int, int]:
@@ -146,7 +190,6 @@ def _push_garbage(frames: list[bytes]) -> tuple[int, int]:
         sock = rogue_push(ipc.endpoint("t.sock"))
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(inbox.pump)
                 for frame in frames:
                     sock.send(frame)
                 sock.send(codec.encode(AbortRequest("sentinel")))

@@ -181,9 +181,6 @@ async def _child_main(role: str, config: EngineConfig, ipc: IpcDir, parent_pid: 
                         return
 
             nursery.start_soon(on_signal)
-            nursery.start_soon(ctl_in.pump)
-            for inbox in wiring.remote_inboxes:
-                nursery.start_soon(inbox.pump)
             result.code = await _child_body(role, config, ipc, parent_pid, ctl_in, ctl_out,
                                             wiring, remote)
             nursery.cancel_scope.cancel()

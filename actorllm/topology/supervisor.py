@@ -149,7 +149,6 @@ class Supervisor:
                 self.remote = RemoteReplicas(self.config, self.wiring, self._ctl_in)
             except ValueError as exc:
                 raise EngineStartError(str(exc)) from None
-        nursery.start_soon(self._ctl_in.pump)
         nursery.start_soon(self._control_loop)
         nursery.start_soon(self._heartbeats)  # a child that is ready early needs them
         for role in self.roles:
