@@ -29,14 +29,17 @@ _BATCH_HINT = 64
 
 
 def bucket_rows(rows: int) -> int:
-    """Rows padded up to one of a few sizes. oneDNN compiles (and caches, up to 1,024 per
-    process) a kernel for every row count it meets; without buckets a server's RSS grew
-    by megabytes per few hundred requests of varied lengths."""
-    if rows <= 64:
-        return -(-rows // 8) * 8
-    if rows <= 512:
-        return -(-rows // 64) * 64
-    return -(-rows // 256) * 256
+    """Rows padded up to one of a few sizes: multiples of 8 up to 128, then eight sizes
+    per doubling, so padding adds at most an eighth.
+
+    oneDNN compiles (and caches, up to 1,024 per process) a kernel for every row count
+    it meets; without buckets a server's RSS grew by megabytes per few hundred requests
+    of varied lengths. The grid was coarser (multiples of 64 from 64 to 512) until a
+    decode step of 71 sequences was found to run its linears at 128 rows: 1.7x their
+    time at 72 (the cost grows with the rows from 64 on; docs/architecture.md).
+    """
+    step = 1 << max(3, (rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
 
 
 def packing_available(weight: Tensor) -> bool:
