@@ -325,7 +325,7 @@ class ZmqInbox(Mailbox[T]):
         waited = False
         while True:
             try:
-                msg = self._next_nowait()
+                msg = self.receive_nowait()
                 break
             except trio.WouldBlock:
                 pass
@@ -343,9 +343,6 @@ class ZmqInbox(Mailbox[T]):
 
     def receive_nowait(self) -> T:
         """The next message; raises trio.WouldBlock when there is none yet."""
-        return self._next_nowait()
-
-    def _next_nowait(self) -> T:
         # Local messages first, then the socket, one frame at a time: taking more out of
         # the socket than asked for would only move them from one bounded queue to another.
         try:
