@@ -357,9 +357,9 @@ def cmd_rank(args: argparse.Namespace) -> int:
                                "%(name)s: %(message)s")
     from actorllm.rank_process import serve_rank
 
-    try:
-        return serve_rank(args.model, timeout=args.timeout, num_threads=args.cpu_threads,
-                          watch_stdin=args.watch_stdin)
+    try:  # leaves the process itself once it has joined (rank_process._leave)
+        serve_rank(args.model, timeout=args.timeout, num_threads=args.cpu_threads,
+                   watch_stdin=args.watch_stdin)
     except ValueError as exc:
         raise CliError(str(exc)) from None
 

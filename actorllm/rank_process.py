@@ -33,6 +33,10 @@ from actorllm.rendezvous import SPEC, joined_key, rank_env, rank_store, start_he
 
 log = logging.getLogger(__name__)
 
+# Set once the driver has told this rank to stop. The driver then closes its store and
+# (for a rank it started) our stdin, and either may reach the heartbeat or the stdin
+# thread before the main thread has left: that is the expected end, so exit 0.
+_stopped = threading.Event()
 
 
 def _exit_when_orphaned() -> None:
@@ -41,13 +45,23 @@ def _exit_when_orphaned() -> None:
         while sys.stdin.buffer.read(4096):
             pass
     finally:
-        os._exit(EXIT_ORPHANED)
+        _leave(0 if _stopped.is_set() else EXIT_ORPHANED)
 
 
 def _driver_lost(why: str) -> NoReturn:
-    log.error("the tensor-parallel driver is gone (%s); leaving", why)
+    if not _stopped.is_set():
+        log.error("the tensor-parallel driver is gone (%s); leaving", why)
+    _leave(0 if _stopped.is_set() else EXIT_ORPHANED)
+
+
+def _leave(code: int) -> NoReturn:
+    """Exit without the interpreter's finalization: the process group's C++ threads are
+    still alive, and destroying them there aborts the process (SIGABRT, "terminate
+    called without an active exception"), whether the group is broken or not."""
     logging.shutdown()
-    os._exit(EXIT_ORPHANED)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _build(spec: RankSpec, tp: TensorParallel, local_rank: int
@@ -74,14 +88,14 @@ def _build(spec: RankSpec, tp: TensorParallel, local_rank: int
 
 
 def serve_rank(model: str | None = None, *, timeout: float = 300.0,
-               num_threads: int | None = None, watch_stdin: bool = False) -> int:
+               num_threads: int | None = None, watch_stdin: bool = False) -> NoReturn:
     """A rank's process (``actorllm rank``), with torch.distributed's variables in its
     environment: join the driver's store, build the shard it describes, serve steps
     until the driver goes. ``model`` overrides the driver's path (another host may keep
     the checkpoint elsewhere); ``num_threads`` the driver's per-rank threads.
 
-    Returns 0 when the driver closes the group; exits the process with EXIT_ORPHANED
-    when it is lost; raises a one-line ``ValueError`` when the rank cannot start (after
+    Exits the process with 0 when the driver closes the group, with EXIT_ORPHANED when
+    it is lost; raises a one-line ``ValueError`` when the rank cannot start (after
     telling the driver why, once it has joined).
     """
     addr, port, rank, world = rank_env()
@@ -118,9 +132,7 @@ def serve_rank(model: str | None = None, *, timeout: float = 300.0,
             while (batch := receive_batch(device)) is not None:
                 model_(batch, kv, backend)
     except Exception as exc:  # the driver died, or broke a step
-        # Leave as the heartbeat does, without running the interpreter's exit: the
-        # broken group's C++ threads are still alive, and destroying them there aborts
-        # the process (SIGABRT, "terminate called without an active exception").
         _driver_lost(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    _stopped.set()
     log.info("rank %d: the driver closed the group", rank)
-    return 0
+    _leave(0)

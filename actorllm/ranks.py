@@ -321,16 +321,21 @@ class RankGroup:
         raise RankDied(self.dead() or self.broken)
 
     def close(self) -> None:
-        """Stop every local rank (EOF on its stdin; SIGKILL after 5 s), leave the group and
-        close the store (remote ranks see their heartbeat fail and exit)."""
+        """Stop every rank (the stop broadcast; then EOF on a local rank's stdin, and
+        SIGKILL 5 s after that), leave the group and close the store (a remote rank that
+        missed the stop sees its heartbeat fail and exits)."""
         if self._closed:
             return
+        told = False
         if self._connected and self.dead() is None:
             try:  # so that every rank, local or remote, exits 0 knowing why
                 broadcast_stop(rank_device(self.spec.device, 0))
+                told = True
             except Exception:
                 log.debug("could not tell the ranks to stop", exc_info=True)
         self._closed = True
+        if told:  # let them leave on the stop, before EOF on stdin reads as orphaning
+            _wait_all(self.procs, 5.0)
         for proc in self.procs:
             if proc.stdin is not None:
                 proc.stdin.close()
@@ -345,3 +350,13 @@ class RankGroup:
             torch.distributed.destroy_process_group()
         self._monitor = None
         self.store = None  # the last reference: the store's server stops
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    """Wait up to ``timeout`` seconds in all for every process in ``procs`` to exit."""
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return
