@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 # Set once the driver has told this rank to stop. The driver then closes its store and
 # (for a rank it started) our stdin, and either may reach the heartbeat or the stdin
-# thread before the main thread has left: that is the expected end, so exit 0.
+# thread before the main thread has left: that is the expected end, so exit 0. (The
+# driver waits for our "stopped" status first, so this is only the fallback.)
 _stopped = threading.Event()
 
 
@@ -135,4 +136,8 @@ def serve_rank(model: str | None = None, *, timeout: float = 300.0,
         _driver_lost(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     _stopped.set()
     log.info("rank %d: the driver closed the group", rank)
+    try:  # the driver closes the store and our stdin once every rank has said this
+        store.set(status_key(rank), "stopped")
+    except Exception:  # it gave up waiting and closed them: we are leaving anyway
+        log.debug("could not acknowledge the stop", exc_info=True)
     _leave(0)

@@ -320,10 +320,23 @@ class RankGroup:
                 await trio.sleep(0.02)
         raise RankDied(self.dead() or self.broken)
 
+    def _await_stopped(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for every rank to say it has seen the stop."""
+        assert self.store is not None
+        deadline = time.monotonic() + timeout
+        waiting = set(range(1, self.spec.world))
+        while waiting and time.monotonic() < deadline:
+            waiting = {r for r in waiting if status(self.store, r) != "stopped"}
+            if waiting:
+                time.sleep(0.005)
+        if waiting:
+            log.warning("tensor-parallel ranks %s did not acknowledge the stop within %g s",
+                        sorted(waiting), timeout)
+
     def close(self) -> None:
-        """Stop every rank (the stop broadcast; then EOF on a local rank's stdin, and
-        SIGKILL 5 s after that), leave the group and close the store (a remote rank that
-        missed the stop sees its heartbeat fail and exits)."""
+        """Stop every rank (the stop broadcast, acknowledged in the store; then EOF on a
+        local rank's stdin, and SIGKILL 5 s after that), leave the group and close the
+        store (a remote rank that missed the stop sees its heartbeat fail and exits)."""
         if self._closed:
             return
         told = False
@@ -334,8 +347,8 @@ class RankGroup:
             except Exception:
                 log.debug("could not tell the ranks to stop", exc_info=True)
         self._closed = True
-        if told:  # let them leave on the stop, before EOF on stdin reads as orphaning
-            _wait_all(self.procs, 5.0)
+        if told:  # EOF on stdin or a closed store before a rank saw the stop would
+            self._await_stopped(5.0)  # read to it as being orphaned (exit 4)
         for proc in self.procs:
             if proc.stdin is not None:
                 proc.stdin.close()
@@ -351,12 +364,3 @@ class RankGroup:
         self._monitor = None
         self.store = None  # the last reference: the store's server stops
 
-
-def _wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
-    """Wait up to ``timeout`` seconds in all for every process in ``procs`` to exit."""
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            return

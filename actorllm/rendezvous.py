@@ -62,8 +62,8 @@ def joined_key(rank: int, prefix: str = TP) -> str:
 
 
 def status_key(rank: int, prefix: str = TP) -> str:
-    """``ready`` or ``failed: REASON`` (a data-parallel replica: ``failed: REASON`` or
-    ``stopped``)."""
+    """A tensor-parallel rank's ``ready``, ``failed: REASON`` or ``stopped`` (it saw the
+    driver's stop); a data-parallel replica's ``failed: REASON`` or ``stopped``."""
     return f"{prefix}status/{rank}"
 
 
