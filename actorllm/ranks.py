@@ -321,12 +321,20 @@ class RankGroup:
         raise RankDied(self.dead() or self.broken)
 
     def _await_stopped(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for every rank to say it has seen the stop."""
-        assert self.store is not None
+        """Wait up to ``timeout`` seconds for every rank to say it has seen the stop (or,
+        a local one, to exit)."""
+        store = self.store
+        assert store is not None
+
+        def done(rank: int) -> bool:
+            if rank < self.rdv.local_ranks and self.procs[rank - 1].poll() is not None:
+                return True
+            return status(store, rank) == "stopped"
+
         deadline = time.monotonic() + timeout
         waiting = set(range(1, self.spec.world))
         while waiting and time.monotonic() < deadline:
-            waiting = {r for r in waiting if status(self.store, r) != "stopped"}
+            waiting = {r for r in waiting if not done(r)}
             if waiting:
                 time.sleep(0.005)
         if waiting:
@@ -363,4 +371,3 @@ class RankGroup:
             torch.distributed.destroy_process_group()
         self._monitor = None
         self.store = None  # the last reference: the store's server stops
-
