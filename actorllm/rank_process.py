@@ -50,9 +50,10 @@ def _exit_when_orphaned() -> None:
 
 
 def _driver_lost(why: str) -> NoReturn:
-    if not _stopped.is_set():
-        log.error("the tensor-parallel driver is gone (%s); leaving", why)
-    _leave(0 if _stopped.is_set() else EXIT_ORPHANED)
+    if _stopped.is_set():
+        _leave(0)
+    log.error("the tensor-parallel driver is gone (%s); leaving", why)
+    _leave(EXIT_ORPHANED)
 
 
 def _leave(code: int) -> NoReturn:

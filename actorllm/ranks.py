@@ -203,9 +203,14 @@ class RankGroup:
         """Process ids of the local ranks 1..local_ranks-1."""
         return [p.pid for p in self.procs]
 
+    def _local(self, rank: int) -> subprocess.Popen[bytes] | None:
+        """Rank ``rank``'s process, when this driver started it; None for a remote one."""
+        return self.procs[rank - 1] if rank < self.rdv.local_ranks else None
+
     def _where(self, rank: int) -> str:
-        if rank < self.rdv.local_ranks:
-            return f"pid {self.procs[rank - 1].pid}"
+        proc = self._local(rank)
+        if proc is not None:
+            return f"pid {proc.pid}"
         return f"remote, at {self.rdv.where(self.port)}"
 
     def _failed(self, rank: int) -> None:
@@ -240,7 +245,7 @@ class RankGroup:
                     raise ValueError(f"tensor-parallel rank {rank} ({self._where(rank)}) "
                                      f"joined, then sent no heartbeat for "
                                      f"{HEARTBEAT_TIMEOUT:g} s while loading")
-                proc = self.procs[rank - 1] if rank < self.rdv.local_ranks else None
+                proc = self._local(rank)
                 code = proc.poll() if proc is not None else None
                 if code is not None:
                     self._failed(rank)  # it may have said why just before it exited
@@ -327,9 +332,9 @@ class RankGroup:
         assert store is not None
 
         def done(rank: int) -> bool:
-            if rank < self.rdv.local_ranks and self.procs[rank - 1].poll() is not None:
-                return True
-            return status(store, rank) == "stopped"
+            proc = self._local(rank)
+            return (proc is not None and proc.poll() is not None) \
+                or status(store, rank) == "stopped"
 
         deadline = time.monotonic() + timeout
         waiting = set(range(1, self.spec.world))
