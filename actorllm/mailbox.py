@@ -118,8 +118,12 @@ class Mailbox(Generic[T]):
         return msg
 
     def receive_nowait(self) -> T:
-        """The next message; raises trio.WouldBlock when empty."""
-        msg = self._recv.receive_nowait()
+        """The next message; raises trio.WouldBlock when empty, MailboxClosed when closed
+        and drained (as :meth:`receive` does)."""
+        try:
+            msg = self._recv.receive_nowait()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise MailboxClosed(self.name) from None
         if self.hop_hook is not None:
             self.hop_hook(self.name, "recv", msg)
         return msg

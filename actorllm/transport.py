@@ -59,7 +59,7 @@ import trio
 import zmq
 
 from actorllm import codec
-from actorllm.mailbox import Mailbox, MailboxClosed, MailboxTypeError, accepted_types
+from actorllm.mailbox import Mailbox, MailboxTypeError, accepted_types
 from actorllm.messages import MESSAGE_TYPES, Hello
 
 T = TypeVar("T")
@@ -346,11 +346,10 @@ class ZmqInbox(Mailbox[T]):
         # Local messages first, then the socket, one frame at a time: taking more out of
         # the socket than asked for would only move them from one bounded queue to another.
         try:
-            msg = self._recv.receive_nowait()
+            return super().receive_nowait()
         except trio.WouldBlock:
-            msg = self._read_socket()
-        except (trio.EndOfChannel, trio.ClosedResourceError):
-            raise MailboxClosed(self.name) from None
+            pass
+        msg = self._read_socket()
         if self.hop_hook is not None:
             self.hop_hook(self.name, "recv", msg)
         return msg

@@ -53,4 +53,6 @@ async def test_close_ends_iteration_after_draining() -> None:
     box.close()
     assert [m.rid async for m in box] == ["1"]
     with pytest.raises(MailboxClosed):
+        box.receive_nowait()  # drained and closed: the same error as receive
+    with pytest.raises(MailboxClosed):
         await box.send(AbortRequest("2"))
