@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from actorllm.messages import SamplingParams, StructuredOutput
+from actorllm.wire.messages import SamplingParams, StructuredOutput
 
 __all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "StructuredOutput",
            "open_engine"]
@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from actorllm.config import EngineConfig
-    from actorllm.engine import AsyncEngine, open_engine
+    from actorllm.engine.async_engine import AsyncEngine, open_engine
     from actorllm.llm import LLM
 
 
@@ -26,7 +26,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name in ("AsyncEngine", "open_engine"):
-        from actorllm import engine
+        from actorllm.engine import async_engine as engine
 
         return getattr(engine, name)
     if name == "EngineConfig":

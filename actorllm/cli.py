@@ -203,7 +203,7 @@ def engine_config(args: argparse.Namespace) -> Any:
 
 def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]) -> Any:
     """Flags first, then the model's defaults (``ModelInfo.sampling_defaults``), then ours."""
-    from actorllm.messages import InvalidRequest, SamplingParams
+    from actorllm.wire.messages import InvalidRequest, SamplingParams
 
     def pick(flag: Any, key: str, fallback: Any) -> Any:
         return flag if flag is not None else defaults.get(key, fallback)
@@ -244,7 +244,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 def load_resources(config: Any) -> Any:
     """Tokenizer and weights; a bad directory or an unusable backend is a CliError."""
-    from actorllm.engine import Resources
+    from actorllm.engine.async_engine import Resources
     from actorllm.ops import BackendUnavailable
 
     try:
@@ -274,9 +274,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 async def _stream_one(config: Any, resources: Any, prompt: str, params: Any) -> int:
-    from actorllm.engine import open_engine
+    from actorllm.engine.async_engine import open_engine
+    from actorllm.frontend.outputs import RequestError
     from actorllm.llm import make_request
-    from actorllm.outputs import RequestError
 
     async with open_engine(config, resources=resources) as engine:
         try:
@@ -296,7 +296,7 @@ async def _run_many(config: Any, resources: Any, prompts: list[str], params: Any
     import trio
     from rich.progress import Progress
 
-    from actorllm.engine import open_engine
+    from actorllm.engine.async_engine import open_engine
     from actorllm.llm import GenerationResult, collect
 
     results: list[GenerationResult | None] = [None] * len(prompts)
@@ -348,14 +348,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_rank(args: argparse.Namespace) -> int:
-    """``actorllm rank``: one tensor-parallel rank (actorllm/ranks.py ``serve_rank``)."""
+    """``actorllm rank``: one tensor-parallel rank (actorllm/worker/ranks.py ``serve_rank``)."""
     if args.cpu_threads is not None and args.cpu_threads < 1:
         raise CliError("--cpu-threads must be at least 1")
     rank = os.environ.get("RANK", "?")
     logging.basicConfig(level=args.log_level.upper(), force=True,
                         format=f"%(asctime)s %(levelname)s [rank {rank} %(process)d] "
                                "%(name)s: %(message)s")
-    from actorllm.rank_process import serve_rank
+    from actorllm.worker.rank_process import serve_rank
 
     try:  # leaves the process itself once it has joined (rank_process._leave)
         serve_rank(args.model, timeout=args.timeout, num_threads=args.cpu_threads,

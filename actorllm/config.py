@@ -48,9 +48,9 @@ class EngineConfig:
     # The main process's event loop serves HTTP (`actorllm serve`): on the CPU, a Worker
     # beside it (`single`) leaves it a core for ordinary steps (placement.worker_threads).
     serving_http: bool = False
-    # Ranks of one model, Megatron-style (actorllm/ranks.py): the Worker's process is rank
+    # Ranks of one model, Megatron-style (actorllm/worker/ranks.py): the Worker's process is rank
     # 0 and starts ranks 1..local-1 on this host; the others join from other hosts
-    # (actorllm/rendezvous.py, at MASTER_ADDR:MASTER_PORT). On the CPU, cpu_threads (None:
+    # (actorllm/wire/rendezvous.py, at MASTER_ADDR:MASTER_PORT). On the CPU, cpu_threads (None:
     # cores / N) is per rank.
     tensor_parallel_size: int = 1
     tensor_parallel_local_ranks: int | None = None  # None: all of them on this host
@@ -74,7 +74,8 @@ class EngineConfig:
     topology: str = "single"
     trace: str | None = None
     trace_hops: bool = False
-    # Slow readers (the Frontend's flow control, actorllm/outputs.py FlowLimits); None: off.
+    # Slow readers (the Frontend's flow control, FlowLimits in actorllm/frontend/outputs.py);
+    # None: off.
     max_pending_bytes_per_request: int | None = 256 << 10
     max_pending_bytes: int | None = 64 << 20
     stream_timeout: float | None = 30.0

@@ -14,9 +14,9 @@ import attrs
 import trio
 
 from actorllm.config import EngineConfig, default_model_dir
-from actorllm.engine import AsyncEngine, Resources, open_engine
-from actorllm.messages import ChatMessage, GenerateRequest, SamplingParams
-from actorllm.outputs import CompletionOutput, Merged, RequestError, merge_all
+from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
+from actorllm.frontend.outputs import CompletionOutput, Merged, RequestError, merge_all
+from actorllm.wire.messages import ChatMessage, GenerateRequest, SamplingParams
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
 

@@ -163,7 +163,7 @@ class EngineMetrics:
 
     def watch_flows(self, frontend: Any) -> None:
         """Read the Frontend's flow-control figures when scraped (they change per token)."""
-        from actorllm.outputs import now
+        from actorllm.clock import now
 
         self.pending_output_bytes.set_function(lambda: frontend.pending_bytes)
         self.pending_output_bytes_max.set_function(

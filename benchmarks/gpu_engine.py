@@ -64,7 +64,7 @@ def run_once(llm: Any, overlap: bool, work: list[tuple[list[int], int]]) -> dict
     import trio
 
     from actorllm import SamplingParams
-    from actorllm.engine import open_engine
+    from actorllm.engine.async_engine import open_engine
     from actorllm.llm import collect
 
     config = attrs.evolve(llm.config, async_scheduling=overlap)

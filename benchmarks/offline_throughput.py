@@ -76,7 +76,7 @@ def run_actorllm(model: Path, work: list[tuple[list[int], int]], max_num_seqs: i
     stats: dict[str, float] = {}
     import trio
 
-    from actorllm.engine import open_engine
+    from actorllm.engine.async_engine import open_engine
     from actorllm.llm import collect
 
     async def go() -> float:

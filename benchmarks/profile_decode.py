@@ -17,8 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import build_model
 
-from actorllm.messages import NewSeqData, SamplingParams, ScheduledSeq, StepPlan
-from actorllm.worker import ModelRunner
+from actorllm.wire.messages import NewSeqData, SamplingParams, ScheduledSeq, StepPlan
+from actorllm.worker.actor import ModelRunner
 
 SEQS, CONTEXT, BLOCKS_PER_SEQ = 32, 300, 40
 

@@ -58,7 +58,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
 
     from actorllm.llm import LLM
-    from actorllm.messages import SamplingParams, StructuredOutput
+    from actorllm.wire.messages import SamplingParams, StructuredOutput
 
     llm = LLM(args.model)
     prompts = [f"Item {i} of the list:" for i in range(args.prompts)]

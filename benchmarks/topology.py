@@ -38,13 +38,13 @@ from typing import Any
 
 import trio
 
-from actorllm.codec import decode, encode
 from actorllm.config import TOPOLOGIES, EngineConfig, default_model_dir
-from actorllm.engine import AsyncEngine, Resources, open_engine
+from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.llm import make_request
-from actorllm.mailbox import Mailbox
-from actorllm.messages import SamplingParams, TextDelta
-from actorllm.transport import IpcDir, ZmqInbox, ZmqOutbox
+from actorllm.wire.codec import decode, encode
+from actorllm.wire.mailbox import Mailbox
+from actorllm.wire.messages import SamplingParams, TextDelta
+from actorllm.wire.transport import IpcDir, ZmqInbox, ZmqOutbox
 
 log = logging.getLogger("benchmarks.topology")
 

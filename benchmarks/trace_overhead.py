@@ -42,11 +42,11 @@ import attrs
 import trio
 
 from actorllm.config import EngineConfig, default_model_dir
-from actorllm.engine import Resources, open_engine
-from actorllm.lifecycle import load_spec
+from actorllm.engine.async_engine import Resources, open_engine
+from actorllm.lifecycle.table import load_spec
 from actorllm.llm import collect
-from actorllm.messages import SamplingParams
 from actorllm.replay import check_trace, load_trace
+from actorllm.wire.messages import SamplingParams
 
 log = logging.getLogger("benchmarks.trace_overhead")
 
@@ -71,7 +71,7 @@ class TracerClock:
         self.calls = 0
 
     def install(self) -> None:
-        from actorllm.trace import Tracer
+        from actorllm.lifecycle.trace import Tracer
 
         for name in ("header", "transition", "hop", "record"):
             original = getattr(Tracer, name)

@@ -1,6 +1,6 @@
 """Fuzz the wire codec: arbitrary bytes into ``codec.decode``.
 
-Contract (actorllm/codec.py): a frame becomes the exact message that was sent, or raises
+Contract (actorllm/wire/codec.py): a frame becomes the exact message that was sent, or raises
 ``CodecError``; nothing else escapes. And whatever decodes must encode again to a frame
 that decodes to the same message (compared by encoding: a NaN float is not equal to
 itself, but it encodes the same).
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from _harness import main
 
-from actorllm import codec
-from actorllm.codec import CodecError
+from actorllm.wire import codec
+from actorllm.wire.codec import CodecError
 
 NAME = "codec"
 

@@ -1,6 +1,6 @@
 """Fuzz the Detokenizer: arbitrary token ids (and stop strings) through its decode path.
 
-Contract (actorllm/detokenizer.py, invariant 7): it never raises; every delta is valid
+Contract (actorllm/detokenizer/actor.py, invariant 7): it never raises; every delta is valid
 UTF-8; one ``RequestFinished`` ends the request and nothing follows it; the deltas
 concatenate to ``decode(ids)``, cut at the first stop string (after it, with
 ``include_stop_str_in_output``) when one matches.
@@ -25,8 +25,8 @@ import tokenizers
 from _harness import main
 
 from actorllm.config import default_model_dir
-from actorllm.detokenizer import Detokenizer, hf_decode_fn
-from actorllm.messages import DetokSetup, RequestFinished, StopMatched, TextDelta, TokenOut
+from actorllm.detokenizer.actor import Detokenizer, hf_decode_fn
+from actorllm.wire.messages import DetokSetup, RequestFinished, StopMatched, TextDelta, TokenOut
 
 NAME = "detokenizer"
 _TOKENIZER = tokenizers.Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))

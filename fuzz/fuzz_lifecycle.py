@@ -1,10 +1,10 @@
 """Fuzz the request state machine: arbitrary event sequences into per-actor ledgers.
 
-Contract (actorllm/lifecycle.py): firing any event, known or not, by any actor, known or
+Contract (actorllm/lifecycle/table.py): firing any event, known or not, by any actor, known or
 not, for any rid either moves that actor's view or raises ``IllegalTransition`` naming the
 rid, state and event; nothing else escapes. An accepted event is always one the spec
 gives to that actor, and a view only ever names states of the spec. The invariant
-checker (actorllm/invariants.py) judges any merged sequence without raising.
+checker (actorllm/lifecycle/invariants.py) judges any merged sequence without raising.
 
 Input: pairs of bytes. The first picks the actor (low 3 bits) and the rid (high bits);
 the second picks the event, or, when its top bit is set, takes the next bytes (up to a
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from _harness import main
 
-from actorllm.invariants import History, first_illegal
-from actorllm.lifecycle import ACTORS, IllegalTransition, Ledger, load_spec
+from actorllm.lifecycle.invariants import History, first_illegal
+from actorllm.lifecycle.table import ACTORS, IllegalTransition, Ledger, load_spec
 
 NAME = "lifecycle"
 SPEC = load_spec()

@@ -21,11 +21,11 @@ from typing import Any
 import pydantic
 from _harness import main
 
-from actorllm import codec
 from actorllm.config import default_model_dir, read_model_info
-from actorllm.messages import GenerateRequest, InvalidRequest
 from actorllm.server.convert import chat_messages, completion_prompts, sampling_params
 from actorllm.server.schemas import ChatCompletionRequest, CompletionRequest
+from actorllm.wire import codec
+from actorllm.wire.messages import GenerateRequest, InvalidRequest
 
 NAME = "request"
 INFO = read_model_info(default_model_dir())  # the served model's defaults and vocabulary

@@ -12,9 +12,9 @@ import json
 
 from _harness import corpus_dir
 
-from actorllm import codec
-from actorllm.lifecycle import ACTORS, load_spec
-from actorllm.messages import (
+from actorllm.lifecycle.table import ACTORS, load_spec
+from actorllm.wire import codec
+from actorllm.wire.messages import (
     AbortRequest,
     ChatMessage,
     DetokSetup,

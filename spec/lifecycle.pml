@@ -3,7 +3,7 @@
  *
  * What it is. The actors of DESIGN.md section 1 as processes over bounded FIFO channels:
  * the API-layer client, the Frontend, the Tokenizer, the Scheduler (two processes: its
- * receive loop and its sender task, as in actorllm/scheduler.py), the Worker and the
+ * receive loop and its sender task, as in actorllm/scheduler/actor.py), the Worker and the
  * Detokenizer. SPIN explores every interleaving and checks the invariants of
  * spec/lifecycle.toml: assertions where each must hold, a check once everything is idle
  * (invariant 4), and LTL formulas. spec/README.md ("Model checking") says how to run it;
@@ -109,7 +109,7 @@
 #endif
 #endif
 
-/* Scheduler-side state of a leaf (Sequence.status in actorllm/scheduler.py). */
+/* Scheduler-side state of a leaf (Sequence.status in actorllm/scheduler/actor.py). */
 #define S_NONE  0      /* no Sequence: not arrived yet, rejected, or freed */
 #define S_WAIT  1
 #define S_RUN   2
@@ -142,14 +142,14 @@ chan fe_in  = [CAP] of { byte, byte, byte, byte, byte };  /* OutputBatch: (delta
                                                        finished, freed, 0, errors), or
                                                        RequestFailed: (0, 0, 0, rid mask, 0) */
 
-/* The Frontend's registry (RequestState in actorllm/frontend.py). */
+/* The Frontend's registry (RequestState in actorllm/frontend/actor.py). */
 bool reg[NR];          /* the rid is live */
 bool resp[NR];         /* the client has its final output (respond) */
 bool freed[NR];        /* the Scheduler freed it, or it never reached the Scheduler */
 bool abort_sent[NR];
 bool dispatched[NR];   /* its GenerateRequest is queued for the Tokenizer */
 
-/* The Scheduler (actorllm/scheduler.py). */
+/* The Scheduler (actorllm/scheduler/actor.py). */
 byte ss[NR];           /* S_* */
 byte out[NR];          /* output tokens committed */
 byte nblk[NR];         /* blocks in its block table */

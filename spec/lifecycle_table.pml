@@ -1,4 +1,4 @@
-/* Generated from spec/lifecycle.toml by `python -m actorllm.lifecycle
+/* Generated from spec/lifecycle.toml by `python -m actorllm.lifecycle.table
    --promela > spec/lifecycle_table.pml`: edit the table, not this file.
    tests/test_spin.py checks that the two agree. */
 

@@ -28,7 +28,7 @@ from sim.profiles import register_profiles
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from actorllm.config import EngineConfig
-from actorllm.engine import AsyncEngine, Resources, open_engine
+from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.ops.cpu_backend import CpuKernelError, build_kernel
 from actorllm.ops.cpu_step import build_op_library
 

@@ -20,7 +20,7 @@ import torch
 import trio
 
 if TYPE_CHECKING:
-    from actorllm.engine import AsyncEngine
+    from actorllm.engine.async_engine import AsyncEngine
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>")
 BOS, EOS = "<|bos|>", "<|eos|>"

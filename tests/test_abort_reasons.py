@@ -12,10 +12,12 @@ import trio
 import trio.testing
 from helpers import CONTEXT, Call, app_for
 
-from actorllm.engine import AsyncEngine
-from actorllm.frontend import Frontend
-from actorllm.mailbox import Mailbox
-from actorllm.messages import (
+from actorllm.engine.async_engine import AsyncEngine
+from actorllm.frontend.actor import Frontend
+from actorllm.frontend.outputs import RequestError
+from actorllm.metrics import EngineMetrics
+from actorllm.wire.mailbox import Mailbox
+from actorllm.wire.messages import (
     AbortRequest,
     FrontendInput,
     GenerateRequest,
@@ -24,8 +26,6 @@ from actorllm.messages import (
     SamplingParams,
     TokenizerInput,
 )
-from actorllm.metrics import EngineMetrics
-from actorllm.outputs import RequestError
 
 REASONS = ("client_disconnect", "stream_timeout", "drain_timeout", "sibling_failed",
            "engine_dead", "user")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actorllm.admission import Admission, Gate, Refused
+from actorllm.engine.admission import Admission, Gate, Refused
 
 
 def test_reserve_and_release_count_against_the_capacity() -> None:

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actorllm import codec, messages
-from actorllm.messages import MESSAGE_TYPES
+from actorllm.wire import codec, messages
+from actorllm.wire.messages import MESSAGE_TYPES
 
 _ints = st.integers(min_value=-(2**62), max_value=2**62)
 _floats = st.floats(allow_nan=False, width=64)

@@ -17,13 +17,13 @@ import pytest
 import torch
 from helpers import hf_greedy, hf_model
 
-from actorllm.messages import NewSeqData, SamplingParams, ScheduledSeq, StepPlan
 from actorllm.model import ForwardBatch
 from actorllm.model.llama import LlamaForCausalLM
 from actorllm.ops import TorchBackend, cpu_step
 from actorllm.ops.cpu_backend import CpuKernelError, build_library
 from actorllm.ops.cpu_step import DecodeStep, load_decode_step, why_not
-from actorllm.worker import ModelRunner
+from actorllm.wire.messages import NewSeqData, SamplingParams, ScheduledSeq, StepPlan
+from actorllm.worker.actor import ModelRunner
 
 BLOCK = 4
 cpu_step.load_op_library()  # raises, saying why, where the op cannot be built here

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actorllm.detokenizer import Detokenizer, IncrementalDecoder, StopMatcher, hf_decode_fn
-from actorllm.mailbox import Mailbox
-from actorllm.messages import (
+from actorllm.detokenizer.actor import Detokenizer, IncrementalDecoder, StopMatcher, hf_decode_fn
+from actorllm.wire.mailbox import Mailbox
+from actorllm.wire.messages import (
     DetokSetup,
     FrontendInput,
     OutputBatch,

@@ -16,11 +16,11 @@ import trio
 from helpers import hf_greedy
 
 from actorllm.config import TOPOLOGIES, EngineConfig
-from actorllm.engine import AsyncEngine, Resources, open_engine
-from actorllm.frontend import DuplicateRequestId
+from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
+from actorllm.frontend.actor import DuplicateRequestId
+from actorllm.frontend.outputs import RequestError
 from actorllm.llm import GenerationResult, collect
-from actorllm.messages import ChatMessage, GenerateRequest, SamplingParams
-from actorllm.outputs import RequestError
+from actorllm.wire.messages import ChatMessage, GenerateRequest, SamplingParams
 
 PROMPTS = [
     "hello",

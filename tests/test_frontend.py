@@ -5,9 +5,10 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from actorllm.frontend import Frontend
-from actorllm.mailbox import Mailbox
-from actorllm.messages import (
+from actorllm.frontend.actor import Frontend
+from actorllm.frontend.outputs import OutputCollector
+from actorllm.wire.mailbox import Mailbox
+from actorllm.wire.messages import (
     AbortRequest,
     FrontendInput,
     GenerateRequest,
@@ -15,7 +16,6 @@ from actorllm.messages import (
     TokenizerInput,
     TokenLogprob,
 )
-from actorllm.outputs import OutputCollector
 
 
 def make() -> tuple[Frontend, Mailbox[TokenizerInput]]:

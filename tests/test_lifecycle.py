@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actorllm.invariants import History, check_gather, final_state, first_illegal, fold
-from actorllm.lifecycle import ACTORS, IllegalTransition, State, View, load_spec, parse_spec
+from actorllm.lifecycle.invariants import History, check_gather, final_state, first_illegal, fold
+from actorllm.lifecycle.table import ACTORS, IllegalTransition, State, View, load_spec, parse_spec
 
 SPEC = load_spec()
 HAPPY = ["register", "dispatch", "enqueue", "schedule", "finish", "respond", "free", "forget"]
@@ -200,7 +200,7 @@ def test_check_gather_wants_every_child_released() -> None:
 
 def test_promela_table_is_generated_from_this_toml() -> None:
     """spec/lifecycle.pml includes the table as Promela; regenerate it after editing the TOML
-    (``python -m actorllm.lifecycle --promela > spec/lifecycle_table.pml``)."""
+    (``python -m actorllm.lifecycle.table --promela > spec/lifecycle_table.pml``)."""
     spec_dir = Path(__file__).parents[1] / "spec"
     assert (spec_dir / "lifecycle_table.pml").read_text() == SPEC.promela()
 

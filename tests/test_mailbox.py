@@ -6,8 +6,8 @@ import pytest
 import trio
 import trio.testing
 
-from actorllm.mailbox import Mailbox, MailboxClosed, MailboxTypeError
-from actorllm.messages import AbortRequest, SchedulerInput, StepResult, StopMatched
+from actorllm.wire.mailbox import Mailbox, MailboxClosed, MailboxTypeError
+from actorllm.wire.messages import AbortRequest, SchedulerInput, StepResult, StopMatched
 
 
 async def test_wrong_type_is_an_error() -> None:

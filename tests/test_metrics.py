@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from actorllm.frontend import Frontend
-from actorllm.mailbox import Mailbox
-from actorllm.messages import (
+from actorllm.frontend.actor import Frontend
+from actorllm.metrics import EngineMetrics
+from actorllm.wire.mailbox import Mailbox
+from actorllm.wire.messages import (
     FrontendInput,
     GenerateRequest,
     OutputBatch,
@@ -16,7 +17,6 @@ from actorllm.messages import (
     TextDelta,
     TokenizerInput,
 )
-from actorllm.metrics import EngineMetrics
 
 
 def value(m: EngineMetrics, name: str) -> float:

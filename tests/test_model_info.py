@@ -25,12 +25,12 @@ from actorllm.config import (
     read_model_info,
     sampling_defaults,
 )
-from actorllm.engine import Resources, open_engine
+from actorllm.engine.async_engine import Resources, open_engine
 from actorllm.llm import collect
-from actorllm.messages import GenerateRequest, SamplingParams
 from actorllm.server.convert import sampling_params as http_sampling_params
 from actorllm.server.schemas import ChatCompletionRequest
-from actorllm.tokenizer import PromptEncoder
+from actorllm.tokenizer.actor import PromptEncoder
+from actorllm.wire.messages import GenerateRequest, SamplingParams
 
 
 @pytest.mark.parametrize(("cfg", "limit"), [

@@ -49,7 +49,7 @@ from sim import InvariantViolation, SimConfig, TextModel, World, make_machine
 from sim.bugs import COLLECTOR_BUGS
 from sim.bugs import PLANTED as PLANTED_BUGS
 
-from actorllm.outputs import FlowLimits, Merged, OutputCollector
+from actorllm.frontend.outputs import FlowLimits, Merged, OutputCollector
 
 PLANTED = [
     ("frontend.bug_register_after_dispatch", "1"),

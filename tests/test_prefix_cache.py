@@ -19,11 +19,12 @@ import trio
 from helpers import Call, app_for, hf_greedy
 
 from actorllm.config import EngineConfig
-from actorllm.engine import AsyncEngine, Resources, open_engine
-from actorllm.kv import BlockPool, hash_block
+from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.llm import collect
-from actorllm.mailbox import Mailbox
-from actorllm.messages import (
+from actorllm.scheduler.actor import Scheduler
+from actorllm.scheduler.kv_pool import BlockPool, hash_block
+from actorllm.wire.mailbox import Mailbox
+from actorllm.wire.messages import (
     InvalidRequest,
     PromptLogprobs,
     SampledToken,
@@ -35,7 +36,6 @@ from actorllm.messages import (
     TokenBatch,
     TokenLogprob,
 )
-from actorllm.scheduler import Scheduler
 
 EOS = 1
 BS = 4
@@ -206,7 +206,7 @@ def test_children_of_one_prompt_prefill_it_once_and_share_its_blocks() -> None:
 
 
 def test_abort_of_one_sharer_keeps_the_blocks_of_the_others() -> None:
-    from actorllm.messages import AbortRequest
+    from actorllm.wire.messages import AbortRequest
 
     s = make()
     d = Driver(s)

@@ -19,12 +19,13 @@ import torch
 import trio
 from helpers import hf_model
 
-from actorllm import scheduler as scheduler_module
 from actorllm.config import EngineConfig
-from actorllm.engine import AsyncEngine, Resources, open_engine
+from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.llm import GenerationResult, collect
-from actorllm.mailbox import Mailbox
-from actorllm.messages import (
+from actorllm.scheduler import actor as scheduler_module
+from actorllm.scheduler.actor import Scheduler
+from actorllm.wire.mailbox import Mailbox
+from actorllm.wire.messages import (
     InvalidRequest,
     NewSeqData,
     PromptLogprobs,
@@ -38,9 +39,8 @@ from actorllm.messages import (
     TokenBatch,
     TokenLogprob,
 )
-from actorllm.sampler import SamplingState, prompt_logprobs
-from actorllm.scheduler import Scheduler
-from actorllm.worker import ModelRunner
+from actorllm.worker.actor import ModelRunner
+from actorllm.worker.sampler import SamplingState, prompt_logprobs
 
 EOS = 1
 

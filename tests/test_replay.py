@@ -17,10 +17,9 @@ import pytest
 import trio
 
 from actorllm.config import EngineConfig
-from actorllm.engine import Resources, open_engine
-from actorllm.lifecycle import load_spec, parse_spec
+from actorllm.engine.async_engine import Resources, open_engine
+from actorllm.lifecycle.table import load_spec, parse_spec
 from actorllm.llm import make_request
-from actorllm.messages import SamplingParams
 from actorllm.replay import (
     check_trace,
     load_trace,
@@ -31,6 +30,7 @@ from actorllm.replay import (
     summarize,
 )
 from actorllm.replay.check import check_session
+from actorllm.wire.messages import SamplingParams
 
 SPEC = load_spec()
 PROMPTS = {
@@ -434,9 +434,9 @@ def test_a_hand_driven_scheduler_redrives_identically(tmp_path: Path) -> None:
     """No model: the real Scheduler, traced, driven by hand through preemption, an abort
     with a step in flight (the fence) and a late result; then re-driven from its trace.
     The pool size comes from a ``config`` record, as a Scheduler may write one."""
-    from actorllm.messages import AbortRequest, SampledToken, SequenceRequest, StepResult
-    from actorllm.scheduler import Scheduler
-    from actorllm.trace import Tracer
+    from actorllm.lifecycle.trace import Tracer
+    from actorllm.scheduler.actor import Scheduler
+    from actorllm.wire.messages import AbortRequest, SampledToken, SequenceRequest, StepResult
 
     path = tmp_path / "sched.jsonl"
     tracer = Tracer(path)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from actorllm.messages import SamplingParams
-from actorllm.sampler import SamplingState, process_logits, sample, step_seed
+from actorllm.wire.messages import SamplingParams
+from actorllm.worker.sampler import SamplingState, process_logits, sample, step_seed
 
 EOS = 3
 

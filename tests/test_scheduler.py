@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 from sim.bugs import FreeBeforeFence
 
-from actorllm.mailbox import Mailbox
-from actorllm.messages import (
+from actorllm.scheduler.actor import Scheduler
+from actorllm.wire.mailbox import Mailbox
+from actorllm.wire.messages import (
     AbortRequest,
     SampledToken,
     SamplingParams,
@@ -20,7 +21,6 @@ from actorllm.messages import (
     StopMatched,
     TokenBatch,
 )
-from actorllm.scheduler import Scheduler
 
 EOS = 1
 

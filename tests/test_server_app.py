@@ -13,7 +13,7 @@ from typing import Any
 import trio
 from helpers import CONTEXT, Call, app_for
 
-from actorllm.engine import AsyncEngine
+from actorllm.engine.async_engine import AsyncEngine
 
 
 async def test_whole_and_streamed_answers(engine: AsyncEngine) -> None:

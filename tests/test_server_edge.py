@@ -23,9 +23,9 @@ import pytest
 import trio
 from helpers import CONTEXT, Call, app_for
 
-from actorllm.engine import AsyncEngine, Resources
-from actorllm.messages import GenerateRequest, SamplingParams
-from actorllm.tokenizer import PromptEncoder
+from actorllm.engine.async_engine import AsyncEngine, Resources
+from actorllm.tokenizer.actor import PromptEncoder
+from actorllm.wire.messages import GenerateRequest, SamplingParams
 
 LONE = "\ud800"  # a lone surrogate: valid in JSON and in a Python str, not in UTF-8
 
@@ -76,7 +76,7 @@ def test_prompt_encoder_refuses_lone_surrogates(resources: Resources) -> None:
     """The Python API reaches the Tokenizer without the HTTP schema: it checks too."""
     enc = PromptEncoder(resources.hf_tokenizer, resources.info)
     params = SamplingParams(max_tokens=4)
-    from actorllm.messages import ChatMessage, InvalidRequest
+    from actorllm.wire.messages import ChatMessage, InvalidRequest
     for req, param in [
         (GenerateRequest("a", params, prompt="ok " + LONE), "prompt"),
         (GenerateRequest("b", params, messages=(ChatMessage("user", "fine"),
@@ -90,7 +90,7 @@ def test_prompt_encoder_refuses_lone_surrogates(resources: Resources) -> None:
 
 async def test_engine_api_lone_surrogate_is_invalid_request(engine: AsyncEngine) -> None:
     """Through the engine (the Tokenizer actor), the error is invalid_request, not internal."""
-    from actorllm.outputs import RequestError
+    from actorllm.frontend.outputs import RequestError
     with pytest.raises(RequestError) as info:
         async for _ in engine.generate(GenerateRequest("s1", SamplingParams(max_tokens=2),
                                                        prompt=LONE)):

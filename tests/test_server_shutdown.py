@@ -28,7 +28,7 @@ KV_BLOCKS = LONG_CONTEXT // 16  # ServerProcess passes --num-kv-blocks 512: exac
 _PLANTED = """
 import sys
 from actorllm import cli
-from actorllm.scheduler import Scheduler
+from actorllm.scheduler.actor import Scheduler
 handle = Scheduler.handle
 def planted(self, msg):
     if getattr(msg, "rid", "").startswith("boom"):

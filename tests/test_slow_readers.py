@@ -14,10 +14,10 @@ import trio
 from helpers import Call, app_for
 
 from actorllm.config import EngineConfig
-from actorllm.engine import AsyncEngine, Resources, open_engine
+from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
+from actorllm.frontend.outputs import OutputCollector, RequestError
 from actorllm.llm import collect
-from actorllm.messages import GenerateRequest, SamplingParams
-from actorllm.outputs import OutputCollector, RequestError
+from actorllm.wire.messages import GenerateRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
 _resources: dict[tuple[str, int], Resources] = {}

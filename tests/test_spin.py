@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from actorllm.lifecycle import parse_spec
+from actorllm.lifecycle.table import parse_spec
 
 ROOT = Path(__file__).parents[1]
 MODEL = ROOT / "spec" / "lifecycle.pml"

@@ -23,10 +23,10 @@ import trio
 from helpers import Call, app_for
 
 from actorllm.config import EngineConfig, default_model_dir
-from actorllm.engine import AsyncEngine, Resources, open_engine
+from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.llm import collect, make_request
-from actorllm.messages import ChatMessage, SamplingParams, StructuredOutput
-from actorllm.structured import LLGuidanceBackend, MaskFiller, _bias, apply_grammar_masks
+from actorllm.text.structured import LLGuidanceBackend, MaskFiller, _bias, apply_grammar_masks
+from actorllm.wire.messages import ChatMessage, SamplingParams, StructuredOutput
 
 _NAME = {"type": "string", "maxLength": 6}
 SCHEMAS: list[dict[str, Any]] = [

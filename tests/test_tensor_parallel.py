@@ -1,4 +1,4 @@
-"""Tensor parallelism (``--tensor-parallel-size``, actorllm/ranks.py, model/parallel.py).
+"""Tensor parallelism (``--tensor-parallel-size``, actorllm/worker/ranks.py, model/parallel.py).
 
 Two ranks over gloo on loopback must give transformers' greedy tokens and one rank's
 tokens (greedy and seeded), also when the Scheduler preempts and chunks prefills; a
@@ -27,9 +27,9 @@ from helpers import hf_greedy, hf_model
 
 from actorllm.cli import main as cli_main
 from actorllm.config import EngineConfig, default_model_dir
-from actorllm.engine import Resources, open_engine
-from actorllm.messages import GenerateRequest, SamplingParams
-from actorllm.outputs import RequestError
+from actorllm.engine.async_engine import Resources, open_engine
+from actorllm.frontend.outputs import RequestError
+from actorllm.wire.messages import GenerateRequest, SamplingParams
 
 torch = pytest.importorskip("torch")
 MODEL = default_model_dir()
@@ -118,7 +118,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 def test_a_rank_that_cannot_load_fails_start_up_with_its_reason(
         _tp2_holder: dict[str, Resources]) -> None:
-    from actorllm.ranks import RankGroup, RankSpec
+    from actorllm.worker.ranks import RankGroup, RankSpec
 
     # First in the file, before the shared runner exists (one group per process); run
     # alone or later, it closes that runner, and the next test that needs it rebuilds it.

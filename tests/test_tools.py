@@ -15,7 +15,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from actorllm.outputs import CompletionOutput
+from actorllm.frontend.outputs import CompletionOutput
 from actorllm.server.render import ChatRenderer
 from actorllm.server.schemas import ChatCompletionRequest
 from actorllm.server.tools import PARSERS, plan_tools

@@ -27,12 +27,10 @@ import trio
 import zmq
 from helpers import greedy_expectations
 
-from actorllm import codec
 from actorllm.config import EngineConfig
-from actorllm.engine import AsyncEngine, EngineStartError, Resources, open_engine
+from actorllm.engine.async_engine import AsyncEngine, EngineStartError, Resources, open_engine
+from actorllm.frontend.outputs import RequestError
 from actorllm.llm import LLM, collect, make_request
-from actorllm.messages import GenerateRequest, SamplingParams
-from actorllm.outputs import RequestError
 from actorllm.topology import supervisor as supervisor_module
 from actorllm.topology.placement import (
     PLACEMENTS,
@@ -41,7 +39,9 @@ from actorllm.topology.placement import (
     worker_threads,
 )
 from actorllm.topology.supervisor import Supervisor
-from actorllm.transport import PROTOCOL_VERSION, IpcDir, schema_fingerprint
+from actorllm.wire import codec
+from actorllm.wire.messages import GenerateRequest, SamplingParams
+from actorllm.wire.transport import PROTOCOL_VERSION, IpcDir, schema_fingerprint
 
 TOPOLOGIES = ("single", "engine", "pipeline")
 MULTI = ("engine", "pipeline")
@@ -218,7 +218,7 @@ async def test_stream_abort_and_drain(topology: str, tiny_llama_dir: Path,
     assert [ln.get("kind") for ln in lines].count("header") == 1
     assert {"frontend", "scheduler"} <= {ln.get("actor") for ln in lines}
     # ... and the merged file is a legal history for every request (actorllm replay).
-    from actorllm.lifecycle import load_spec
+    from actorllm.lifecycle.table import load_spec
     from actorllm.replay.check import check_trace
     from actorllm.replay.tracefile import load_trace
 
@@ -376,8 +376,8 @@ def test_real_child_refuses_a_mismatched_parent(tmp_path: Path) -> None:
 READY_IMPOSTOR = """
 import os, sys, time
 import trio
-from actorllm.messages import ControlMessage, Ready, StartFailed
-from actorllm.transport import ZmqInbox, ZmqOutbox, make_hello
+from actorllm.wire.messages import ControlMessage, Ready, StartFailed
+from actorllm.wire.transport import ZmqInbox, ZmqOutbox, make_hello
 
 async def main():
     ctl_in = ZmqInbox("engine.ctl", ControlMessage, 16, sys.argv[-1])
@@ -435,9 +435,9 @@ PARENT_SCRIPT = """
 import json, logging, sys
 import trio
 from actorllm.config import EngineConfig
-from actorllm.engine import open_engine
+from actorllm.engine.async_engine import open_engine
 from actorllm.llm import make_request
-from actorllm.messages import SamplingParams
+from actorllm.wire.messages import SamplingParams
 
 async def main():
     logging.basicConfig(level=logging.INFO)  # the children log their exits (shown on failure)
@@ -449,7 +449,7 @@ async def main():
             if tokens == 0:
                 print(json.dumps({"pids": engine.supervisor.pids(),
                                   "ipc": engine.supervisor.ipc.path,
-                                  "runner": "actorllm.worker" in sys.modules}), flush=True)
+                                  "runner": "actorllm.worker.actor" in sys.modules}), flush=True)
             tokens += len(out.outputs[0].token_ids)
         print(f"done {tokens}", flush=True)
         await trio.sleep_forever()

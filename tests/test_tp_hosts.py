@@ -1,4 +1,4 @@
-"""Tensor-parallel ranks on other hosts (actorllm/rendezvous.py, ``actorllm rank``).
+"""Tensor-parallel ranks on other hosts (actorllm/wire/rendezvous.py, ``actorllm rank``).
 
 Every test here plays both hosts on loopback: the driver (this process, or an
 ``engine`` child) runs with ``--tensor-parallel-local-ranks 1`` (``EngineConfig.
@@ -30,9 +30,9 @@ import trio
 from helpers import free_port, other_host, wait_exit
 
 from actorllm.config import EngineConfig, default_model_dir
-from actorllm.engine import Resources, open_engine
-from actorllm.messages import GenerateRequest, SamplingParams
-from actorllm.outputs import RequestError
+from actorllm.engine.async_engine import Resources, open_engine
+from actorllm.frontend.outputs import RequestError
+from actorllm.wire.messages import GenerateRequest, SamplingParams
 
 torch = pytest.importorskip("torch")
 MODEL = default_model_dir()
@@ -163,7 +163,7 @@ def test_a_remote_rank_that_never_comes_is_a_start_up_error_within_the_timeout(
 
 def test_a_remote_rank_that_stops_while_loading_fails_start_up_by_its_heartbeat(
         port: int, tmp_path: Path, cleanup: list[Any]) -> None:
-    from actorllm.rendezvous import joined_key, rank_store
+    from actorllm.wire.rendezvous import joined_key, rank_store
 
     rank = _second_host(port, tmp_path / "rank.log")
     cleanup.append(rank)
@@ -209,7 +209,7 @@ def test_a_remote_rank_with_another_world_size_is_refused_by_name(
 ])
 def test_the_rank_refuses_an_incomplete_rendezvous_environment(
         monkeypatch: pytest.MonkeyPatch, env: dict[str, str], want: str) -> None:
-    from actorllm.rank_process import serve_rank
+    from actorllm.worker.rank_process import serve_rank
 
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
@@ -249,7 +249,7 @@ def test_rendezvous_flags_out_of_range_are_one_line_cli_errors(
 
 
 def test_a_rendezvous_port_in_use_is_a_one_line_error() -> None:
-    from actorllm.rendezvous import Rendezvous, driver_store
+    from actorllm.wire.rendezvous import Rendezvous, driver_store
 
     with socket.socket() as busy:
         busy.bind(("0.0.0.0", 0))
@@ -272,7 +272,7 @@ def test_a_rendezvous_port_in_use_is_a_one_line_error() -> None:
 def test_the_drivers_rendezvous_comes_from_its_settings_and_master_port(
         local: int | None, timeout: float, env: dict[str, str],
         want: tuple[Any, ...] | str) -> None:
-    from actorllm.rendezvous import Rendezvous
+    from actorllm.wire.rendezvous import Rendezvous
 
     if isinstance(want, str):
         with pytest.raises(ValueError, match=rf"^{re.escape(want)}"):

@@ -21,11 +21,11 @@ import trio
 
 from actorllm.cli import main
 from actorllm.config import EngineConfig
-from actorllm.engine import open_engine
-from actorllm.lifecycle import load_spec
+from actorllm.engine.async_engine import open_engine
+from actorllm.lifecycle.table import load_spec
+from actorllm.lifecycle.trace import Tracer
 from actorllm.llm import collect
-from actorllm.messages import SamplingParams
-from actorllm.trace import Tracer
+from actorllm.wire.messages import SamplingParams
 
 ROOT = Path(__file__).parents[1]
 SPEC = load_spec()
@@ -198,12 +198,12 @@ README = ROOT / "spec" / "README.md"
 
 
 def test_readme_diagram_is_the_generated_one() -> None:
-    """The Mermaid block in spec/README.md is `python -m actorllm.lifecycle --mermaid`."""
+    """The Mermaid block in spec/README.md is `python -m actorllm.lifecycle.table --mermaid`."""
     blocks = re.findall(r"```mermaid\n(.*?)```", README.read_text(), flags=re.S)
     assert len(blocks) == 1, "spec/README.md must embed exactly one mermaid diagram"
     assert blocks[0].strip() == SPEC.mermaid().strip(), (
         "the diagram in spec/README.md is stale: regenerate it with "
-        "`python -m actorllm.lifecycle --mermaid`")
+        "`python -m actorllm.lifecycle.table --mermaid`")
 
 
 def test_readme_documents_every_trace_field_and_invariant() -> None:

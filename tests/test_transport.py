@@ -18,9 +18,9 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actorllm import codec
-from actorllm.mailbox import MailboxTypeError
-from actorllm.messages import (
+from actorllm.wire import codec
+from actorllm.wire.mailbox import MailboxTypeError
+from actorllm.wire.messages import (
     AbortRequest,
     Hello,
     SchedulerInput,
@@ -29,7 +29,7 @@ from actorllm.messages import (
     TextDelta,
     TokenizerInput,
 )
-from actorllm.transport import (
+from actorllm.wire.transport import (
     PROTOCOL_VERSION,
     HandshakeError,
     IpcDir,

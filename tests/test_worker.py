@@ -13,15 +13,15 @@ import torch
 import trio
 from helpers import hf_greedy, hf_model
 
-from actorllm.mailbox import Mailbox
-from actorllm.messages import (
+from actorllm.wire.mailbox import Mailbox
+from actorllm.wire.messages import (
     NewSeqData,
     SamplingParams,
     ScheduledSeq,
     StepPlan,
     StepResult,
 )
-from actorllm.worker import ModelRunner, Worker
+from actorllm.worker.actor import ModelRunner, Worker
 
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, logprobs=2)
@@ -251,8 +251,8 @@ def test_a_small_step_runs_on_one_thread_and_a_large_one_on_all(tiny_llama_dir: 
 
 _POOLS = """
 import os, sys, threading, torch
-from actorllm.messages import NewSeqData, SamplingParams, ScheduledSeq, StepPlan
-from actorllm.worker import ModelRunner
+from actorllm.wire.messages import NewSeqData, SamplingParams, ScheduledSeq, StepPlan
+from actorllm.worker.actor import ModelRunner
 def threads():
     return len(os.listdir("/proc/self/task"))
 torch.set_num_threads(2)  # (its first call may start a thread of torch's own pthreadpool)

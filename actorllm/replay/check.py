@@ -1,5 +1,5 @@
 """Checking a trace against the spec: each request's history, and invariants 2 and 6,
-by the one checker of actorllm/invariants.py.
+by the one checker of actorllm/lifecycle/invariants.py.
 
 A history is legal when it is one path through the table of spec/lifecycle.toml from
 "no state" (``Spec.step`` from None), each event fired by the actor the table names, and
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import attrs
 
-from actorllm.invariants import Finding, History, final_state
-from actorllm.invariants import check_gather as check_gather_of
-from actorllm.lifecycle import Spec
+from actorllm.lifecycle.invariants import Finding, History, final_state
+from actorllm.lifecycle.invariants import check_gather as check_gather_of
+from actorllm.lifecycle.table import Spec
 from actorllm.replay.tracefile import Incarnation, Line, Session, Trace
 
 CONTEXT = 3  # lines of the request's history shown on each side of a violation

@@ -4,7 +4,7 @@ The Scheduler records what it is told (``input`` records: a SequenceRequest arri
 abort, a stop string; ``result`` records: what each step returned) and what it plans
 (``plan`` records). Its decisions are the ``plan`` records and its own transition lines
 (enqueue, schedule, preempt, finish, abort, fail, free). Feeding the inputs and results
-back into a fresh :class:`actorllm.scheduler.Scheduler`, in the order of the file (the
+back into a fresh :class:`actorllm.scheduler.actor.Scheduler`, in the order of the file (the
 order the real one handled them: it writes each record while it handles the message),
 and calling ``schedule()`` wherever a ``plan`` record stands, must reproduce every
 decision. No event loop is needed: ``handle`` and ``schedule`` are plain calls.
@@ -27,7 +27,8 @@ from typing import Any
 
 import attrs
 
-from actorllm.messages import (
+from actorllm.replay.tracefile import Line, Session, Trace
+from actorllm.wire.messages import (
     AbortRequest,
     FlowControl,
     SampledToken,
@@ -37,7 +38,6 @@ from actorllm.messages import (
     StopMatched,
     StructuredOutput,
 )
-from actorllm.replay.tracefile import Line, Session, Trace
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def redrive(trace: Trace) -> RedriveReport:
 
 def redrive_session(session: Session, report: RedriveReport) -> None:
     """Re-drive one session; appends its first divergence (if any) to ``report``."""
-    from actorllm.scheduler import Scheduler  # the real one: that is the point
+    from actorllm.scheduler.actor import Scheduler  # the real one: that is the point
 
     config = _scheduler_config(session)
     num_blocks = config.get("num_blocks")

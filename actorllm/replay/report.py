@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from actorllm.lifecycle import Spec, load_spec
+from actorllm.lifecycle.table import Spec, load_spec
 from actorllm.replay.check import Violation, check_trace
 from actorllm.replay.redrive import RedriveError, RedriveReport, redrive
 from actorllm.replay.summary import Summary, summarize

@@ -22,8 +22,8 @@ from collections import Counter
 
 import attrs
 
-from actorllm.invariants import final_state
-from actorllm.lifecycle import Spec
+from actorllm.lifecycle.invariants import final_state
+from actorllm.lifecycle.table import Spec
 from actorllm.replay.tracefile import Incarnation, Session, Trace
 
 

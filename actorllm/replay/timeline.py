@@ -18,8 +18,8 @@ from pathlib import Path
 
 import attrs
 
-from actorllm.invariants import fold
-from actorllm.lifecycle import Spec
+from actorllm.lifecycle.invariants import fold
+from actorllm.lifecycle.table import Spec
 from actorllm.replay.check import Violation
 from actorllm.replay.summary import Summary
 from actorllm.replay.tracefile import Trace

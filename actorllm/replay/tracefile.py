@@ -1,6 +1,6 @@
 """Reading a trace file: JSON lines, split into sessions, grouped into request incarnations.
 
-The format is written by :mod:`actorllm.trace` and described in spec/README.md. Three
+The format is written by :mod:`actorllm.lifecycle.trace` and described in spec/README.md. Three
 kinds of line matter here:
 
 - the header (``"kind": "header"``), written when an engine starts. One file may hold
@@ -24,8 +24,8 @@ from typing import Any
 
 import attrs
 
-from actorllm.invariants import final_state
-from actorllm.lifecycle import Spec
+from actorllm.lifecycle.invariants import final_state
+from actorllm.lifecycle.table import Spec
 
 
 class TraceError(Exception):

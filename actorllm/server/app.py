@@ -29,8 +29,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actorllm import __version__
-from actorllm.engine import AsyncEngine
-from actorllm.messages import GenerateRequest, InvalidRequest
+from actorllm.engine.async_engine import AsyncEngine
 from actorllm.server.convert import (
     TokenTexts,
     chat_messages,
@@ -53,7 +52,8 @@ from actorllm.server.schemas import (
     TokenizeResponse,
 )
 from actorllm.server.tools import PARSERS, plan_tools, template_tools
-from actorllm.tokenizer import PromptEncoder
+from actorllm.tokenizer.actor import PromptEncoder
+from actorllm.wire.messages import GenerateRequest, InvalidRequest
 
 log = logging.getLogger(__name__)
 

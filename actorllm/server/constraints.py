@@ -1,5 +1,5 @@
 """Output constraints at the edge: a request's structured-output fields -> one
-:class:`~actorllm.messages.StructuredOutput` (or a 400 naming the field).
+:class:`~actorllm.wire.messages.StructuredOutput` (or a 400 naming the field).
 
 OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's
 ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and
@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from actorllm.messages import InvalidRequest, StructuredOutput
 from actorllm.server.schemas import ChatCompletionRequest, CompletionRequest
+from actorllm.wire.messages import InvalidRequest, StructuredOutput
 
 
 def _json_spec(schema: Any, param: str) -> StructuredOutput:

@@ -12,14 +12,14 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from actorllm.messages import (
+from actorllm.server.constraints import structured_output
+from actorllm.server.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest
+from actorllm.wire.messages import (
     ChatMessage,
     InvalidRequest,
     SamplingParams,
     TokenLogprob,
 )
-from actorllm.server.constraints import structured_output
-from actorllm.server.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest
 
 _INT64 = 2**63
 # JSON has no -inf; a token the sampler ruled out gets this instead (what vLLM sends).

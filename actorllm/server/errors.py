@@ -16,9 +16,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import Send
 
-from actorllm.frontend import DuplicateRequestId
-from actorllm.messages import InvalidRequest
-from actorllm.outputs import RequestError
+from actorllm.frontend.actor import DuplicateRequestId
+from actorllm.frontend.outputs import RequestError
+from actorllm.wire.messages import InvalidRequest
 
 log = logging.getLogger(__name__)
 

@@ -37,12 +37,12 @@ import trio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from actorllm.admission import Refused
-from actorllm.messages import GenerateRequest, InvalidRequest
-from actorllm.outputs import CompletionOutput, EndOfOutput, OutputCollector, RequestError
+from actorllm.engine.admission import Refused
+from actorllm.frontend.outputs import CompletionOutput, EndOfOutput, OutputCollector, RequestError
 from actorllm.server import sse
 from actorllm.server.errors import APIError, from_request_error, invalid
 from actorllm.server.render import Renderer, usage
+from actorllm.wire.messages import GenerateRequest, InvalidRequest
 
 if TYPE_CHECKING:
     from actorllm.server.app import ServerState

@@ -93,7 +93,7 @@ def served_name(config: EngineConfig, args: argparse.Namespace) -> str:
 
 def serve_main(config: EngineConfig, args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM; the exit code of ``actorllm serve``."""
-    from actorllm.engine import Resources
+    from actorllm.engine.async_engine import Resources
 
     host, port = args.host, int(args.port)
     if not 0 <= port < 65536:
@@ -166,7 +166,7 @@ def _hypercorn_config(opts: _Options) -> Any:
 async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
     from hypercorn.trio import serve
 
-    from actorllm.engine import open_engine
+    from actorllm.engine.async_engine import open_engine
     from actorllm.server import protocol_errors, timeouts
 
     protocol_errors.install()

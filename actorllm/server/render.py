@@ -2,7 +2,7 @@
 
 A renderer knows nothing of ASGI, sockets or the engine; ``generation.py`` feeds it each
 ``CompletionOutput`` as it comes and sends what it returns. Each choice's outputs are
-folded with the one merge of ``actorllm.outputs``; what a renderer adds is the shape:
+folded with the one merge of ``actorllm.frontend.outputs``; what a renderer adds is the shape:
 roles, chunks, logprobs in the chat or the legacy completions layout, usage.
 """
 
@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from actorllm.outputs import CompletionOutput, Merged
+from actorllm.frontend.outputs import CompletionOutput, Merged
 from actorllm.server.convert import (
     PromptOffsets,
     TokenTexts,

@@ -1,7 +1,7 @@
 """The HTTP schema: OpenAI-compatible request and response models (pydantic).
 
 These classes live here alone (DESIGN.md §1): the handlers convert a request into a
-:class:`~actorllm.messages.GenerateRequest` at the edge, and nothing past the Frontend
+:class:`~actorllm.wire.messages.GenerateRequest` at the edge, and nothing past the Frontend
 ever sees them. A field is honoured or refused: request models forbid unknown fields,
 so a client that sends one we do not implement (``use_beam_search``, ``logits_processors``, ...)
 gets a 400 naming it instead of an answer that quietly ignored it. The few fields that

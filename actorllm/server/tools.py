@@ -26,8 +26,8 @@ from typing import Any, Protocol
 
 import attrs
 
-from actorllm.messages import InvalidRequest, StructuredOutput
 from actorllm.server.schemas import ChatCompletionRequest, NamedToolChoice, ToolDef
+from actorllm.wire.messages import InvalidRequest, StructuredOutput
 
 
 @attrs.frozen

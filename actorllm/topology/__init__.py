@@ -7,7 +7,7 @@ Three placements of the same five actors (``--topology``):
     pipeline  main: Frontend Tokenizer | engine: Scheduler Worker | detokenizer: Detokenizer
                                                                                 (SGLang-like)
 
-"main" is the process that called :func:`actorllm.engine.open_engine` (the API
+"main" is the process that called :func:`actorllm.engine.async_engine.open_engine` (the API
 process); the others are children it starts with ``python -m actorllm.topology``.
 
 Start-up. The parent binds its sockets, spawns each child (``subprocess``; the

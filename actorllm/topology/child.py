@@ -37,16 +37,7 @@ import attrs
 import trio
 
 from actorllm.config import EngineConfig, read_model_info
-from actorllm.messages import (
-    ControlMessage,
-    DrainQuery,
-    DrainReport,
-    Heartbeat,
-    Hello,
-    Ready,
-    Shutdown,
-    StartFailed,
-)
+from actorllm.lifecycle.trace import Tracer
 from actorllm.topology.placement import (
     Parts,
     Wiring,
@@ -56,8 +47,17 @@ from actorllm.topology.placement import (
     set_hop_hooks,
     split_role,
 )
-from actorllm.trace import Tracer
-from actorllm.transport import (
+from actorllm.wire.messages import (
+    ControlMessage,
+    DrainQuery,
+    DrainReport,
+    Heartbeat,
+    Hello,
+    Ready,
+    Shutdown,
+    StartFailed,
+)
+from actorllm.wire.transport import (
     HandshakeError,
     IpcDir,
     ZmqInbox,

@@ -1,8 +1,8 @@
 """Placement: which actor lives in which process, its mailboxes, and the actors on them.
 
-Sockets. All live in one private 0700 directory (:class:`~actorllm.transport.IpcDir`),
+Sockets. All live in one private 0700 directory (:class:`~actorllm.wire.transport.IpcDir`),
 removed when the engine stops. An inbox that hears from another process is a
-:class:`~actorllm.transport.ZmqInbox` bound at ``<dir>/<actor>.sock``; each edge that
+:class:`~actorllm.wire.transport.ZmqInbox` bound at ``<dir>/<actor>.sock``; each edge that
 leaves a process is its own PUSH socket connected there, so every edge keeps its
 FIFO order (an abort never overtakes its request). Edges inside a process stay
 trio memory channels. (Control traffic between parent and child has sockets of its
@@ -29,9 +29,10 @@ from typing import Any
 import attrs
 
 from actorllm.config import EngineConfig, ModelInfo
-from actorllm.lifecycle import ACTORS
-from actorllm.mailbox import Mailbox, Outbox
-from actorllm.messages import (
+from actorllm.lifecycle.table import ACTORS
+from actorllm.lifecycle.trace import Tracer
+from actorllm.wire.mailbox import Mailbox, Outbox
+from actorllm.wire.messages import (
     DetokenizerInput,
     FrontendInput,
     MailboxStat,
@@ -39,8 +40,7 @@ from actorllm.messages import (
     TokenizerInput,
     WorkerInput,
 )
-from actorllm.trace import Tracer
-from actorllm.transport import IpcDir, ZmqInbox, ZmqOutbox
+from actorllm.wire.transport import IpcDir, ZmqInbox, ZmqOutbox
 
 MAIN = "main"
 
@@ -205,15 +205,15 @@ class Parts:
 
     info: ModelInfo | None = None
     hf_tokenizer: Any = None
-    runner: Any = None  # actorllm.worker.ModelRunner
-    decode: Any = None  # actorllm.detokenizer.DecodeFn
+    runner: Any = None  # actorllm.worker.actor.ModelRunner
+    decode: Any = None  # actorllm.detokenizer.actor.DecodeFn
 
 
 
 def build_runner(config: EngineConfig, info: ModelInfo) -> Any:
     """The ModelRunner for ``config``; ValueError if its KV cache cannot hold one sequence."""
-    from actorllm.rendezvous import Rendezvous  # torch: only where a Worker lives
-    from actorllm.worker import ModelRunner
+    from actorllm.wire.rendezvous import Rendezvous  # torch: only where a Worker lives
+    from actorllm.worker.actor import ModelRunner
 
     runner = ModelRunner(
         config.model,
@@ -305,17 +305,17 @@ def build_actors(role: str, wiring: Wiring, config: EngineConfig, parts: Parts,
                  tracer: Tracer | None) -> dict[str, Any]:
     """The actors placed in ``role`` by ``config.topology``, wired to ``wiring``
     (``role`` may name a data-parallel replica, ``engine1``)."""
-    from actorllm.detokenizer import Detokenizer
-    from actorllm.frontend import Frontend
-    from actorllm.scheduler import Scheduler
-    from actorllm.tokenizer import PromptEncoder, Tokenizer
+    from actorllm.detokenizer.actor import Detokenizer
+    from actorllm.frontend.actor import Frontend
+    from actorllm.scheduler.actor import Scheduler
+    from actorllm.tokenizer.actor import PromptEncoder, Tokenizer
 
     place = PLACEMENTS[config.topology]
     inbox, out = wiring.inboxes, wiring.out
     role, replica = split_role(role)
     actors: dict[str, Any] = {}
     if place["frontend"] == role:
-        from actorllm.outputs import FlowLimits
+        from actorllm.frontend.outputs import FlowLimits
 
         limits = FlowLimits(config.max_pending_bytes_per_request, config.max_pending_bytes,
                             config.stream_timeout)
@@ -340,7 +340,7 @@ def build_actors(role: str, wiring: Wiring, config: EngineConfig, parts: Parts,
         )
         actors["scheduler"].replica = replica or 0
     if place["worker"] == role:
-        from actorllm.worker import Worker  # torch: only where a Worker lives
+        from actorllm.worker.actor import Worker  # torch: only where a Worker lives
 
         actors["worker"] = Worker(parts.runner, inbox["worker"], out("worker", "scheduler"))
     if place["detokenizer"] == role:

@@ -15,7 +15,7 @@ control inboxes on any TCP port. Each sender connects one PUSH socket per edge, 
 each edge stays one FIFO pipe. The main host's outboxes to a remote replica are made
 unconnected (``Wiring.deferred``) and connected when it says where it listens.
 
-The rendezvous is torch.distributed's ``TCPStore`` (:mod:`actorllm.rendezvous`, keys
+The rendezvous is torch.distributed's ``TCPStore`` (:mod:`actorllm.wire.rendezvous`, keys
 under ``actorllm/dp/``), hosted by the main host on ``MASTER_PORT``:
 
 - ``config``: the main host's ``EngineConfig`` as JSON (the replica may override the
@@ -47,7 +47,9 @@ from typing import Any
 import attrs
 
 from actorllm.config import EngineConfig
-from actorllm.rendezvous import (
+from actorllm.topology.child import EXIT_ORPHANED, PARENT_CTL, run_child
+from actorllm.topology.placement import REPLICATED, Wiring
+from actorllm.wire.rendezvous import (
     DP,
     SPEC,
     HeartbeatMonitor,
@@ -61,9 +63,7 @@ from actorllm.rendezvous import (
     status,
     status_key,
 )
-from actorllm.topology.child import EXIT_ORPHANED, PARENT_CTL, run_child
-from actorllm.topology.placement import REPLICATED, Wiring
-from actorllm.transport import IpcDir, ZmqInbox
+from actorllm.wire.transport import IpcDir, ZmqInbox
 
 log = logging.getLogger(__name__)
 

@@ -31,10 +31,19 @@ from typing import Any
 import attrs
 import trio
 
-from actorllm import codec
 from actorllm.config import EngineConfig
 from actorllm.exit_codes import describe_exit
-from actorllm.messages import (
+from actorllm.topology.child import (
+    CONTROL_CAPACITY,
+    HEARTBEAT_INTERVAL,
+    PARENT_CTL,
+    REMOTE_TIMEOUT,
+    SHUTDOWN_GRACE,
+    child_argv,
+)
+from actorllm.topology.placement import child_roles, split_role
+from actorllm.wire import codec
+from actorllm.wire.messages import (
     ControlMessage,
     DrainQuery,
     DrainReport,
@@ -45,16 +54,7 @@ from actorllm.messages import (
     Shutdown,
     StartFailed,
 )
-from actorllm.topology.child import (
-    CONTROL_CAPACITY,
-    HEARTBEAT_INTERVAL,
-    PARENT_CTL,
-    REMOTE_TIMEOUT,
-    SHUTDOWN_GRACE,
-    child_argv,
-)
-from actorllm.topology.placement import child_roles, split_role
-from actorllm.transport import (
+from actorllm.wire.transport import (
     HandshakeError,
     IpcDir,
     ZmqInbox,

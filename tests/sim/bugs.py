@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from actorllm.detokenizer import DecodeState, Detokenizer
-from actorllm.frontend import Frontend, RequestState
-from actorllm.kv import BlockPool
-from actorllm.messages import GenerateRequest, StepPlan
-from actorllm.outputs import Merged, OutputCollector
-from actorllm.scheduler import Scheduler
-from actorllm.sequence import Sequence
+from actorllm.detokenizer.actor import DecodeState, Detokenizer
+from actorllm.frontend.actor import Frontend, RequestState
+from actorllm.frontend.outputs import Merged, OutputCollector
+from actorllm.scheduler.actor import Scheduler
+from actorllm.scheduler.kv_pool import BlockPool
+from actorllm.scheduler.sequence import Sequence
+from actorllm.wire.messages import GenerateRequest, StepPlan
 
 from .scripted_worker import ScriptedWorker
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from actorllm.lifecycle import State
+from actorllm.lifecycle.table import State
 
 from .recorder import Client, Incarnation, Recorder, WorldFields
 from .scripted_worker import prompt_score

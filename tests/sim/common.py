@@ -9,9 +9,9 @@ from typing import Any
 
 import attrs
 
-from actorllm.detokenizer import hf_decode_fn
-from actorllm.lifecycle import load_spec
-from actorllm.messages import (
+from actorllm.detokenizer.actor import hf_decode_fn
+from actorllm.lifecycle.table import load_spec
+from actorllm.wire.messages import (
     AbortRequest,
     GenerateRequest,
     OutputBatch,
@@ -66,7 +66,7 @@ class SimConfig:
     max_num_batched_tokens: int = 8
     max_model_len: int = 16
     capacity: int = 3  # every inbox but the Worker's
-    worker_capacity: int = 2  # as in actorllm.engine
+    worker_capacity: int = 2  # as in actorllm.engine.async_engine
     max_steps_in_flight: int = 2  # overlap scheduling, as the engine's default
     roundtrip: bool = True  # send every delivered message through the codec
     bugs: frozenset[str] = frozenset()  # planted bugs (sim/bugs.py): "frontend.bug_...", ...

@@ -1,6 +1,6 @@
 """A mailbox whose delivery the test chooses, message by message.
 
-Same interface as :class:`actorllm.mailbox.Mailbox` (typed, bounded, ``send`` blocks
+Same interface as :class:`actorllm.wire.mailbox.Mailbox` (typed, bounded, ``send`` blocks
 while full, ``depth`` and ``high_water``), but a sent message does not become
 receivable at once: it waits on the *wire* of its edge until the test calls
 :meth:`ControlledMailbox.deliver`. One mailbox is one actor's inbox; each sender
@@ -8,7 +8,7 @@ gets its own :class:`EdgeOutbox`, so an inbox fed by three actors has three wire
 Each wire is FIFO (like trio channels and ZeroMQ PUSH/PULL); the test reorders
 *across* wires, which is every interleaving a real deployment can produce.
 
-Every delivered message is round-tripped through :mod:`actorllm.codec`, as if the
+Every delivered message is round-tripped through :mod:`actorllm.wire.codec`, as if the
 edge crossed a process boundary: an actor that relied on object identity, or a
 message the codec cannot carry, fails here.
 
@@ -27,8 +27,8 @@ from typing import Any
 import outcome
 import trio
 
-from actorllm import codec
-from actorllm.mailbox import MailboxClosed, MailboxTypeError, accepted_types
+from actorllm.wire import codec
+from actorllm.wire.mailbox import MailboxClosed, MailboxTypeError, accepted_types
 
 # (edge name, message) -> tag; called in the sender's task when it sends (if the box is full,
 # before it waits: the message has left its sender, it just cannot go on the wire yet).

@@ -1,9 +1,10 @@
 """The deterministic simulation harness: the real actors, a scripted Worker, and a transport
 whose delivery order the test chooses (DESIGN.md §7).
 
-What runs: the real :class:`~actorllm.frontend.Frontend`, :class:`~actorllm.tokenizer.Tokenizer`
-(with the tiny BPE tokenizer of ``tests/helpers.py``), :class:`~actorllm.scheduler.Scheduler`
-and :class:`~actorllm.detokenizer.Detokenizer`; a :class:`~sim.scripted_worker.ScriptedWorker`
+What runs: the real :class:`~actorllm.frontend.actor.Frontend`,
+:class:`~actorllm.tokenizer.actor.Tokenizer`
+(with the tiny BPE tokenizer of ``tests/helpers.py``), :class:`~actorllm.scheduler.actor.Scheduler`
+and :class:`~actorllm.detokenizer.actor.Detokenizer`; a :class:`~sim.scripted_worker.ScriptedWorker`
 in place of the model; one :class:`~sim.controlled_transport.ControlledMailbox` per inbox,
 so a message moves only when the test delivers it. Nothing sleeps; the clock is trio's
 ``MockClock``.
@@ -25,7 +26,7 @@ What is checked (DESIGN.md §3), and where:
    registered, or a Frontend message for a rid not in its registry, is a violation;
 2. every actor writes its transitions to one :class:`Recorder` (the Ledger's tracer), which
    feeds each rid's merged history, one incarnation of the rid at a time, to the invariant
-   checker of actorllm/invariants.py as it grows (the path and the terminal events);
+   checker of actorllm/lifecycle/invariants.py as it grows (the path and the terminal events);
    each client's collector is watched for anything put after its final output; clients'
    outputs never go past a matched stop string; a live rid must be refused
    (``DuplicateRequestId``);
@@ -50,7 +51,7 @@ look like an actor crash); :meth:`World.check` raises the first one after each r
 
 Where the parts live: ``world.py`` (the World and the steps a test takes), ``watch.py``
 (its hooks on messages, the Scheduler and collectors), ``checks.py`` (what clients read,
-the pool), ``recorder.py`` (the merged histories, judged by actorllm/invariants.py, and
+the pool), ``recorder.py`` (the merged histories, judged by actorllm/lifecycle/invariants.py, and
 the clients), ``guest.py`` (trio in guest mode), ``common.py`` (sizes, vocabulary, the
 text reference), ``bugs.py`` (the planted bugs). This module gathers their names.
 """

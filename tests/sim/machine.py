@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from actorllm.messages import SamplingParams
 from actorllm.metrics import EngineMetrics
+from actorllm.wire.messages import SamplingParams
 
 from .common import EDGES, PROMPTS, STOP_STRINGS, SimConfig, TextModel
 from .world import World

@@ -9,9 +9,9 @@ from typing import Any
 
 import attrs
 
-from actorllm.invariants import History, check_gather
-from actorllm.messages import SamplingParams, StepPlan
-from actorllm.outputs import RequestError
+from actorllm.frontend.outputs import RequestError
+from actorllm.lifecycle.invariants import History, check_gather
+from actorllm.wire.messages import SamplingParams, StepPlan
 
 from .common import SPEC, TERMINAL, InvariantViolation, SimConfig, TextModel
 
@@ -47,7 +47,7 @@ class Incarnation:
 
 class Recorder:
     """A Tracer for every actor: the one merged transition history, checked as it grows
-    by the invariant checker of actorllm/invariants.py."""
+    by the invariant checker of actorllm/lifecycle/invariants.py."""
 
     def __init__(self, report: Callable[[str, str], None]) -> None:
         self.report = report

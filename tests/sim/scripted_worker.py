@@ -26,8 +26,8 @@ from collections.abc import Sequence
 
 import trio
 
-from actorllm.mailbox import Inbox, Outbox
-from actorllm.messages import (
+from actorllm.wire.mailbox import Inbox, Outbox
+from actorllm.wire.messages import (
     FEED_LAST_SAMPLE,
     PromptLogprobs,
     SampledToken,
@@ -86,7 +86,7 @@ class ScriptedWorker:
             self._wake = trio.Event()
 
     def on_plan(self, plan: StepPlan) -> None:
-        """Apply ``new``/``forget`` as ``actorllm.worker.ModelRunner`` does; queue the step."""
+        """Apply ``new``/``forget`` as ``worker.actor.ModelRunner`` does; queue the step."""
         self._drop(plan, last_step=False)
         for s in plan.seqs:
             if s.new is not None:

@@ -9,13 +9,13 @@ from typing import Any
 import trio
 import trio.testing
 
-from actorllm.lifecycle import State
-from actorllm.messages import (
+from actorllm.frontend.outputs import EndOfOutput, RequestError
+from actorllm.lifecycle.table import State
+from actorllm.wire.messages import (
     AbortRequest,
     StepResult,
     StopMatched,
 )
-from actorllm.outputs import EndOfOutput, RequestError
 
 from .bugs import COLLECTOR_BUGS
 from .common import message_rids

@@ -11,11 +11,15 @@ import trio
 import trio.testing
 
 from actorllm.config import ModelInfo
-from actorllm.detokenizer import Detokenizer
-from actorllm.frontend import DuplicateRequestId, Frontend
-from actorllm.lifecycle import IllegalTransition
-from actorllm.mailbox import MailboxClosed
-from actorllm.messages import (
+from actorllm.detokenizer.actor import Detokenizer
+from actorllm.frontend.actor import DuplicateRequestId, Frontend
+from actorllm.frontend.outputs import UNLIMITED
+from actorllm.lifecycle.table import IllegalTransition
+from actorllm.metrics import EngineMetrics
+from actorllm.scheduler.actor import Scheduler
+from actorllm.tokenizer.actor import PromptEncoder, Tokenizer
+from actorllm.wire.mailbox import MailboxClosed
+from actorllm.wire.messages import (
     DetokenizerInput,
     FrontendInput,
     GenerateRequest,
@@ -25,10 +29,6 @@ from actorllm.messages import (
     TokenizerInput,
     WorkerInput,
 )
-from actorllm.metrics import EngineMetrics
-from actorllm.outputs import UNLIMITED
-from actorllm.scheduler import Scheduler
-from actorllm.tokenizer import PromptEncoder, Tokenizer
 
 from .bugs import actor_class
 from .checks import Checks

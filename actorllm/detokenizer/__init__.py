@@ -1,0 +1,2 @@
+"""The Detokenizer actor: token ids in, text deltas out.
+"""

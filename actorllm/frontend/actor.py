@@ -1,0 +1,414 @@
+"""The Frontend actor: the request registry and the client's side of every request.
+
+Owns ``rid -> RequestState``: the output collector, the parent/child map for
+``n > 1``, and what the client has been told. Nobody else writes it.
+
+Ordering rules kept here (DESIGN.md §1):
+- Register before dispatch: the state and its collector exist before the first
+  message for the rid leaves, so no output can arrive for a rid we do not know.
+- A rid is unique while live; it stays live until *both* the client has its final
+  output and the Scheduler has freed its blocks (``forget``), so a reused rid can
+  never meet a stale Sequence.
+- One terminal output per request; anything after it is counted and dropped.
+- Fan-out lives here: ``n > 1`` becomes children ``{rid}-{i}`` that the rest of the
+  engine treats as ordinary requests.
+- Flow control lives here too, because the Frontend fills the collectors and so sees each
+  reader's lag: over the byte marks (``FlowLimits``) a request's leaves are paused with
+  ``FlowControl`` on the aborts' edge, resumed when its reader takes what waits, and
+  cancelled (an error for the reader, an abort for the engine) after ``stream_timeout``
+  seconds in which output waited and the reader took none.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import attrs
+import trio
+
+from actorllm.frontend.outputs import UNLIMITED, FlowLimits, OutputCollector, RequestError
+from actorllm.frontend.readers import ReaderPacing
+from actorllm.frontend.routing import Router, estimate_cost
+from actorllm.lifecycle.table import Ledger, State, View
+from actorllm.lifecycle.trace import Tracer
+from actorllm.metrics import EngineMetrics
+from actorllm.wire.mailbox import Inbox, Outbox
+from actorllm.wire.messages import (
+    AbortRequest,
+    FrontendInput,
+    GenerateRequest,
+    InvalidRequest,
+    OutputBatch,
+    RequestFailed,
+    RequestFinished,
+    SchedulerStats,
+    TextDelta,
+    TokenizerInput,
+)
+
+log = logging.getLogger(__name__)
+
+
+class DuplicateRequestId(InvalidRequest):
+    """A client-supplied rid collides with a live one."""
+
+
+@attrs.define(eq=False)
+class RequestState:
+    """One registry entry. Its lifecycle state is ``view``, the Frontend's ledger view;
+    ``dispatched`` and ``abort_sent`` are facts about messages, not states of the table."""
+
+    rid: str
+    collector: OutputCollector
+    view: View
+    parent: str | None = None
+    index: int = 0
+    children: list[str] = attrs.Factory(list)
+    arrival: float = 0.0
+    first_token: float | None = None
+    last_token: float | None = None
+    num_output_tokens: int = 0
+    dispatched: bool = False  # its request has left for the Tokenizer (an abort may follow it now)
+    abort_sent: bool = False  # an AbortRequest was sent or is owed right after dispatch
+    paused_sent: bool = False  # the last FlowControl sent for it said pause
+    replica: int = 0  # the data-parallel replica it was routed to (actorllm/frontend/routing.py)
+    cost: int = 0  # its outstanding tokens in the Router's load of that replica
+
+    @property
+    def responded(self) -> bool:
+        """The client has its final output: nothing more may reach it."""
+        return self.view.within(State.RESPONDED, State.RELEASED)
+
+
+class Frontend(ReaderPacing):
+    """The actor. ``submit``/``abort`` are called by API-layer tasks of the same process."""
+
+    def __init__(
+        self,
+        inbox: Inbox[FrontendInput],
+        tokenizer: Outbox[TokenizerInput],
+        *,
+        metrics: EngineMetrics | None = None,
+        tracer: Tracer | None = None,
+        limits: FlowLimits = UNLIMITED,
+        replicas: int = 1,
+    ) -> None:
+        self.inbox, self.tokenizer = inbox, tokenizer
+        self.limits = limits
+        self.registry: dict[str, RequestState] = {}
+        self.ledger = Ledger("frontend", tracer)
+        self.metrics = metrics or EngineMetrics()
+        self.router = Router(replicas)
+        self.stats = SchedulerStats()  # all replicas' together (router.stats: each one's)
+        self.late_outputs_dropped = 0
+        # Parents whose children must be aborted, decided in handle() and sent by
+        # _abort_sender(). States, not rids: by the time an entry is sent the parent may
+        # have ended and a new request may be using its rid.
+        self._abort_next: list[tuple[RequestState, str]] = []  # (state, reason)
+        self._abort_wake = trio.Event()
+        # Flow control: each collector with its leaves, while it is live or holds unread
+        # output; their unread bytes; leaves whose FlowControl may be owed (sent by
+        # _abort_sender, which sends whatever the collector's `paused` says then).
+        self.flows: dict[OutputCollector, list[RequestState]] = {}
+        self.pending_bytes = 0
+        self._flow_next: list[RequestState] = []
+        self._stall_wake = trio.Event()
+        self._stall_idle = False
+        self.metrics.watch_flows(self)
+
+    # --- called by the API layer -------------------------------------------------------
+
+    async def submit(self, req: GenerateRequest, *, final_only: bool = False
+                     ) -> OutputCollector:
+        """Register ``req`` (and its children), then dispatch. Returns its collector
+        (``final_only``: one that wakes its reader only at the end, unpaced)."""
+        n = req.params.n
+        rids = [req.rid] if n == 1 else [req.rid, *(f"{req.rid}-{i}" for i in range(n))]
+        self._check_unique(rids)
+        now = time.monotonic()
+        collector = OutputCollector(req.rid, n, final_only=final_only)
+        replica = self.router.pick(req)  # one for all the children: they share the prompt
+        cost = estimate_cost(req)
+        if n == 1:
+            leaves = [(req.rid, req.params, 0)]
+        else:
+            self.ledger.fire(req.rid, "register", n=n)
+            self.ledger.fire(req.rid, "fan_out", children=rids[1:])
+            self.registry[req.rid] = RequestState(req.rid, collector,
+                                                  self.ledger.view(req.rid),
+                                                  children=rids[1:], arrival=now)
+            leaves = [
+                (rid, attrs.evolve(req.params, n=1, seed=None if req.params.seed is None
+                                   else req.params.seed + i), i)
+                for i, rid in enumerate(rids[1:])
+            ]
+        parent_rid = None if n == 1 else req.rid
+        # Every child is registered before the first one leaves: otherwise child 0 could
+        # end before child 1 exists, and the parent would gather early (found by spin).
+        self._register_leaves([(rid, index) for rid, _, index in leaves], collector,
+                              parent_rid, now)
+        if n > 1:
+            self.registry[req.rid].replica = replica
+        for rid, _, _ in leaves:
+            st = self.registry.get(rid)
+            if st is not None:  # (a planted bug registers at dispatch: tests/sim/bugs.py)
+                st.replica, st.cost = replica, cost
+                self.router.add(replica, cost)
+        # Shielded: once registered, a request is always dispatched, even if the caller
+        # is cancelled while the Tokenizer's mailbox is full; otherwise it would leak.
+        with trio.CancelScope(shield=True):
+            for rid, params, _ in leaves:
+                msg = attrs.evolve(req, rid=rid, params=params, arrival_time=now,
+                                   replica=replica)
+                await self._dispatch(rid, msg)
+                st = self.registry.get(rid)
+                if st is None:
+                    continue
+                st.dispatched = True
+                if st.abort_sent:  # aborted while we were still sending: it goes right after
+                    await self.tokenizer.send(AbortRequest(rid, replica))
+                elif collector.paused:  # a sibling's output paused the request meanwhile
+                    self._queue_flow([st])
+        self.metrics.on_arrival()
+        return collector
+
+    def _check_unique(self, rids: list[str]) -> None:
+        """A rid is unique while live (invariant 2: one terminal output per request)."""
+        taken = [r for r in rids if r in self.registry]
+        if taken:
+            raise DuplicateRequestId(f"request id {taken[0]!r} is already in use", "request_id")
+
+    def _register_leaves(self, leaves: list[tuple[str, int]], collector: OutputCollector,
+                         parent: str | None, now: float) -> None:
+        for rid, index in leaves:
+            self._register(rid, index, collector, parent, now)
+
+    def _register(self, rid: str, index: int, collector: OutputCollector, parent: str | None,
+                  now: float) -> None:
+        self.ledger.fire(rid, "register")
+        st = self.registry[rid] = RequestState(rid, collector, self.ledger.view(rid),
+                                               parent=parent, index=index, arrival=now)
+        if not collector.final_only:  # flow control (frontend/readers.py): leaves by collector
+            collector.on_read = self._on_read
+            self.flows.setdefault(collector, []).append(st)
+
+    async def _dispatch(self, rid: str, msg: GenerateRequest) -> None:
+        """Send one registered request to the Tokenizer."""
+        self.ledger.fire(rid, "dispatch")
+        await self.tokenizer.send(msg)
+
+    async def abort(self, rid: str, reason: str = "user") -> None:
+        """Stop ``rid`` (and its children). Idempotent; a no-op after it ended. ``reason``
+        labels ``aborted_requests``: user, client_disconnect, stream_timeout, drain_timeout."""
+        st = self.registry.get(rid)
+        if st is not None:
+            await self._abort(st, reason)
+
+    async def _abort(self, st: RequestState, reason: str = "user") -> None:
+        """Stop this incarnation of a request (and its children), if it is still live."""
+        if self.registry.get(st.rid) is not st or st.responded:
+            return
+        with trio.CancelScope(shield=True):
+            for cst in self._abort_targets(st):
+                # Compared by identity: while we waited for room in the Tokenizer's
+                # mailbox, this child may have ended and a new request taken its rid.
+                if self.registry.get(cst.rid) is not cst or cst.responded or cst.abort_sent:
+                    continue
+                cst.abort_sent = True
+                self.metrics.aborted_requests.labels(reason=reason).inc()
+                # Not yet dispatched: submit() sends the abort right after the request,
+                # so it can never overtake it on the FIFO edge.
+                if cst.dispatched:
+                    await self.tokenizer.send(AbortRequest(cst.rid, cst.replica))
+
+    def _abort_targets(self, st: RequestState) -> list[RequestState]:
+        """The leaves an abort of ``st`` must reach: its live children, or itself."""
+        if st.children:
+            return [c for c in map(self.registry.get, st.children) if c is not None]
+        return [st]
+
+    # --- the actor loop ----------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Receive in one task, send aborts from another.
+
+        ``handle`` never blocks, so the inbox always drains; the aborts it decides on
+        (siblings of a failed child) go out from a separate task, so a full Tokenizer
+        mailbox can never stall the loop that empties ours (the Tokenizer sends us
+        ``RequestFailed``: waiting on each other would deadlock).
+        """
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._abort_sender)
+            nursery.start_soon(self._stall_watch)
+            async for msg in self.inbox:
+                self.handle(msg)
+                if self._abort_next or self._flow_next:
+                    self._abort_wake.set()
+
+    async def _abort_sender(self) -> None:
+        """Send the aborts and FlowControl messages decided elsewhere, in order."""
+        while True:
+            await self._abort_wake.wait()
+            self._abort_wake = trio.Event()
+            while self._abort_next or self._flow_next:
+                if self._abort_next:
+                    await self._abort(*self._abort_next.pop(0))
+                else:
+                    await self._send_flow(self._flow_next.pop(0))
+
+    def handle(self, msg: FrontendInput) -> None:
+        """Apply one message from the Tokenizer or Detokenizer. Never blocks."""
+        if isinstance(msg, RequestFailed):
+            self._on_failed(msg)
+            return
+        assert isinstance(msg, OutputBatch)
+        for delta in msg.deltas:
+            self._on_delta(delta)
+        for fin in msg.finished:
+            self._on_finished(fin)
+        for rid in msg.freed:
+            self._on_freed(rid)
+        if msg.stats is not None:
+            self.router.on_stats(msg.stats)
+            self.stats = self.router.total()
+
+    def _live(self, rid: str) -> RequestState | None:
+        st = self.registry.get(rid)
+        if st is None or st.responded:
+            self.late_outputs_dropped += 1
+            self.metrics.late_outputs_dropped.inc()
+            return None
+        return st
+
+    def _on_delta(self, d: TextDelta) -> None:
+        st = self._live(d.rid)
+        if st is None:
+            return
+        col = st.collector
+        now = time.monotonic()
+        if d.token_ids:
+            if st.first_token is None:
+                self.metrics.ttft.observe(now - st.arrival)
+            elif st.last_token is not None:
+                self.metrics.itl.observe((now - st.last_token) / len(d.token_ids))
+            st.first_token = st.first_token or now
+            st.last_token = now
+            st.num_output_tokens += len(d.token_ids)
+            done = min(len(d.token_ids), st.cost)
+            st.cost -= done
+            self.router.sub(st.replica, done)
+            self.metrics.generation_tokens.inc(len(d.token_ids))
+        if col.failed:
+            return  # cancelled (stream timeout): the reader gets the error, nothing after it
+        before = col.pending_bytes
+        waited = col.oldest is not None
+        col.put_delta(st.index, d.text, d.token_ids, d.logprobs, d.prompt_logprobs,
+                      d.prompt_token_ids)
+        if col.final_only:  # no backlog to count or pace: the reader takes all at the end
+            return
+        self.pending_bytes += col.pending_bytes - before
+        if d.token_ids:
+            self.metrics.consumer_lag.observe(col.pending_tokens)
+        if not waited and self._stall_idle:
+            self._stall_idle = False
+            self._stall_wake.set()
+        self._pace(col)
+
+    def _on_finished(self, fin: RequestFinished) -> None:
+        st = self._live(fin.rid)
+        if st is None:
+            return
+        self.ledger.fire(fin.rid, "respond", reason=fin.finish_reason)
+        st.collector.num_prompt_tokens = fin.num_prompt_tokens
+        if fin.cached_tokens is not None:
+            c = st.collector.num_cached_tokens
+            st.collector.num_cached_tokens = min(c, fin.cached_tokens) if c is not None \
+                else fin.cached_tokens
+        self.metrics.on_finished(fin.finish_reason, fin.num_prompt_tokens,
+                                 time.monotonic() - st.arrival)
+        if fin.queue_s is not None:
+            self.metrics.queue_time.observe(fin.queue_s)
+        if fin.finish_reason == "error":
+            st.collector.put_error(RequestError(fin.error or "engine error", "internal"))
+            if st.parent is not None:  # the client gets the error: its siblings are moot
+                self._abort_next.append((self.registry[st.parent], "sibling_failed"))
+        elif not st.collector.failed:  # (after a stream timeout the reader gets the error)
+            st.collector.put_finish(st.index, fin.finish_reason, fin.stop_reason)
+        self._untrack_if_idle(st.collector)
+        self._maybe_forget(st)
+
+    def _on_failed(self, msg: RequestFailed) -> None:
+        st = self._live(msg.rid)
+        if st is None:
+            return
+        st.view.witness("reject")  # rejected before the Scheduler: nothing to free
+        self.ledger.fire(msg.rid, "respond", reason="error")
+        self.metrics.on_finished("error", 0, time.monotonic() - st.arrival)
+        st.collector.put_error(RequestError(msg.message, msg.code, msg.param))
+        if st.parent is not None:
+            self._abort_next.append((self.registry[st.parent], "sibling_failed"))
+        self._untrack_if_idle(st.collector)
+        self._maybe_forget(st)
+
+    def _on_freed(self, rid: str) -> None:
+        st = self.registry.get(rid)
+        if st is None:
+            self.late_outputs_dropped += 1
+            return
+        st.view.witness("free")
+        self._maybe_forget(st)
+
+    def _maybe_forget(self, st: RequestState) -> None:
+        """Remove a request both of whose owners are done with it (RELEASED)."""
+        if not st.view.within(State.RELEASED):
+            return
+        self.ledger.fire(st.rid, "forget")
+        self.ledger.drop(st.rid)
+        del self.registry[st.rid]
+        self.router.sub(st.replica, st.cost)
+        st.cost = 0
+        if st.parent is not None:
+            parent = self.registry[st.parent]
+            if self._gatherable(parent):
+                self.ledger.fire(parent.rid, "gather")
+                self.ledger.drop(parent.rid)
+                del self.registry[parent.rid]
+
+    def _gatherable(self, parent: RequestState) -> bool:
+        """Invariant 6: a parent ends iff every child has been released."""
+        return all(c not in self.registry for c in parent.children)
+
+    def lose_all(self, message: str, replica: int | None = None) -> int:
+        """The engine process died: fail every live request with ``message``. With
+        ``replica``, only that data-parallel replica died: fail only the requests routed
+        to it, and route nothing more there."""
+        if replica is not None:
+            self.router.kill(replica)
+            self.stats = self.router.total()
+        lost = 0
+        for rid, st in list(self.registry.items()):
+            if st.children or rid not in self.registry:
+                continue
+            if replica is not None and st.replica != replica:
+                continue
+            answered = st.responded
+            if st.view.may("lose"):  # (not when the engine had already freed it)
+                self.ledger.fire(rid, "lose")
+            if not answered:
+                self.ledger.fire(rid, "respond", reason="error")
+                st.collector.put_error(RequestError(message, "engine_dead"))
+                self.metrics.on_finished("error", 0, time.monotonic() - st.arrival)
+                self.metrics.aborted_requests.labels(reason="engine_dead").inc()
+                self._untrack_if_idle(st.collector)
+            self._maybe_forget(st)
+            lost += 1
+        return lost
+
+    def drain_problems(self) -> list[str]:
+        problems = []
+        if self.registry:
+            problems.append(f"frontend registry holds {sorted(self.registry)}")
+        if len(self.ledger):
+            problems.append(f"frontend ledger holds {sorted(self.ledger.views)}")
+        return problems

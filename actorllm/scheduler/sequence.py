@@ -1,0 +1,254 @@
+"""One request as the Scheduler sees it, and what it decides about it alone.
+
+The Scheduler (actorllm/scheduler/actor.py) owns every :class:`Sequence`: the queues, the pool
+and the finish decisions across requests live there; what depends on one sequence only
+(its tokens, the next chunk's wire form, its stop conditions) lives here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from actorllm.lifecycle.table import State, View, load_spec
+from actorllm.scheduler.kv_pool import extend_hashes
+from actorllm.wire.messages import (
+    FEED_LAST_SAMPLE,
+    DetokSetup,
+    NewSeqData,
+    PromptLogprobs,
+    SamplingParams,
+    ScheduledSeq,
+    TokenLogprob,
+    TokenOut,
+)
+
+
+class PromptLogprobsGap(Exception):
+    """The Worker's prompt logprobs skipped positions still owed (a Worker bug)."""
+
+
+@attrs.define(eq=False)
+class Sequence:
+    """Lives from ``enqueue`` to ``free``. Its state is the Scheduler's ledger view."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    eos_ids: frozenset[int]
+    arrival_time: float = 0.0
+    output_ids: list[int] = attrs.Factory(list)
+    block_table: list[int] = attrs.Factory(list)
+    num_computed: int = 0  # tokens whose K/V are in the cache (steps returned)
+    num_scheduled: int = 0  # ... or will be once the steps in flight return
+    in_flight: int = 0  # steps in flight that schedule it (the fence)
+    samples_in_flight: int = 0  # tokens those steps will sample for it
+    worker_knows: bool = False  # the Worker holds its sampling state
+    detok_spec_sent: bool = False
+    first_scheduled: float | None = None
+    incarnation: int = 0  # numbers the rid's incarnations; StopMatched echoes it
+    # With params.prompt_logprobs: the first prompt position not yet reported (position 0
+    # is reported, as None, with the first result). Survives preemption, so a recompute
+    # reports only what is still owed and no position is reported twice.
+    prompt_lps_next: int = 0
+    # Prefix caching: the hashes of its full blocks so far (kv.extend_hashes grows it),
+    # how many of its blocks it has registered as cached, and how many prompt tokens the
+    # cache gave it at its first admission (the response's ``cached_tokens``).
+    block_hashes: list[bytes] = attrs.Factory(list)
+    num_registered: int = 0
+    num_cached_tokens: int | None = None
+    # The Scheduler's view of the rid (``status`` reads it); the Scheduler passes its
+    # ledger's, a Sequence built alone gets a fresh one.
+    view: View = attrs.Factory(lambda self: View(load_spec(), "scheduler", self.rid),
+                               takes_self=True)
+
+    @property
+    def status(self) -> State:
+        """WAITING, RUNNING, PREEMPTED or FINISHED: where the Scheduler's last event put it."""
+        assert self.view.local is not None, self.view
+        return self.view.local
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.prompt_lps_next < len(
+            self.prompt_ids)
+
+    def skippable_prefix(self) -> int:
+        """How many leading tokens may come from a prefix cache instead of being computed.
+
+        Reporting position p's logprob needs the logits of position p - 1, so while prompt
+        logprobs are owed only the tokens before ``prompt_lps_next - 1`` may be skipped
+        (none before the first report); otherwise all of them. The Scheduler's prefix
+        cache obeys it (``blocks.cache_hits``; docs/architecture.md).
+        """
+        if self.owes_prompt_logprobs:
+            return max(self.prompt_lps_next - 1, 0)
+        return self.num_tokens
+
+    @property
+    def priority(self) -> int:
+        return self.params.priority
+
+    def hashes(self, block_size: int) -> list[bytes]:
+        """The hashes of all its full blocks (prompt and output tokens)."""
+        n = self.num_tokens
+        if len(self.block_hashes) < n // block_size:
+            full = n // block_size * block_size
+            tokens = self.prompt_ids if full <= len(self.prompt_ids) \
+                else self.prompt_ids + self.output_ids
+            extend_hashes(self.block_hashes, tokens, block_size, n)
+        return self.block_hashes
+
+    def token(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: it holds no blocks (they went back; registered ones
+        stay cached, so its recompute may be a cache hit)."""
+        assert not self.in_flight
+        self.block_table = []
+        self.num_computed = self.num_scheduled = 0
+        self.num_registered = 0
+
+    @property
+    def num_unscheduled(self) -> int:
+        """Tokens to run that no step has been given yet, counting those still to be
+        sampled by the steps in flight (a step planned ahead feeds them forward)."""
+        return self.num_tokens + self.samples_in_flight - self.num_scheduled
+
+    def may_plan_ahead(self) -> bool:
+        """Whether a step may be planned for it before the one in flight returns: not if
+        the tokens in flight already reach ``max_tokens`` (it ends there for sure)."""
+        return len(self.output_ids) + self.samples_in_flight < self.max_tokens
+
+    def step_returned(self, s: ScheduledSeq) -> None:
+        """A step that scheduled it has returned (with a result or an error)."""
+        self.in_flight -= 1
+        self.samples_in_flight -= s.sample
+
+    def scheduled(self, n: int) -> ScheduledSeq:
+        """The next ``n`` tokens as the Worker gets them (NewSeqData the first time).
+
+        A token that a step in flight is still to sample goes as ``FEED_LAST_SAMPLE``:
+        the Worker feeds the one it sampled for this rid last.
+        """
+        start = self.num_scheduled
+        known = self.num_tokens
+        new = None
+        if not self.worker_knows:
+            new = NewSeqData(self.params, tuple(self.prompt_ids), tuple(self.output_ids))
+            self.worker_knows = True
+        lp_from = None
+        if self.owes_prompt_logprobs:
+            # This chunk's rows predict positions start + 1 .. start + n; ask only for the
+            # prompt positions among them that were not reported before a preemption.
+            lo = max(self.prompt_lps_next, start + 1)
+            if lo <= min(start + n, len(self.prompt_ids) - 1):
+                lp_from = lo
+        if start + n > known:
+            # Only ever the one token a step in flight samples, and only that step's.
+            assert start + n == known + 1 == start + 1 and self.samples_in_flight, self
+        sample = start + n == known + self.samples_in_flight and self.max_tokens > 0
+        self.num_scheduled += n
+        self.in_flight += 1
+        self.samples_in_flight += sample
+        return ScheduledSeq(
+            rid=self.rid,
+            token_ids=tuple(self.token(i) if i < known else FEED_LAST_SAMPLE
+                            for i in range(start, start + n)),
+            start_pos=start,
+            block_table=tuple(self.block_table),
+            # max_tokens 0 (prompt scoring): the prefill runs, nothing is sampled.
+            sample=sample,
+            new=new,
+            prompt_logprobs_from=lp_from,
+        )
+
+    def finish_after(self, token: int) -> tuple[str | None, int | None]:
+        """Append a sampled token; returns (finish reason, stop token) if it ends the sequence."""
+        self.output_ids.append(token)
+        n_out = len(self.output_ids)
+        p = self.params
+        if n_out >= p.min_tokens:
+            if token in self.eos_ids and not p.ignore_eos:
+                return "stop", None
+            if token in p.stop_token_ids:
+                return "stop", token
+        if n_out >= self.max_tokens:
+            return "length", None
+        return None, None
+
+    def take_prompt_logprobs(self, got: PromptLogprobs | None) -> dict[str, Any] | None:
+        """A step's prompt logprobs for it, as TokenOut fields; None if nothing is new.
+
+        Positions already reported (before a preemption) are skipped, so each position
+        reaches the client exactly once; the first piece opens with position 0 (None)
+        and carries the prompt's token ids. Raises PromptLogprobsGap.
+        """
+        entries: list[TokenLogprob | None] = []
+        fields: dict[str, Any] = {}
+        if self.prompt_lps_next == 0:
+            entries.append(None)
+            fields["prompt_token_ids"] = tuple(self.prompt_ids)
+            self.prompt_lps_next = 1
+        if got is not None:
+            skip = self.prompt_lps_next - got.start
+            if skip < 0:
+                raise PromptLogprobsGap(f"prompt logprobs resumed at position {got.start}, "
+                                        f"expected {self.prompt_lps_next}")
+            fresh = got.logprobs[skip:]
+            entries.extend(fresh)
+            self.prompt_lps_next += len(fresh)
+        return {"prompt_logprobs": tuple(entries), **fields} if entries else None
+
+    def final_output(self, reason: str, stop_reason: Any, error: str | None,
+                     token: TokenOut | None = None) -> TokenOut:
+        """Its last TokenOut: the finish reason, merged with this step's ``token`` if any."""
+        queued = None
+        if self.first_scheduled is not None and self.arrival_time:
+            queued = max(self.first_scheduled - self.arrival_time, 0.0)
+        out = TokenOut(self.rid, finish_reason=reason, stop_reason=stop_reason, error=error,
+                       spec=self.detok_spec_once(), queue_s=queued,
+                       cached_tokens=self.num_cached_tokens)
+        if token is None:
+            return out
+        return attrs.evolve(out, token_ids=token.token_ids, logprobs=token.logprobs,
+                            spec=token.spec or out.spec, prompt_logprobs=token.prompt_logprobs,
+                            prompt_token_ids=token.prompt_token_ids)
+
+    def detok_spec_once(self) -> DetokSetup | None:
+        """What the Detokenizer needs for this rid, on its first output only."""
+        if self.detok_spec_sent:
+            return None
+        self.detok_spec_sent = True
+        p = self.params
+        return DetokSetup(p.stop, p.include_stop_str_in_output, p.skip_special_tokens,
+                         len(self.prompt_ids), self.incarnation)
+
+
+
+def take_prompt_pieces(running: list[Sequence], reported: tuple[PromptLogprobs, ...]
+                       ) -> tuple[dict[str, dict[str, Any]], list[tuple[Sequence, str]]]:
+    """A step's prompt logprobs for the running sequences it named, per rid as TokenOut
+    fields, and the sequences whose report had a gap (with why)."""
+    by_rid = {r.rid: r for r in reported}
+    pieces: dict[str, dict[str, Any]] = {}
+    gaps: list[tuple[Sequence, str]] = []
+    for seq in running:
+        if not seq.owes_prompt_logprobs:
+            continue
+        try:
+            piece = seq.take_prompt_logprobs(by_rid.get(seq.rid))
+        except PromptLogprobsGap as gap:
+            gaps.append((seq, str(gap)))
+            continue
+        if piece is not None:
+            pieces[seq.rid] = piece
+    return pieces, gaps

@@ -1,0 +1,2 @@
+"""The Tokenizer actor: text or chat messages in, validated token ids out.
+"""

@@ -1,0 +1,143 @@
+"""Typed, bounded mailboxes: the only way actors talk.
+
+An actor holds the *receiving* side of its own inbox and the *sending* side of its
+peers' inboxes; it never learns whether a peer is in this process (trio memory
+channels, here) or another one (ZeroMQ, :mod:`actorllm.wire.transport`). Both sides
+share the small interface below: ``send`` blocks while the box is full
+(backpressure), and a box reports its depth and high-water mark.
+"""
+
+from __future__ import annotations
+
+import logging
+import typing
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Generic, Protocol, TypeVar
+
+import trio
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+T_contra = TypeVar("T_contra", contravariant=True)
+
+log = logging.getLogger(__name__)
+
+# A hook for tracing every hop: (mailbox name, "send" | "recv", message).
+HopHook = Callable[[str, str, Any], None]
+
+
+class MailboxTypeError(TypeError):
+    """A message of the wrong type was sent to a typed mailbox."""
+
+
+class MailboxClosed(Exception):
+    """The mailbox was closed; no more messages will come or go."""
+
+
+class Outbox(Protocol[T_contra]):
+    """The sending side of a mailbox."""
+
+    name: str
+
+    async def send(self, msg: T_contra) -> None: ...
+
+
+class Inbox(Protocol[T_co]):
+    """The receiving side of a mailbox."""
+
+    name: str
+
+    async def receive(self) -> T_co: ...
+
+    def __aiter__(self) -> AsyncIterator[T_co]: ...
+
+
+def accepted_types(message_type: Any) -> tuple[type, ...]:
+    """The concrete classes a mailbox declared for ``message_type`` accepts."""
+    args = typing.get_args(message_type)
+    return tuple(args) if args else (message_type,)
+
+
+class Mailbox(Generic[T]):
+    """An in-process mailbox on a trio memory channel.
+
+    ``Mailbox[StepResult]("scheduler", StepResult, capacity=64)``; ``message_type`` may
+    be a ``Union`` of message classes. Sending anything else raises MailboxTypeError.
+    """
+
+    def __init__(self, name: str, message_type: Any, capacity: int = 64) -> None:
+        if capacity < 1:
+            raise ValueError("a mailbox needs room for at least one message")
+        self.name = name
+        self.types = accepted_types(message_type)
+        self.capacity = capacity
+        self._send, self._recv = trio.open_memory_channel[T](capacity)
+        self.high_water = 0
+        self.sent = 0
+        self.hop_hook: HopHook | None = None
+
+    @property
+    def depth(self) -> int:
+        """Messages waiting to be received."""
+        return self._send.statistics().current_buffer_used
+
+    async def send(self, msg: T) -> None:
+        """Deliver ``msg``, waiting while the box is full."""
+        if not isinstance(msg, self.types):
+            raise MailboxTypeError(
+                f"mailbox {self.name!r} takes {[t.__name__ for t in self.types]}, "
+                f"not {type(msg).__name__}"
+            )
+        try:
+            await self._send.send(msg)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise MailboxClosed(self.name) from None
+        self.sent += 1
+        self.high_water = max(self.high_water, self.depth)
+        if self.hop_hook is not None:
+            self.hop_hook(self.name, "send", msg)
+
+    def send_nowait(self, msg: T) -> None:
+        """Deliver without waiting; raises trio.WouldBlock when full."""
+        if not isinstance(msg, self.types):
+            raise MailboxTypeError(f"mailbox {self.name!r} does not take {type(msg).__name__}")
+        self._send.send_nowait(msg)
+        self.sent += 1
+        self.high_water = max(self.high_water, self.depth)
+        if self.hop_hook is not None:
+            self.hop_hook(self.name, "send", msg)
+
+    async def receive(self) -> T:
+        """The next message, waiting for one if the box is empty."""
+        try:
+            msg = await self._recv.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise MailboxClosed(self.name) from None
+        if self.hop_hook is not None:
+            self.hop_hook(self.name, "recv", msg)
+        return msg
+
+    def receive_nowait(self) -> T:
+        """The next message; raises trio.WouldBlock when empty, MailboxClosed when closed
+        and drained (as :meth:`receive` does)."""
+        try:
+            msg = self._recv.receive_nowait()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise MailboxClosed(self.name) from None
+        if self.hop_hook is not None:
+            self.hop_hook(self.name, "recv", msg)
+        return msg
+
+    def close(self) -> None:
+        """Close the sending side: receivers drain what is left, then stop."""
+        self._send.close()
+
+    async def __aiter__(self) -> AsyncIterator[T]:
+        while True:
+            try:
+                yield await self.receive()
+            except MailboxClosed:
+                return
+
+    def __repr__(self) -> str:
+        return f"Mailbox({self.name!r}, depth={self.depth}/{self.capacity})"

@@ -1,0 +1,405 @@
+"""Every message that crosses a mailbox, in the order a request meets them.
+
+All are frozen attrs classes made of plain values (str, int, float, bool, None,
+tuples and other messages), so the one codec in :mod:`actorllm.wire.codec` can carry
+any of them across a process boundary. Mutable, long-lived objects (the
+Frontend's ``RequestState``, the Scheduler's ``Sequence``, the Worker's
+``ForwardBatch``) live in the module of their owner and never travel.
+
+    API layer --GenerateRequest--> Frontend --GenerateRequest/AbortRequest--> Tokenizer
+    Tokenizer --SequenceRequest/AbortRequest--> Scheduler   (RequestFailed --> Frontend)
+    Scheduler --StepPlan--> Worker --StepResult--> Scheduler
+    Scheduler --TokenBatch--> Detokenizer --OutputBatch--> Frontend
+    Detokenizer --StopMatched--> Scheduler
+    engine --ReplicaLost--> Detokenizer   (data parallelism: a replica's process died)
+
+Aborts travel Frontend -> Tokenizer -> Scheduler on the same FIFO edges as the
+request itself, so an abort can never overtake the request it cancels.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import attrs
+
+from actorllm.wire.control import (  # parent <-> child; re-exported here
+    DrainQuery,
+    DrainReport,
+    Heartbeat,
+    Hello,
+    MailboxStat,
+    Ready,
+    Shutdown,
+    StartFailed,
+)
+
+
+class InvalidRequest(ValueError):
+    """A request the engine will not run; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# --- what the caller asks for -------------------------------------------------------
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+
+
+@attrs.frozen
+class StructuredOutput:
+    """A grammar the output must match (vLLM's structured outputs; :mod:`actorllm.text.structured`).
+
+    ``kind``: "json" (``spec`` a JSON schema), "regex", "choice" (a JSON list of strings)
+    or "grammar" (Lark or GBNF). ``param``: the request field it came from, for errors.
+    """
+
+    kind: str
+    spec: str
+    param: str = "structured_outputs"
+
+
+@attrs.frozen
+class SamplingParams:
+    """How to sample one request (OpenAI/vLLM semantics). ``validate`` says what is wrong."""
+
+    n: int = 1
+    max_tokens: int | None = 16  # None: the model's max_new_tokens, within the context
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token and k alternatives
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # k: each prompt token and k alternatives (0th None)
+    structured: StructuredOutput | None = None  # constrain the output to a grammar
+    priority: int = 0  # lower runs first, ties by arrival; non-zero only with that policy
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise :class:`InvalidRequest` naming the first bad value."""
+        checks: list[tuple[bool, str, str]] = [
+            (1 <= self.n <= 128, "n", "must be between 1 and 128"),
+            # 0: run the prefill only (for prompt logprobs) and finish with `length`.
+            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens",
+             "must be non-negative"),
+            (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             "must not exceed max_tokens"),
+            (0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (self.top_k >= -1, "top_k", "must be -1, 0 (off) or positive"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             "must be in [0, 20]"),
+            (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
+            (len(self.stop) <= 16, "stop", "at most 16 stop strings"),
+        ]
+        for ok, param, why in checks:
+            if not ok:
+                raise InvalidRequest(f"{param} {why}, got {getattr(self, param)!r}", param)
+        if self.structured is not None and self.structured.kind not in STRUCTURED_KINDS:
+            raise InvalidRequest(f"{self.structured.param}: unknown kind "
+                                 f"{self.structured.kind!r}", self.structured.param)
+        for name, v in (("temperature", self.temperature), ("top_p", self.top_p)):
+            if v != v:  # NaN
+                raise InvalidRequest(f"{name} must be a number", name)
+        if vocab_size is not None:
+            for tid in self.stop_token_ids:
+                if not 0 <= tid < vocab_size:
+                    raise InvalidRequest(f"stop_token_ids: {tid} is not in the vocabulary",
+                                         "stop_token_ids")
+            for tid, bias in self.logit_bias:
+                if not 0 <= tid < vocab_size:
+                    raise InvalidRequest(f"logit_bias: token {tid} is not in the vocabulary",
+                                         "logit_bias")
+                if not -100.0 <= bias <= 100.0:
+                    raise InvalidRequest(f"logit_bias: {bias} is not in [-100, 100]",
+                                         "logit_bias")
+
+
+@attrs.frozen
+class ChatMessage:
+    role: str
+    content: str
+    extra: str = ""  # a JSON object of further template keys (tool_calls, tool_call_id, name)
+
+
+@attrs.frozen
+class GenerateRequest:
+    """API layer -> Frontend -> Tokenizer. Exactly one of prompt, prompt_token_ids,
+    messages is set. The Frontend forwards one per leaf: a ``n > 1`` request's children
+    go as ``{rid}-{i}`` with ``n = 1`` and their own seeds."""
+
+    rid: str
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    add_generation_prompt: bool = True
+    arrival_time: float = 0.0
+    tools: str | None = None  # chat: a JSON list of tool definitions for the template
+    replica: int = 0  # set by the Frontend: the data-parallel replica that runs it
+
+
+@attrs.frozen
+class AbortRequest:
+    """Frontend -> Tokenizer -> Scheduler: stop future work for ``rid`` (idempotent)."""
+
+    rid: str
+    replica: int = 0  # the replica its request was routed to (the Tokenizer's outbox)
+
+
+@attrs.frozen
+class FlowControl:
+    """Frontend -> Tokenizer -> Scheduler: ``rid``'s reader is behind (``pause``) or has
+    caught up. On the aborts' FIFO edge, so it never overtakes the request it names."""
+
+    rid: str
+    pause: bool
+    replica: int = 0  # as AbortRequest.replica
+
+
+# --- Frontend -> Tokenizer -> Scheduler -------------------------------------------
+
+
+@attrs.frozen
+class SequenceRequest:
+    """Tokenizer -> Scheduler: a validated request the Scheduler can run as is."""
+
+    rid: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    max_tokens: int  # resolved: never runs past the model's context
+    eos_token_ids: tuple[int, ...]
+    arrival_time: float = 0.0
+
+
+@attrs.frozen
+class RequestFailed:
+    """Tokenizer -> Frontend: the request was rejected before it reached the Scheduler."""
+
+    rid: str
+    message: str
+    code: str = "invalid_request"  # or "internal", "engine_dead"
+    param: str | None = None
+
+
+# --- Scheduler <-> Worker ------------------------------------------------------------
+
+
+@attrs.frozen
+class NewSeqData:
+    """What the Worker needs to sample a sequence it has not seen (or lost to preemption)."""
+
+    params: SamplingParams
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...] = ()
+
+
+#: In ``ScheduledSeq.token_ids``: the token the Worker sampled for this rid last.
+FEED_LAST_SAMPLE = -1
+
+
+@attrs.frozen
+class ScheduledSeq:
+    """One sequence's share of one step; ``FEED_LAST_SAMPLE`` in a step planned ahead
+    (overlap scheduling) stands for the token the Worker sampled for the rid last."""
+
+    rid: str
+    token_ids: tuple[int, ...]  # the tokens to run now (a prefill chunk, or the last token)
+    start_pos: int  # tokens already in the KV cache
+    block_table: tuple[int, ...]
+    sample: bool  # False for a prefill chunk that does not reach the prompt's end
+    new: NewSeqData | None = None
+    # Report prompt logprobs from this position (>= 1) to the last one this chunk predicts
+    # (p by the row of p - 1). None: none (not asked, or all reported already).
+    prompt_logprobs_from: int | None = None
+
+
+@attrs.frozen
+class StepPlan:
+    """Scheduler -> Worker: one iteration. ``forget`` lists rids whose sampling state may go."""
+
+    step_id: int
+    seqs: tuple[ScheduledSeq, ...]
+    drop: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen
+class SampledToken:
+    rid: str
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+@attrs.frozen
+class PromptLogprobs:
+    """The logprobs of one rid's prompt positions ``start, start + 1, ...`` from one step."""
+
+    rid: str
+    start: int
+    logprobs: tuple[TokenLogprob, ...]
+
+
+@attrs.frozen
+class StepResult:
+    """Worker -> Scheduler. ``error`` set means the step failed and sampled nothing."""
+
+    step_id: int
+    tokens: tuple[SampledToken, ...] = ()
+    error: str | None = None
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+
+
+# --- Scheduler -> Detokenizer -> Frontend ---------------------------------------------
+
+
+@attrs.frozen
+class DetokSetup:
+    """Sent with a rid's first TokenOut: how the Detokenizer must treat its text."""
+
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    num_prompt_tokens: int = 0
+    # The rid's incarnation (the Scheduler numbers arrivals): a StopMatched echoes it, so
+    # a stop found for an ended request cannot stop a new one that reuses the rid.
+    incarnation: int = 0
+
+
+@attrs.frozen
+class TokenOut:
+    rid: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    spec: DetokSetup | None = None
+    queue_s: float | None = None  # with the finish: arrival to first scheduled
+    cached_tokens: int | None = None  # with the finish: prompt tokens the prefix cache gave
+    # Prompt logprobs in position order; the pieces concatenate to one entry per position,
+    # the first None. The first piece carries the prompt's ids (position 0 has no entry).
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+
+
+@attrs.frozen
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    num_preemptions: int = 0
+    late_results_dropped: int = 0
+    num_paused: int = 0  # sequences paused because their reader is behind
+    steps: int = 0
+    forward_s: float = 0.0  # Worker time in forward passes, summed over steps
+    sample_s: float = 0.0  # ... and in sampling
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache, at admissions
+    prefix_cache_hits: int = 0  # ... and found there
+    replica: int = 0  # which data-parallel replica's Scheduler (0 without data parallelism)
+
+
+@attrs.frozen
+class TokenBatch:
+    """Scheduler -> Detokenizer: new tokens and finishes; ``freed``: rids whose blocks are back."""
+
+    outputs: tuple[TokenOut, ...] = ()
+    freed: tuple[str, ...] = ()
+    stats: SchedulerStats | None = None
+
+
+@attrs.frozen
+class ReplicaLost:
+    """Engine -> Detokenizer: data-parallel replica ``replica``'s process died (its requests
+    have failed): forget their decode state and drop whatever it sent that is still late."""
+
+    replica: int
+
+
+@attrs.frozen
+class StopMatched:
+    """Detokenizer -> Scheduler: a stop string matched; finish ``rid`` with reason stop."""
+
+    rid: str
+    stop: str
+    incarnation: int = 0  # DetokSetup.incarnation of the incarnation the stop was found in
+
+
+@attrs.frozen
+class TextDelta:
+    rid: str
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()  # as in TokenOut
+    prompt_token_ids: tuple[int, ...] = ()
+
+
+@attrs.frozen
+class RequestFinished:
+    rid: str
+    finish_reason: str
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    error: str | None = None
+    queue_s: float | None = None
+    cached_tokens: int | None = None
+
+
+@attrs.frozen
+class OutputBatch:
+    """Detokenizer -> Frontend, once per TokenBatch: deltas first, then finishes, then frees."""
+
+    deltas: tuple[TextDelta, ...] = ()
+    finished: tuple[RequestFinished, ...] = ()
+    freed: tuple[str, ...] = ()
+    stats: SchedulerStats | None = None
+
+
+# --- what each actor's inbox accepts --------------------------------------------------
+
+TokenizerInput = Union[GenerateRequest, AbortRequest, FlowControl]  # noqa: UP007 - run time
+SchedulerInput = Union[  # noqa: UP007
+    SequenceRequest, AbortRequest, FlowControl, StepResult, StopMatched]
+WorkerInput = StepPlan
+DetokenizerInput = Union[TokenBatch, ReplicaLost]  # noqa: UP007
+FrontendInput = Union[OutputBatch, RequestFailed]  # noqa: UP007
+ControlMessage = Union[  # noqa: UP007
+    Hello, Ready, StartFailed, Heartbeat, DrainQuery, DrainReport, Shutdown
+]
+
+MESSAGE_TYPES: tuple[type, ...] = (
+    StructuredOutput, SamplingParams, ChatMessage, GenerateRequest, AbortRequest, FlowControl,
+    SequenceRequest, RequestFailed, NewSeqData, ScheduledSeq, StepPlan, TokenLogprob,
+    SampledToken, PromptLogprobs, StepResult, DetokSetup, TokenOut, SchedulerStats, TokenBatch,
+    StopMatched, TextDelta, RequestFinished, OutputBatch, ReplicaLost, Hello, Ready, StartFailed,
+    MailboxStat, Heartbeat, DrainQuery, DrainReport, Shutdown,
+)
