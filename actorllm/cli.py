@@ -105,9 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20)
     serve.add_argument("--max-pending", type=int, default=1024,
                        help="live sequences before new requests get 503")
-    serve.add_argument("--tool-call-parser", choices=["json", "hermes"], default="json",
+    serve.add_argument("--tool-call-parser",
+                       choices=["json", "hermes", "llama3_json", "mistral", "pythonic"],
+                       default="json",
                        help="how the model writes tool calls: json (the embedded model's "
-                       "template) or hermes (<tool_call>{...}</tool_call>)")
+                       "template), hermes (<tool_call>{...}</tool_call>), llama3_json, "
+                       "mistral ([TOOL_CALLS] [...]) or pythonic ([f(a=1)])")
     serve.add_argument("--on-engine-death", choices=["exit", "stay"], default="exit",
                        help="when the engine dies: fail in-flight requests, then exit with "
                        "code 3 (exit, for a supervisor to restart) or keep answering 503; "

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel
 from test_server import ServerProcess
 
 from actorllm.config import default_model_dir
@@ -104,3 +106,43 @@ def test_required_calls_stream_through_the_client(served: tuple[str, openai.Open
     streamed = choice.message.tool_calls[0]
     assert (call.function.name, call.function.arguments) == \
         (streamed.function.name, streamed.function.arguments)
+
+
+class Color(StrEnum):
+    red = "red"
+    blue = "blue"
+
+
+class Size(BaseModel):
+    width: int
+    height: int
+
+
+class Paint(BaseModel):
+    """Paint a rectangle."""
+
+    color: Color
+    size: Size
+
+
+def test_required_with_pydantic_tool_definitions(served: tuple[str, openai.OpenAI]) -> None:
+    # pydantic_function_tool writes the enum and the nested model as $defs + $ref, which
+    # must resolve inside the grammar that forces the list of calls (issue 31).
+    _, client = served
+    kw: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Paint"}],
+                          "tools": [openai.pydantic_function_tool(Paint)],
+                          "tool_choice": "required", "parallel_tool_calls": False,
+                          "max_tokens": 80, "seed": 1}
+    whole = client.chat.completions.create(**kw)
+    (call,) = whole.choices[0].message.tool_calls or []
+    assert call.function.name == "Paint"
+    Paint.model_validate_json(call.function.arguments)
+    with client.chat.completions.stream(**kw) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    message = final.choices[0].message
+    assert message.content is None  # the stream opened with content: null, none followed
+    (streamed,) = message.tool_calls or []
+    assert isinstance(streamed.function.parsed_arguments, Paint)  # the client's own parse
+    assert streamed.function.arguments == call.function.arguments

@@ -118,9 +118,11 @@ class ChatRenderer(_RendererBase):
         self._tool_streams: dict[int, ToolStream] = {}
 
     def prelude(self) -> list[dict[str, Any]]:
-        # OpenAI opens each choice with its role before any content.
+        # OpenAI opens each choice with its role before any content; with tools, the
+        # content is null until there is some (an answer of calls only has none).
+        opening = "" if self.tools is None else None
         return [self._envelope("chat.completion.chunk", [{
-            "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "index": i, "delta": {"role": "assistant", "content": opening}, "logprobs": None,
             "finish_reason": None}]) for i in self.choices]
 
     def add(self, job: JobView, out: CompletionOutput) -> dict[str, Any] | None:

@@ -20,9 +20,11 @@ from typing import Any
 
 import attrs
 
-from actorllm.server.tools import ToolCall, ToolPlan, calls_from
+from actorllm.server.tool_parsers import ToolCall, calls_from
+from actorllm.server.tools import ToolPlan
 
 _WS = " \t\r\n"
+_ARGS = ("arguments", "parameters")  # the key of a call's arguments (Llama 3: parameters)
 
 
 @attrs.define
@@ -114,7 +116,7 @@ class CallScanner:
             self._state = "value"
         elif self._state == "value":
             self._state, self._value_start = "in_value", i
-            if self._key == "arguments" and c == "{":
+            if self._key in _ARGS and c == "{":
                 self.calls[-1].args_start = i
             if c == '"':
                 self._in_str = True
@@ -154,7 +156,7 @@ class CallScanner:
         if self._key == "name" and text[self._value_start] == '"':
             name = _loads(text[self._value_start : end])
             call.name = name if isinstance(name, str) else None
-        elif self._key == "arguments" and call.args_start is not None:
+        elif self._key in _ARGS and call.args_start is not None:
             call.args_end = end
         self._state, self._key = "after", None
 

@@ -11,153 +11,30 @@
 - a named function: structured output forces that function's ``parameters`` schema; the
   whole output is the call's arguments.
 
-A parser is the format one family of models writes calls in. Two ship: ``json`` (the
-embedded model's template: the answer is a JSON list of ``{"name", "arguments"}``) and
-``hermes`` (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, many open models).
-Streaming reads the calls as they form (``server/tool_stream.py``).
+A parser is the format one family of models writes calls in (``server/tool_parsers.py``:
+``json``, ``hermes``, ``llama3_json``, ``mistral``, ``pythonic``). Streaming reads the calls
+as they form (``server/tool_stream.py``).
+
+A tool's schema may use ``$defs``/``$ref`` (``openai.pydantic_function_tool`` writes them
+for enums and nested models). The ``required`` grammar nests every tool's schema in one
+document, where ``#/$defs/...`` would no longer resolve, so each tool's definitions are
+hoisted to the root under the tool's name and its references rewritten (``hoist_refs``).
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 
 from actorllm.server.schemas import ChatCompletionRequest, NamedToolChoice, ToolDef
+from actorllm.server.tool_parsers import PARSERS, ToolCall, ToolParser, calls_from
 from actorllm.wire.messages import InvalidRequest, StructuredOutput
 
-
-@attrs.frozen
-class ToolCall:
-    name: str
-    arguments: str  # a JSON object, as text
-    id: str = attrs.field(factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
-
-
-def calls_from(items: Any) -> list[ToolCall] | None:
-    """``[{"name": str, "arguments": object}, ...]`` -> calls; None for anything else."""
-    if isinstance(items, dict):
-        items = [items]
-    if not isinstance(items, list) or not items:
-        return None
-    calls = []
-    for item in items:
-        if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
-            return None
-        args = item.get("arguments", item.get("parameters", {}))
-        if not isinstance(args, dict):
-            return None
-        calls.append(ToolCall(item["name"], json.dumps(args, ensure_ascii=False)))
-    return calls
-
-
-class ToolParser(Protocol):
-    """Reads tool calls out of a model's text, whole or as it streams."""
-
-    name: str
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The content left and the calls found (none: the whole text is content)."""
-
-    def split(self, text: str) -> tuple[int, bool]:
-        """Streaming: how much of ``text`` (all the output so far) is surely content, and
-        whether a call may have begun (then the rest is read as calls, never content,
-        unless it turns out at the end that there were none)."""
-
-    def regions(self, text: str) -> list[tuple[int, int]]:
-        """Streaming: the spans of ``text`` (all the output so far) that hold the calls'
-        JSON, in order; the last may still be growing (its end is how far it is sure)."""
-
-
-class JsonListParser:
-    """The answer is a JSON list of calls (a lone call object too), and nothing else."""
-
-    name = "json"
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        body = text.strip()
-        if body[:1] in ("[", "{"):
-            try:
-                calls = calls_from(json.loads(body))
-            except ValueError:
-                calls = None
-            if calls:
-                return None, calls
-        return text, []
-
-    def split(self, text: str) -> tuple[int, bool]:
-        body = text.lstrip()
-        if not body:
-            return 0, False  # only whitespace yet: it may still open a list
-        if body[0] in "[{":
-            return 0, True
-        return len(text), False
-
-    def regions(self, text: str) -> list[tuple[int, int]]:
-        return [(0, len(text))]
-
-
-class HermesParser:
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, after optional text."""
-
-    name = "hermes"
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        start = text.find(self.OPEN)
-        if start < 0:
-            return text, []
-        calls: list[ToolCall] = []
-        for block in self._BLOCK.findall(text[start:]):
-            try:
-                found = calls_from(json.loads(block.strip()))
-            except ValueError:
-                found = None
-            if not found:
-                return text, []  # a malformed call: the text stays the answer
-            calls += found
-        content = text[:start].strip()
-        return (content or None), calls
-
-    def split(self, text: str) -> tuple[int, bool]:
-        start = text.find(self.OPEN)
-        if start >= 0:
-            return start, True
-        # Hold back a tail that may be the beginning of "<tool_call>".
-        return len(text) - _partial_tail(text, self.OPEN), False
-
-    def regions(self, text: str) -> list[tuple[int, int]]:
-        # The blocks ``parse`` reads: each from "<tool_call>" to the next "</tool_call>".
-        out = []
-        at = text.find(self.OPEN)
-        while at >= 0:
-            start = at + len(self.OPEN)
-            close = text.find(self.CLOSE, start)
-            if close < 0:  # still open: its end may be the beginning of "</tool_call>"
-                out.append((start, len(text) - _partial_tail(text, self.CLOSE)))
-                break
-            out.append((start, close))
-            at = text.find(self.OPEN, close + len(self.CLOSE))
-        return out
-
-
-def _partial_tail(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that ``tag`` begins with (not all of it)."""
-    for keep in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-keep:]):
-            return keep
-    return 0
-
-
-PARSERS: dict[str, ToolParser] = {p.name: p for p in (JsonListParser(), HermesParser())}
+# Re-exported: the parsers lived here first.
+__all__ = ["PARSERS", "ToolCall", "ToolParser", "ToolPlan", "calls_from", "plan_tools",
+           "template_tools"]
 
 
 @attrs.frozen
@@ -222,11 +99,71 @@ def plan_tools(body: ChatCompletionRequest, parser: str) -> ToolPlan | None:
         return ToolPlan("named", tools_json, PARSERS[parser], function=fn.name,
                         parallel=parallel,
                         structured=StructuredOutput("json", spec, "tool_choice"))
+    defs: dict[str, Any] = {}
     call = {"anyOf": [{"type": "object", "properties": {
-        "name": {"const": f.name}, "arguments": _function_schema(f.parameters)},
+        "name": {"const": f.name}, "arguments": hoist_refs(_function_schema(f.parameters),
+                                                           f.name, defs)},
         "required": ["name", "arguments"], "additionalProperties": False} for f in tools]}
     schema: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return ToolPlan("required", tools_json, PARSERS[parser], parallel=parallel,
                     structured=StructuredOutput("json", json.dumps(schema), "tool_choice"))
+
+
+_DEF_KEYS = ("$defs", "definitions")
+
+
+def hoist_refs(schema: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` made fit to sit anywhere inside a larger document whose root ``$defs``
+    is ``defs``: its own definitions move there as ``{prefix}.{name}``, and its local
+    references (``#/$defs/X``, ``#/definitions/X``, or any other ``#...`` pointer, which
+    then points into a copy of the whole schema kept as ``defs[prefix]``) are rewritten.
+    A schema without local references comes back as it is."""
+    if not _has_local_ref(schema):
+        return schema
+    body = {k: v for k, v in schema.items() if k not in _DEF_KEYS}
+    whole = False
+
+    def ref(target: str) -> str:
+        nonlocal whole
+        parts = target[1:].split("/")
+        if len(parts) >= 3 and parts[1] in _DEF_KEYS and parts[0] == "":
+            return "#/$defs/" + "/".join([f"{prefix}.{parts[2]}", *parts[3:]])
+        whole = True  # a pointer into the schema itself: it needs a home under $defs
+        return f"#/$defs/{prefix}" + target[1:]
+
+    for key in _DEF_KEYS:
+        for name, sub in (schema.get(key) or {}).items():
+            defs[f"{prefix}.{name}"] = _rewrite(sub, ref)
+    body = _rewrite(body, ref)
+    if whole:
+        defs[prefix] = body
+        return {"$ref": f"#/$defs/{prefix}"}
+    return body
+
+
+def _has_local_ref(node: Any) -> bool:
+    if isinstance(node, dict):
+        target = node.get("$ref")
+        if isinstance(target, str) and target.startswith("#"):
+            return True
+        return any(_has_local_ref(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_local_ref(v) for v in node)
+    return False
+
+
+def _rewrite(node: Any, ref: Any) -> Any:
+    """A copy of ``node`` with each local ``$ref`` string mapped through ``ref``."""
+    if isinstance(node, dict):
+        out = {k: _rewrite(v, ref) for k, v in node.items()}
+        target = node.get("$ref")
+        if isinstance(target, str) and target.startswith("#"):
+            out["$ref"] = ref(target)
+        return out
+    if isinstance(node, list):
+        return [_rewrite(v, ref) for v in node]
+    return node

@@ -1,0 +1,202 @@
+"""The tool-call parsers of each model family, and ``$defs`` in forced tool schemas (issue 31).
+
+Each parser gets text in its family's exact format, read whole and streamed (cut at
+every position and a character at a time), and the calls the official ``openai``
+client rebuilds from the stream must equal the whole answer's. ``hoist_refs`` is checked
+by compiling the ``required`` grammar of schemas that ``openai.pydantic_function_tool``
+writes and matching calls against it.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
+from pydantic import BaseModel
+
+from actorllm.frontend.outputs import CompletionOutput
+from actorllm.server.render import ChatRenderer
+from actorllm.server.schemas import ChatCompletionRequest
+from actorllm.server.tools import PARSERS, hoist_refs, plan_tools
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}}}},
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+# (parser, text as the family writes it, the content, the calls)
+CASES = [
+    ("llama3_json", '{"name": "f", "parameters": {"x": 1}}', None, [("f", {"x": 1})]),
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"x": 1}}; '
+                    '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+     None, [("f", {"x": 1}), ("get_weather", {"city": "Paris"})]),
+    ("llama3_json", 'Checking.<|python_tag|>{"name": "get_weather", "parameters": '
+                    '{"city": "a;b}"}}', "Checking.", [("get_weather", {"city": "a;b}"})]),
+    ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}, '
+                '{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+     None, [("f", {"x": 1}), ("get_weather", {"city": "Paris"})]),
+    ("mistral", 'Sure. [TOOL_CALLS][{"name": "f", "arguments": {"x": 2}}]', "Sure.",
+     [("f", {"x": 2})]),
+    ("pythonic", '[f(x=1), get_weather(city="San Francisco")]', None,
+     [("f", {"x": 1}), ("get_weather", {"city": "San Francisco"})]),
+    ("pythonic", "<|python_start|>[get_weather(city='Paris, \"FR\"')]<|python_end|>", None,
+     [("get_weather", {"city": 'Paris, "FR"'})]),
+    ("pythonic", "[f(x=[1, {'a': None, 'b': True}])]", None,
+     [("f", {"x": [1, {"a": None, "b": True}]})]),
+]
+
+NOT_CALLS = [
+    ("llama3_json", "The answer is {x}."), ("llama3_json", '{"name": "f"} trailing'),
+    ("llama3_json", "{not json"), ("mistral", "[TOOL_CALLS] nope"),
+    ("mistral", "plain [words]"), ("pythonic", "[1, 2]"), ("pythonic", "[f(1)]"),
+    ("pythonic", "[f(x=y)]"), ("pythonic", "Some words [f(x=1)]"), ("pythonic", "[f(x=1"),
+]
+
+
+def _plan(parser: str, **kw: Any) -> Any:
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, **kw})
+    return plan_tools(body, parser)
+
+
+def _stream(plan: Any, pieces: list[str]) -> tuple[Any, list[dict[str, Any]]]:
+    renderer = ChatRenderer(response_id="chatcmpl-x", created=0, model="m", num_choices=1,
+                            texts=None, logprobs=False, tools=plan)  # type: ignore[arg-type]
+
+    class Job:
+        index_base = 0
+        echo = ""
+        echo_skips_special = True
+
+    state = ChatCompletionStreamState()
+    chunks = renderer.prelude()
+    for i, piece in enumerate(pieces):
+        out = CompletionOutput(0, piece, (1,),
+                               finish_reason="stop" if i == len(pieces) - 1 else None)
+        chunk = renderer.add(Job(), out)  # type: ignore[arg-type]
+        if chunk is not None:
+            chunks.append(chunk)
+    for chunk in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    return state.get_final_completion(), chunks
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
+def test_whole_answer(parser: str, text: str, content: str | None,
+                      calls: list[tuple[str, Any]]) -> None:
+    got_content, got = PARSERS[parser].parse(text)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+@pytest.mark.parametrize(("parser", "text"), NOT_CALLS)
+def test_text_that_is_not_calls_stays_content(parser: str, text: str) -> None:
+    assert PARSERS[parser].parse(text) == (text, [])
+    if parser == "llama3_json" and text.startswith('{"name"'):
+        return  # a whole call object went out before the trailing text: it stays
+    completion, _ = _stream(_plan(parser), list(text))
+    message = completion.choices[0].message
+    assert not message.tool_calls and message.content == text
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
+def test_streamed_calls_reassemble(parser: str, text: str, content: str | None,
+                                   calls: list[tuple[str, Any]]) -> None:
+    plan = _plan(parser)
+    cuts = [[text[:cut], text[cut:]] for cut in range(len(text) + 1)] + [list(text)]
+    for pieces in cuts:
+        completion, _ = _stream(plan, pieces)
+        choice = completion.choices[0]
+        got = choice.message.tool_calls or []
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in got] == calls
+        assert (choice.message.content or "").strip() == (content or "")
+        assert choice.finish_reason == "tool_calls"
+        if content is None:
+            assert choice.message.content is None  # the opening delta's content is null
+
+
+@pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
+def test_json_families_stream_arguments_in_pieces(parser: str) -> None:
+    text = next(t for p, t, _, c in CASES if p == parser and len(c) == 2)
+    _, chunks = _stream(_plan(parser), list(text))
+    deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls") or []]
+    first = [d for d in deltas if d["index"] == 0]
+    assert first[0]["function"]["name"] == "f" and len(first) > 3
+
+
+class Color(StrEnum):
+    red = "red"
+    blue = "blue"
+
+
+class Size(BaseModel):
+    width: int
+    height: int
+
+
+class Paint(BaseModel):
+    color: Color
+    size: Size
+
+
+class Node(BaseModel):
+    label: str
+    children: list[Node]
+
+
+def test_hoisted_definitions_keep_their_meaning() -> None:
+    tools = [openai.pydantic_function_tool(Paint), openai.pydantic_function_tool(Node),
+             {"type": "function", "function": {"name": "p", "parameters": {
+                 "type": "object", "properties": {"a": {"$ref": "#/properties/b"},
+                                                  "b": {"type": "integer"}}}}}]
+    body = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+        "tool_choice": "required"})
+    schema = json.loads(plan_tools(body, "json").structured.spec)
+    good = [{"name": "Paint", "arguments": {"color": "red",
+                                            "size": {"width": 1, "height": 2}}},
+            {"name": "Node", "arguments": {"label": "a", "children": [
+                {"label": "b", "children": []}]}},
+            {"name": "p", "arguments": {"a": 1}}]
+    jsonschema.validate(good, schema)  # the references resolve in the combined document
+    for bad in ({"name": "Paint", "arguments": {"color": "green",
+                                                "size": {"width": 1, "height": 2}}},
+                {"name": "Node", "arguments": {"label": "a", "children": [{"label": 1}]}},
+                {"name": "p", "arguments": {"a": "x"}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([bad], schema)
+
+
+def test_a_schema_without_references_is_left_alone() -> None:
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    defs: dict[str, Any] = {}
+    assert hoist_refs(schema, "f", defs) is schema and defs == {}
+
+
+def test_the_required_grammar_compiles_with_definitions() -> None:
+    from actorllm.config import default_model_dir
+    from actorllm.text.hf import load_hf_tokenizer
+    from actorllm.text.structured import LLGuidanceBackend, _grammar_text
+
+    tools = [openai.pydantic_function_tool(Paint), openai.pydantic_function_tool(Node)]
+    body = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+        "tool_choice": "required"})
+    spec = plan_tools(body, "json").structured
+    tok = load_hf_tokenizer(str(default_model_dir()))
+    backend = LLGuidanceBackend(tok, len(tok), [tok.eos_token_id])
+    backend.check(spec)
+    import llguidance
+
+    for text, ok in (('[{"name": "Paint", "arguments": {"color": "blue", "size": '
+                      '{"width": 3, "height": 4}}}]', True),
+                     ('[{"name": "Paint", "arguments": {"color": "green"', False)):
+        matcher = llguidance.LLMatcher(backend._tokenizer(), _grammar_text(spec), log_level=0)
+        consumed = matcher.consume_tokens(tok.encode(text, add_special_tokens=False))
+        assert bool(consumed and matcher.is_accepting()) == ok
