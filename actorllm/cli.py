@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from actorllm.api_flags import add_feature_flags
+
 EXIT_USAGE = 2
 
 
@@ -108,14 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser",
                        choices=["json", "hermes", "llama3_json", "mistral", "pythonic"],
                        default="json",
-                       help="how the model writes tool calls: json (the embedded model's "
-                       "template), hermes (<tool_call>{...}</tool_call>), llama3_json, "
-                       "mistral ([TOOL_CALLS] [...]) or pythonic ([f(a=1)])")
+                       help="how the model writes tool calls (server/tool_parsers.py)")
     serve.add_argument("--on-engine-death", choices=["exit", "stay"], default="exit",
                        help="when the engine dies: fail in-flight requests, then exit with "
                        "code 3 (exit, for a supervisor to restart) or keep answering 503; "
                        "with --data-parallel-size, stay fails only a dead replica's requests "
                        "and serves on with the others")
+    add_feature_flags(serve)
     _slow_client_flags(serve)
     _engine_flags(serve)
 

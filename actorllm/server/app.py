@@ -20,7 +20,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import attrs
 import trio
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -30,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actorllm import __version__
 from actorllm.engine.async_engine import AsyncEngine
+from actorllm.server.chat_request import chat_renderer, prepare_chat
 from actorllm.server.convert import (
     TokenTexts,
     chat_messages,
@@ -37,8 +37,9 @@ from actorllm.server.convert import (
     sampling_params,
 )
 from actorllm.server.errors import APIError, install_handlers
+from actorllm.server.features import Features
 from actorllm.server.generation import GenerationResponse, Job
-from actorllm.server.render import ChatRenderer, CompletionRenderer
+from actorllm.server.render import CompletionRenderer
 from actorllm.server.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -51,7 +52,7 @@ from actorllm.server.schemas import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from actorllm.server.tools import PARSERS, plan_tools, template_tools
+from actorllm.server.tools import PARSERS, template_tools
 from actorllm.tokenizer.actor import PromptEncoder
 from actorllm.wire.messages import GenerateRequest, InvalidRequest
 
@@ -231,8 +232,11 @@ def _request_id(request: Request) -> str:
 def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | None = None,
               max_request_bytes: int = 1 << 20,
               max_pending: int = DEFAULT_MAX_PENDING,
-              tool_call_parser: str = "json", body_timeout: float | None = None) -> FastAPI:
-    """The OpenAI-compatible app for ``engine`` (``app.state.server`` is its ServerState)."""
+              tool_call_parser: str = "json", body_timeout: float | None = None,
+              features: Features | None = None) -> FastAPI:
+    """The OpenAI-compatible app for ``engine`` (``app.state.server`` is its ServerState);
+    ``features``: the settings of reasoning, the Responses API and embeddings."""
+    features = features or Features()
     if tool_call_parser not in PARSERS:
         raise ValueError(f"unknown tool-call parser {tool_call_parser!r}")
     state = ServerState(engine, served_model_name=served_model_name, api_key=api_key,
@@ -280,26 +284,13 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """Chat through the model's template; ``stream: true`` answers with SSE chunks."""
         state.check_model(body.model)
-        params = sampling_params(body, defaults=info.sampling_defaults,
-                                 vocab_size=info.vocab_size)
-        tools = plan_tools(body, state.tool_call_parser)
-        if tools is not None and tools.structured is not None:
-            if params.structured is not None:
-                raise InvalidRequest(f"tool_choice {body.tool_choice!r} forces the output; "
-                                     f"it cannot be combined with {params.structured.param}",
-                                     "tool_choice")
-            params = attrs.evolve(params, structured=tools.structured)
-        messages = chat_messages(body.messages)
         base = _request_id(request)
-        job = Job(GenerateRequest(base, params, messages=messages,
-                                  add_generation_prompt=body.add_generation_prompt is not False,
-                                  arrival_time=time.monotonic(),
-                                  tools=None if tools is None else tools.tools_json))
-        renderer = ChatRenderer(response_id=f"chatcmpl-{base}", created=int(time.time()),
-                                model=state.model_name, num_choices=params.n,
-                                texts=state.texts, logprobs=params.logprobs is not None,
-                                prompt_logprobs=body.prompt_logprobs,
-                                tools=None if tools is None or tools.mode == "none" else tools)
+        chat = prepare_chat(body, base, info=info, tool_call_parser=state.tool_call_parser,
+                            reasoning=features.reasoning)
+        renderer = chat_renderer(chat, body, response_id=f"chatcmpl-{base}",
+                                 model=state.model_name, texts=state.texts,
+                                 reasoning=features.reasoning)
+        job = chat.job
         names = ({"max_tokens": "max_completion_tokens"}
                  if body.max_completion_tokens is not None else {})
         names["logprobs"] = "top_logprobs"

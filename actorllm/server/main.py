@@ -36,6 +36,7 @@ import trio
 
 from actorllm.config import EngineConfig, check_tensor_parallel_size
 from actorllm.server.app import DEFAULT_MAX_PENDING, build_app
+from actorllm.server.features import Features
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ def serve_main(config: EngineConfig, args: argparse.Namespace) -> int:
         # Before any weights load, in this process whatever the topology.
         check_tensor_parallel_size(config.model, config.tensor_parallel_size)
         resources = Resources(config)
+        features = _features(args, resources)
     except Exception as exc:  # torch, transformers and safetensors raise many kinds
         log.debug("loading %s failed", config.model, exc_info=True)
         _error(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
@@ -123,7 +125,20 @@ def serve_main(config: EngineConfig, args: argparse.Namespace) -> int:
         body_timeout=float(getattr(args, "body_timeout", 30.0) or 0) or None,
         keep_alive_timeout=float(getattr(args, "keep_alive_timeout", 5.0) or 5.0),
     )
+    options.features = features
     return trio.run(_serve, config, resources, options)
+
+
+def _features(args: argparse.Namespace, resources: Any) -> Features:
+    """The issue-31 settings; ``--chat-template`` replaces the loaded tokenizer's template
+    (the Tokenizer actor and /tokenize render with that one tokenizer)."""
+    template = getattr(args, "chat_template", None)
+    if template is not None:
+        resources.hf_tokenizer.chat_template = Path(template).read_text(encoding="utf-8")
+    return Features.build(reasoning_parser=getattr(args, "reasoning_parser", None),
+                          store_size=int(getattr(args, "responses_store_size", 1000)),
+                          store_ttl=float(getattr(args, "responses_store_ttl", 3600.0)),
+                          pooling=str(getattr(args, "pooling", None) or "last"))
 
 
 class _Options:
@@ -136,6 +151,7 @@ class _Options:
         self.drain_timeout, self.max_request_bytes = drain_timeout, max_request_bytes
         self.max_pending, self.on_engine_death = max_pending, on_engine_death
         self.tool_call_parser = tool_call_parser
+        self.features = Features()
         # Client timeouts: a write the client does not take (--stream-timeout), a body
         # that does not arrive (--body-timeout), an idle keep-alive (--keep-alive-timeout).
         self.write_timeout, self.body_timeout = write_timeout, body_timeout
@@ -178,7 +194,8 @@ async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
             app = build_app(engine, served_model_name=opts.name, api_key=opts.api_key,
                             max_request_bytes=opts.max_request_bytes,
                             max_pending=opts.max_pending, body_timeout=opts.body_timeout,
-                            tool_call_parser=opts.tool_call_parser)
+                            tool_call_parser=opts.tool_call_parser,
+                            features=opts.features)
             state = app.state.server
             shutdown = trio.Event()  # tells hypercorn to stop accepting and close
 

@@ -21,6 +21,7 @@ from actorllm.server.convert import (
     echo_logprobs,
     vllm_prompt_logprobs,
 )
+from actorllm.server.reasoning import ReasoningParser, ReasoningStream
 from actorllm.server.tool_stream import ToolStream
 from actorllm.server.tools import ToolPlan
 
@@ -110,12 +111,16 @@ class _RendererBase:
 
 class ChatRenderer(_RendererBase):
     """``chat.completion`` and ``chat.completion.chunk``; with ``tools`` (a plan whose
-    mode is not ``none``) the text is read for tool calls (``server/tools.py``)."""
+    mode is not ``none``) the text is read for tool calls (``server/tools.py``); with
+    ``reasoning`` its reasoning part is ``reasoning_content`` and the rest is read as the
+    answer (``server/reasoning.py``)."""
 
-    def __init__(self, *, tools: ToolPlan | None = None, **kw: Any) -> None:
+    def __init__(self, *, tools: ToolPlan | None = None,
+                 reasoning: ReasoningParser | None = None, **kw: Any) -> None:
         super().__init__(**kw)
-        self.tools = tools
+        self.tools, self.reasoning = tools, reasoning
         self._tool_streams: dict[int, ToolStream] = {}
+        self._reasoning_streams: dict[int, ReasoningStream] = {}
 
     def prelude(self) -> list[dict[str, Any]]:
         # OpenAI opens each choice with its role before any content; with tools, the
@@ -132,10 +137,16 @@ class ChatRenderer(_RendererBase):
         self._prompt_field(st, out)
         lps = chat_logprobs(self.texts, out.logprobs) if self.want_logprobs else []
         st.logprobs += lps
-        delta: dict[str, Any] = {"content": out.text} if out.text else {}
+        text, thought = out.text, ""
+        if self.reasoning is not None:
+            rs = self._reasoning_streams.setdefault(index, self.reasoning.stream())
+            thought, text = rs.feed(text, final=out.finish_reason is not None)
+        delta: dict[str, Any] = {"content": text} if text else {}
         finish = out.finish_reason
         if self.tools is not None:
-            delta, finish = self._tool_delta(index, out)
+            delta, finish = self._tool_delta(index, text, finish)
+        if thought:
+            delta = {"reasoning_content": thought, **delta}
         if not delta and not lps and out.finish_reason is None:
             return None  # held-back text: nothing to tell the client yet
         choice: dict[str, Any] = {
@@ -147,11 +158,11 @@ class ChatRenderer(_RendererBase):
             choice["stop_reason"] = out.stop_reason
         return self._envelope("chat.completion.chunk", [choice])
 
-    def _tool_delta(self, index: int, out: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+    def _tool_delta(self, index: int, text: str,
+                    finish: str | None) -> tuple[dict[str, Any], str | None]:
         assert self.tools is not None
         ts = self._tool_streams.setdefault(index, ToolStream(self.tools))
-        content, calls = ts.feed(out.text)
-        finish = out.finish_reason
+        content, calls = ts.feed(text)
         if finish is not None:
             rest, more = ts.finish()
             content, calls = content + rest, calls + more
@@ -164,10 +175,16 @@ class ChatRenderer(_RendererBase):
         return delta, finish
 
     def _message(self, st: ChoiceState) -> tuple[dict[str, Any], str | None]:
+        text: str | None = st.text
+        thought: dict[str, Any] = {}
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(st.text)
+            thought = {"reasoning_content": reasoning}
         if self.tools is None:
-            return {"role": "assistant", "content": st.text}, st.merged.finish_reason
-        content, calls = self.tools.message(st.text)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
+            return ({"role": "assistant", "content": text, **thought},
+                    st.merged.finish_reason)
+        content, calls = self.tools.message(text or "")
+        message: dict[str, Any] = {"role": "assistant", "content": content, **thought}
         if calls:
             message["tool_calls"] = [c.as_dict() for c in calls]
         return message, _tool_finish(st.merged.finish_reason, bool(calls))

@@ -230,6 +230,9 @@ class ChatCompletionRequest(_SamplingFields):
         None, description="default: auto with tools, none without")
     parallel_tool_calls: bool | None = Field(True, description="false: at most one call")
     modalities: list[Literal["text"]] | None = Field(None, description="text only")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM extension: further variables for the chat template "
+        "(enable_thinking, ...)")
 
 
 class CompletionRequest(_SamplingFields):
@@ -312,6 +315,7 @@ class ToolCallOut(_Response):
 class ChatMessageOut(_Response):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = Field(None, description="with --reasoning-parser")
     tool_calls: list[ToolCallOut] | None = None
 
 
@@ -356,6 +360,7 @@ class ToolCallDelta(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -103,8 +103,10 @@ class PromptEncoder:
                                      f"(size {self.info.vocab_size})", "prompt")
         else:
             tools = None if req.tools is None else _json(req.tools, "tools")
+            extra = (None if req.template_kwargs is None
+                     else _json(req.template_kwargs, "chat_template_kwargs"))
             ids = self.token_ids(req.prompt, req.messages, req.add_generation_prompt,
-                                 tools=tools)
+                                 tools=tools, template_kwargs=extra)
         if not ids:
             raise InvalidRequest("prompt must not be empty", "prompt")
         limit = self.info.max_model_len
@@ -133,14 +135,16 @@ class PromptEncoder:
 
     def token_ids(self, prompt: str | None, messages: Sequence[ChatMessage] | None,
                   add_generation_prompt: bool = True, add_special_tokens: bool = True,
-                  tools: list[Any] | None = None) -> list[int]:
-        """The ids of a text prompt or of chat messages through the template.
+                  tools: list[Any] | None = None,
+                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The ids of a text prompt or of chat messages through the template
+        (``template_kwargs``: further variables the template reads).
 
         The one place text becomes ids: the Tokenizer actor and ``POST /tokenize`` both
         call it, so they refuse the same inputs with the same messages.
         """
         if messages is not None:
-            return self._chat(messages, add_generation_prompt, tools)
+            return self._chat(messages, add_generation_prompt, tools, template_kwargs)
         if not prompt:
             raise InvalidRequest("prompt must not be empty", "prompt")
         if not is_text(prompt):
@@ -149,7 +153,8 @@ class PromptEncoder:
         return list(self.tok(prompt, add_special_tokens=add_special_tokens).input_ids)
 
     def _chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
-              tools: list[Any] | None = None) -> list[int]:
+              tools: list[Any] | None = None,
+              template_kwargs: dict[str, Any] | None = None) -> list[int]:
         if not messages:
             raise InvalidRequest("messages must not be empty", "messages")
         if getattr(self.tok, "chat_template", None) is None:
@@ -162,7 +167,9 @@ class PromptEncoder:
         convo = [{"role": m.role, "content": m.content,
                   **(_json(m.extra, f"messages[{i}]") if m.extra else {})}
                  for i, m in enumerate(messages)]
-        kwargs: dict[str, Any] = {"tools": tools} if tools else {}
+        kwargs: dict[str, Any] = dict(template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
         try:
             out = self.tok.apply_chat_template(
                 convo, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs

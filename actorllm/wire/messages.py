@@ -156,6 +156,8 @@ class GenerateRequest:
     arrival_time: float = 0.0
     tools: str | None = None  # chat: a JSON list of tool definitions for the template
     replica: int = 0  # set by the Frontend: the data-parallel replica that runs it
+    # chat: a JSON object of further chat-template variables (``enable_thinking``, ...)
+    template_kwargs: str | None = None
 
 
 @attrs.frozen

@@ -1,0 +1,155 @@
+"""Reasoning parsers, ``chat_template_kwargs`` and ``--chat-template`` (issue 31).
+
+The parsers are checked on exact strings and, streamed in arbitrary chunkings
+(hypothesis), must give what the whole text gives. End to end, the embedded model's
+output is forced by a regex (structured output) into ``<think>...</think>`` and an
+answer, and the server must hand the two back apart, whole and streamed, through the
+official ``openai`` client; a template given with ``--chat-template`` reads
+``enable_thinking`` from ``chat_template_kwargs``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_server import ServerProcess, http
+
+from actorllm.config import default_model_dir
+from actorllm.server.reasoning import REASONING_PARSERS
+from actorllm.text.hf import load_hf_tokenizer
+from actorllm.wire.messages import StructuredOutput
+
+EXACT = [
+    ("qwen3", "<think>Let me see.</think>\n\nParis.", "Let me see.", "Paris."),
+    ("qwen3", "Paris, no thinking.", None, "Paris, no thinking."),
+    ("qwen3", "<think>cut off mid-thou", "cut off mid-thou", None),
+    ("qwen3", "\n<think></think>Hi", "", "Hi"),
+    ("qwen3", "a <think>late</think> b", None, "a <think>late</think> b"),
+    ("deepseek_r1", "Hmm, 2+2.</think>4", "Hmm, 2+2.", "4"),
+    ("deepseek_r1", "<think>Hmm.</think> 4", "Hmm.", "4"),
+    ("deepseek_r1", "never closes", "never closes", None),
+]
+
+
+@pytest.mark.parametrize(("name", "text", "reasoning", "content"), EXACT)
+def test_whole_text_splits(name: str, text: str, reasoning: str | None,
+                           content: str | None) -> None:
+    assert REASONING_PARSERS[name].split(text) == (reasoning, content)
+
+
+def _streamed(name: str, pieces: list[str]) -> tuple[str, str]:
+    stream = REASONING_PARSERS[name].stream()
+    thought = answer = ""
+    for i, piece in enumerate(pieces):
+        r, c = stream.feed(piece, final=i == len(pieces) - 1)
+        thought, answer = thought + r, answer + c
+    return thought, answer
+
+
+_ATOMS = st.sampled_from(["<think>", "</think>", "<", "</", "think", ">", " ", "\n", "a",
+                          "Paris", "<thi", "nk>", "/think>", "{}"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(atoms=st.lists(_ATOMS, max_size=12), cuts=st.lists(st.integers(0, 60), max_size=8),
+       name=st.sampled_from(sorted(REASONING_PARSERS)))
+def test_any_chunking_gives_the_whole_split(atoms: list[str], cuts: list[int],
+                                            name: str) -> None:
+    text = "".join(atoms)
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)] or [""]
+    reasoning, content = REASONING_PARSERS[name].split(text)
+    assert _streamed(name, pieces) == (reasoning or "", content or "")
+
+
+def test_a_json_constraint_holds_after_the_reasoning() -> None:
+    import llguidance
+
+    from actorllm.text.structured import LLGuidanceBackend, _grammar_text
+
+    tok = load_hf_tokenizer(str(default_model_dir()))
+    backend = LLGuidanceBackend(tok, len(tok), [tok.eos_token_id])
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                         "required": ["a"], "additionalProperties": False})
+    spec = REASONING_PARSERS["qwen3"].wrap(StructuredOutput("json", schema, "response_format"))
+    backend.check(spec)
+    for text, ok in (('<think>maybe {"a": "x"}</think>\n{"a": 1}', True), ('{"a": 2}', True),
+                     ("<think>x</think>not json", False), ('{"a": "x"}', False)):
+        matcher = llguidance.LLMatcher(backend._tokenizer(), _grammar_text(spec), log_level=0)
+        consumed = matcher.consume_tokens(tok.encode(text, add_special_tokens=False))
+        assert bool(consumed and matcher.is_accepting()) == ok, text
+    regex = StructuredOutput("regex", "a+", "structured_outputs")
+    assert REASONING_PARSERS["qwen3"].wrap(regex) == regex  # the client's own pattern
+
+
+TEMPLATE = ("{%- for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+            "{%- if add_generation_prompt %}<|assistant|>"
+            "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+            "{% endif %}{% endif %}")
+FORCED = r"<think>[a-z]{2,8}( [a-z]{2,8}){1,3}</think>\n\n(yes|no)"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("reasoning")
+    (root / "t.jinja").write_text(TEMPLATE)
+    srv = ServerProcess(Path(default_model_dir()), "--reasoning-parser", "qwen3",
+                        "--chat-template", str(root / "t.jinja"), "--served-model-name", "m",
+                        log_dir=root)
+    yield from srv.serve_module()
+
+
+def _client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def test_reasoning_comes_apart_whole_and_streamed(server: ServerProcess) -> None:
+    client = _client(server)
+    kw: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Sure?"}],
+                          "max_tokens": 60, "temperature": 0,
+                          "extra_body": {"structured_outputs": {"regex": FORCED}}}
+    whole = client.chat.completions.create(**kw)
+    message = whole.choices[0].message
+    reasoning = (message.model_extra or {}).get("reasoning_content")
+    assert isinstance(reasoning, str) and re.fullmatch(r"[a-z]{2,8}( [a-z]{2,8}){1,3}", reasoning)
+    assert message.content in ("yes", "no")
+    thought = answer = ""
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            thought += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            answer += choice.delta.content or ""
+    assert (thought, answer) == (reasoning, message.content)
+
+
+def test_template_file_and_its_kwargs(server: ServerProcess) -> None:
+    client = _client(server)
+    messages = [{"role": "user", "content": "Hi"}]
+
+    def prompt_tokens(**extra: Any) -> int:
+        out = client.chat.completions.create(model="m", messages=messages, max_tokens=1,
+                                             extra_body=extra)
+        assert out.usage is not None
+        return out.usage.prompt_tokens
+
+    def count(text: str) -> int:
+        status, _, body = http(server.url + "/tokenize", "POST",
+                               {"prompt": text, "add_special_tokens": False})
+        assert status == 200
+        return int(json.loads(body)["count"])
+
+    plain = "<|user|>Hi\n<|assistant|>"
+    assert prompt_tokens() == count(plain)  # rendered by the --chat-template file
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) == \
+        count(plain + "<think>\n\n</think>\n\n")
+    with pytest.raises(openai.BadRequestError) as err:
+        prompt_tokens(chat_template_kwargs={"tokenize": False})
+    assert "chat_template_kwargs" in str(err.value)
