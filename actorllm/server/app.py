@@ -40,6 +40,7 @@ from actorllm.server.errors import APIError, install_handlers
 from actorllm.server.features import Features
 from actorllm.server.generation import GenerationResponse, Job
 from actorllm.server.render import CompletionRenderer
+from actorllm.server.responses import register_responses
 from actorllm.server.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -358,6 +359,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
         _check_vocab(engine, ids, "tokens")
         return {"prompt": await state.in_thread(_decode, engine, ids)}
 
+    register_responses(app, state, features, _request_id)
     _document_400_not_422(app)
     return app
 

@@ -397,12 +397,15 @@ class GenerationResponse(Response):
             await self._body(sse.event(drain_cut_error().body()))
             failed = True
         if self.include_usage and not failed:
-            await self._body(sse.event(self.renderer.usage_chunk(self._usage())))
+            await self._events(self.renderer.usage_chunk(self._usage()))
         await self._body(sse.DONE)
         await self._body(b"", more=False)
 
     async def _emit(self, job: Job, outputs: Sequence[CompletionOutput]) -> None:
         for o in outputs:
-            chunk = self.renderer.add(job, o)
-            if chunk is not None:
-                await self._body(sse.event(chunk))
+            await self._events(self.renderer.add(job, o))
+
+    async def _events(self, chunk: dict[str, Any] | list[dict[str, Any]] | None) -> None:
+        """Send a renderer's chunk, or its list of events (the Responses API's)."""
+        for one in chunk if isinstance(chunk, list) else () if chunk is None else (chunk,):
+            await self._body(sse.event(one))
