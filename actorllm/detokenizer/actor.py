@@ -211,7 +211,7 @@ class Detokenizer:
                 reason, stop_reason = "stop", st.stopped
             finished.append(RequestFinished(out.rid, reason or "error", stop_reason,
                                             st.num_prompt_tokens, out.error, out.queue_s,
-                                            out.cached_tokens))
+                                            out.cached_tokens, out.pooled))
             del self.states[out.rid]
 
     def _emitting(self, st: DecodeState) -> bool:

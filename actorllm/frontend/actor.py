@@ -321,6 +321,7 @@ class Frontend(ReaderPacing):
             return
         self.ledger.fire(fin.rid, "respond", reason=fin.finish_reason)
         st.collector.num_prompt_tokens = fin.num_prompt_tokens
+        st.collector.pooled = fin.pooled
         if fin.cached_tokens is not None:
             c = st.collector.num_cached_tokens
             st.collector.num_cached_tokens = min(c, fin.cached_tokens) if c is not None \

@@ -168,6 +168,7 @@ class OutputCollector:
         self.num_prompt_tokens = 0
         # Prompt tokens the prefix cache served; with n > 1 the fewest any choice got.
         self.num_cached_tokens: int | None = None
+        self.pooled: tuple[float, ...] = ()  # an embedding request's pooled hidden state
         self._event = trio.Event()
         self.engine_done = trio.Event()
         self.pending_bytes = 0

@@ -342,7 +342,7 @@ class Scheduler(Pacing):
             return
         pieces, gaps = take_prompt_pieces(
             [q for q in (self._running(s.rid) for s in plan.seqs) if q is not None],
-            result.prompt_logprobs)
+            result.prompt_logprobs, result.pooled)
         for seq, gap in gaps:
             # A Worker bug. The client must not get a list with holes, and the other
             # requests need not die with this one.

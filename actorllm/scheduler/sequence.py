@@ -17,6 +17,7 @@ from actorllm.wire.messages import (
     FEED_LAST_SAMPLE,
     DetokSetup,
     NewSeqData,
+    PooledHidden,
     PromptLogprobs,
     SamplingParams,
     ScheduledSeq,
@@ -59,6 +60,7 @@ class Sequence:
     block_hashes: list[bytes] = attrs.Factory(list)
     num_registered: int = 0
     num_cached_tokens: int | None = None
+    pooled: tuple[float, ...] = ()  # a pooling request's vector, once the Worker sent it
     # The Scheduler's view of the rid (``status`` reads it); the Scheduler passes its
     # ledger's, a Sequence built alone gets a fresh one.
     view: View = attrs.Factory(lambda self: View(load_spec(), "scheduler", self.rid),
@@ -89,6 +91,8 @@ class Sequence:
         """
         if self.owes_prompt_logprobs:
             return max(self.prompt_lps_next - 1, 0)
+        if self.params.pooling == "mean":
+            return 0  # every position's hidden state is pooled: all must be computed
         return self.num_tokens
 
     @property
@@ -216,7 +220,7 @@ class Sequence:
             queued = max(self.first_scheduled - self.arrival_time, 0.0)
         out = TokenOut(self.rid, finish_reason=reason, stop_reason=stop_reason, error=error,
                        spec=self.detok_spec_once(), queue_s=queued,
-                       cached_tokens=self.num_cached_tokens)
+                       cached_tokens=self.num_cached_tokens, pooled=self.pooled)
         if token is None:
             return out
         return attrs.evolve(out, token_ids=token.token_ids, logprobs=token.logprobs,
@@ -234,14 +238,18 @@ class Sequence:
 
 
 
-def take_prompt_pieces(running: list[Sequence], reported: tuple[PromptLogprobs, ...]
+def take_prompt_pieces(running: list[Sequence], reported: tuple[PromptLogprobs, ...],
+                       pooled: tuple[PooledHidden, ...] = ()
                        ) -> tuple[dict[str, dict[str, Any]], list[tuple[Sequence, str]]]:
     """A step's prompt logprobs for the running sequences it named, per rid as TokenOut
-    fields, and the sequences whose report had a gap (with why)."""
+    fields, and the sequences whose report had a gap (with why). The step's pooled
+    vectors are kept on their sequences (their finish carries them)."""
     by_rid = {r.rid: r for r in reported}
+    vectors = {p.rid: p.values for p in pooled}
     pieces: dict[str, dict[str, Any]] = {}
     gaps: list[tuple[Sequence, str]] = []
     for seq in running:
+        seq.pooled = vectors.get(seq.rid, seq.pooled)
         if not seq.owes_prompt_logprobs:
             continue
         try:

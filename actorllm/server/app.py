@@ -37,10 +37,10 @@ from actorllm.server.convert import (
     sampling_params,
 )
 from actorllm.server.errors import APIError, install_handlers
+from actorllm.server.feature_routes import register_feature_routes
 from actorllm.server.features import Features
 from actorllm.server.generation import GenerationResponse, Job
 from actorllm.server.render import CompletionRenderer
-from actorllm.server.responses import register_responses
 from actorllm.server.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -359,7 +359,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
         _check_vocab(engine, ids, "tokens")
         return {"prompt": await state.in_thread(_decode, engine, ids)}
 
-    register_responses(app, state, features, _request_id)
+    register_feature_routes(app, state, features, _request_id)
     _document_400_not_422(app)
     return app
 

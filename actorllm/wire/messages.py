@@ -87,6 +87,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # k: each prompt token and k alternatives (0th None)
     structured: StructuredOutput | None = None  # constrain the output to a grammar
     priority: int = 0  # lower runs first, ties by arrival; non-zero only with that policy
+    # "last" or "mean": an embedding request (prefill only, max_tokens 0); its finish
+    # carries the pooled final hidden state of the prompt.
+    pooling: str | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise :class:`InvalidRequest` naming the first bad value."""
@@ -110,6 +113,9 @@ class SamplingParams:
              "must be in [0, 20]"),
             (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
             (len(self.stop) <= 16, "stop", "at most 16 stop strings"),
+            (self.pooling in (None, "last", "mean"), "pooling", "must be last or mean"),
+            (self.pooling is None or self.max_tokens == 0, "max_tokens",
+             "must be 0 with pooling"),
         ]
         for ok, param, why in checks:
             if not ok:
@@ -268,6 +274,15 @@ class PromptLogprobs:
 
 
 @attrs.frozen
+class PooledHidden:
+    """A pooling sequence's pooled final hidden state (not normalized), once its prompt
+    is computed: the last position's, or the mean over all positions."""
+
+    rid: str
+    values: tuple[float, ...]
+
+
+@attrs.frozen
 class StepResult:
     """Worker -> Scheduler. ``error`` set means the step failed and sampled nothing."""
 
@@ -277,6 +292,7 @@ class StepResult:
     forward_s: float = 0.0
     sample_s: float = 0.0
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+    pooled: tuple[PooledHidden, ...] = ()  # rows whose prompt this step completed
 
 
 # --- Scheduler -> Detokenizer -> Frontend ---------------------------------------------
@@ -310,6 +326,7 @@ class TokenOut:
     # the first None. The first piece carries the prompt's ids (position 0 has no entry).
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
     prompt_token_ids: tuple[int, ...] = ()
+    pooled: tuple[float, ...] = ()  # with the finish of a pooling request
 
 
 @attrs.frozen
@@ -374,6 +391,7 @@ class RequestFinished:
     error: str | None = None
     queue_s: float | None = None
     cached_tokens: int | None = None
+    pooled: tuple[float, ...] = ()  # a pooling request's hidden state (TokenOut.pooled)
 
 
 @attrs.frozen
@@ -401,7 +419,7 @@ ControlMessage = Union[  # noqa: UP007
 MESSAGE_TYPES: tuple[type, ...] = (
     StructuredOutput, SamplingParams, ChatMessage, GenerateRequest, AbortRequest, FlowControl,
     SequenceRequest, RequestFailed, NewSeqData, ScheduledSeq, StepPlan, TokenLogprob,
-    SampledToken, PromptLogprobs, StepResult, DetokSetup, TokenOut, SchedulerStats, TokenBatch,
-    StopMatched, TextDelta, RequestFinished, OutputBatch, ReplicaLost, Hello, Ready, StartFailed,
-    MailboxStat, Heartbeat, DrainQuery, DrainReport, Shutdown,
+    SampledToken, PromptLogprobs, PooledHidden, StepResult, DetokSetup, TokenOut, SchedulerStats,
+    TokenBatch, StopMatched, TextDelta, RequestFinished, OutputBatch, ReplicaLost, Hello, Ready,
+    StartFailed, MailboxStat, Heartbeat, DrainQuery, DrainReport, Shutdown,
 )

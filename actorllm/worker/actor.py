@@ -38,6 +38,7 @@ from actorllm.text.structured import Grammar, GrammarBackend, LLGuidanceBackend,
 from actorllm.wire.mailbox import Inbox, Outbox
 from actorllm.wire.messages import (
     NewSeqData,
+    PooledHidden,
     PromptLogprobs,
     SampledToken,
     StepPlan,
@@ -45,6 +46,7 @@ from actorllm.wire.messages import (
 )
 from actorllm.wire.rendezvous import Rendezvous
 from actorllm.worker.packing import pack_plan
+from actorllm.worker.pooling import Pooler, pooled_norm
 from actorllm.worker.ranks import RankDied, RankGroup, RankSpec
 from actorllm.worker.sampler import SamplingState, prompt_logprobs, sample
 
@@ -154,6 +156,7 @@ class ModelRunner:
                 self.ranks.close()
             raise
         self._states: dict[str, SamplingState] = {}
+        self.pooler = Pooler()  # embedding requests' pooled hidden states
         # Rids of the last step if it failed: it sampled nothing for them, so a step
         # planned ahead that feeds them their last sample gets a stand-in (see
         # _last_sample).
@@ -217,6 +220,7 @@ class ModelRunner:
         for seq in plan.seqs:
             if seq.new is not None:
                 new = seq.new
+                self.pooler.drop(seq.rid)  # a recompute pools from the start again
                 self._states[seq.rid] = SamplingState(
                     new.params, new.prompt_token_ids, new.output_token_ids,
                     self._grammar(seq.rid, new),
@@ -228,6 +232,7 @@ class ModelRunner:
 
         tokens: tuple[SampledToken, ...] = ()
         prompt_lps: tuple[PromptLogprobs, ...] = ()
+        pooled: tuple[PooledHidden, ...] = ()
         sample_s = 0.0
         if plan.seqs:
             sampled = [s for s in plan.seqs if s.sample]
@@ -256,6 +261,7 @@ class ModelRunner:
             t1 = time.perf_counter()
             prompt_lps = prompt_logprobs(hidden, plan.seqs, self._states,
                                          self.model.compute_logits)
+            pooled = self.pooler.take(hidden, plan.seqs, self._states, pooled_norm(self.model))
             if masks is not None:
                 masks.apply(logits)
             results = sample(logits, states, self.eos_token_ids)
@@ -272,7 +278,7 @@ class ModelRunner:
         forward_s = time.perf_counter() - t0 - sample_s
         return StepResult(
             step_id=plan.step_id, tokens=tokens, forward_s=forward_s, sample_s=sample_s,
-            prompt_logprobs=prompt_lps,
+            prompt_logprobs=prompt_lps, pooled=pooled,
         )
 
     def _last_sample(self, rid: str, position: int) -> int:
@@ -296,6 +302,7 @@ class ModelRunner:
 
     def _drop(self, rid: str) -> None:
         self._states.pop(rid, None)
+        self.pooler.drop(rid)
         self._constrained.discard(rid)
 
     def _grammar(self, rid: str, new: NewSeqData) -> Grammar | None:

@@ -1,0 +1,115 @@
+"""``POST /v1/embeddings``: pooled, normalized final hidden states of the prompts.
+
+Each input is one engine request with nothing to generate (``max_tokens`` 0) and
+``SamplingParams.pooling`` set (``--pooling``: the last token's hidden state, or the
+mean over the prompt): it goes through the same actors and state machine as a
+completion, so admission, batching, abort and metrics apply. The Worker pools the
+final hidden states of the prefill (``worker/pooling.py``) and the request's finish
+carries the vector to the collector; here it is L2-normalized and encoded.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+import time
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Request
+from pydantic import Field
+from starlette.responses import Response
+
+from actorllm.frontend.outputs import CompletionOutput
+from actorllm.server.convert import completion_prompts
+from actorllm.server.features import Features
+from actorllm.server.generation import GenerationResponse, Job
+from actorllm.server.render import JobView
+from actorllm.server.schemas import TokenIds, _Request
+from actorllm.wire.messages import GenerateRequest, InvalidRequest, SamplingParams
+
+_Text = Annotated[str, Field(min_length=1)]
+
+
+class EmbeddingRequest(_Request):
+    """``POST /v1/embeddings``: a string, strings, token ids, or lists of token ids."""
+
+    model: str | None = None
+    input: (_Text | Annotated[list[_Text], Field(min_length=1, max_length=2048)] | TokenIds
+            | Annotated[list[TokenIds], Field(min_length=1, max_length=2048)])
+    encoding_format: Literal["float", "base64"] | None = "float"
+    dimensions: None = Field(None, description="the model's own size only")
+    user: str | None = Field(None, description="accepted, ignored (an end-user label)")
+
+
+def normalized(values: tuple[float, ...]) -> list[float]:
+    """``values`` scaled to unit L2 norm (a zero vector stays zero)."""
+    norm = math.sqrt(sum(v * v for v in values))
+    return [v / norm for v in values] if norm > 0 else list(values)
+
+
+def encode(vector: list[float], encoding: str) -> list[float] | str:
+    """As OpenAI sends it: floats, or base64 of little-endian float32."""
+    if encoding == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    return vector
+
+
+class EmbeddingRenderer:
+    """The ``list`` of embeddings of ``jobs`` (read from their collectors at the end)."""
+
+    def __init__(self, jobs: list[Job], *, model: str, encoding: str) -> None:
+        self.jobs, self.model, self.encoding = jobs, model, encoding
+
+    def prelude(self) -> list[dict[str, Any]]:
+        return []
+
+    def add(self, job: JobView, out: CompletionOutput) -> None:
+        return None
+
+    def completion_tokens(self) -> int:
+        return 0
+
+    def final(self, usage: dict[str, Any]) -> dict[str, Any]:
+        data = []
+        for i, job in enumerate(self.jobs):
+            assert job.collector is not None
+            vector = normalized(job.collector.pooled)
+            data.append({"object": "embedding", "index": i,
+                         "embedding": encode(vector, self.encoding)})
+        return {"object": "list", "data": data, "model": self.model,
+                "usage": {"prompt_tokens": usage["prompt_tokens"],
+                          "total_tokens": usage["prompt_tokens"]}}
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        raise AssertionError("embeddings are never streamed")
+
+
+def register_embeddings(app: FastAPI, state: Any, features: Features,
+                        request_id: Callable[[Request], str]) -> None:
+    """Add ``POST /v1/embeddings`` to ``app``."""
+    params = SamplingParams(max_tokens=0, pooling=features.pooling)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        """Normalized pooled final hidden states, one per input (``--pooling``)."""
+        state.check_model(body.model)
+        try:
+            prompts = completion_prompts(body.input)
+        except InvalidRequest as exc:
+            raise InvalidRequest(str(exc), "input") from None
+        base = request_id(request)
+        now = time.monotonic()
+        jobs = []
+        for i, prompt in enumerate(prompts):
+            rid = base if len(prompts) == 1 else f"{base}-{i}"
+            if isinstance(prompt, str):
+                req = GenerateRequest(rid, params, prompt=prompt, arrival_time=now)
+            else:
+                req = GenerateRequest(rid, params, prompt_token_ids=prompt, arrival_time=now)
+            jobs.append(Job(req, index_base=i))
+        renderer = EmbeddingRenderer(jobs, model=state.model_name,
+                                     encoding=body.encoding_format or "float")
+        return GenerationResponse(state, jobs, renderer, stream=False, include_usage=False,
+                                  request_id=base, param_names={"prompt": "input"})

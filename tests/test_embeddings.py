@@ -1,0 +1,102 @@
+"""``POST /v1/embeddings`` against transformers' own hidden states (issue 31).
+
+The server runs the embedded model in float32 with a small token budget, so a long
+prompt is prefilled in several chunks (the mean must span them) and the prefix cache is
+on (a repeated prompt must still pool every position). Each pooled vector must match
+transformers' last hidden state, pooled and normalized the same way, to a cosine of
+0.9999 or better.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+from helpers import hf_model
+from test_server import ServerProcess, http
+
+from actorllm.config import default_model_dir
+from actorllm.text.hf import load_hf_tokenizer
+
+MODEL = Path(default_model_dir())
+TEXTS = ["The quick brown fox jumps over the lazy dog.",
+         "Embeddings pool the final hidden states. " * 6, "hi"]
+
+
+@pytest.fixture(scope="module", params=["last", "mean"])
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[str, openai.OpenAI, str]]:
+    srv = ServerProcess(MODEL, "--pooling", request.param, "--dtype", "float32",
+                        "--max-num-batched-tokens", "32", "--enable-prefix-caching",
+                        "--served-model-name", "m",
+                        log_dir=tmp_path_factory.mktemp(f"emb-{request.param}"))
+    for ready in srv.serve_module():
+        yield request.param, openai.OpenAI(base_url=ready.url + "/v1", api_key="x",
+                                           max_retries=0, timeout=120), ready.url
+
+
+@pytest.fixture(scope="module")
+def oracle() -> Any:
+    return hf_model(MODEL), load_hf_tokenizer(str(MODEL))
+
+
+def _expected(oracle: Any, ids: list[int], pooling: str) -> torch.Tensor:
+    model, _ = oracle
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    last = out.hidden_states[-1][0]
+    vec = last[-1] if pooling == "last" else last.mean(dim=0)
+    return torch.nn.functional.normalize(vec, dim=0)
+
+
+def _cos(a: list[float], b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(torch.tensor(a), b, dim=0))
+
+
+def test_strings_match_transformers(served: tuple[str, openai.OpenAI, str],
+                                    oracle: Any) -> None:
+    pooling, client, _ = served
+    _, tok = oracle
+    resp = client.embeddings.create(model="m", input=TEXTS)
+    assert [d.index for d in resp.data] == [0, 1, 2]
+    ids = [tok(t).input_ids for t in TEXTS]
+    assert len(ids[1]) > 64  # prefilled in several chunks of at most 32 tokens
+    for d, want in zip(resp.data, ids, strict=True):
+        assert abs(sum(v * v for v in d.embedding) - 1.0) < 1e-4
+        assert _cos(d.embedding, _expected(oracle, want, pooling)) >= 0.9999
+    assert resp.usage.prompt_tokens == sum(len(i) for i in ids) == resp.usage.total_tokens
+    # Again: the prompts' blocks are in the prefix cache now, and the result is the same.
+    again = client.embeddings.create(model="m", input=TEXTS[1])
+    assert _cos(again.data[0].embedding, _expected(oracle, ids[1], pooling)) >= 0.9999
+
+
+def test_token_ids_and_base64(served: tuple[str, openai.OpenAI, str], oracle: Any) -> None:
+    pooling, client, url = served
+    ids = [[5, 17, 99, 3], [42] * 40]
+    resp = client.embeddings.create(model="m", input=ids, encoding_format="float")
+    for d, want in zip(resp.data, ids, strict=True):
+        assert _cos(d.embedding, _expected(oracle, want, pooling)) >= 0.9999
+    status, _, body = http(url + "/v1/embeddings", "POST",
+                           {"input": ids[0], "encoding_format": "base64"})
+    assert status == 200
+    raw = base64.b64decode(json.loads(body)["data"][0]["embedding"])
+    floats = list(struct.unpack(f"<{len(raw) // 4}f", raw))
+    assert _cos(floats, _expected(oracle, ids[0], pooling)) >= 0.9999
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": []}, "input"), ({"input": "x", "dimensions": 8}, "dimensions"),
+    ({"input": [[1, 2], []]}, "input"), ({"input": "x", "model": "other"}, "model")])
+def test_bad_requests_name_the_field(served: tuple[str, openai.OpenAI, str],
+                                     body: dict[str, Any], param: str) -> None:
+    _, _, url = served
+    status, _, raw = http(url + "/v1/embeddings", "POST", body)
+    assert status in (400, 404), raw
+    assert param in raw.decode()
