@@ -105,7 +105,7 @@ def test_unregistered_objects_cannot_be_encoded() -> None:
 
 def test_unhashable_garbage_in_a_union_field_is_rejected() -> None:
     # TokenOut.stop_reason is `str | int | None`; a list there must not crash the decoder.
-    fields = ["r", [], [], None, [[1], 2], None, None, None, None, [], []]
+    fields = ["r", [], [], None, [[1], 2], None, None, None, None, [], [], []]
     assert len(fields) == len(attrs.fields(messages.TokenOut))  # fails on the union, not arity
     with pytest.raises(codec.CodecError, match="matches no type"):
         codec.decode(msgpack.packb([codec.VERSION, ["TokenOut", fields]]))

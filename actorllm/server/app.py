@@ -359,7 +359,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
         _check_vocab(engine, ids, "tokens")
         return {"prompt": await state.in_thread(_decode, engine, ids)}
 
-    register_feature_routes(app, state, features, _request_id)
+    register_feature_routes(app, state, features, _request_id, _ERRORS)
     _document_400_not_422(app)
     return app
 

@@ -87,11 +87,12 @@ class EmbeddingRenderer:
 
 
 def register_embeddings(app: FastAPI, state: Any, features: Features,
-                        request_id: Callable[[Request], str]) -> None:
+                        request_id: Callable[[Request], str],
+                        errors: dict[int | str, dict[str, Any]]) -> None:
     """Add ``POST /v1/embeddings`` to ``app``."""
     params = SamplingParams(max_tokens=0, pooling=features.pooling)
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", responses=errors)
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         """Normalized pooled final hidden states, one per input (``--pooling``)."""
         state.check_model(body.model)

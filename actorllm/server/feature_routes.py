@@ -13,7 +13,9 @@ from actorllm.server.responses import register_responses
 
 
 def register_feature_routes(app: FastAPI, state: Any, features: Features,
-                            request_id: Callable[[Request], str]) -> None:
-    """``/v1/responses`` (and its GET) and ``/v1/embeddings``."""
-    register_responses(app, state, features, request_id)
-    register_embeddings(app, state, features, request_id)
+                            request_id: Callable[[Request], str],
+                            errors: dict[int | str, dict[str, Any]]) -> None:
+    """``/v1/responses`` (and its GET) and ``/v1/embeddings``; ``errors``: the error
+    answers to document (the app's own)."""
+    register_responses(app, state, features, request_id, errors)
+    register_embeddings(app, state, features, request_id, errors)

@@ -201,13 +201,15 @@ def _envelope(body: ResponsesRequest, response_id: str, created: int,
 
 
 def register_responses(app: FastAPI, state: Any, features: Features,
-                       request_id: Callable[[Request], str]) -> None:
+                       request_id: Callable[[Request], str],
+                       errors: dict[int | str, dict[str, Any]]) -> None:
     """Add ``POST /v1/responses`` and ``GET /v1/responses/{id}`` to ``app``
     (``request_id``: the app's reading of X-Request-Id)."""
     store = ResponseStore(features.store_size, features.store_ttl)
     info = state.engine.info
 
-    @app.post("/v1/responses", responses={200: {"content": {"text/event-stream": {}}}})
+    @app.post("/v1/responses",
+              responses={**errors, 200: {"content": {"text/event-stream": {}}}})
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API; ``stream: true`` answers with its typed events."""
         state.check_model(body.model)
@@ -238,7 +240,7 @@ def register_responses(app: FastAPI, state: Any, features: Features,
                                   include_usage=bool(body.stream), request_id=base,
                                   param_names=dict(_PARAMS))
 
-    @app.get("/v1/responses/{response_id}")
+    @app.get("/v1/responses/{response_id}", responses=errors)
     async def get_response(response_id: str) -> dict[str, Any]:
         """A stored response (404 when unknown or expired)."""
         return store.get(response_id)[0]
