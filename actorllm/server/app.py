@@ -286,8 +286,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
         """Chat through the model's template; ``stream: true`` answers with SSE chunks."""
         state.check_model(body.model)
         base = _request_id(request)
-        chat = prepare_chat(body, base, info=info, tool_call_parser=state.tool_call_parser,
-                            reasoning=features.reasoning)
+        chat = prepare_chat(body, base, state, features)
         renderer = chat_renderer(chat, body, response_id=f"chatcmpl-{base}",
                                  model=state.model_name, texts=state.texts,
                                  reasoning=features.reasoning)

@@ -8,6 +8,7 @@ constraint, the messages and the template's variables become one :class:`Job`, a
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import attrs
 
 from actorllm.server.convert import TokenTexts, chat_messages, sampling_params
+from actorllm.server.features import Features
 from actorllm.server.generation import Job
 from actorllm.server.reasoning import ReasoningParser
 from actorllm.server.render import ChatRenderer
@@ -37,22 +39,44 @@ class PreparedChat:
     tools: ToolPlan | None
 
 
-def template_kwargs(given: dict[str, Any] | None) -> str | None:
-    """``chat_template_kwargs`` as the JSON the Tokenizer hands the template."""
+@functools.lru_cache(maxsize=8)
+def template_variables(template: str) -> frozenset[str] | None:
+    """The variables a Jinja chat template reads from outside (None: it does not parse)."""
+    import jinja2
+    from jinja2 import meta
+
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return frozenset(meta.find_undeclared_variables(env.parse(template)))
+    except jinja2.TemplateError:
+        return None
+
+
+def template_kwargs(given: dict[str, Any] | None, template: Any = None) -> str | None:
+    """``chat_template_kwargs`` as the JSON the Tokenizer hands the template. A variable
+    the template does not read would be ignored silently, so it is refused (as any field
+    this server does not honour); ``enable_thinking`` works where the template reads it."""
     if not given:
         return None
     reserved = sorted(_RESERVED & set(given))
     if reserved:
         raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}",
                              "chat_template_kwargs")
+    known = template_variables(template) if isinstance(template, str) else None
+    unread = sorted(set(given) - known) if known is not None else []
+    if unread:
+        raise InvalidRequest(f"chat_template_kwargs: the chat template does not read "
+                             f"{', '.join(unread)}", "chat_template_kwargs")
     return json.dumps(given, ensure_ascii=False)
 
 
-def prepare_chat(body: ChatCompletionRequest, rid: str, *, info: Any, tool_call_parser: str,
-                 reasoning: ReasoningParser | None) -> PreparedChat:
-    """The engine request of ``body``; raises InvalidRequest naming the request's field."""
+def prepare_chat(body: ChatCompletionRequest, rid: str, state: Any,
+                 features: Features) -> PreparedChat:
+    """The engine request of ``body`` (``state``: the app's ServerState); raises
+    InvalidRequest naming the request's field."""
+    info, reasoning = state.engine.info, features.reasoning
     params = sampling_params(body, defaults=info.sampling_defaults, vocab_size=info.vocab_size)
-    tools = plan_tools(body, tool_call_parser)
+    tools = plan_tools(body, state.tool_call_parser)
     if tools is not None and tools.structured is not None:
         if params.structured is not None:
             raise InvalidRequest(f"tool_choice {body.tool_choice!r} forces the output; "
@@ -65,7 +89,9 @@ def prepare_chat(body: ChatCompletionRequest, rid: str, *, info: Any, tool_call_
                               add_generation_prompt=body.add_generation_prompt is not False,
                               arrival_time=time.monotonic(),
                               tools=None if tools is None else tools.tools_json,
-                              template_kwargs=template_kwargs(body.chat_template_kwargs))
+                              template_kwargs=template_kwargs(
+                                  body.chat_template_kwargs,
+                                  getattr(state.engine.tokenizer, "chat_template", None)))
     return PreparedChat(Job(request), params, tools)
 
 

@@ -206,7 +206,6 @@ def register_responses(app: FastAPI, state: Any, features: Features,
     """Add ``POST /v1/responses`` and ``GET /v1/responses/{id}`` to ``app``
     (``request_id``: the app's reading of X-Request-Id)."""
     store = ResponseStore(features.store_size, features.store_ttl)
-    info = state.engine.info
 
     @app.post("/v1/responses",
               responses={**errors, 200: {"content": {"text/event-stream": {}}}})
@@ -218,9 +217,7 @@ def register_responses(app: FastAPI, state: Any, features: Features,
         chat_body = chat_request(body, history)
         base = request_id(request)
         try:
-            chat = prepare_chat(chat_body, base, info=info,
-                                tool_call_parser=state.tool_call_parser,
-                                reasoning=features.reasoning)
+            chat = prepare_chat(chat_body, base, state, features)
         except InvalidRequest as exc:
             param = (exc.param or "").split("[")[0]
             raise InvalidRequest(str(exc), _PARAMS.get(param, exc.param)) from None
