@@ -82,12 +82,13 @@ def test_stream_reassembles_to_the_whole_answer(client: openai.OpenAI) -> None:
 
 
 def test_tool_call_and_its_answer_continue_the_conversation(client: openai.OpenAI) -> None:
-    first = client.responses.create(model="m", input="Weather in Paris?", tools=[WEATHER],
-                                    tool_choice="required", max_output_tokens=60)
+    forced: dict[str, Any] = {"model": "m", "input": "Weather in Paris?", "tools": [WEATHER],
+                              "tool_choice": "required", "parallel_tool_calls": False,
+                              "max_output_tokens": 60, "temperature": 0}
+    first = client.responses.create(**forced)
     (call,) = [o for o in first.output if o.type == "function_call"]
     assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris", "Oslo")
-    with client.responses.stream(model="m", input="Weather in Paris?", tools=[WEATHER],
-                                 tool_choice="required", max_output_tokens=60) as stream:
+    with client.responses.stream(**forced) as stream:
         deltas = sum(e.type == "response.function_call_arguments.delta" for e in stream)
         streamed = stream.get_final_response()
     (scall,) = [o for o in streamed.output if o.type == "function_call"]
