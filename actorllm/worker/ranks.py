@@ -178,7 +178,7 @@ class RankGroup:
         self.store.set(SPEC, json.dumps(dataclasses.asdict(spec)))
         env = dict(os.environ)
         # The rank must import this very actorllm, installed or not.
-        root = str(Path(__file__).resolve().parents[1])
+        root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port),
                    WORLD_SIZE=str(spec.world))
