@@ -25,6 +25,9 @@ class CliError(Exception):
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", help="model directory (default: the embedded model)")
+    g.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto",
+                   help="the project's own model, or transformers' modules with paged "
+                        "attention (auto: native where it exists)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache blocks (default: from --kv-cache-memory)")
@@ -171,6 +174,7 @@ def engine_config(args: argparse.Namespace) -> Any:
     try:
         return EngineConfig(
             model=args.model or str(default_model_dir()),
+            model_impl=args.model_impl,
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory,

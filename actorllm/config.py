@@ -33,6 +33,9 @@ class EngineConfig:
     """Everything that shapes an engine. Sizes are validated against the model at start-up."""
 
     model: str = attrs.field(factory=lambda: str(default_model_dir()))
+    # auto: the native model where it has the architecture, else transformers' own modules
+    # with paged attention (actorllm/model/hf_backend.py); native; transformers.
+    model_impl: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: from kv_cache_memory
     kv_cache_memory: int = 256 * 2**20  # bytes for K and V of all layers
@@ -114,6 +117,8 @@ class EngineConfig:
             raise ValueError(f"--topology must be one of {', '.join(TOPOLOGIES)}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("--scheduling-policy must be fcfs or priority")
+        if self.model_impl not in ("auto", "native", "transformers"):
+            raise ValueError("--model-impl must be auto, native or transformers")
         if self.attention_backend not in ("auto", "torch", "cpu", "cuda"):
             raise ValueError("--attention-backend must be auto, torch, cpu or cuda")
         for flag, v in (("--max-pending-bytes-per-request", self.max_pending_bytes_per_request),
