@@ -197,10 +197,11 @@ def sampling_defaults(generation_config: Mapping[str, object]) -> dict[str, obje
 
 
 def model_context_limit(text_config: Mapping[str, object]) -> int:
-    """The longest context the model serves exactly.
+    """The longest context the model serves by default.
 
-    Sliding-window attention is not implemented, so a windowed model is capped at its
-    window: inside it, windowed and full attention are the same thing. A window counts
+    A windowed model is capped at its window by default (inside it, windowed and full
+    attention are the same thing); an explicit ``--max-model-len`` may go past it, up to
+    ``max_position_embeddings``, since the attention op applies the window. A window counts
     unless the config turns it off (Qwen2's ``use_sliding_window: false``) or names no
     sliding layer in ``layer_types``.
     """
@@ -289,8 +290,13 @@ def read_model_info(model_dir: str | Path, max_model_len: int | None = None) -> 
     gen = _read_json(gen_file) if gen_file.is_file() else {}
     limit = model_context_limit(text_cfg)
     if max_model_len is not None:
-        if max_model_len > limit:
-            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's {limit}")
+        # Sliding windows are implemented (the attention op's sliding_window), so an explicit
+        # --max-model-len may reach past the window, up to the position limit; by default
+        # the context stays within the window, as before.
+        positions = int(text_cfg.get("max_position_embeddings", limit))  # type: ignore[call-overload]
+        if max_model_len > max(limit, positions):
+            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
+                             f"{max(limit, positions)}")
         limit = max_model_len
     return ModelInfo(
         path=str(path),

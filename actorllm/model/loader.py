@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
-from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from actorllm.model.llama import LlamaForCausalLM, RotaryEmbedding, head_dim_of
@@ -34,6 +34,7 @@ CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "LlamaForCausalLM": LlamaConfig,
     "MistralForCausalLM": MistralConfig,
     "Qwen2ForCausalLM": Qwen2Config,
+    "Qwen3ForCausalLM": Qwen3Config,
 }
 # Rope types whose frequencies depend on the running sequence length are not supported:
 # the paged cache stores rotated keys, so frequencies must not change mid-sequence.
@@ -185,6 +186,7 @@ def load_model(
             qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             tp=tp,
         )
     # Meta construction skips random init (minutes for a 7B model on CPU); every
