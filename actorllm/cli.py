@@ -25,6 +25,8 @@ class CliError(Exception):
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", help="model directory (default: the embedded model)")
+    g.add_argument("--revision", default=None,
+                   help="with a hub id: the branch, tag or commit (default: main)")
     g.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto",
                    help="the project's own model, or transformers' modules with paged "
                         "attention (auto: native where it exists)")
@@ -170,10 +172,12 @@ def _flow_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def engine_config(args: argparse.Namespace) -> Any:
     from actorllm.config import EngineConfig, default_model_dir
+    from actorllm.hub import resolve_model
 
     try:
         return EngineConfig(
-            model=args.model or str(default_model_dir()),
+            model=resolve_model(args.model, args.revision) if args.model
+            else str(default_model_dir()),
             model_impl=args.model_impl,
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,
