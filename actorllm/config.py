@@ -298,6 +298,8 @@ def read_model_info(model_dir: str | Path, max_model_len: int | None = None) -> 
             raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
                              f"{max(limit, positions)}")
         limit = max_model_len
+    if not isinstance(text_cfg.get("vocab_size"), int):
+        raise ValueError(f"{cfg_file}: no vocab_size: not a language model's config")
     return ModelInfo(
         path=str(path),
         vocab_size=int(text_cfg["vocab_size"]),  # type: ignore[call-overload]

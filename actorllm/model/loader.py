@@ -258,3 +258,24 @@ def _load_one(model: LlamaForCausalLM, name: str, tensor: torch.Tensor, file: st
             f"the config implies {tuple(target.shape)}"
         )
     target.copy_(tensor)
+
+
+def check_device_dtype(device: torch.device, dtype: torch.dtype) -> None:
+    """Raise a one-line ``ValueError`` unless ``device`` exists and can run ``dtype``.
+
+    A few ops of the kinds every model runs (a matmul, a softmax, an RMSNorm) are tried,
+    so that a dtype the device lacks fails here rather than inside the first step.
+    """
+    name = str(dtype).removeprefix("torch.")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: torch sees no CUDA GPU here")
+        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"--dtype bfloat16: the GPU on {device} cannot run it; "
+                             "use --dtype float16")
+    try:
+        x = torch.ones(2, 8, dtype=dtype, device=device)
+        torch.softmax(torch.rms_norm(x @ x.T, (2,)), dim=-1).sum().item()
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"--dtype {name} cannot run on {device}: {first}") from None

@@ -29,6 +29,7 @@ import trio
 from actorllm.config import ModelInfo, read_model_info
 from actorllm.model import ForwardBatch, KVCache, load_config, load_model, model_impl_of
 from actorllm.model.llama import allocate_kv_caches, head_dim_of
+from actorllm.model.loader import check_device_dtype
 from actorllm.model.parallel import TensorParallel, check_tensor_parallel
 from actorllm.ops import select_backend
 from actorllm.ops.cpu_linear import pack_linears
@@ -105,6 +106,7 @@ class ModelRunner:
             # Process-wide: the Worker's is the only torch work in its process.
             torch.set_num_threads(num_threads)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        check_device_dtype(self.device, self.dtype)  # one line, not a failure mid-load
         # The shape lets `auto` fall back to torch where no kernel fits, and compiles the
         # kernels now rather than inside the first step.
         self.backend = select_backend(attention_backend, self.device, dtype=self.dtype,
