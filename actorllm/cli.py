@@ -24,12 +24,10 @@ class CliError(Exception):
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", help="model directory (default: the embedded model)")
-    g.add_argument("--revision", default=None,
-                   help="with a hub id: the branch, tag or commit (default: main)")
+    g.add_argument("--model", help="model directory or hub id (default: the embedded model)")
+    g.add_argument("--revision", default=None, help="a hub id's branch, tag or commit")
     g.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto",
-                   help="the project's own model, or transformers' modules with paged "
-                        "attention (auto: native where it exists)")
+                   help="auto: the native model where it exists, else transformers'")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache blocks (default: from --kv-cache-memory)")
@@ -176,8 +174,7 @@ def engine_config(args: argparse.Namespace) -> Any:
 
     try:
         return EngineConfig(
-            model=resolve_model(args.model, args.revision) if args.model
-            else str(default_model_dir()),
+            model=resolve_model(args.model or str(default_model_dir()), args.revision),
             model_impl=args.model_impl,
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,

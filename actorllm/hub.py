@@ -37,16 +37,16 @@ def hub_offline() -> bool:
 def resolve_model(model: str, revision: str | None = None) -> str:
     """A local directory for ``model`` (a directory, or a hub id at ``revision``).
 
-    Raises a one-line ``ValueError`` when ``model`` is neither a directory nor a hub id
-    that can be fetched (or, offline, found in the cache).
+    A name not shaped like a hub id comes back as it is (a missing directory is reported
+    where directories are read). Raises a one-line ``ValueError`` for a hub id that cannot
+    be fetched (or, offline, found in the cache).
     """
     if Path(model).expanduser().is_dir():
         if revision is not None:
             raise ValueError(f"--revision applies to a hub id, and {model!r} is a directory")
         return str(Path(model).expanduser())
     if not _HUB_ID.match(model):
-        raise ValueError(f"model directory {model!r} does not exist (nor is it a hub id "
-                         "ORG/NAME)")
+        return model  # a path: read_model_info says it is missing, as for any directory
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 

@@ -59,9 +59,11 @@ def test_an_id_not_in_the_cache_is_one_line(hub: Path) -> None:
     assert "'tiny-org/absent'" in message and str(hub) in message and "\n" not in message
 
 
-def test_a_missing_directory_that_is_no_id(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="does not exist"):
-        resolve_model(str(tmp_path / "nowhere" / "deeper" / "still"))
+def test_a_path_that_is_no_id_is_left_to_the_directory_checks(tmp_path: Path) -> None:
+    path = str(tmp_path / "nowhere" / "deeper")
+    assert resolve_model(path) == path
+    with pytest.raises(ValueError, match="model directory not found"):
+        LLM(path)
 
 
 def test_cli_resolves_ids_and_exits_2_on_a_miss(hub: Path) -> None:

@@ -148,5 +148,5 @@ def test_the_two_paths_agree(tmp_path: Path, tokenizer_dir: Path) -> None:
 
 def test_native_refuses_what_it_lacks(tmp_path: Path, tokenizer_dir: Path) -> None:
     model_dir = build_family(tmp_path / "olmo2", "olmo2", tokenizer_dir)
-    with pytest.raises(ValueError, match="no native implementation of 'Olmo2ForCausalLM'"):
+    with pytest.raises(ValueError, match="architecture 'Olmo2ForCausalLM' for the native"):
         LLM(str(model_dir), model_impl="native", num_kv_blocks=64)

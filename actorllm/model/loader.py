@@ -64,14 +64,14 @@ def _choose_impl(arch: object, model_impl: str, path: Path) -> str:
                          f"got {model_impl!r}")
     if model_impl == "native" and arch not in CONFIG_CLASSES:
         raise ValueError(
-            f"{str(path)!r}: no native implementation of {arch!r} (native: "
-            f"{', '.join(CONFIG_CLASSES)}); use --model-impl transformers or auto")
+            f"{str(path)!r}: unsupported architecture {arch!r} for the native model (supported: "
+            f"{', '.join(CONFIG_CLASSES)}); --model-impl auto or transformers runs it")
     if model_impl == "transformers" or arch not in CONFIG_CLASSES:
         return "transformers"
     return "native"
 
 
-def load_config(model_dir: str | Path, model_impl: str = "auto") -> PretrainedConfig:
+def load_config(model_dir: str | Path, model_impl: str = "native") -> PretrainedConfig:
     """Read and check ``model_dir/config.json`` for ``model_impl``; a one-line ``ValueError``
     if unusable. :func:`model_impl_of` says which implementation it chose."""
     path = Path(model_dir)

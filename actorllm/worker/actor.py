@@ -106,7 +106,8 @@ class ModelRunner:
             # Process-wide: the Worker's is the only torch work in its process.
             torch.set_num_threads(num_threads)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        check_device_dtype(self.device, self.dtype)  # one line, not a failure mid-load
+        with single_threaded():  # the probe's ops start no OpenMP team in this thread
+            check_device_dtype(self.device, self.dtype)  # one line, not a failure mid-load
         # The shape lets `auto` fall back to torch where no kernel fits, and compiles the
         # kernels now rather than inside the first step.
         self.backend = select_backend(attention_backend, self.device, dtype=self.dtype,
