@@ -128,6 +128,9 @@ def load_hf_model(model_dir: str | Path, config: PretrainedConfig, *, dtype: tor
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ValueError(f"{str(path)!r}: checkpoint is missing tensor {missing[0]!r}{more}")
+    if any(getattr(m, "sinks", None) is not None for m in model.modules()):
+        raise ValueError(f"{str(path)!r}: {arch} uses attention sinks, which the paged "
+                         "attention op does not implement")
     model = model.to(device).eval()
     log.info("loaded %s from %s through transformers (%s, %s)", arch, path, dtype, device)
     return HFCausalLM(model)
