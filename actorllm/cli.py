@@ -24,7 +24,10 @@ class CliError(Exception):
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", help="model directory (default: the embedded model)")
+    g.add_argument("--model", help="model directory or hub id (default: the embedded model)")
+    g.add_argument("--revision", default=None, help="a hub id's branch, tag or commit")
+    g.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto",
+                   help="auto: the native model where it exists, else transformers'")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache blocks (default: from --kv-cache-memory)")
@@ -167,10 +170,12 @@ def _flow_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def engine_config(args: argparse.Namespace) -> Any:
     from actorllm.config import EngineConfig, default_model_dir
+    from actorllm.hub import resolve_model
 
     try:
         return EngineConfig(
-            model=args.model or str(default_model_dir()),
+            model=resolve_model(args.model or str(default_model_dir()), args.revision),
+            model_impl=args.model_impl,
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory,

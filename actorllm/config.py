@@ -33,6 +33,9 @@ class EngineConfig:
     """Everything that shapes an engine. Sizes are validated against the model at start-up."""
 
     model: str = attrs.field(factory=lambda: str(default_model_dir()))
+    # auto: the native model where it has the architecture, else transformers' own modules
+    # with paged attention (actorllm/model/hf_backend.py); native; transformers.
+    model_impl: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: from kv_cache_memory
     kv_cache_memory: int = 256 * 2**20  # bytes for K and V of all layers
@@ -114,6 +117,8 @@ class EngineConfig:
             raise ValueError(f"--topology must be one of {', '.join(TOPOLOGIES)}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("--scheduling-policy must be fcfs or priority")
+        if self.model_impl not in ("auto", "native", "transformers"):
+            raise ValueError("--model-impl must be auto, native or transformers")
         if self.attention_backend not in ("auto", "torch", "cpu", "cuda"):
             raise ValueError("--attention-backend must be auto, torch, cpu or cuda")
         for flag, v in (("--max-pending-bytes-per-request", self.max_pending_bytes_per_request),
@@ -192,10 +197,11 @@ def sampling_defaults(generation_config: Mapping[str, object]) -> dict[str, obje
 
 
 def model_context_limit(text_config: Mapping[str, object]) -> int:
-    """The longest context the model serves exactly.
+    """The longest context the model serves by default.
 
-    Sliding-window attention is not implemented, so a windowed model is capped at its
-    window: inside it, windowed and full attention are the same thing. A window counts
+    A windowed model is capped at its window by default (inside it, windowed and full
+    attention are the same thing); an explicit ``--max-model-len`` may go past it, up to
+    ``max_position_embeddings``, since the attention op applies the window. A window counts
     unless the config turns it off (Qwen2's ``use_sliding_window: false``) or names no
     sliding layer in ``layer_types``.
     """
@@ -284,9 +290,16 @@ def read_model_info(model_dir: str | Path, max_model_len: int | None = None) -> 
     gen = _read_json(gen_file) if gen_file.is_file() else {}
     limit = model_context_limit(text_cfg)
     if max_model_len is not None:
-        if max_model_len > limit:
-            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's {limit}")
+        # Sliding windows are implemented (the attention op's sliding_window), so an explicit
+        # --max-model-len may reach past the window, up to the position limit; by default
+        # the context stays within the window, as before.
+        positions = int(text_cfg.get("max_position_embeddings", limit))  # type: ignore[call-overload]
+        if max_model_len > max(limit, positions):
+            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
+                             f"{max(limit, positions)}")
         limit = max_model_len
+    if not isinstance(text_cfg.get("vocab_size"), int):
+        raise ValueError(f"{cfg_file}: no vocab_size: not a language model's config")
     return ModelInfo(
         path=str(path),
         vocab_size=int(text_cfg["vocab_size"]),  # type: ignore[call-overload]

@@ -16,6 +16,7 @@ import trio
 from actorllm.config import EngineConfig, default_model_dir
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.frontend.outputs import CompletionOutput, Merged, RequestError, merge_all
+from actorllm.hub import resolve_model
 from actorllm.wire.messages import ChatMessage, GenerateRequest, SamplingParams
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
@@ -68,8 +69,12 @@ async def collect(engine: AsyncEngine, rid: str, prompt: Prompt,
 class LLM:
     """Offline batched generation. ``LLM(model=DIR).generate(prompts, SamplingParams(...))``."""
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.config = EngineConfig(model=str(model or default_model_dir()), **engine_args)
+    def __init__(self, model: str | None = None, *, revision: str | None = None,
+                 **engine_args: Any) -> None:
+        """``model``: a directory or a hub id ``ORG/NAME`` (at ``revision``; see
+        :mod:`actorllm.hub`); None: the embedded model."""
+        path = resolve_model(str(model), revision) if model else str(default_model_dir())
+        self.config = EngineConfig(model=path, **engine_args)
         self.resources = Resources(self.config)
 
     @property

@@ -27,8 +27,9 @@ import torch
 import trio
 
 from actorllm.config import ModelInfo, read_model_info
-from actorllm.model import ForwardBatch, KVCache, load_config, load_model
+from actorllm.model import ForwardBatch, KVCache, load_config, load_model, model_impl_of
 from actorllm.model.llama import allocate_kv_caches, head_dim_of
+from actorllm.model.loader import check_device_dtype
 from actorllm.model.parallel import TensorParallel, check_tensor_parallel
 from actorllm.ops import select_backend
 from actorllm.ops.cpu_linear import pack_linears
@@ -85,13 +86,15 @@ class ModelRunner:
         info: ModelInfo | None = None,
         tensor_parallel_size: int = 1,
         rendezvous: Rendezvous | None = None,
+        model_impl: str = "auto",
     ) -> None:
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.device = torch.device(device)
-        config = load_config(model_dir)
+        config = load_config(model_dir, model_impl)  # model_impl: auto, native or transformers
+        native = model_impl_of(config) == "native"
         check_tensor_parallel(config, tensor_parallel_size)
         tp = TensorParallel(0, tensor_parallel_size)  # this runner is rank 0, the driver
         if tp.enabled and num_threads is None and self.device.type == "cpu":
@@ -103,6 +106,8 @@ class ModelRunner:
             # Process-wide: the Worker's is the only torch work in its process.
             torch.set_num_threads(num_threads)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        with single_threaded():  # the probe's ops start no OpenMP team in this thread
+            check_device_dtype(self.device, self.dtype)  # one line, not a failure mid-load
         # The shape lets `auto` fall back to torch where no kernel fits, and compiles the
         # kernels now rather than inside the first step.
         self.backend = select_backend(attention_backend, self.device, dtype=self.dtype,
@@ -139,7 +144,7 @@ class ModelRunner:
                 self.model = load_model(model_dir, dtype=self.dtype, device=self.device,
                                         config=config, tp=tp)
                 self.packed_linears = pack_linears(self.model) \
-                    if self.device.type == "cpu" else 0
+                    if self.device.type == "cpu" and native else 0
                 self.kv_caches: list[KVCache] = allocate_kv_caches(
                     config, num_blocks, block_size, self.dtype, self.device, tp)
             # A busy server's steps are mostly decode: on the CPU they run as one op call
@@ -160,8 +165,9 @@ class ModelRunner:
         self._failed_rids: frozenset[str] = frozenset()
         self.fed_forward = 0  # rows that fed a sampled token forward (overlap scheduling)
         self.one_op_steps = 0  # steps run by decode_step
-        log.info("model runner: %s on %s x%d (%s, %s attention, %s%s), %d KV blocks of %d "
-                 "tokens (%.1f MiB per rank)", config.architectures[0], self.device, tp.world,
+        log.info("model runner: %s (%s) on %s x%d (%s, %s attention, %s%s), %d KV blocks of %d "
+                 "tokens (%.1f MiB per rank)", config.architectures[0],
+                 model_impl_of(config), self.device, tp.world,
                  self.dtype, self.backend_name,
                  "oneDNN packed linears" if self.packed_linears else "torch linears",
                  ", decode steps in one op" if self.decode_step is not None else "",
