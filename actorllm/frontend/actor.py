@@ -57,7 +57,10 @@ class DuplicateRequestId(InvalidRequest):
 
 
 class Frontend:
-    """The actor. ``submit``/``abort`` are called by API-layer tasks of the same process."""
+    """The actor. ``submit``/``abort`` are called by API-layer tasks of the same process.
+
+    It owns its :class:`ReaderPacing`, built from ``pacing`` (the class) with ``limits``.
+    """
 
     def __init__(
         self,
