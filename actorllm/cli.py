@@ -280,8 +280,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 async def _stream_one(config: Any, resources: Any, prompt: str, params: Any) -> int:
     from actorllm.engine.async_engine import open_engine
-    from actorllm.frontend.outputs import RequestError
     from actorllm.llm import make_request
+    from actorllm.wire.outputs import RequestError
 
     async with open_engine(config, resources=resources) as engine:
         try:

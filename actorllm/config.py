@@ -77,7 +77,7 @@ class EngineConfig:
     topology: str = "single"
     trace: str | None = None
     trace_hops: bool = False
-    # Slow readers (the Frontend's flow control, FlowLimits in actorllm/frontend/outputs.py);
+    # Slow readers (the Frontend's flow control, FlowLimits in actorllm/frontend/readers.py);
     # None: off.
     max_pending_bytes_per_request: int | None = 256 << 10
     max_pending_bytes: int | None = 64 << 20

@@ -15,9 +15,9 @@ import trio
 
 from actorllm.config import EngineConfig, default_model_dir
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
-from actorllm.frontend.outputs import CompletionOutput, Merged, RequestError, merge_all
 from actorllm.hub import resolve_model
 from actorllm.wire.messages import ChatMessage, GenerateRequest, SamplingParams
+from actorllm.wire.outputs import CompletionOutput, Merged, RequestError, merge_all
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
 

@@ -161,15 +161,17 @@ class EngineMetrics:
                 counter.labels(replica=label).inc(value - self._replica_totals.get(key, 0.0))
                 self._replica_totals[key] = float(value)
 
-    def watch_flows(self, frontend: Any) -> None:
-        """Read the Frontend's flow-control figures when scraped (they change per token)."""
+    def watch_flows(self, pacing: Any) -> None:
+        """Read the Frontend's flow-control figures when scraped (they change per token):
+        ``pacing`` is its ReaderPacing, with ``pending_bytes`` and the collectors it paces
+        (``flows``)."""
         from actorllm.clock import now
 
-        self.pending_output_bytes.set_function(lambda: frontend.pending_bytes)
+        self.pending_output_bytes.set_function(lambda: pacing.pending_bytes)
         self.pending_output_bytes_max.set_function(
-            lambda: max((c.pending_bytes for c in frontend.flows), default=0))
+            lambda: max((c.pending_bytes for c in pacing.flows), default=0))
         self.oldest_undelivered_output.set_function(
-            lambda: max((c.age(now()) for c in frontend.flows), default=0.0))
+            lambda: max((c.age(now()) for c in pacing.flows), default=0.0))
 
     def on_arrival(self) -> None:
         self.arrivals += 1

@@ -29,7 +29,6 @@ from helpers import greedy_expectations
 
 from actorllm.config import EngineConfig
 from actorllm.engine.async_engine import AsyncEngine, EngineStartError, Resources, open_engine
-from actorllm.frontend.outputs import RequestError
 from actorllm.llm import LLM, collect, make_request
 from actorllm.topology import supervisor as supervisor_module
 from actorllm.topology.placement import (
@@ -41,6 +40,7 @@ from actorllm.topology.placement import (
 from actorllm.topology.supervisor import Supervisor
 from actorllm.wire import codec
 from actorllm.wire.messages import GenerateRequest, SamplingParams
+from actorllm.wire.outputs import RequestError
 from actorllm.wire.transport import PROTOCOL_VERSION, IpcDir, schema_fingerprint
 
 TOPOLOGIES = ("single", "engine", "pipeline")

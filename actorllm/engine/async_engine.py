@@ -28,7 +28,7 @@ import trio
 from actorllm.config import EngineConfig, ModelInfo, read_model_info
 from actorllm.engine.admission import Admission, Gate
 from actorllm.frontend.actor import Frontend
-from actorllm.frontend.outputs import OutputCollector, RequestError, RequestOutput
+from actorllm.frontend.collector import OutputCollector
 from actorllm.lifecycle.table import load_spec
 from actorllm.lifecycle.trace import Tracer
 from actorllm.metrics import EngineMetrics
@@ -49,6 +49,7 @@ from actorllm.topology.placement import (
 from actorllm.topology.supervisor import EngineStartError, Supervisor
 from actorllm.wire.mailbox import Mailbox
 from actorllm.wire.messages import GenerateRequest, InvalidRequest, ReplicaLost
+from actorllm.wire.outputs import RequestError, RequestOutput
 from actorllm.wire.transport import IpcDir
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,8 @@ from starlette.responses import Response
 from starlette.types import Send
 
 from actorllm.frontend.actor import DuplicateRequestId
-from actorllm.frontend.outputs import RequestError
 from actorllm.wire.messages import InvalidRequest
+from actorllm.wire.outputs import RequestError
 
 log = logging.getLogger(__name__)
 

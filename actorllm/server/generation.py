@@ -38,11 +38,12 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from actorllm.engine.admission import Refused
-from actorllm.frontend.outputs import CompletionOutput, EndOfOutput, OutputCollector, RequestError
+from actorllm.frontend.collector import OutputCollector
 from actorllm.server import sse
 from actorllm.server.errors import APIError, from_request_error, invalid
 from actorllm.server.render import Renderer, usage
 from actorllm.wire.messages import GenerateRequest, InvalidRequest
+from actorllm.wire.outputs import CompletionOutput, EndOfOutput, RequestError
 
 if TYPE_CHECKING:
     from actorllm.server.app import ServerState

@@ -2,7 +2,7 @@
 
 A renderer knows nothing of ASGI, sockets or the engine; ``generation.py`` feeds it each
 ``CompletionOutput`` as it comes and sends what it returns. Each choice's outputs are
-folded with the one merge of ``actorllm.frontend.outputs``; what a renderer adds is the shape:
+folded with the one merge of ``actorllm.wire.outputs``; what a renderer adds is the shape:
 roles, chunks, logprobs in the chat or the legacy completions layout, usage.
 """
 
@@ -12,7 +12,6 @@ from typing import Any, Protocol
 
 import attrs
 
-from actorllm.frontend.outputs import CompletionOutput, Merged
 from actorllm.server.convert import (
     PromptOffsets,
     TokenTexts,
@@ -23,6 +22,7 @@ from actorllm.server.convert import (
 )
 from actorllm.server.tool_stream import ToolStream
 from actorllm.server.tools import ToolPlan
+from actorllm.wire.outputs import CompletionOutput, Merged
 
 
 class JobView(Protocol):

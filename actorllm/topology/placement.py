@@ -316,7 +316,7 @@ def build_actors(role: str, wiring: Wiring, config: EngineConfig, parts: Parts,
     role, replica = split_role(role)
     actors: dict[str, Any] = {}
     if place["frontend"] == role:
-        from actorllm.frontend.outputs import FlowLimits
+        from actorllm.frontend.readers import FlowLimits
 
         limits = FlowLimits(config.max_pending_bytes_per_request, config.max_pending_bytes,
                             config.stream_timeout)

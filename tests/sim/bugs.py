@@ -1,7 +1,8 @@
 """Planted bugs: deliberately wrong variants of the actors, for tests that must fail.
 
 Production modules carry no switches for these. Each bug is a mixin that overrides one
-hook of the real actor (``Frontend._check_unique``, ``Scheduler._fenced``, ...); the
+ordinary method of the real actor (``Frontend._check_unique``, ``Scheduler._fenced``,
+...) or hands it a faulty part through its constructor (the Frontend's ``pacing``); the
 simulation (``SimConfig.bugs``) builds each actor from its class plus the mixins named
 for it, so the rest of the actor is the real code. tests/test_planted_bugs.py shows that
 the harness catches each; the names are ``"<actor>.bug_<what>"``.
@@ -12,12 +13,15 @@ from __future__ import annotations
 from typing import Any
 
 from actorllm.detokenizer.actor import DecodeState, Detokenizer
-from actorllm.frontend.actor import Frontend, RequestState
-from actorllm.frontend.outputs import Merged, OutputCollector
+from actorllm.frontend.actor import Frontend
+from actorllm.frontend.collector import OutputCollector
+from actorllm.frontend.readers import Flow, ReaderPacing
+from actorllm.frontend.state import RequestState
 from actorllm.scheduler.actor import Scheduler
 from actorllm.scheduler.kv_pool import BlockPool
 from actorllm.scheduler.sequence import Sequence
 from actorllm.wire.messages import GenerateRequest, StepPlan
+from actorllm.wire.outputs import Merged
 
 from .scripted_worker import ScriptedWorker
 
@@ -25,13 +29,17 @@ from .scripted_worker import ScriptedWorker
 class RegisterAfterDispatch(Frontend):
     """Invariant 1: the GenerateRequest leaves before the rid is registered."""
 
-    def _register_leaves(self, leaves: list[tuple[str, int]], collector: OutputCollector,
-                         parent: str | None, now: float) -> None:
-        self._late = {rid: (index, collector, parent, now) for rid, index in leaves}
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._late: dict[str, tuple[OutputCollector, dict[str, Any]]] = {}
+
+    def _register(self, rid: str, collector: OutputCollector, **leaf: Any) -> None:
+        self._late[rid] = (collector, leaf)
 
     async def _dispatch(self, rid: str, msg: GenerateRequest) -> None:
         await self.tokenizer.send(msg)
-        self._register(rid, *self._late.pop(rid))
+        collector, leaf = self._late.pop(rid)
+        super()._register(rid, collector, **leaf)
         self.ledger.fire(rid, "dispatch")
 
 
@@ -138,23 +146,30 @@ class PauseKeepsSlot(Scheduler):
         self.running[:] = running
 
 
+class _NeverResumePacing(ReaderPacing):
+    def resume(self, col: OutputCollector, flow: Flow) -> None:
+        pass  # the bug: the reader caught up, its request stays paused
+
+
 class NeverResume(Frontend):
     """Invariant 11: a reader that catches up is never resumed."""
 
-    def _on_read(self, col: OutputCollector, cost: int, tokens: int) -> None:
-        paused = col.paused
-        super()._on_read(col, cost, tokens)
-        col.paused = paused
-        self._flow_next.clear()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, pacing=_NeverResumePacing, **kwargs)
+
+
+class _DropOnPausePacing(ReaderPacing):
+    def pace(self, col: OutputCollector) -> None:
+        super().pace(col)
+        if self.paused(col):
+            col._pending.clear()  # the bug: what waited for the reader is gone
 
 
 class DropOnPause(Frontend):
     """Invariant 7: what a reader had not read is dropped when its request is paused."""
 
-    def _pace(self, col: OutputCollector) -> None:
-        super()._pace(col)
-        if col.paused:
-            col._pending.clear()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, pacing=_DropOnPausePacing, **kwargs)
 
 
 class IgnoreForget(ScriptedWorker):
@@ -185,7 +200,7 @@ PLANTED: dict[str, type[Any]] = {
 
 
 class DroppingMerged(Merged):
-    """collector.bug_drop_merged: merging a delta into pending text loses what was pending."""
+    """Merging a delta into pending text loses what was pending."""
 
     def add(self, out: Any) -> None:
         if self.text:
@@ -193,9 +208,20 @@ class DroppingMerged(Merged):
         super().add(out)
 
 
-# Planted on each OutputCollector as it appears (the harness's _watch_collector), as the
-# fold it merges with.
-COLLECTOR_BUGS: dict[str, type[Merged]] = {"collector.bug_drop_merged": DroppingMerged}
+class DroppingCollector(OutputCollector):
+    """collector.bug_drop_merged: a collector that folds with :class:`DroppingMerged`."""
+
+    def _merged(self, index: int) -> Merged:
+        p = self._pending.get(index)
+        if p is None:
+            p = self._pending[index] = DroppingMerged()
+        return p
+
+
+# Not an actor's: the harness (_watch_collector) makes each collector it watches one of
+# these as it appears, before any output reaches it.
+COLLECTOR_BUGS: dict[str, type[OutputCollector]] = {
+    "collector.bug_drop_merged": DroppingCollector}
 
 
 def actor_class(actor: str, base: type[Any], bugs: frozenset[str]) -> type[Any]:
