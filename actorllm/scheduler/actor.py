@@ -34,7 +34,6 @@ import trio
 
 from actorllm.lifecycle.table import Ledger, State
 from actorllm.lifecycle.trace import Tracer
-from actorllm.scheduler import seq_blocks as blocks
 from actorllm.scheduler.batch import Batch
 from actorllm.scheduler.kv_pool import BlockPool
 from actorllm.scheduler.outgoing import Outgoing
@@ -139,9 +138,9 @@ class Scheduler:
 
     async def flush(self) -> None:
         """Send what the decisions so far produced to the Detokenizer."""
-        batch = self.take_batch()
-        if batch is not None:
-            await self.detokenizer.send(batch)
+        out = self.take_batch()
+        if out is not None:
+            await self.detokenizer.send(out)
 
     def take_batch(self) -> TokenBatch | None:
         """The outputs, frees and stats decided since the last call, if any."""
@@ -258,9 +257,8 @@ class Scheduler:
         plan = StepPlan(
             step_id=self.next_step_id,
             seqs=tuple(seq.scheduled(n) for seq, n in planned),
-            drop=tuple(self.worker_drops),
+            drop=self.batch.take_worker_drops(),
         )
-        self.worker_drops.clear()
         self.next_step_id += 1
         self.in_flight.append(plan)
         if self.tracer is not None:
@@ -288,8 +286,7 @@ class Scheduler:
                 continue
             seq.step_returned(s)
             if seq.status is State.RUNNING and result.error is None:
-                seq.num_computed += len(s.token_ids)
-                blocks.register(self.pool, seq)
+                self.batch.computed(seq, len(s.token_ids))
         self._pass_fence()
         if result.error is not None:
             for s in plan.seqs:

@@ -69,6 +69,16 @@ class Batch:
         if seq.worker_knows:
             self.worker_drops.append(seq.rid)
 
+    def computed(self, seq: Sequence, n: int) -> None:
+        """A step that ran ``n`` tokens of ``seq`` is back: its full blocks may be shared."""
+        seq.num_computed += n
+        blocks.register(self.pool, seq)
+
+    def take_worker_drops(self) -> tuple[str, ...]:
+        """The rids whose Worker state may go, for the next StepPlan (and then forgotten)."""
+        drops, self.worker_drops = tuple(self.worker_drops), []
+        return drops
+
     # --- planning -----------------------------------------------------------------------
 
     def plan(self, ahead: bool) -> Chunks | None:
