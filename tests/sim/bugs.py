@@ -1,8 +1,9 @@
 """Planted bugs: deliberately wrong variants of the actors, for tests that must fail.
 
 Production modules carry no switches for these. Each bug is a mixin that overrides one
-ordinary method of the real actor (``Frontend._check_unique``, ``Scheduler._fenced``,
-...) or hands it a faulty part through its constructor (the Frontend's ``pacing``); the
+ordinary method of the real actor (``Frontend._check_unique``, ``Scheduler._pass_fence``,
+...) or hands it a faulty part through its constructor (the Frontend's ``pacing``, the
+Scheduler's ``pool``); the
 simulation (``SimConfig.bugs``) builds each actor from its class plus the mixins named
 for it, so the rest of the actor is the real code. tests/test_planted_bugs.py shows that
 the harness catches each; the names are ``"<actor>.bug_<what>"``.
@@ -18,6 +19,7 @@ from actorllm.frontend.collector import OutputCollector
 from actorllm.frontend.readers import Flow, ReaderPacing
 from actorllm.frontend.state import RequestState
 from actorllm.scheduler.actor import Scheduler
+from actorllm.scheduler.batch import Batch
 from actorllm.scheduler.kv_pool import BlockPool
 from actorllm.scheduler.sequence import Sequence
 from actorllm.wire.messages import GenerateRequest, StepPlan
@@ -67,29 +69,53 @@ class EndParentEarly(Frontend):
 class FreeBeforeFence(Scheduler):
     """Invariant 3: a finished sequence's blocks freed while a step still reads them."""
 
-    def _fenced(self, seq: Sequence) -> bool:
-        return False
+    def _finish(self, seq: Sequence, *args: Any, **kwargs: Any) -> None:
+        super()._finish(seq, *args, **kwargs)
+        if seq in self.fenced:  # the bug: it goes back without waiting for the fence
+            self.fenced.remove(seq)
+            self._free(seq)
 
 
 class FenceOneStep(Scheduler):
     """Invariant 3 with two steps in flight: a fenced sequence freed when the first of the
     steps that name it returns, while the step planned ahead still reads its blocks."""
 
-    def _fence_passed(self, seq: Sequence) -> bool:
-        return True
+    def _pass_fence(self) -> None:
+        fenced, self.fenced = self.fenced, []
+        for seq in fenced:
+            self._free(seq)
+
+
+def _planted_batch(base: Scheduler, batch_class: type[Batch]) -> None:
+    """Give a Scheduler just built a batch of ``batch_class``, with the same settings."""
+    old = base.batch
+    base.batch = batch_class(old.pool, old.ledger, max_num_seqs=old.max_num_seqs,
+                             max_num_batched_tokens=old.max_num_batched_tokens,
+                             priority=old.priority)
+
+
+class _RereportBatch(Batch):
+    def drop_kv(self, seq: Sequence) -> None:
+        super().drop_kv(seq)
+        if seq.prompt_lps_next:
+            seq.prompt_lps_next = 1
 
 
 class RereportPromptLogprobs(Scheduler):
     """Invariant 7: a recompute after preemption reports prompt logprobs again."""
 
-    def _reset_for_recompute(self, seq: Sequence) -> None:
-        super()._reset_for_recompute(seq)
-        if seq.prompt_lps_next:
-            seq.prompt_lps_next = 1
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _planted_batch(self, _RereportBatch)
 
 
-# The prefix cache's bugs live in the pool; the Scheduler builds its pool from
-# ``Scheduler.pool_class``, so each is planted as a Scheduler whose pool is wrong.
+# The prefix cache's bugs live in the pool: each is planted as a Scheduler given a wrong
+# pool through its ``pool`` argument.
+
+
+def _planted_pool(pool_class: type[BlockPool], kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {**kwargs, "pool": pool_class(kwargs["num_blocks"], kwargs.get("block_size", 16),
+                                         kwargs.get("enable_prefix_caching", True))}
 
 
 class _CachesSharedBlockPool(BlockPool):
@@ -104,7 +130,8 @@ class _CachesSharedBlockPool(BlockPool):
 class CacheSharedBlock(Scheduler):
     """Invariant 8: a shared cached block becomes evictable when one holder lets go."""
 
-    pool_class = _CachesSharedBlockPool
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **_planted_pool(_CachesSharedBlockPool, kwargs))
 
 
 class _KeepEvictedHashPool(BlockPool):
@@ -115,7 +142,8 @@ class _KeepEvictedHashPool(BlockPool):
 class KeepEvictedHash(Scheduler):
     """Invariant 9: an evicted block is overwritten while its hash still finds it."""
 
-    pool_class = _KeepEvictedHashPool
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **_planted_pool(_KeepEvictedHashPool, kwargs))
 
 
 class _ShareWithoutReferencePool(BlockPool):
@@ -127,7 +155,8 @@ class _ShareWithoutReferencePool(BlockPool):
 class ShareWithoutReference(Scheduler):
     """Invariant 10: a prefix-cache hit on a block in use does not count its new holder."""
 
-    pool_class = _ShareWithoutReferencePool
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **_planted_pool(_ShareWithoutReferencePool, kwargs))
 
 
 class EmitAfterStop(Detokenizer):
@@ -137,13 +166,19 @@ class EmitAfterStop(Detokenizer):
         return True
 
 
+class _KeepSlotBatch(Batch):
+    def apply_pauses(self) -> None:
+        running = list(self.running)
+        super().apply_pauses()
+        self.running[:] = running
+
+
 class PauseKeepsSlot(Scheduler):
     """Invariant 11: a paused sequence stays in the running batch."""
 
-    def _apply_pauses(self) -> None:
-        running = list(self.running)
-        super()._apply_pauses()
-        self.running[:] = running
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _planted_batch(self, _KeepSlotBatch)
 
 
 class _NeverResumePacing(ReaderPacing):

@@ -111,7 +111,7 @@ class Watches(WorldFields):
         return (seqs, tuple(q.rid for q in s.waiting), tuple(q.rid for q in s.running),
                 tuple(q.rid for q in s.fenced), frozenset(s.pool.refs.items()),
                 tuple(p.step_id for p in s.in_flight), tuple(s.worker_drops),
-                tuple(s._outputs), tuple(s._freed))
+                tuple(s.outgoing.outputs), tuple(s.outgoing.freed))
 
     # --- clients ------------------------------------------------------------------------------
 
