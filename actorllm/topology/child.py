@@ -114,16 +114,15 @@ def load_parts(role: str, config: EngineConfig, ipc: IpcDir) -> Parts:
     if role == "detokenizer":
         import tokenizers
 
+        from actorllm.detokenizer.actor import TokenizerDecode
+
         path = ipc.file(TOKENIZER_FILE)
         try:
             backend = tokenizers.Tokenizer.from_file(path)
         except Exception as exc:  # tokenizers raises its own exception type
             raise ValueError(f"cannot load the tokenizer from {path}: {exc}") from None
-
-        def decode(ids: Any, skip_special: bool) -> str:
-            return backend.decode(list(ids), skip_special_tokens=skip_special)
-
-        return Parts(decode=decode)
+        # TokenizerDecode, not a bare function: the Detokenizer's piece table needs it.
+        return Parts(decode=TokenizerDecode(backend))
     raise ValueError(f"unknown role {role!r}")
 
 
