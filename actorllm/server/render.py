@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import attrs
 
 from actorllm.frontend.outputs import CompletionOutput, Merged
-from actorllm.server.convert import (
+from actorllm.server.logprobs import (
     PromptOffsets,
     TokenTexts,
     chat_logprobs,
