@@ -40,7 +40,6 @@ from actorllm.wire.mailbox import Inbox, Outbox
 from actorllm.wire.messages import (
     FEED_LAST_SAMPLE,
     AbortRequest,
-    FinishReason,
     FlowControl,
     SchedulerInput,
     SchedulerStats,
@@ -159,14 +158,14 @@ class Scheduler(Pacing):
         elif isinstance(msg, SequenceRequest):
             self.on_request(msg)
         elif isinstance(msg, AbortRequest):
-            self.finish_early(msg.rid, FinishReason.ABORT)
+            self.finish_early(msg.rid, "abort")
         elif isinstance(msg, FlowControl):
             self.on_flow(msg)  # actorllm/scheduler/flow.py
         elif isinstance(msg, StopMatched):
             seq = self.seqs.get(msg.rid)
             # A stop found for an earlier request under this rid must not end this one.
             if seq is None or seq.incarnation != msg.incarnation or not self.finish_early(
-                    msg.rid, FinishReason.STOP, msg.stop):
+                    msg.rid, "stop", msg.stop):
                 self.late_stops_dropped += 1
         else:  # the mailbox's type check makes this unreachable
             raise TypeError(type(msg).__name__)
@@ -197,7 +196,7 @@ class Scheduler(Pacing):
             self.tracer.record("input", actor="scheduler", msg=reason, rid=rid)
         if seq is None or seq.status is State.FINISHED:
             return False  # idempotent: already finished, freed, or never seen
-        self._finish(seq, "abort" if reason == FinishReason.ABORT else "finish", reason, stop)
+        self._finish(seq, "abort" if reason == "abort" else "finish", reason, stop)
         return True
 
     def schedule(self) -> StepPlan | None:
@@ -339,7 +338,7 @@ class Scheduler(Pacing):
             for s in plan.seqs:
                 seq = self.seqs.get(s.rid)
                 if seq is not None and seq.status is State.RUNNING:
-                    self._finish(seq, "fail", FinishReason.ERROR, error=result.error)
+                    self._finish(seq, "fail", "error", error=result.error)
             return
         pieces, gaps = take_prompt_pieces(
             [q for q in (self._running(s.rid) for s in plan.seqs) if q is not None],
@@ -348,7 +347,7 @@ class Scheduler(Pacing):
             # A Worker bug. The client must not get a list with holes, and the other
             # requests need not die with this one.
             log.error("%s: %s", seq.rid, gap)
-            self._finish(seq, "fail", FinishReason.ERROR, error=gap)
+            self._finish(seq, "fail", "error", error=gap)
         for tok in result.tokens:
             seq = self._running(tok.rid)
             if seq is None:
@@ -368,8 +367,7 @@ class Scheduler(Pacing):
                 self._outputs.append(TokenOut(seq.rid, spec=seq.detok_spec_once(), **piece))
             if seq.max_tokens == 0 and seq.num_computed == seq.num_tokens \
                     and not seq.in_flight:
-                # The prompt is scored: nothing to sample.
-                self._finish(seq, "finish", FinishReason.LENGTH)
+                self._finish(seq, "finish", "length")  # the prompt is scored: nothing to sample
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
                 piece: dict[str, Any] | None = None) -> None:
