@@ -69,10 +69,6 @@ class ServerState:
         # /tokenize and /detokenize run the tokenizer in threads; this many at once.
         self.tokenizer_threads = trio.CapacityLimiter(2)
 
-    @property
-    def serving(self) -> bool:
-        return self.admission.refusal() is None
-
     def refusal(self) -> APIError | None:
         """Why a new request would be refused now (503), or None while serving."""
         refused = self.admission.refusal()
