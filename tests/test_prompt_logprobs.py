@@ -372,7 +372,7 @@ def check_echo(lp: dict[str, Any], text: str, ids: list[int], ref: torch.Tensor,
 
 def _piece(tokenizer: Any, tid: int) -> str:
     """A token's text the way the server shows it: its bytes, decoded on their own."""
-    from actorllm.server.convert import TokenTexts
+    from actorllm.server.logprobs import TokenTexts
 
     return TokenTexts(tokenizer).get(tid)[0]
 

@@ -25,6 +25,7 @@ from actorllm.wire.mailbox import Inbox, Outbox
 from actorllm.wire.messages import (
     DetokenizerInput,
     DetokSetup,
+    FinishReason,
     FrontendInput,
     OutputBatch,
     ReplicaLost,
@@ -389,9 +390,9 @@ class Detokenizer:
                                         out.prompt_logprobs, out.prompt_token_ids))
         if final:
             reason, stop_reason = out.finish_reason, out.stop_reason
-            if st.stopped is not None and reason != "abort" and reason != "error":
-                reason, stop_reason = "stop", st.stopped
-            finished.append(RequestFinished(out.rid, reason or "error", stop_reason,
+            if st.stopped is not None and reason not in (FinishReason.ABORT, FinishReason.ERROR):
+                reason, stop_reason = FinishReason.STOP, st.stopped
+            finished.append(RequestFinished(out.rid, reason or FinishReason.ERROR, stop_reason,
                                             st.num_prompt_tokens, out.error, out.queue_s,
                                             out.cached_tokens))
             del self.states[out.rid]

@@ -48,7 +48,7 @@ from actorllm.topology.placement import (
 )
 from actorllm.topology.supervisor import EngineStartError, Supervisor
 from actorllm.wire.mailbox import Mailbox
-from actorllm.wire.messages import GenerateRequest, InvalidRequest, ReplicaLost
+from actorllm.wire.messages import FailureCode, GenerateRequest, InvalidRequest, ReplicaLost
 from actorllm.wire.outputs import RequestError, RequestOutput
 from actorllm.wire.transport import IpcDir
 
@@ -141,7 +141,7 @@ class AsyncEngine:
         if not (reserved and self.alive):
             refused = self.admission.refusal()
             if refused is not None:
-                raise RequestError(str(refused), "engine_dead")
+                raise RequestError(str(refused), FailureCode.ENGINE_DEAD)
         collector = await self.frontend.submit(request, final_only=final_only)
         if not self.alive:  # it died while we dispatched: fail what we just registered
             self.frontend.lose_all(self.dead_reason or "the engine is not running")

@@ -36,6 +36,8 @@ from actorllm.metrics import EngineMetrics
 from actorllm.wire.mailbox import Inbox, Outbox
 from actorllm.wire.messages import (
     AbortRequest,
+    FailureCode,
+    FinishReason,
     FlowControl,
     FrontendInput,
     GenerateRequest,
@@ -313,8 +315,9 @@ class Frontend:
                                  time.monotonic() - st.arrival)
         if fin.queue_s is not None:
             self.metrics.queue_time.observe(fin.queue_s)
-        if fin.finish_reason == "error":
-            st.collector.put_error(RequestError(fin.error or "engine error", "internal"))
+        if fin.finish_reason == FinishReason.ERROR:
+            st.collector.put_error(RequestError(fin.error or "engine error",
+                                                FailureCode.INTERNAL))
             if st.parent is not None:  # the client gets the error: its siblings are moot
                 self._abort_next.append((self.registry[st.parent], "sibling_failed"))
         elif not st.collector.failed:  # (after a stream timeout the reader gets the error)
@@ -381,7 +384,7 @@ class Frontend:
                 self.ledger.fire(rid, "lose")
             if not answered:
                 self.ledger.fire(rid, "respond", reason="error")
-                st.collector.put_error(RequestError(message, "engine_dead"))
+                st.collector.put_error(RequestError(message, FailureCode.ENGINE_DEAD))
                 self.metrics.on_finished("error", 0, time.monotonic() - st.arrival)
                 self.metrics.aborted_requests.labels(reason="engine_dead").inc()
                 self.pacing.untrack_if_idle(st.collector)

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from actorllm.server.convert import (
+from actorllm.server.logprobs import (
     PromptOffsets,
     TokenTexts,
     chat_logprobs,
@@ -22,6 +22,7 @@ from actorllm.server.convert import (
 )
 from actorllm.server.tool_stream import ToolStream
 from actorllm.server.tools import ToolPlan
+from actorllm.wire.messages import FinishReason
 from actorllm.wire.outputs import CompletionOutput, Merged
 
 
@@ -191,7 +192,9 @@ class ChatRenderer(_RendererBase):
 
 def _tool_finish(finish: str | None, called: bool) -> str | None:
     """OpenAI's ``tool_calls`` for an answer that ended by itself with calls."""
-    return "tool_calls" if called and finish == "stop" else finish
+    if called and finish == FinishReason.STOP:
+        return FinishReason.TOOL_CALLS
+    return finish
 
 
 class CompletionRenderer(_RendererBase):
