@@ -449,7 +449,7 @@ async def main():
             if tokens == 0:
                 print(json.dumps({"pids": engine.supervisor.pids(),
                                   "ipc": engine.supervisor.ipc.path,
-                                  "runner": "actorllm.worker.actor" in sys.modules}), flush=True)
+                                  "runner": "actorllm.worker.runner" in sys.modules}), flush=True)
             tokens += len(out.outputs[0].token_ids)
         print(f"done {tokens}", flush=True)
         await trio.sleep_forever()

@@ -1,6 +1,6 @@
 """Tensor-parallel ranks: the driver's side (:class:`RankGroup`) and a rank's process.
 
-With ``--tensor-parallel-size N`` the Worker's :class:`~actorllm.worker.actor.ModelRunner` is
+With ``--tensor-parallel-size N`` the Worker's :class:`~actorllm.worker.runner.ModelRunner` is
 rank 0, the *driver*; ranks 1..N-1 are processes (``actorllm rank``, started by the
 driver or on other hosts) that each hold their shard of the weights
 (:mod:`actorllm.model.parallel`) and of the KV cache, and do nothing but run the model
