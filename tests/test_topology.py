@@ -40,8 +40,9 @@ from actorllm.topology.placement import (
 )
 from actorllm.topology.supervisor import Supervisor
 from actorllm.wire import codec
+from actorllm.wire.handshake import PROTOCOL_VERSION, schema_fingerprint
 from actorllm.wire.messages import GenerateRequest, SamplingParams
-from actorllm.wire.transport import PROTOCOL_VERSION, IpcDir, schema_fingerprint
+from actorllm.wire.transport import IpcDir
 
 TOPOLOGIES = ("single", "engine", "pipeline")
 MULTI = ("engine", "pipeline")
@@ -377,7 +378,8 @@ READY_IMPOSTOR = """
 import os, sys, time
 import trio
 from actorllm.wire.messages import ControlMessage, Ready, StartFailed
-from actorllm.wire.transport import ZmqInbox, ZmqOutbox, make_hello
+from actorllm.wire.handshake import make_hello
+from actorllm.wire.transport import ZmqInbox, ZmqOutbox
 
 async def main():
     ctl_in = ZmqInbox("engine.ctl", ControlMessage, 16, sys.argv[-1])

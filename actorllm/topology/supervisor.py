@@ -37,7 +37,7 @@ from actorllm.topology.child import (
 )
 from actorllm.topology.children import Child, spawn, stop_children
 from actorllm.topology.placement import child_roles, split_role
-from actorllm.wire import codec, control
+from actorllm.wire import codec, control, handshake
 from actorllm.wire import transport as wire
 from actorllm.wire.messages import ControlMessage
 
@@ -127,7 +127,7 @@ class Supervisor:
         self._settled.set()
 
     def _on_reject(self, data: bytes, why: str) -> None:
-        version = wire.frame_version(data)
+        version = handshake.frame_version(data)
         if version is not None and version != codec.VERSION and not self._settled.is_set():
             self._fail_start(f"a child process speaks codec version {version}, this process "
                              f"speaks {codec.VERSION}: mismatched actorllm installations")
@@ -242,8 +242,8 @@ class Supervisor:
 
     async def _on_hello(self, child: Child, hello: control.Hello) -> None:
         try:
-            wire.check_hello(hello, expect_role=child.role)
-        except wire.HandshakeError as exc:
+            handshake.check_hello(hello, expect_role=child.role)
+        except handshake.HandshakeError as exc:
             log.error("refusing the %s process: %s", child.role, exc)
             self._fail_start(str(exc))
         else:
@@ -254,7 +254,7 @@ class Supervisor:
         # Answer either way: a mismatched child then refuses us too, with its own words.
         child.ctl = wire.ZmqOutbox(endpoint, ControlMessage, name=f"parent->{child.role}",
                                    hwm=CONTROL_CAPACITY)
-        await child.ctl.send(wire.make_hello("parent"))
+        await child.ctl.send(handshake.make_hello("parent"))
 
     async def _heartbeats(self) -> None:
         for seq in itertools.count(1):
