@@ -119,15 +119,8 @@ class Attention(nn.Module):
         self.qkv_proj.shards = (self.q_size, self.kv_size, self.kv_size)  # for the loader
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)  # row-parallel
 
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        batch: ForwardBatch,
-        kv_cache: KVCache,
-        backend: AttentionBackend,
-    ) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch,
+                kv_cache: KVCache, backend: AttentionBackend) -> Tensor:
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # q and k heads side by side take one rotation (half the small ops of two).
         qk = _apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
@@ -176,15 +169,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        h: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        batch: ForwardBatch,
-        kv_cache: KVCache,
-        backend: AttentionBackend,
-    ) -> Tensor:
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch,
+                kv_cache: KVCache, backend: AttentionBackend) -> Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, kv_cache, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -288,10 +288,7 @@ class ZmqInbox(Mailbox[T]):
             return super().receive_nowait()
         except trio.WouldBlock:
             pass
-        msg = self._read_socket()
-        if self.hop_hook is not None:
-            self.hop_hook(self.name, "recv", msg)
-        return msg
+        return self._received(self._read_socket())
 
     def _read_socket(self) -> T:
         """The next valid message waiting in the socket (reading at most a batch of
