@@ -18,6 +18,7 @@ from safetensors import safe_open
 from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from actorllm.config import read_config_json
 from actorllm.model.llama import LlamaForCausalLM, RotaryEmbedding, head_dim_of
 from actorllm.model.parallel import TensorParallel
 
@@ -45,16 +46,8 @@ _FUSED = {
 def load_config(model_dir: str | Path) -> PretrainedConfig:
     """Read and check ``model_dir/config.json``; raise a one-line ``ValueError`` if unusable."""
     path = Path(model_dir)
-    if not path.is_dir():
-        raise ValueError(f"model directory {str(path)!r} does not exist or is not a directory")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"model directory {str(path)!r} has no config.json")
-    try:
-        raw = json.loads(config_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{config_file}: not valid JSON ({exc})") from None
-    archs = raw.get("architectures") if isinstance(raw, dict) else None
+    raw = read_config_json(path)
+    archs = raw.get("architectures")
     arch = archs[0] if isinstance(archs, list) and archs else None
     if arch not in CONFIG_CLASSES:
         raise ValueError(
@@ -62,10 +55,11 @@ def load_config(model_dir: str | Path) -> PretrainedConfig:
             f"(supported: {', '.join(CONFIG_CLASSES)})"
         )
     try:
-        config = CONFIG_CLASSES[arch].from_pretrained(str(path))
+        config = CONFIG_CLASSES[arch].from_dict(raw)  # (the file is read once, above)
     except Exception as exc:  # transformers raises many types for a bad config
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{config_file}: cannot be read as {arch}: {first_line}") from None
+        raise ValueError(f"{path / 'config.json'}: cannot be read as {arch}: {first_line}") \
+            from None
     config.architectures = [arch]
     _check_config(config, path)
     return config
