@@ -245,11 +245,10 @@ def read_config_json(model_dir: str | Path) -> dict[str, object]:
     (:func:`actorllm.model.loader.load_config`) and :func:`read_model_info` both use it."""
     path = Path(model_dir)
     if not path.is_dir():
-        raise ValueError(f"model directory not found: {path} (it does not exist or is not "
-                         "a directory)")
+        raise ValueError(f"model directory {str(path)!r} does not exist or is not a directory")
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise ValueError(f"not a model directory (no config.json): {path}")
+        raise ValueError(f"model directory {str(path)!r} has no config.json")
     return _read_json(config_file)
 
 
@@ -290,6 +289,8 @@ def check_tensor_parallel_size(model_dir: str | Path, size: int) -> None:
 def read_model_info(model_dir: str | Path, max_model_len: int | None = None) -> ModelInfo:
     """Read config.json and generation_config.json; ValueError with a one-line reason."""
     path = Path(model_dir)
+    if not path.is_dir():  # (the CLI's and the server's first check: a short message)
+        raise ValueError(f"model directory not found: {path}")
     cfg = read_config_json(path)
     text_cfg = cfg.get("text_config", cfg)
     assert isinstance(text_cfg, dict)
