@@ -233,12 +233,29 @@ def eos_ids(generation_config: Mapping[str, object],
 
 def _read_json(file: Path) -> dict[str, object]:
     try:
-        data = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        text = file.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read {file}: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"cannot read {file}: not a JSON object")
+        raise ValueError(f"{file}: not a JSON object")
     return data
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, object]:
+    """``model_dir/config.json`` as a dict; a one-line ValueError if the directory or the
+    file is missing or is not a JSON object. The one reader of that file: the model loader
+    (:func:`actorllm.model.loader.load_config`) and :func:`read_model_info` both use it."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"model directory {str(path)!r} does not exist or is not a directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model directory {str(path)!r} has no config.json")
+    return _read_json(config_file)
 
 
 def tensor_parallel_problem(size: int, heads: int, kv_heads: int,
@@ -261,7 +278,7 @@ def check_tensor_parallel_size(model_dir: str | Path, size: int) -> None:
     """The same check as the runner's, from config.json alone (no torch): ValueError."""
     if size == 1:
         return
-    cfg = _read_json(Path(model_dir) / "config.json")
+    cfg = read_config_json(model_dir)
     text_cfg = cfg.get("text_config", cfg)
     assert isinstance(text_cfg, dict)
     try:
@@ -278,12 +295,9 @@ def check_tensor_parallel_size(model_dir: str | Path, size: int) -> None:
 def read_model_info(model_dir: str | Path, max_model_len: int | None = None) -> ModelInfo:
     """Read config.json and generation_config.json; ValueError with a one-line reason."""
     path = Path(model_dir)
-    if not path.is_dir():
+    if not path.is_dir():  # (the CLI's and the server's first check: a short message)
         raise ValueError(f"model directory not found: {path}")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"not a model directory (no config.json): {path}")
-    cfg = _read_json(cfg_file)
+    cfg = read_config_json(path)
     text_cfg = cfg.get("text_config", cfg)
     assert isinstance(text_cfg, dict)
     gen_file = path / "generation_config.json"

@@ -40,7 +40,7 @@ from actorllm.wire.messages import (
     TokenBatch,
     TokenLogprob,
 )
-from actorllm.worker.actor import ModelRunner
+from actorllm.worker.runner import ModelRunner
 from actorllm.worker.sampler import SamplingState, prompt_logprobs
 
 EOS = 1
