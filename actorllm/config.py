@@ -313,7 +313,7 @@ def read_model_info(model_dir: str | Path, max_model_len: int | None = None) -> 
                              f"{max(limit, positions)}")
         limit = max_model_len
     if not isinstance(text_cfg.get("vocab_size"), int):
-        raise ValueError(f"{cfg_file}: no vocab_size: not a language model's config")
+        raise ValueError(f"{path / 'config.json'}: no vocab_size: not a language model's config")
     return ModelInfo(
         path=str(path),
         vocab_size=int(text_cfg["vocab_size"]),  # type: ignore[call-overload]
