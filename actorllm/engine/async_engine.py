@@ -339,7 +339,7 @@ async def _main_parts(config: EngineConfig, resources: Resources) -> Parts:
         parts.runner = resources.runner or await trio.to_thread.run_sync(
             resources.load_runner, config)
     if place["detokenizer"] == MAIN:
-        from actorllm.detokenizer.actor import hf_decode_fn
+        from actorllm.detokenizer.decoding import hf_decode_fn
 
         parts.decode = hf_decode_fn(resources.hf_tokenizer)
     return parts

@@ -107,7 +107,7 @@ def load_parts(role: str, config: EngineConfig, ipc: IpcDir) -> Parts:
     if role == "detokenizer":
         import tokenizers
 
-        from actorllm.detokenizer.actor import TokenizerDecode
+        from actorllm.detokenizer.decoding import TokenizerDecode
 
         path = ipc.file(TOKENIZER_FILE)
         try:
