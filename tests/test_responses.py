@@ -22,11 +22,12 @@ from pydantic import BaseModel
 from test_server import ServerProcess, http
 
 from actorllm.config import default_model_dir
-from actorllm.frontend.outputs import CompletionOutput
 from actorllm.server.reasoning import REASONING_PARSERS
 from actorllm.server.render import ChatRenderer
-from actorllm.server.responses import ResponseStore, input_messages
+from actorllm.server.response_store import ResponseStore
+from actorllm.server.responses import input_messages
 from actorllm.server.responses_stream import ResponsesRenderer
+from actorllm.wire.outputs import CompletionOutput
 
 WEATHER = {"type": "function", "name": "get_weather", "strict": True, "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
@@ -191,7 +192,7 @@ def test_reasoning_items_whole_and_streamed(cut: int) -> None:
 
 def test_store_ages_out(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [100.0]
-    monkeypatch.setattr("actorllm.server.responses.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("actorllm.server.response_store.time.monotonic", lambda: now[0])
     store = ResponseStore(size=10, ttl=60)
     store.put({"id": "resp_a"}, [])
     now[0] += 30

@@ -20,10 +20,10 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 from pydantic import BaseModel
 
-from actorllm.frontend.outputs import CompletionOutput
 from actorllm.server.render import ChatRenderer
 from actorllm.server.schemas import ChatCompletionRequest
 from actorllm.server.tools import PARSERS, hoist_refs, plan_tools
+from actorllm.wire.outputs import CompletionOutput
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}}}}},

@@ -19,6 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actorllm.wire import codec
+from actorllm.wire.handshake import (
+    PROTOCOL_VERSION,
+    HandshakeError,
+    check_hello,
+    frame_version,
+    make_hello,
+    schema_fingerprint,
+)
 from actorllm.wire.mailbox import MailboxTypeError
 from actorllm.wire.messages import (
     AbortRequest,
@@ -29,17 +37,7 @@ from actorllm.wire.messages import (
     TextDelta,
     TokenizerInput,
 )
-from actorllm.wire.transport import (
-    PROTOCOL_VERSION,
-    HandshakeError,
-    IpcDir,
-    ZmqInbox,
-    ZmqOutbox,
-    check_hello,
-    frame_version,
-    make_hello,
-    schema_fingerprint,
-)
+from actorllm.wire.transport import IpcDir, ZmqInbox, ZmqOutbox
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from actorllm.ops.torch_backend import TorchBackend
+from actorllm.ops.torch_backend import NO_FEATURES, Features, TorchBackend
 
 log = logging.getLogger(__name__)
 
@@ -141,11 +141,15 @@ class CpuBackend(TorchBackend):
         seq_lens: Tensor,
         max_len: int,
         scale: float,
+        extra: Features = NO_FEATURES,
     ) -> Tensor:
-        """Decode attention by the kernel; the torch reference where it does not apply."""
-        if not (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype
+        """Decode attention by the kernel; the torch reference where it does not apply
+        (also for a sliding window or a soft-cap, which the kernel does not implement)."""
+        if extra.any or not (
+                q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype
                 == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()):
-            return super().decode(q, k_cache, v_cache, block_tables, seq_lens, max_len, scale)
+            return super().decode(q, k_cache, v_cache, block_tables, seq_lens, max_len, scale,
+                                  extra)
         # The engine passes int32, contiguous tables and lengths: test before converting,
         # since even a no-op conversion is an op dispatch (and GIL round trip) per layer.
         q = q if q.is_contiguous() else q.contiguous()

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from actorllm.ops.base import BackendUnavailable
 from actorllm.ops.checks import check_cuda_paged_attention_args, check_cuda_write_kv_args
+from actorllm.ops.torch_backend import TorchBackend
 
 log = logging.getLogger(__name__)
 
@@ -254,8 +255,14 @@ class CudaBackend:
         scale: float,
         max_seqlen_q: int | None = None,
         max_seqlen_k: int | None = None,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> Tensor:
         """Causal attention of packed queries over paged K/V; returns ``[total_q, H, D]``.
+
+        A ``softcap``, or a ``sliding_window`` that the context reaches past, runs the torch
+        reference (the kernels implement neither yet).
 
         ``max_seqlen_q`` / ``max_seqlen_k`` (upper bounds on the query and context lengths)
         size the grids; pass them to avoid a device-to-host sync each. With
@@ -263,6 +270,11 @@ class CudaBackend:
         kernel serves every sequence with more than one query token and the decode kernel
         the rest.
         """
+        if softcap is not None or (sliding_window is not None and (
+                max_seqlen_k is None or max_seqlen_k > sliding_window)):
+            return TorchBackend().paged_attention(
+                q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seqlen_q,
+                max_seqlen_k, sliding_window=sliding_window, softcap=softcap)
         check_cuda_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
         self._check_device(k_cache)
         num_tokens, num_heads, head_dim = q.shape
@@ -303,10 +315,19 @@ class CudaBackend:
             if num_tokens == num_seqs * max_seqlen_q:
                 return out  # every sequence has max_seqlen_q > 1 query tokens: no decode rows
 
+        self._decode(kernels, common, scale_log2, out, num_seqs, num_kv_heads, max_seqlen_k)
+        return out
+
+    def _decode(self, kernels: _Kernels, common: tuple, scale_log2: np.float32, out: Tensor,
+                num_seqs: int, num_kv_heads: int, max_seqlen_k: int) -> None:
+        """Launch the split-K decode kernel (and its reduce, when split) for the decode rows;
+        ``common`` is the argument head both kernels share (``paged_attention``'s)."""
+        num_heads, head_dim = out.shape[1], out.shape[2]
+        group = num_heads // num_kv_heads
         plan = plan_decode_splits(num_seqs, num_kv_heads, group, max_seqlen_k, self.num_sms)
         tmp_out = tmp_m = tmp_l = None
         if plan.num_splits > 1:
-            f32 = dict(dtype=torch.float32, device=q.device)
+            f32 = dict(dtype=torch.float32, device=out.device)
             tmp_out = torch.empty((num_seqs, num_heads, plan.num_splits, head_dim), **f32)
             tmp_m = torch.empty((num_seqs, num_heads, plan.num_splits), **f32)
             tmp_l = torch.empty((num_seqs, num_heads, plan.num_splits), **f32)
@@ -324,19 +345,19 @@ class CudaBackend:
         grid = (num_kv_heads * math.ceil(group / DECODE_ROWS), num_seqs, plan.num_splits)
         self._launch(kernels.decode, grid, DECODE_THREADS, args, kernels.decode_smem)
         if plan.num_splits > 1:
+            seq_lens_ptr, cu_seqlens_q_ptr = common[6], common[7]
             args = (
                 _ptr(tmp_out),
                 _ptr(tmp_m),
                 _ptr(tmp_l),
-                _ptr(seq_lens),
-                _ptr(cu_seqlens_q),
+                seq_lens_ptr,
+                cu_seqlens_q_ptr,
                 _ptr(out),
                 np.int32(num_heads),
                 np.int32(plan.partition),
                 np.int32(plan.num_splits),
             )
             self._launch(kernels.reduce, (num_heads, num_seqs), head_dim, args)
-        return out
 
 
 def _one_line(exc: BaseException) -> str:

@@ -15,12 +15,13 @@ from typing import Any
 
 import attrs
 
-from actorllm.server.convert import TokenTexts, chat_messages, sampling_params
-from actorllm.server.features import Features
-from actorllm.server.generation import Job
+from actorllm.server.convert import chat_messages, sampling_params
+from actorllm.server.job import Job
+from actorllm.server.logprobs import TokenTexts
 from actorllm.server.reasoning import ReasoningParser
 from actorllm.server.render import ChatRenderer
 from actorllm.server.schemas import ChatCompletionRequest
+from actorllm.server.state import ServerState
 from actorllm.server.tools import ToolPlan, plan_tools
 from actorllm.wire.messages import GenerateRequest, InvalidRequest, SamplingParams
 
@@ -70,11 +71,9 @@ def template_kwargs(given: dict[str, Any] | None, template: Any = None) -> str |
     return json.dumps(given, ensure_ascii=False)
 
 
-def prepare_chat(body: ChatCompletionRequest, rid: str, state: Any,
-                 features: Features) -> PreparedChat:
-    """The engine request of ``body`` (``state``: the app's ServerState); raises
-    InvalidRequest naming the request's field."""
-    info, reasoning = state.engine.info, features.reasoning
+def prepare_chat(body: ChatCompletionRequest, rid: str, state: ServerState) -> PreparedChat:
+    """The engine request of ``body``; raises InvalidRequest naming the request's field."""
+    info, reasoning = state.engine.info, state.features.reasoning
     params = sampling_params(body, defaults=info.sampling_defaults, vocab_size=info.vocab_size)
     tools = plan_tools(body, state.tool_call_parser)
     if tools is not None and tools.structured is not None:

@@ -5,7 +5,8 @@ Each input is one engine request with nothing to generate (``max_tokens`` 0) and
 mean over the prompt): it goes through the same actors and state machine as a
 completion, so admission, batching, abort and metrics apply. The Worker pools the
 final hidden states of the prefill (``worker/pooling.py``) and the request's finish
-carries the vector to the collector; here it is L2-normalized and encoded.
+carries the vector to the collector; here it is L2-normalized and encoded. The route is
+in ``server/routes/embeddings.py``.
 """
 
 from __future__ import annotations
@@ -13,21 +14,14 @@ from __future__ import annotations
 import base64
 import math
 import struct
-import time
-from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Request
 from pydantic import Field
-from starlette.responses import Response
 
-from actorllm.frontend.outputs import CompletionOutput
-from actorllm.server.convert import completion_prompts
-from actorllm.server.features import Features
-from actorllm.server.generation import GenerationResponse, Job
+from actorllm.server.job import Job
 from actorllm.server.render import JobView
 from actorllm.server.schemas import TokenIds, _Request
-from actorllm.wire.messages import GenerateRequest, InvalidRequest, SamplingParams
+from actorllm.wire.outputs import CompletionOutput
 
 _Text = Annotated[str, Field(min_length=1)]
 
@@ -84,33 +78,3 @@ class EmbeddingRenderer:
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         raise AssertionError("embeddings are never streamed")
-
-
-def register_embeddings(app: FastAPI, state: Any, features: Features,
-                        request_id: Callable[[Request], str],
-                        errors: dict[int | str, dict[str, Any]]) -> None:
-    """Add ``POST /v1/embeddings`` to ``app``."""
-    params = SamplingParams(max_tokens=0, pooling=features.pooling)
-
-    @app.post("/v1/embeddings", responses=errors)
-    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        """Normalized pooled final hidden states, one per input (``--pooling``)."""
-        state.check_model(body.model)
-        try:
-            prompts = completion_prompts(body.input)
-        except InvalidRequest as exc:
-            raise InvalidRequest(str(exc), "input") from None
-        base = request_id(request)
-        now = time.monotonic()
-        jobs = []
-        for i, prompt in enumerate(prompts):
-            rid = base if len(prompts) == 1 else f"{base}-{i}"
-            if isinstance(prompt, str):
-                req = GenerateRequest(rid, params, prompt=prompt, arrival_time=now)
-            else:
-                req = GenerateRequest(rid, params, prompt_token_ids=prompt, arrival_time=now)
-            jobs.append(Job(req, index_base=i))
-        renderer = EmbeddingRenderer(jobs, model=state.model_name,
-                                     encoding=body.encoding_format or "float")
-        return GenerationResponse(state, jobs, renderer, stream=False, include_usage=False,
-                                  request_id=base, param_names={"prompt": "input"})

@@ -1,4 +1,6 @@
-"""``POST /v1/responses`` (OpenAI's Responses API) on the chat completions path.
+"""OpenAI's Responses API on the chat completions path: a request's conversion to chat.
+
+The routes are in ``server/routes/responses.py``.
 
 A request's ``input`` items (messages, ``function_call``, ``function_call_output``) and
 ``instructions`` become chat messages, its tools, ``tool_choice``, ``text.format`` and
@@ -6,67 +8,25 @@ sampling fields a :class:`ChatCompletionRequest`; from there it is a chat reques
 (``server/chat_request.py``): the same conversion, tools, reasoning and rendering, one
 engine request. ``server/responses_stream.py`` shapes the output.
 
-``store`` (the default) keeps each finished response in a bounded in-memory store, so a
+``store`` (the default) keeps each finished response (``server/response_store.py``), so a
 later request can continue it with ``previous_response_id`` (its conversation, without
 its ``instructions``, comes before the new input) or fetch it with ``GET
-/v1/responses/{id}``. The store holds ``--responses-store-size`` responses, each for
-``--responses-store-ttl`` seconds, oldest dropped first; it is lost on restart. An
-unknown or expired id is a 404.
+/v1/responses/{id}``; an unknown or expired id is a 404.
 """
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 import pydantic
-from fastapi import FastAPI, Request
-from starlette.responses import Response
 
-from actorllm.server.chat_request import chat_renderer, prepare_chat
-from actorllm.server.errors import APIError
-from actorllm.server.features import Features
-from actorllm.server.generation import GenerationResponse
 from actorllm.server.responses_schema import ResponsesRequest
-from actorllm.server.responses_stream import ResponsesRenderer
 from actorllm.server.schemas import ChatCompletionRequest
 from actorllm.wire.messages import InvalidRequest
 
 # Chat names of the fields a Responses request spells otherwise.
-_PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-           "messages": "input", "response_format": "text.format"}
-
-
-class ResponseStore:
-    """Finished responses and the conversations that led to them, bounded in count and age."""
-
-    def __init__(self, size: int, ttl: float) -> None:
-        self.size, self.ttl = size, ttl
-        self._items: OrderedDict[str, tuple[float, dict[str, Any], list[dict[str, Any]]]] = \
-            OrderedDict()
-
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        """Keep ``response``; ``conversation``: its chat messages, input and output."""
-        self._items[response["id"]] = (time.monotonic(), response, conversation)
-        self._items.move_to_end(response["id"])
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
-
-    def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """The response and its conversation; a 404 APIError when unknown or expired."""
-        now = time.monotonic()
-        while self._items:  # the oldest first: drop what has expired
-            oldest = next(iter(self._items.values()))
-            if now - oldest[0] <= self.ttl:
-                break
-            self._items.popitem(last=False)
-        hit = self._items.get(response_id)
-        if hit is None:
-            raise APIError(404, f"Response with id '{response_id}' not found.",
-                           param="previous_response_id", code="not_found")
-        return hit[1], hit[2]
+PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+          "messages": "input", "response_format": "text.format"}
 
 
 def _text(content: Any, where: str) -> str:
@@ -168,13 +128,14 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatC
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         loc = str(first["loc"][0]) if first.get("loc") else "input"
-        raise InvalidRequest(f"{_PARAMS.get(loc, loc)}: {first['msg']}",
-                             _PARAMS.get(loc, loc)) from None
+        raise InvalidRequest(f"{PARAMS.get(loc, loc)}: {first['msg']}",
+                             PARAMS.get(loc, loc)) from None
 
 
-def _envelope(body: ResponsesRequest, response_id: str, created: int,
-              model: str) -> Any:
-    """The response object's fields around a given output."""
+def envelope_of(body: ResponsesRequest, response_id: str, created: int,
+                model: str) -> Any:
+    """The response object around a given output: ``envelope(status, output, usage,
+    incomplete)``, the request's settings echoed as OpenAI does."""
     echo = {
         "instructions": body.instructions, "model": model,
         "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
@@ -198,46 +159,3 @@ def _envelope(body: ResponsesRequest, response_id: str, created: int,
                 "usage": usage, **echo}
 
     return envelope
-
-
-def register_responses(app: FastAPI, state: Any, features: Features,
-                       request_id: Callable[[Request], str],
-                       errors: dict[int | str, dict[str, Any]]) -> None:
-    """Add ``POST /v1/responses`` and ``GET /v1/responses/{id}`` to ``app``
-    (``request_id``: the app's reading of X-Request-Id)."""
-    store = ResponseStore(features.store_size, features.store_ttl)
-
-    @app.post("/v1/responses",
-              responses={**errors, 200: {"content": {"text/event-stream": {}}}})
-    async def responses(body: ResponsesRequest, request: Request) -> Response:
-        """OpenAI's Responses API; ``stream: true`` answers with its typed events."""
-        state.check_model(body.model)
-        history = [] if body.previous_response_id is None else \
-            store.get(body.previous_response_id)[1]
-        chat_body = chat_request(body, history)
-        base = request_id(request)
-        try:
-            chat = prepare_chat(chat_body, base, state, features)
-        except InvalidRequest as exc:
-            param = (exc.param or "").split("[")[0]
-            raise InvalidRequest(str(exc), _PARAMS.get(param, exc.param)) from None
-        response_id = base if base.startswith("resp_") else f"resp_{base}"
-        chat_r = chat_renderer(chat, chat_body, response_id=response_id,
-                               model=state.model_name, texts=state.texts,
-                               reasoning=features.reasoning)
-        conversation = history + input_messages(body.input)
-
-        def keep(response: dict[str, Any]) -> None:
-            if body.store is not False:
-                store.put(response, conversation + output_messages(response["output"]))
-
-        renderer = ResponsesRenderer(chat_r, _envelope(body, response_id, int(time.time()),
-                                                       state.model_name), keep)
-        return GenerationResponse(state, [chat.job], renderer, stream=bool(body.stream),
-                                  include_usage=bool(body.stream), request_id=base,
-                                  param_names=dict(_PARAMS))
-
-    @app.get("/v1/responses/{response_id}", responses=errors)
-    async def get_response(response_id: str) -> dict[str, Any]:
-        """A stored response (404 when unknown or expired)."""
-        return store.get(response_id)[0]

@@ -14,8 +14,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from actorllm.frontend.outputs import CompletionOutput
 from actorllm.server.render import ChatRenderer, JobView
+from actorllm.wire.outputs import CompletionOutput
 
 
 def _id(prefix: str) -> str:

@@ -54,5 +54,12 @@ class Pooler:
 
 
 def pooled_norm(model: torch.nn.Module) -> Callable[[Tensor], Tensor]:
-    """The model's final norm (the Llama family keeps it at ``model.model.norm``)."""
-    return model.model.norm  # type: ignore[no-any-return,union-attr]
+    """The model's final norm: the native model keeps it at ``model.model.norm`` and
+    leaves it to ``compute_logits``; the transformers path's forward has applied it
+    already (``model/hf_backend.py``), so its rows pass unchanged."""
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    return norm if callable(norm) else _unchanged
+
+
+def _unchanged(rows: Tensor) -> Tensor:
+    return rows

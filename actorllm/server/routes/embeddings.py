@@ -1,0 +1,45 @@
+"""``POST /v1/embeddings``: one prefill-only pooling request per input (``--pooling``),
+through the same actors as a completion; ``server/embeddings.py`` shapes the answer."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from actorllm.server.convert import completion_prompts
+from actorllm.server.embeddings import EmbeddingRenderer, EmbeddingRequest
+from actorllm.server.errors import ERROR_RESPONSES
+from actorllm.server.generation import GenerationResponse
+from actorllm.server.job import Job
+from actorllm.server.state import request_id, state_of
+from actorllm.wire.messages import GenerateRequest, InvalidRequest, SamplingParams
+
+router = APIRouter()
+
+
+@router.post("/v1/embeddings", responses=ERROR_RESPONSES)
+async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    """Normalized pooled final hidden states, one per input (``--pooling``)."""
+    state = state_of(request)
+    state.check_model(body.model)
+    params = SamplingParams(max_tokens=0, pooling=state.features.pooling)
+    try:
+        prompts = completion_prompts(body.input)
+    except InvalidRequest as exc:
+        raise InvalidRequest(str(exc), "input") from None
+    base = request_id(request)
+    now = time.monotonic()
+    jobs = []
+    for i, prompt in enumerate(prompts):
+        rid = base if len(prompts) == 1 else f"{base}-{i}"
+        if isinstance(prompt, str):
+            req = GenerateRequest(rid, params, prompt=prompt, arrival_time=now)
+        else:
+            req = GenerateRequest(rid, params, prompt_token_ids=prompt, arrival_time=now)
+        jobs.append(Job(req, index_base=i))
+    renderer = EmbeddingRenderer(jobs, model=state.model_name,
+                                 encoding=body.encoding_format or "float")
+    return GenerationResponse(state, jobs, renderer, stream=False, include_usage=False,
+                              request_id=base, param_names={"prompt": "input"})
