@@ -64,7 +64,12 @@ def build_family(save_dir: Path, name: str, tokenizer_dir: Path, seed: int = 0) 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     save_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(save_dir))
-    config = config_cls(**{**_COMMON, "vocab_size": len(tokenizer), **overrides})
+    kwargs = {**_COMMON, "vocab_size": len(tokenizer), **overrides}
+    if "layer_types" in kwargs:  # the pattern repeats over however many layers there are
+        pattern = kwargs["layer_types"]
+        kwargs["layer_types"] = [pattern[i % len(pattern)]
+                                 for i in range(kwargs["num_hidden_layers"])]
+    config = config_cls(**kwargs)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():  # random biases and norm weights, so that every path matters
