@@ -299,7 +299,7 @@ class CudaBackend:
         if max_seqlen_k is None:
             max_seqlen_k = int(seq_lens.max())
         if features[0] > 0:
-            max_seqlen_k = min(max_seqlen_k, features[0])  # decode partitions the window only
+            max_seqlen_k = min(max_seqlen_k, int(features[0]))  # decode splits the window only
         kernels = self._kernels(q.dtype, head_dim, block_size)
         group = num_heads // num_kv_heads
         scale_log2 = np.float32(scale * LOG2E)
