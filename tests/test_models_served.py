@@ -12,7 +12,8 @@ both with a KV cache too small for the four prompts at once (20 blocks of 4 slot
 budget of 8 a step (chunked prefill) and prefix caching on (the prompts share a prefix).
 That preemption really happened is asserted, not assumed: from the ``--trace`` file of the
 run (a ``preempt`` transition) and from the server's ``/metrics`` counter. One model
-directory and one oracle per family serve both edges.
+directory and one oracle per family serve both edges. Llama runs with ``--model-impl
+transformers``, so the transformers path meets the edges on a family the native one has.
 """
 
 from __future__ import annotations
@@ -30,25 +31,29 @@ import pytest
 from test_models_families import MAX_MODEL_LEN, MAX_NEW, build_family, oracle, prompts
 from test_server import ServerProcess, http
 
-FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3", "olmo2", "mixtral", "qwen3_moe", "mistral"]
+# (family, --model-impl): auto is the native model for Qwen3 and Mistral, transformers for the
+# rest; Llama goes through the transformers path, so both paths meet the same edges.
+FAMILIES = [(f, "auto") for f in ("qwen3", "gemma2", "gemma3", "phi3", "olmo2", "mixtral",
+                                  "qwen3_moe", "mistral")] + [("llama", "transformers")]
 TIGHT = ["--num-kv-blocks", "20", "--block-size", "4", "--max-num-batched-tokens", "8",
          "--enable-prefix-caching", "--max-model-len", str(MAX_MODEL_LEN)]
-Case = tuple[Path, list[str], list[list[int]], list[tuple[list[int], list[float]]]]
+Case = tuple[list[str], list[str], list[list[int]], list[tuple[list[int], list[float]]]]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES, ids=lambda p: "-".join(p))
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
          tokenizer_dir: Path) -> Case:
-    """(model dir, prompt texts, their ids, the oracle's (ids, logprobs) per prompt)."""
+    """(model flags, prompt texts, their ids, the oracle's (ids, logprobs) per prompt)."""
     from transformers import AutoTokenizer
 
-    family = request.param
+    family, impl = request.param
     model_dir = build_family(tmp_path_factory.mktemp(family), family, tokenizer_dir, seed=1)
     ids = prompts(tokenizer_dir)
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     texts = [tok.decode(p, skip_special_tokens=True) for p in ids]
     assert [tok(t).input_ids for t in texts] == ids  # the engine will tokenize the texts
-    return model_dir, texts, ids, oracle(model_dir, ids)
+    flags = ["--model", str(model_dir), "--model-impl", impl]
+    return flags, texts, ids, oracle(model_dir, ids)
 
 
 def _close(got: list[float], want: list[float]) -> None:
@@ -56,11 +61,11 @@ def _close(got: list[float], want: list[float]) -> None:
 
 
 def test_actorllm_run(case: Case, tmp_path: Path) -> None:
-    model_dir, texts, ids, want = case
+    flags, texts, ids, want = case
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("\n".join(texts) + "\n")
     trace = tmp_path / "trace.jsonl"
-    cmd = [sys.executable, "-m", "actorllm", "run", "--model", str(model_dir), "--prompts-file",
+    cmd = [sys.executable, "-m", "actorllm", "run", *flags, "--prompts-file",
            str(prompts_file), "--max-tokens", str(MAX_NEW), "--temperature", "0",
            "--ignore-eos", "--output", "jsonl", "--trace", str(trace), *TIGHT]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
@@ -77,7 +82,8 @@ def test_actorllm_run(case: Case, tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def served(case: Case, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    srv = ServerProcess(case[0], *TIGHT, "--served-model-name", "m",
+    flags = case[0]  # --model DIR first (ServerProcess adds it), then --model-impl
+    srv = ServerProcess(Path(flags[1]), *flags[2:], *TIGHT, "--served-model-name", "m",
                         log_dir=tmp_path_factory.mktemp("server"))
     yield from (ready.url for ready in srv.serve_module())
 
