@@ -197,24 +197,14 @@ def sampling_defaults(generation_config: Mapping[str, object]) -> dict[str, obje
 
 
 def model_context_limit(text_config: Mapping[str, object]) -> int:
-    """The longest context the model serves by default.
+    """The longest context the model serves by default: its ``max_position_embeddings``.
 
-    A windowed model is capped at its window by default (inside it, windowed and full
-    attention are the same thing); an explicit ``--max-model-len`` may go past it, up to
-    ``max_position_embeddings``, since the attention op applies the window. A window counts
-    unless the config turns it off (Qwen2's ``use_sliding_window: false``) or names no
-    sliding layer in ``layer_types``.
+    A sliding window does not shorten it: the attention ops apply the window themselves
+    (the torch reference, the CPU decode kernel and the CUDA kernels all take
+    ``sliding_window``), so a windowed model serves every position it has, each query
+    seeing its last ``sliding_window`` keys, as transformers computes it.
     """
-    limit = int(text_config.get("max_position_embeddings", 2048))  # type: ignore[call-overload]
-    window = text_config.get("sliding_window")
-    layer_types = text_config.get("layer_types")
-    if (
-        window
-        and text_config.get("use_sliding_window", True) is not False
-        and (not isinstance(layer_types, list) or "sliding_attention" in layer_types)
-    ):
-        limit = min(limit, int(window))  # type: ignore[call-overload]
-    return limit
+    return int(text_config.get("max_position_embeddings", 2048))  # type: ignore[call-overload]
 
 
 def eos_ids(generation_config: Mapping[str, object],
@@ -304,13 +294,8 @@ def read_model_info(model_dir: str | Path, max_model_len: int | None = None) -> 
     gen = _read_json(gen_file) if gen_file.is_file() else {}
     limit = model_context_limit(text_cfg)
     if max_model_len is not None:
-        # Sliding windows are implemented (the attention op's sliding_window), so an explicit
-        # --max-model-len may reach past the window, up to the position limit; by default
-        # the context stays within the window, as before.
-        positions = int(text_cfg.get("max_position_embeddings", limit))  # type: ignore[call-overload]
-        if max_model_len > max(limit, positions):
-            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
-                             f"{max(limit, positions)}")
+        if max_model_len > limit:
+            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's {limit}")
         limit = max_model_len
     if not isinstance(text_cfg.get("vocab_size"), int):
         raise ValueError(f"{path / 'config.json'}: no vocab_size: not a language model's config")
