@@ -100,3 +100,34 @@ def test_bad_requests_name_the_field(served: tuple[str, openai.OpenAI, str],
     status, _, raw = http(url + "/v1/embeddings", "POST", body)
     assert status in (400, 404), raw
     assert param in raw.decode()
+
+
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_runner_pools_both_model_impls(oracle: Any, impl: str) -> None:
+    """The native model leaves the final norm to compute_logits, the transformers path
+    applies it in forward: pooled through either, a prompt split over two steps gives
+    transformers' own final hidden state."""
+    from actorllm.wire.messages import NewSeqData, SamplingParams, ScheduledSeq, StepPlan
+    from actorllm.worker.runner import ModelRunner
+
+    _, tok = oracle
+    ids = tok(TEXTS[1]).input_ids
+    runner = ModelRunner(MODEL, num_blocks=32, block_size=16, dtype=torch.float32,
+                         model_impl=impl)
+    try:
+        table = tuple(range(-(-len(ids) // 16)))
+        half = len(ids) // 2
+        for step, pooling in enumerate(("last", "mean")):
+            rid = f"r-{pooling}"
+            new = NewSeqData(SamplingParams(max_tokens=0, pooling=pooling), tuple(ids))
+            first = runner.execute(StepPlan(2 * step, (
+                ScheduledSeq(rid, tuple(ids[:half]), 0, table, False, new),)))
+            assert first.error is None and first.pooled == ()
+            second = runner.execute(StepPlan(2 * step + 1, (
+                ScheduledSeq(rid, tuple(ids[half:]), half, table, False),), drop=(rid,)))
+            assert second.error is None
+            (got,) = second.pooled
+            assert got.rid == rid
+            assert _cos(list(got.values), _expected(oracle, ids, pooling)) > 0.9999
+    finally:
+        runner.close()
