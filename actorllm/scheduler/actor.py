@@ -27,6 +27,7 @@ to the Worker and ``TokenBatch`` to the Detokenizer. Theory of operation:
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Any
 
@@ -107,7 +108,8 @@ class Scheduler:
         # ahead for a sequence that ended meanwhile.
         self.late_results_dropped = self.late_stops_dropped = 0
         self.ahead_tokens_dropped = self.steps = 0
-        self.forward_s = self.sample_s = 0.0
+        self.forward_s = self.sample_s = self.pack_s = self.plan_s = self.commit_s = 0.0
+        self.seq_steps = 0
         if tracer is not None:  # what `actorllm replay --redrive` needs to rebuild us
             tracer.record("config", actor="scheduler", num_blocks=num_blocks,
                           block_size=block_size, max_num_seqs=max_num_seqs,
@@ -130,7 +132,9 @@ class Scheduler:
             self._wake = trio.Event()
             # Plan first: the next step runs while the Detokenizer and Frontend work.
             while len(self.in_flight) < self.max_steps_in_flight:
+                t0 = time.perf_counter()  # the step's plan phase (SchedulerStats.plan_s)
                 plan = self.schedule()
+                self.plan_s += time.perf_counter() - t0
                 if plan is None:
                     break
                 await self.worker.send(plan)
@@ -177,7 +181,9 @@ class Scheduler:
     def handle(self, msg: Any) -> None:
         """Apply one message to the Scheduler's state. Never blocks."""
         if isinstance(msg, StepResult):
+            t0 = time.perf_counter()  # the step's commit phase (SchedulerStats.commit_s)
             self.on_result(msg)
+            self.commit_s += time.perf_counter() - t0
         elif isinstance(msg, SequenceRequest):
             self.on_request(msg)
         elif isinstance(msg, AbortRequest):
@@ -276,6 +282,8 @@ class Scheduler:
         self.steps += 1
         self.forward_s += result.forward_s
         self.sample_s += result.sample_s
+        self.pack_s += result.pack_s
+        self.seq_steps += len(plan.seqs)
         if self.tracer is not None:
             self.tracer.record("result", actor="scheduler", step=result.step_id,
                                tokens=[[t.rid, t.token_id] for t in result.tokens],
@@ -368,6 +376,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions, num_paused=len(self.paused),
             late_results_dropped=self.late_results_dropped, steps=self.steps,
             forward_s=self.forward_s, sample_s=self.sample_s, replica=self.replica,
+            pack_s=self.pack_s, plan_s=self.plan_s, commit_s=self.commit_s,
+            seq_steps=self.seq_steps,
             prefix_cache_queries=self.pool.queries, prefix_cache_hits=self.pool.hits)
 
     def drain_problems(self) -> list[str]:

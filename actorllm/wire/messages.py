@@ -211,6 +211,7 @@ class StepResult:
     forward_s: float = 0.0
     sample_s: float = 0.0
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+    pack_s: float = 0.0  # packing the plan into tensors (not counted in forward_s)
 
 
 # --- Scheduler -> Detokenizer -> Frontend ---------------------------------------------
@@ -248,6 +249,13 @@ class TokenOut:
 
 @attrs.frozen
 class SchedulerStats:
+    """The Scheduler's figures, sent with every ``TokenBatch``. Counters are running
+    totals, so a lost or merged batch loses nothing. The ``*_s`` fields are a step's
+    phases, summed over steps (one ``perf_counter`` pair per step per actor, never per
+    token): the Worker's (``pack_s``, ``forward_s``, ``sample_s``) come in its
+    ``StepResult``, and the Detokenizer writes ``detokenize_s`` (its time on this
+    replica's batches) on the way to the Frontend."""
+
     num_running: int = 0
     num_waiting: int = 0
     kv_blocks_used: int = 0
@@ -256,8 +264,13 @@ class SchedulerStats:
     late_results_dropped: int = 0
     num_paused: int = 0  # sequences paused because their reader is behind
     steps: int = 0
+    seq_steps: int = 0  # sequences in those steps, summed (the divisor of a per-seq figure)
     forward_s: float = 0.0  # Worker time in forward passes, summed over steps
     sample_s: float = 0.0  # ... and in sampling
+    pack_s: float = 0.0  # ... and packing plans into tensors
+    plan_s: float = 0.0  # Scheduler time planning steps (schedule())
+    commit_s: float = 0.0  # ... and taking their results (on_result)
+    detokenize_s: float = 0.0  # Detokenizer time on this replica's batches
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache, at admissions
     prefix_cache_hits: int = 0  # ... and found there
     replica: int = 0  # which data-parallel replica's Scheduler (0 without data parallelism)

@@ -224,7 +224,7 @@ class ModelRunner:
 
         tokens: tuple[SampledToken, ...] = ()
         prompt_lps: tuple[PromptLogprobs, ...] = ()
-        sample_s = 0.0
+        sample_s = pack_s = 0.0
         if plan.seqs:
             sampled = [s for s in plan.seqs if s.sample]
             states = [self._states[s.rid] for s in sampled]
@@ -233,7 +233,9 @@ class ModelRunner:
             masks = self.masks.start([s.grammar for s in states]) if self._constrained \
                 else None
             try:
+                tp = time.perf_counter()
                 batch = self._prepare(plan)
+                pack_s = time.perf_counter() - tp
                 self.threads.use_for(batch.input_ids.shape[0])
                 if self.decode_step is not None and self.decode_step.applies(batch):
                     hidden = self.decode_step(batch, self.kv_caches)
@@ -265,10 +267,10 @@ class ModelRunner:
         for rid in plan.drop:
             if rid in last_step:
                 self._drop(rid)
-        forward_s = time.perf_counter() - t0 - sample_s
+        forward_s = time.perf_counter() - t0 - sample_s - pack_s
         return StepResult(
             step_id=plan.step_id, tokens=tokens, forward_s=forward_s, sample_s=sample_s,
-            prompt_logprobs=prompt_lps,
+            prompt_logprobs=prompt_lps, pack_s=pack_s,
         )
 
     def _last_sample(self, rid: str, position: int) -> int:
