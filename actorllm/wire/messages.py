@@ -37,6 +37,16 @@ from actorllm.wire.control import (  # parent <-> child; re-exported here
 from actorllm.wire.sampling import STRUCTURED_KINDS as STRUCTURED_KINDS  # re-exported
 from actorllm.wire.sampling import InvalidRequest as InvalidRequest
 from actorllm.wire.sampling import SamplingParams, StructuredOutput
+from actorllm.wire.steps import FEED_LAST_SAMPLE as FEED_LAST_SAMPLE  # re-exported
+from actorllm.wire.steps import (  # the Scheduler <-> Worker edge; re-exported here
+    NewSeqData,
+    PromptLogprobs,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+)
+from actorllm.wire.steps import SampledToken as SampledToken  # (a view, not a message)
+from actorllm.wire.steps import ScheduledSeq as ScheduledSeq  # (a view, not a message)
 
 
 class FinishReason(enum.StrEnum):
@@ -135,83 +145,6 @@ class RequestFailed:
     message: str
     code: str = FailureCode.INVALID_REQUEST  # a FailureCode
     param: str | None = None
-
-
-# --- Scheduler <-> Worker ------------------------------------------------------------
-
-
-@attrs.frozen
-class NewSeqData:
-    """What the Worker needs to sample a sequence it has not seen (or lost to preemption)."""
-
-    params: SamplingParams
-    prompt_token_ids: tuple[int, ...]
-    output_token_ids: tuple[int, ...] = ()
-
-
-#: In ``ScheduledSeq.token_ids``: the token the Worker sampled for this rid last.
-FEED_LAST_SAMPLE = -1
-
-
-@attrs.frozen
-class ScheduledSeq:
-    """One sequence's share of one step; ``FEED_LAST_SAMPLE`` in a step planned ahead
-    (overlap scheduling) stands for the token the Worker sampled for the rid last."""
-
-    rid: str
-    token_ids: tuple[int, ...]  # the tokens to run now (a prefill chunk, or the last token)
-    start_pos: int  # tokens already in the KV cache
-    block_table: tuple[int, ...]
-    sample: bool  # False for a prefill chunk that does not reach the prompt's end
-    new: NewSeqData | None = None
-    # Report prompt logprobs from this position (>= 1) to the last one this chunk predicts
-    # (p by the row of p - 1). None: none (not asked, or all reported already).
-    prompt_logprobs_from: int | None = None
-
-
-@attrs.frozen
-class StepPlan:
-    """Scheduler -> Worker: one iteration. ``forget`` lists rids whose sampling state may go."""
-
-    step_id: int
-    seqs: tuple[ScheduledSeq, ...]
-    drop: tuple[str, ...] = ()
-
-
-@attrs.frozen
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@attrs.frozen
-class SampledToken:
-    rid: str
-    token_id: int
-    logprob: TokenLogprob | None = None
-
-
-@attrs.frozen
-class PromptLogprobs:
-    """The logprobs of one rid's prompt positions ``start, start + 1, ...`` from one step."""
-
-    rid: str
-    start: int
-    logprobs: tuple[TokenLogprob, ...]
-
-
-@attrs.frozen
-class StepResult:
-    """Worker -> Scheduler. ``error`` set means the step failed and sampled nothing."""
-
-    step_id: int
-    tokens: tuple[SampledToken, ...] = ()
-    error: str | None = None
-    forward_s: float = 0.0
-    sample_s: float = 0.0
-    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
-    pack_s: float = 0.0  # packing the plan into tensors (not counted in forward_s)
 
 
 # --- Scheduler -> Detokenizer -> Frontend ---------------------------------------------
@@ -347,8 +280,8 @@ ControlMessage = Union[  # noqa: UP007
 
 MESSAGE_TYPES: tuple[type, ...] = (
     StructuredOutput, SamplingParams, ChatMessage, GenerateRequest, AbortRequest, FlowControl,
-    SequenceRequest, RequestFailed, NewSeqData, ScheduledSeq, StepPlan, TokenLogprob,
-    SampledToken, PromptLogprobs, StepResult, DetokSetup, TokenOut, SchedulerStats, TokenBatch,
-    StopMatched, TextDelta, RequestFinished, OutputBatch, ReplicaLost, Hello, Ready, StartFailed,
-    MailboxStat, Heartbeat, DrainQuery, DrainReport, Shutdown,
+    SequenceRequest, RequestFailed, NewSeqData, StepPlan, TokenLogprob, PromptLogprobs,
+    StepResult, DetokSetup, TokenOut, SchedulerStats, TokenBatch, StopMatched, TextDelta,
+    RequestFinished, OutputBatch, ReplicaLost, Hello, Ready, StartFailed, MailboxStat,
+    Heartbeat, DrainQuery, DrainReport, Shutdown,
 )
