@@ -34,11 +34,12 @@ def main() -> None:
     def table(i: int) -> tuple[int, ...]:
         return tuple(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ))
 
-    runner.execute(StepPlan(0, tuple(
+    runner.execute(StepPlan.of_rows(0, tuple(
         ScheduledSeq(f"s{i}", prompt, 0, table(i), True, NewSeqData(params, prompt))
         for i in range(SEQS))))
-    decode = StepPlan(1, tuple(ScheduledSeq(f"s{i}", (7,), CONTEXT, table(i), True)
-                               for i in range(SEQS)))
+    # Every table was sent with the prefill: a decode row carries no new blocks.
+    decode = StepPlan.of_rows(1, tuple(ScheduledSeq(f"s{i}", (7,), CONTEXT, (), True)
+                                       for i in range(SEQS)))
     for _ in range(3):
         runner.execute(decode)
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -109,3 +109,42 @@ def test_unhashable_garbage_in_a_union_field_is_rejected() -> None:
     assert len(fields) == len(attrs.fields(messages.TokenOut))  # fails on the union, not arity
     with pytest.raises(codec.CodecError, match="matches no type"):
         codec.decode(msgpack.packb([codec.VERSION, ["TokenOut", fields]]))
+
+
+# --- the columnar step messages: whole plans and results, consistent across columns ---
+
+_rows = st.lists(st.builds(
+    messages.ScheduledSeq,
+    rid=st.text(max_size=6),
+    token_ids=st.lists(st.integers(-1, 2**31), min_size=1, max_size=5).map(tuple),
+    start_pos=st.integers(0, 2**20),
+    new_blocks=st.lists(st.integers(0, 2**20), max_size=4).map(tuple),
+    sample=st.booleans(),
+    new=st.none() | message_strategy(messages.NewSeqData),
+    prompt_logprobs_from=st.none() | st.integers(1, 2**20),
+), max_size=6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_rows, st.lists(st.text(max_size=4), max_size=3).map(tuple), st.data())
+def test_a_columnar_plan_and_its_result_round_trip(rows: list[typing.Any],
+                                                   drop: tuple[str, ...],
+                                                   data: st.DataObject) -> None:
+    plan = messages.StepPlan.of_rows(7, rows, drop)
+    back = codec.decode(codec.encode(plan))
+    assert back == plan and back.seqs == tuple(rows) and back.drop == drop
+    # Sparse per-request data stay sparse: one entry per row that has it.
+    assert len(plan.new) == sum(r.new is not None for r in rows)
+    assert len(plan.lp_rows) == sum(r.prompt_logprobs_from is not None for r in rows)
+    n = sum(r.sample for r in rows)
+    tokens = data.draw(st.lists(st.integers(0, 2**31), min_size=n, max_size=n))
+    asked = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    lp_rows = tuple(j for j in range(n) if asked[j])
+    lps = tuple(messages.TokenLogprob(tokens[j], -1.0 * j) for j in lp_rows)
+    result = messages.StepResult(7, tuple(tokens), logprob_rows=lp_rows, logprobs=lps)
+    again = codec.decode(codec.encode(result))
+    assert again == result
+    sampled = again.sampled(plan)
+    assert [t.rid for t in sampled] == [r.rid for r in rows if r.sample]
+    assert [t.token_id for t in sampled] == tokens
+    assert [t.logprob is not None for t in sampled] == asked

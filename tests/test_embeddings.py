@@ -120,11 +120,11 @@ def test_runner_pools_both_model_impls(oracle: Any, impl: str) -> None:
         for step, pooling in enumerate(("last", "mean")):
             rid = f"r-{pooling}"
             new = NewSeqData(SamplingParams(max_tokens=0, pooling=pooling), tuple(ids))
-            first = runner.execute(StepPlan(2 * step, (
+            first = runner.execute(StepPlan.of_rows(2 * step, (
                 ScheduledSeq(rid, tuple(ids[:half]), 0, table, False, new),)))
             assert first.error is None and first.pooled == ()
-            second = runner.execute(StepPlan(2 * step + 1, (
-                ScheduledSeq(rid, tuple(ids[half:]), half, table, False),), drop=(rid,)))
+            second = runner.execute(StepPlan.of_rows(2 * step + 1, (
+                ScheduledSeq(rid, tuple(ids[half:]), half, (), False),), drop=(rid,)))
             assert second.error is None
             (got,) = second.pooled
             assert got.rid == rid

@@ -15,6 +15,7 @@ held back until it is known not to be.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import attrs
@@ -84,6 +85,9 @@ class Detokenizer:
         self.schedulers = list(schedulers) if schedulers else [scheduler]
         self.lost: set[int] = set()  # replicas whose process died (ReplicaLost)
         self.states: dict[str, DecodeState] = {}
+        # Seconds spent on each replica's batches, summed: stamped on that replica's stats
+        # as ``detokenize_s`` (a running total, as the Scheduler's own timers are).
+        self.busy_s: dict[int, float] = {}
 
     async def run(self) -> None:
         async for batch in self.inbox:
@@ -95,17 +99,23 @@ class Detokenizer:
             replica = batch.stats.replica if batch.stats is not None else 0
             if replica in self.lost:
                 continue  # late words of a dead replica: its requests have failed already
+            t0 = time.perf_counter()
             deltas: list[TextDelta] = []
             finished: list[RequestFinished] = []
             stops: list[StopMatched] = []
             known = self._prepare(batch.outputs)
             for out, row in zip(batch.outputs, known, strict=True):
                 self._process(out, deltas, finished, stops, replica, row)
+            busy = self.busy_s[replica] = self.busy_s.get(replica, 0.0) + (
+                time.perf_counter() - t0)
+            stats = batch.stats
+            if stats is not None:
+                stats = attrs.evolve(stats, detokenize_s=busy)
             for stop in stops:
                 await self.schedulers[replica].send(stop)
-            if deltas or finished or batch.freed or batch.stats is not None:
+            if deltas or finished or batch.freed or stats is not None:
                 await self.frontend.send(
-                    OutputBatch(tuple(deltas), tuple(finished), batch.freed, batch.stats)
+                    OutputBatch(tuple(deltas), tuple(finished), batch.freed, stats)
                 )
 
     def _prepare(self, outputs: Sequence[TokenOut]) -> list[Known]:

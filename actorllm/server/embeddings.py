@@ -62,6 +62,9 @@ class EmbeddingRenderer:
     def add(self, job: JobView, out: CompletionOutput) -> None:
         return None
 
+    def add_event(self, job: JobView, out: CompletionOutput) -> None:
+        return None
+
     def completion_tokens(self) -> int:
         return 0
 

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from actorllm.server import sse
 from actorllm.server.render import ChatRenderer, JobView
 from actorllm.wire.outputs import CompletionOutput
 
@@ -125,6 +126,11 @@ class ResponsesRenderer:
                 self.finish = choice["finish_reason"]
                 events += self._close()
         return events or None
+
+    def add_event(self, job: JobView, out: CompletionOutput) -> bytes | None:
+        """As :meth:`add`, its events as SSE bytes (None: nothing to tell yet)."""
+        events = self.add(job, out)
+        return None if events is None else sse.events(events)
 
     def usage_chunk(self, usage: dict[str, Any]) -> list[dict[str, Any]]:
         events = self._close()

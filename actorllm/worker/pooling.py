@@ -6,49 +6,62 @@ sequences out of the forward pass's output, puts them through the model's final 
 (what the LM head would see, and what transformers reports as the last hidden state),
 and keeps a running sum per sequence (``mean``) or the last row (``last``). The step that
 computes a prompt's last position reports the pooled vector; normalizing is the API's.
-A sequence whose state is rebuilt (recompute after preemption) starts over.
+A sequence whose state is rebuilt (recompute after preemption) starts over. A step with
+no pooling sequence costs one dict check.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from actorllm.wire.messages import PooledHidden, ScheduledSeq
-from actorllm.worker.sampler import SamplingState
+from actorllm.wire.messages import NewSeqData, PooledHidden, StepPlan
 
 
 class Pooler:
-    """Per pooling sequence: the sum of its normed rows so far, in float32."""
+    """Per pooling sequence: how it pools and its prompt's length, and the sum of its
+    normed rows so far, in float32."""
 
     def __init__(self) -> None:
+        self._pooling: dict[str, tuple[str, int]] = {}
         self._sums: dict[str, Tensor] = {}
 
+    def start(self, rid: str, new: NewSeqData) -> None:
+        """``rid`` starts (or starts over, after preemption) with ``new``."""
+        self.drop(rid)
+        if new.params.pooling is not None:
+            self._pooling[rid] = (new.params.pooling, len(new.prompt_token_ids))
+
     def drop(self, rid: str) -> None:
+        self._pooling.pop(rid, None)
         self._sums.pop(rid, None)
 
-    def take(self, hidden: Tensor, seqs: Sequence[ScheduledSeq],
-             states: Mapping[str, SamplingState],
+    def clear(self) -> None:
+        self._pooling.clear()
+        self._sums.clear()
+
+    def take(self, hidden: Tensor, plan: StepPlan,
              norm: Callable[[Tensor], Tensor]) -> tuple[PooledHidden, ...]:
-        """The pooled vectors of the sequences whose prompt this step completes."""
+        """The pooled vectors of the sequences whose prompt this step completes
+        (``hidden``: the step's rows, in the plan's row order)."""
+        if not self._pooling:
+            return ()
         out = []
         offset = 0
-        for s in seqs:
-            n = len(s.token_ids)
-            state = states.get(s.rid)
-            pooling = None if state is None else state.params.pooling
-            if pooling is not None and state is not None:
-                end = len(state.prompt_token_ids)
+        for rid, n, start in zip(plan.rids, plan.num_tokens, plan.start_pos, strict=True):
+            spec = self._pooling.get(rid)
+            if spec is not None:
+                pooling, end = spec
                 rows = norm(hidden[offset : offset + n]).float()
                 if pooling == "mean":
                     total = rows.sum(dim=0)
-                    prev = self._sums.get(s.rid)
-                    self._sums[s.rid] = total if prev is None else prev + total
-                if s.start_pos + n >= end:
-                    vector = self._sums.pop(s.rid) / end if pooling == "mean" else rows[-1]
-                    out.append(PooledHidden(s.rid, tuple(vector.cpu().tolist())))
+                    prev = self._sums.get(rid)
+                    self._sums[rid] = total if prev is None else prev + total
+                if start + n >= end:
+                    vector = self._sums.pop(rid) / end if pooling == "mean" else rows[-1]
+                    out.append(PooledHidden(rid, tuple(vector.cpu().tolist())))
             offset += n
         return tuple(out)
 

@@ -18,6 +18,7 @@ import time
 import weakref
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import PretrainedConfig
 
@@ -35,12 +36,12 @@ from actorllm.wire.messages import (
     NewSeqData,
     PooledHidden,
     PromptLogprobs,
-    SampledToken,
     StepPlan,
     StepResult,
+    TokenLogprob,
 )
 from actorllm.wire.rendezvous import Rendezvous
-from actorllm.worker.packing import pack_plan
+from actorllm.worker.packing import BlockTables, pack_plan
 from actorllm.worker.pooling import Pooler, pooled_norm
 from actorllm.worker.ranks import RankGroup, RankSpec
 from actorllm.worker.sampler import SamplingState, prompt_logprobs, sample
@@ -130,6 +131,8 @@ class ModelRunner:
         self._load(model_dir, config, tp)
         self._states: dict[str, SamplingState] = {}
         self.pooler = Pooler()  # embedding requests' pooled hidden states
+        # The persistent batch: each held rid's block table, updated by the plans' diffs.
+        self.tables = BlockTables(num_blocks, block_size, self.max_model_len)
         # Rids of the last step if it failed: it sampled nothing for them, so a step
         # planned ahead that feeds them their last sample gets a stand-in (see
         # _last_sample).
@@ -184,7 +187,8 @@ class ModelRunner:
         """Drop every rid's sampling state (a new Scheduler starts from nothing)."""
         self._states.clear()
         self._constrained.clear()
-        self.pooler = Pooler()
+        self.tables.clear()
+        self.pooler.clear()
 
     @property
     def num_states(self) -> int:
@@ -201,7 +205,7 @@ class ModelRunner:
                 result = self._execute(plan)
         except Exception as exc:
             log.exception("step %d failed", plan.step_id)
-            self._failed_rids = frozenset(s.rid for s in plan.seqs)
+            self._failed_rids = frozenset(plan.rids)
             return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
         self._failed_rids = frozenset()
         return result
@@ -210,36 +214,39 @@ class ModelRunner:
         t0 = time.perf_counter()
         # A rid both dropped and scheduled without `new` is running its last step: drop it
         # afterwards. Every other drop (incl. one re-sent with `new`) happens first.
-        last_step = {s.rid for s in plan.seqs if s.new is None}
-        for rid in plan.drop:
-            if rid not in last_step:
-                self._drop(rid)
-        for seq in plan.seqs:
-            if seq.new is not None:
-                new = seq.new
-                self.pooler.drop(seq.rid)  # a recompute pools from the start again
-                self._states[seq.rid] = SamplingState(
-                    new.params, new.prompt_token_ids, new.output_token_ids,
-                    self._grammar(seq.rid, new),
-                )
-            elif (seq.sample or seq.prompt_logprobs_from is not None) \
-                    and seq.rid not in self._states:
-                raise ValueError(f"rid {seq.rid!r}: sampled or scored before its NewSeqData "
-                                 "was sent")
+        last_step: set[str] = set()
+        if plan.drop:
+            news = {plan.rids[i] for i in plan.new_rows}
+            last_step = {rid for rid in plan.rids if rid not in news}
+            for rid in plan.drop:
+                if rid not in last_step:
+                    self._drop(rid)
+        self._start(plan)
+        states = self._states
+        sampled = [rid for rid, s in zip(plan.rids, plan.sample, strict=True) if s]
+        asked = [rid for rid in sampled if rid not in states]
+        asked += [plan.rids[i] for i in plan.lp_rows if plan.rids[i] not in states]
+        if asked:
+            raise ValueError(f"rid {asked[0]!r}: sampled or scored before its NewSeqData "
+                             "was sent")
 
-        tokens: tuple[SampledToken, ...] = ()
+        token_ids: tuple[int, ...] = ()
+        lp_rows: tuple[int, ...] = ()
+        lps: tuple[TokenLogprob, ...] = ()
         prompt_lps: tuple[PromptLogprobs, ...] = ()
         pooled: tuple[PooledHidden, ...] = ()
-        sample_s = 0.0
-        if plan.seqs:
-            sampled = [s for s in plan.seqs if s.sample]
-            states = [self._states[s.rid] for s in sampled]
+        sample_s = pack_s = 0.0
+        if plan.rids:
+            rows = self.tables.apply(plan)  # before any check: the diffs are always kept
+            sampling = [states[rid] for rid in sampled]
             # The constrained rows' masks are computed in a thread during the forward pass
             # (their matchers are past every token sampled so far); free batches skip it.
-            masks = self.masks.start([s.grammar for s in states]) if self._constrained \
+            masks = self.masks.start([s.grammar for s in sampling]) if self._constrained \
                 else None
             try:
-                batch = self._prepare(plan)
+                tp = time.perf_counter()
+                batch = self._pack(plan, rows)
+                pack_s = time.perf_counter() - tp
                 self.threads.use_for(batch.input_ids.shape[0])
                 if self.decode_step is not None and self.decode_step.applies(batch):
                     hidden = self.decode_step(batch, self.kv_caches)
@@ -256,26 +263,28 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # so forward_s measures the forward
             t1 = time.perf_counter()
-            prompt_lps = prompt_logprobs(hidden, plan.seqs, self._states,
-                                         self.model.compute_logits)
-            pooled = self.pooler.take(hidden, plan.seqs, self._states, pooled_norm(self.model))
+            if plan.lp_rows:
+                prompt_lps = prompt_logprobs(hidden, plan.seqs, states,
+                                             self.model.compute_logits)
+            pooled = self.pooler.take(hidden, plan, pooled_norm(self.model))
             if masks is not None:
                 masks.apply(logits)
-            results = sample(logits, states, self.eos_token_ids)
-            for state, (token_id, _) in zip(states, results, strict=True):
+            results = sample(logits, sampling, self.eos_token_ids)
+            for state, (token_id, _) in zip(sampling, results, strict=True):
                 state.append(token_id)
-            tokens = tuple(
-                SampledToken(rid=s.rid, token_id=token_id, logprob=logprob)
-                for s, (token_id, logprob) in zip(sampled, results, strict=True)
-            )
+            token_ids = tuple(token_id for token_id, _ in results)
+            lp_rows = tuple(j for j, (_, lp) in enumerate(results) if lp is not None)
+            if lp_rows:
+                lps = tuple(results[j][1] for j in lp_rows)  # type: ignore[misc]
             sample_s = time.perf_counter() - t1
         for rid in plan.drop:
             if rid in last_step:
                 self._drop(rid)
-        forward_s = time.perf_counter() - t0 - sample_s
+        forward_s = time.perf_counter() - t0 - sample_s - pack_s
         return StepResult(
-            step_id=plan.step_id, tokens=tokens, forward_s=forward_s, sample_s=sample_s,
-            prompt_logprobs=prompt_lps, pooled=pooled,
+            step_id=plan.step_id, token_ids=token_ids, forward_s=forward_s,
+            sample_s=sample_s, prompt_logprobs=prompt_lps, logprob_rows=lp_rows, logprobs=lps,
+            pack_s=pack_s, pooled=pooled,
         )
 
     def _last_sample(self, rid: str, position: int) -> int:
@@ -297,9 +306,22 @@ class ModelRunner:
         self.fed_forward += 1
         return state.output_token_ids[-1]
 
+    def _start(self, plan: StepPlan) -> None:
+        """Sampling state, an empty block table and a fresh pooling sum for each row
+        the Worker has not seen (or lost to preemption)."""
+        for i, new in zip(plan.new_rows, plan.new, strict=True):
+            rid = plan.rids[i]
+            self.tables.reset(rid)  # back after preemption: its old table is gone
+            self.pooler.start(rid, new)  # a recompute pools from the start again
+            self._states[rid] = SamplingState(
+                new.params, new.prompt_token_ids, new.output_token_ids,
+                self._grammar(rid, new),
+            )
+
     def _drop(self, rid: str) -> None:
         self._states.pop(rid, None)
         self.pooler.drop(rid)
+        self.tables.drop(rid)
         self._constrained.discard(rid)
 
     def _grammar(self, rid: str, new: NewSeqData) -> Grammar | None:
@@ -320,9 +342,13 @@ class ModelRunner:
         return grammar
 
     def _prepare(self, plan: StepPlan) -> ForwardBatch:
-        """The plan packed into device tensors (:func:`actorllm.worker.packing.pack_plan`)."""
-        return pack_plan(plan, self.block_size, self.num_blocks, self.max_model_len,
-                         self.device, self._last_sample)
+        """The plan's block-table diffs applied and the plan packed into device tensors
+        (:mod:`actorllm.worker.packing`)."""
+        return self._pack(plan, self.tables.apply(plan))
+
+    def _pack(self, plan: StepPlan, rows: np.ndarray) -> ForwardBatch:
+        return pack_plan(plan, self.tables, rows, self.max_model_len, self.device,
+                         self._last_sample)
 
 
 def _torch_threads(tp: TensorParallel, device: torch.device,

@@ -123,7 +123,7 @@ def message_rids(msg: Any) -> list[str]:
     if isinstance(msg, StepPlan):
         return [s.rid for s in msg.seqs] + list(msg.drop)
     if isinstance(msg, StepResult):
-        return [t.rid for t in msg.tokens]
+        return []  # its tokens are a column: the rids are its plan's
     if isinstance(msg, TokenBatch):
         return [o.rid for o in msg.outputs] + list(msg.freed)
     if isinstance(msg, OutputBatch):
