@@ -9,6 +9,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sim.profiles import examples
 
 from actorllm.wire import codec, messages
 from actorllm.wire.messages import MESSAGE_TYPES
@@ -51,7 +52,7 @@ def message_strategy(cls: type) -> st.SearchStrategy[typing.Any]:
 
 @pytest.mark.parametrize("cls", MESSAGE_TYPES, ids=lambda c: c.__name__)
 def test_every_message_type_round_trips(cls: type) -> None:
-    @settings(max_examples=60, deadline=None)
+    @settings(max_examples=examples(60), deadline=None)
     @given(message_strategy(cls))
     def check(msg: typing.Any) -> None:
         back = codec.decode(codec.encode(msg))
@@ -61,7 +62,7 @@ def test_every_message_type_round_trips(cls: type) -> None:
     check()
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(st.binary(max_size=200))
 def test_arbitrary_bytes_decode_to_a_message_or_codec_error(data: bytes) -> None:
     try:
@@ -71,7 +72,7 @@ def test_arbitrary_bytes_decode_to_a_message_or_codec_error(data: bytes) -> None
     assert type(msg) in MESSAGE_TYPES
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.recursive(st.none() | st.booleans() | _ints | _floats | st.text(max_size=8),
                     lambda inner: st.lists(inner, max_size=4), max_leaves=20),
        st.sampled_from([c.__name__ for c in MESSAGE_TYPES]))

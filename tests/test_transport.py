@@ -17,6 +17,7 @@ import trio
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sim.profiles import examples
 
 from actorllm.wire import codec
 from actorllm.wire.mailbox import MailboxTypeError
@@ -210,7 +211,7 @@ def _push_garbage(frames: list[bytes]) -> tuple[int, int]:
         ipc.remove()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.binary(max_size=300), max_size=30))
 def test_garbage_frames_are_rejected_and_counted(frames: list[bytes]) -> None:
     received, rejected = _push_garbage(frames)
@@ -219,7 +220,7 @@ def test_garbage_frames_are_rejected_and_counted(frames: list[bytes]) -> None:
     assert rejected >= sum(1 for f in frames if frame_version(f) != codec.VERSION)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
                     lambda inner: st.lists(inner, max_size=4), max_leaves=12),
        st.sampled_from(["AbortRequest", "GenerateRequest", "StepResult", "Hello", "Nope"]))
