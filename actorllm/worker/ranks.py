@@ -177,8 +177,10 @@ class RankGroup:
         self.port = self.store.port
         self.store.set(SPEC, json.dumps(dataclasses.asdict(spec)))
         env = dict(os.environ)
-        # The rank must import this very actorllm, installed or not.
-        root = str(Path(__file__).resolve().parents[1])
+        # The rank must import this very actorllm, installed or not: the directory that
+        # holds the package (this file is actorllm/worker/ranks.py), not the package itself,
+        # whose kernels/ would shadow the top-level ``kernels`` transformers imports.
+        root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port),
                    WORLD_SIZE=str(spec.world))
