@@ -25,8 +25,16 @@ from helpers import Call, app_for
 from actorllm.config import EngineConfig, default_model_dir
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.llm import collect, make_request
-from actorllm.text.structured import LLGuidanceBackend, MaskFiller, _bias, apply_grammar_masks
+from actorllm.text.structured import (
+    GrammarRefused,
+    LLGuidanceBackend,
+    MaskFiller,
+    PendingMasks,
+    _bias,
+    apply_grammar_masks,
+)
 from actorllm.wire.messages import ChatMessage, SamplingParams, StructuredOutput
+from actorllm.worker.sampler import SamplingState
 
 _NAME = {"type": "string", "maxLength": 6}
 SCHEMAS: list[dict[str, Any]] = [
@@ -327,6 +335,77 @@ async def test_bad_constraints_are_400_naming_the_field(engine: AsyncEngine,
                                                    "stream": stream, **body}).run(app_for(engine))
         assert call.status == 400, call.chunks
         assert call.json()["error"]["param"] == param, call.json()
+
+
+_SCHEMA_IN = {
+    "guided_json": '"guided_json": {"enum": [%s]}',
+    "response_format": '"response_format": {"type": "json_schema", "json_schema": '
+                       '{"name": "n", "schema": {"enum": [%s]}}}',
+    "structured_outputs": '"structured_outputs": {"json": {"type": "object", '
+                          '"properties": {"a": {"const": %s}}}}',
+}
+
+
+@pytest.mark.parametrize("param", sorted(_SCHEMA_IN))
+@pytest.mark.parametrize(("number", "why"), [
+    ("18446744073709551616", "is beyond +-(2**53 - 1)"),  # 2**64: llguidance refuses it
+    ("9007199254740993", "is beyond +-(2**53 - 1)"),  # 2**53 + 1: it would write 2**53
+    ("-9007199254740992", "is beyond +-(2**53 - 1)"),
+    ("1e999", "is not finite"),  # JSON text that parses as infinity
+    ("-1e999", "is not finite"),
+])
+async def test_a_schema_number_the_grammar_cannot_hold_is_400_naming_the_field(
+        engine: AsyncEngine, param: str, number: str, why: str) -> None:
+    raw = '{"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, %s}' % (
+        _SCHEMA_IN[param] % number)
+    call = Call("/v1/chat/completions", {})
+    call.body = raw.encode()  # the number as written, not as Python would write it
+    await call.run(app_for(engine))
+    assert call.status == 400, call.chunks
+    error = call.json()["error"]
+    assert error["param"] == param and why in error["message"], error
+
+
+async def test_the_largest_numbers_the_grammar_holds_are_accepted(engine: AsyncEngine) -> None:
+    for number in (2**53 - 1, -(2**53 - 1), 2.5, -0.25):
+        schema = {"type": "object", "properties": {"a": {"enum": [number]}},
+                  "required": ["a"], "additionalProperties": False}
+        params = SamplingParams(max_tokens=40, structured=StructuredOutput(
+            "json", json.dumps(schema), "guided_json"))
+        res = await collect(engine, f"n{number}", "x", params)
+        assert res.error is None, res.error
+        assert json.loads(res.outputs[0].text) == {"a": number}, res.outputs[0].text
+
+
+async def test_python_api_refuses_a_schema_integer_beyond_2_53(engine: AsyncEngine) -> None:
+    params = SamplingParams(max_tokens=4, structured=StructuredOutput(
+        "json", '{"enum": [18446744073709551616]}', "structured_outputs"))
+    res = await collect(engine, "big", "x", params)
+    assert res.error is not None and "is beyond +-(2**53 - 1)" in res.error
+
+
+def test_a_refused_token_raises_instead_of_going_on_unconstrained(
+        resources: Resources) -> None:
+    backend = LLGuidanceBackend(resources.hf_tokenizer, resources.info.vocab_size,
+                                resources.info.eos_token_ids)
+    grammar = backend.grammar(StructuredOutput("choice", json.dumps(["yes", "no"])))
+    logits = torch.zeros(1, resources.info.vocab_size)
+    apply_grammar_masks(logits, [grammar])
+    refused = int(torch.isinf(logits[0]).nonzero()[0])  # one the mask forbids
+    state = SamplingState(SamplingParams(max_tokens=4), [1, 2], grammar=grammar)
+    with pytest.raises(GrammarRefused, match=rf"refused sampled token {refused}"):
+        state.append(refused)
+
+
+async def test_a_refused_token_fails_the_request_with_the_grammars_error(
+        engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A mask that lets everything through (as a masking bug would): the first token the
+    # grammar refuses ends the request with that error, not with unconstrained text.
+    monkeypatch.setattr(PendingMasks, "apply", lambda self, logits: None)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                            structured=StructuredOutput("regex", "q{16}", "guided_regex"))
+    res = await collect(engine, "refused", "The json module", params)
+    assert res.error is not None and "output constraint refused sampled token" in res.error
 
 
 # --- tools ----------------------------------------------------------------------------------
