@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from actorllm.cli_checks import flag_error
+
 EXIT_USAGE = 2
 
 
@@ -412,6 +414,9 @@ def openmp_defaults(environ: dict[str, str] | os._Environ[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``actorllm`` console script."""
     args = build_parser().parse_args(argv)
+    if (problem := flag_error(args)) is not None:  # before logging, and the model, load
+        sys.stderr.write(f"actorllm: error: {problem}\n")
+        return EXIT_USAGE
     openmp_defaults(os.environ)  # torch is not imported yet (its modules load lazily)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
