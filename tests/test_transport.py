@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sim.profiles import examples
 
-from actorllm.wire import codec
-from actorllm.wire.mailbox import MailboxTypeError
+from actorllm.wire import codec, transport
+from actorllm.wire.mailbox import MailboxClosed, MailboxTypeError
 from actorllm.wire.messages import (
     AbortRequest,
     Hello,
@@ -32,6 +32,7 @@ from actorllm.wire.messages import (
 )
 from actorllm.wire.transport import (
     PROTOCOL_VERSION,
+    FrameTooLarge,
     HandshakeError,
     IpcDir,
     ZmqInbox,
@@ -310,3 +311,51 @@ def test_ipc_dir_is_private_and_removed() -> None:
     d.remove()
     assert not os.path.exists(d.path)
     d.remove()  # idempotent
+
+
+async def test_an_outbox_refuses_sends_after_close(ipc: IpcDir) -> None:
+    inbox = ZmqInbox("scheduler", SchedulerInput, 8, ipc.endpoint("s.sock"))
+    out = ZmqOutbox(ipc.endpoint("s.sock"), SchedulerInput, name="tokenizer->scheduler")
+    await out.send(AbortRequest("before"))
+    out.close()
+    with pytest.raises(trio.ClosedResourceError, match="tokenizer->scheduler"):
+        await out.send(AbortRequest("after"))
+    with pytest.raises(trio.ClosedResourceError, match="tokenizer->scheduler"):
+        out.send_nowait(AbortRequest("after"))
+    assert out.sent == 1
+    with trio.fail_after(30):
+        assert await inbox.receive() == AbortRequest("before")
+    inbox.close()
+    with pytest.raises(MailboxClosed):
+        await inbox.send(AbortRequest("local, after close"))
+
+
+async def test_a_frame_over_the_limit_is_refused_by_the_sender_and_dropped_by_the_inbox(
+        ipc: IpcDir, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transport, "MAX_FRAME_BYTES", 4096)
+    inbox = ZmqInbox("scheduler", SchedulerInput, 8, ipc.endpoint("s.sock"))
+    out = ZmqOutbox(ipc.endpoint("s.sock"), SchedulerInput, name="tokenizer->scheduler")
+    big = StopMatched("r", "x" * 8192)
+    # The sender says so, naming the mailbox and the size, and sends nothing.
+    with pytest.raises(FrameTooLarge, match=r"'tokenizer->scheduler': a StopMatched of \d+ "
+                                            r"bytes is over the 4096-byte frame limit"):
+        await out.send(big)
+    with pytest.raises(FrameTooLarge):
+        out.send_nowait(big)
+    assert out.sent == 0
+    # A rogue peer that sends one anyway: ZeroMQ drops it (and that connection) before
+    # it is decoded; the inbox serves on, and a well-behaved sender gets through.
+    assert inbox._sock.getsockopt(zmq.MAXMSGSIZE) == 4096
+    rogue = rogue_push(ipc.endpoint("s.sock"))
+    try:
+        rogue.send(codec.encode(big))
+        await out.send(AbortRequest("fine"))
+        with trio.fail_after(30):
+            assert await inbox.receive() == AbortRequest("fine")
+        with pytest.raises(trio.WouldBlock):
+            inbox.receive_nowait()
+        assert inbox.received == 1 and inbox.rejected == 0
+    finally:
+        rogue.close()
+        out.close()
+        inbox.close()
