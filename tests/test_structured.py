@@ -421,6 +421,26 @@ TIME = {"type": "function", "function": {
         "zone": {"enum": ["utc", "cet"]}}, "required": ["zone"], "additionalProperties": False}}}
 
 
+@pytest.mark.parametrize("constraint", [
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "n",
+                                                                "schema": {"type": "object"}}}},
+    {"guided_regex": "a+"},
+])
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_time"}}])
+async def test_a_forced_tool_choice_with_another_constraint_is_400(
+        engine: AsyncEngine, choice: Any, constraint: dict[str, Any]) -> None:
+    # Both would force the output, and only one grammar can: refused, not one ignored.
+    call = await Call("/v1/chat/completions", {
+        "messages": _chat(), "max_tokens": 4, "tools": [WEATHER, TIME], "tool_choice": choice,
+        **constraint}).run(app_for(engine))
+    assert call.status == 400, call.chunks
+    error = call.json()["error"]
+    assert error["param"] == "tool_choice" and "cannot be combined with" in error["message"]
+    assert await engine.wait_drained(5.0) == []
+
+
 def _reassemble(events: list[str]) -> Any:
     """The official client's own reassembly of a streamed chat completion."""
     from openai.lib.streaming.chat import ChatCompletionStreamState
