@@ -372,17 +372,21 @@ def test_real_child_refuses_a_mismatched_parent(tmp_path: Path) -> None:
 
 
 READY_IMPOSTOR = """
-import os, sys, time
+import os, signal, sys, time
 import trio
 from actorllm.wire.messages import ControlMessage, Ready, StartFailed
 from actorllm.wire.transport import ZmqInbox, ZmqOutbox, make_hello
 
 async def main():
+    if sys.argv[1] == "stubborn":  # ignores Shutdown (never reads it) and SIGTERM
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctl_in = ZmqInbox("engine.ctl", ControlMessage, 16, sys.argv[-1])
     out = ZmqOutbox(sys.argv[-2], ControlMessage, name="out", linger_ms=1000)
     async with trio.open_nursery() as nursery:
         await out.send(make_hello("engine"))
         await ctl_in.receive()
+        if sys.argv[1] == "never_ready":
+            await trio.sleep(60)  # handshakes, then never says Ready
         await out.send(Ready("engine", os.getpid()))
         if sys.argv[1] == "crash":
             await trio.sleep(0.3)
@@ -425,6 +429,46 @@ async def test_silent_child_is_killed_and_the_engine_declared_dead(
 async def test_crashing_child_says_why(tmp_path: Path) -> None:
     deaths = await _run_until_death([*_impostor(tmp_path, READY_IMPOSTOR), "crash"], tmp_path)
     assert deaths == ["engine process exited with code 1 (RuntimeError: boom)"]
+
+
+async def test_a_child_not_ready_in_time_fails_start_up_naming_it(tmp_path: Path) -> None:
+    sup, _ = await _start_with([*_impostor(tmp_path, READY_IMPOSTOR), "never_ready"],
+                               tmp_path, ready_timeout=1.0)
+    try:
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(EngineStartError, match=r"^engine process not ready after 1 s$"):
+                await sup.start(nursery)
+            with trio.fail_after(60):  # a guard: not ready, it is sent SIGTERM at once
+                await sup.shutdown()
+            nursery.cancel_scope.cancel()
+    finally:
+        sup.ipc.remove()
+    (child,) = sup.children.values()
+    assert child.proc is not None and child.proc.returncode == -signal.SIGTERM
+
+
+async def test_a_child_that_ignores_shutdown_and_sigterm_is_killed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(supervisor_module, "SHUTDOWN_GRACE", 0.5)
+    monkeypatch.setattr(supervisor_module, "CHILD_TIMEOUT", 600.0)  # silence is not death
+    sup, deaths = await _start_with([*_impostor(tmp_path, READY_IMPOSTOR), "stubborn"],
+                                    tmp_path)
+    try:
+        async with trio.open_nursery() as nursery:
+            await sup.start(nursery)
+            with trio.fail_after(60):  # a guard against a hang
+                await sup.shutdown()
+            nursery.cancel_scope.cancel()
+    finally:
+        sup.ipc.remove()
+    (child,) = sup.children.values()
+    # Shutdown, then SIGTERM, then SIGKILL: each step logged, and only the last ended it.
+    assert child.proc is not None and child.proc.returncode == -signal.SIGKILL
+    steps = [r.getMessage() for r in caplog.records if "did not stop" in r.getMessage()]
+    assert steps == ["engine process did not stop; sending SIGTERM",
+                     "engine process did not stop; sending SIGKILL"]
+    assert deaths == []  # a stop, not a death
 
 
 # --- the parent process dies ---------------------------------------------------------------
