@@ -133,6 +133,112 @@ def test_a_rank_that_cannot_load_fails_start_up_with_its_reason(
     assert not [p for p in group.pids if _alive(p)]
 
 
+def _free_the_group(holder: dict[str, Resources]) -> None:
+    """One torch.distributed group per process: close the shared runner's (the next test
+    that needs it rebuilds it)."""
+    if "res" in holder:
+        holder["res"].runner.close()
+
+
+_SPEC = ("/nonexistent", 2, 4, 4, "float32", "cpu", "torch", 1)
+
+
+def _rank_impostor(monkeypatch: pytest.MonkeyPatch, code: str) -> None:
+    """Local ranks run ``code`` (with the driver's environment) instead of ``actorllm rank``."""
+    import subprocess
+    import sys
+    import types
+
+    from actorllm.worker import ranks
+
+    def popen(argv: list[str], **kw: Any) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-c", code], **kw)
+
+    monkeypatch.setattr(ranks, "subprocess", types.SimpleNamespace(
+        Popen=popen, PIPE=subprocess.PIPE, TimeoutExpired=subprocess.TimeoutExpired))
+
+
+def test_a_rank_that_never_starts_is_named_and_close_kills_it(
+        _tp2_holder: dict[str, Resources], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from actorllm.worker.ranks import RankGroup, RankSpec
+
+    _free_the_group(_tp2_holder)
+    # Hangs before it joins, and ignores both EOF on its stdin and SIGTERM: only the
+    # SIGKILL that close() falls back to can end it.
+    _rank_impostor(monkeypatch, "import signal, time\n"
+                                "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                                "time.sleep(300)")
+    group = RankGroup(RankSpec(*_SPEC))
+    try:
+        with pytest.raises(ValueError, match=r"^tensor-parallel rank 1 did not start within "
+                                             r"1 s$"):
+            group.connect(timeout=1.0)
+    finally:
+        group.close()
+    (proc,) = group.procs
+    assert proc.returncode == -signal.SIGKILL
+    assert f"tensor-parallel rank (pid {proc.pid}) did not stop; killing it" in caplog.text
+
+
+def test_ranks_that_say_ready_but_never_join_the_group_are_a_start_up_error(
+        _tp2_holder: dict[str, Resources], monkeypatch: pytest.MonkeyPatch) -> None:
+    import datetime
+
+    from actorllm.worker import ranks
+    from actorllm.worker.ranks import RankGroup, RankSpec
+
+    _free_the_group(_tp2_holder)
+    monkeypatch.setattr(ranks, "COLLECTIVE_TIMEOUT", datetime.timedelta(seconds=2))
+    # Says "ready" in the store like a real rank, then never calls init_process_group.
+    _rank_impostor(monkeypatch, "import os, sys\n"
+                                "from actorllm.wire.rendezvous import joined_key, rank_store, "
+                                "status_key\n"
+                                "store = rank_store(os.environ['MASTER_ADDR'], "
+                                "int(os.environ['MASTER_PORT']), 30.0)\n"
+                                "store.set(joined_key(1), '1')\n"
+                                "store.set(status_key(1), 'ready')\n"
+                                "sys.stdin.buffer.read()\n")
+    group = RankGroup(RankSpec(*_SPEC))
+    try:
+        with pytest.raises(ValueError, match=r"^the tensor-parallel group did not form: "):
+            group.connect(timeout=60.0)
+    finally:
+        group.close()
+    (proc,) = group.procs
+    assert proc.returncode == 0  # it left when its stdin closed: no kill was needed
+
+
+async def test_a_forward_that_raises_breaks_the_group_without_a_rank_dying(
+        _tp2_holder: dict[str, Resources], monkeypatch: pytest.MonkeyPatch) -> None:
+    from actorllm.worker import ranks
+    from actorllm.worker.ranks import RankDied, RankGroup, RankSpec
+
+    _free_the_group(_tp2_holder)
+    # A rank that is alive and well (it waits for its stdin to close), and a step that
+    # fails on the driver after the broadcast: the ranks may wait in an all-reduce the
+    # driver never reaches, so the group must count as broken, naming the step's error.
+    _rank_impostor(monkeypatch, "import sys; sys.stdin.buffer.read()")
+    monkeypatch.setattr(ranks, "broadcast_batch", lambda batch: None)
+    group = RankGroup(RankSpec(*_SPEC))
+
+    def model(*args: Any) -> Any:
+        raise RuntimeError("out of memory in layer 3")
+
+    try:
+        with pytest.raises(RuntimeError, match="out of memory in layer 3"):
+            group.forward(model, None, [], None)  # type: ignore[arg-type]
+        broken = "a tensor-parallel step failed: RuntimeError: out of memory in layer 3"
+        assert group.broken == broken and group.dead() == broken  # no rank died
+        with pytest.raises(RankDied, match="^" + broken + "$"):
+            await group.check()  # no rank is seen dead: the step's own error is the cause
+        with pytest.raises(RankDied, match="^" + broken + "$"):  # no later step runs
+            group.forward(model, None, [], None)  # type: ignore[arg-type]
+        assert all(p.poll() is None for p in group.procs)
+    finally:
+        group.close()
+
+
 async def test_two_ranks_match_transformers_one_at_a_time(
         tp2: Resources, prompt_ids: list[list[int]], oracle: list[list[int]]) -> None:
     got, preempted = await _generate(tp2, prompt_ids, GREEDY, max_num_seqs=1)
