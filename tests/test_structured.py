@@ -68,7 +68,7 @@ def resources() -> Resources:
 async def engine(resources: Resources) -> AsyncIterator[AsyncEngine]:
     async with open_engine(resources.config, resources=resources) as eng:
         yield eng
-        assert await eng.wait_drained(5.0) == []
+        assert await eng.wait_drained(30.0) == []
 
 
 def _chat(content: str = "Describe it.") -> list[dict[str, str]]:
@@ -274,7 +274,7 @@ async def test_preemption_mid_structure_replays_the_grammar() -> None:
             for i in range(6):
                 nursery.start_soon(run, i)
         stats = eng.frontend.stats
-        assert await eng.wait_drained(5.0) == []
+        assert await eng.wait_drained(30.0) == []
     assert stats is not None and stats.num_preemptions > 0, "the test must preempt"
     for res in results.values():
         assert res.error is None, res.error
@@ -438,7 +438,7 @@ async def test_a_forced_tool_choice_with_another_constraint_is_400(
     assert call.status == 400, call.chunks
     error = call.json()["error"]
     assert error["param"] == "tool_choice" and "cannot be combined with" in error["message"]
-    assert await engine.wait_drained(5.0) == []
+    assert await engine.wait_drained(30.0) == []
 
 
 def _reassemble(events: list[str]) -> Any:
@@ -654,6 +654,6 @@ async def test_grammar_crosses_processes() -> None:
                             structured=StructuredOutput("json", json.dumps(SCHEMAS[1])))
     async with open_engine(config) as eng:
         res = await collect(eng, "x", "Colors:", params)
-        assert await eng.wait_drained(5.0) == []
+        assert await eng.wait_drained(30.0) == []
     assert res.error is None and res.outputs[0].finish_reason == "stop"
     jsonschema.validate(json.loads(res.outputs[0].text), SCHEMAS[1])
