@@ -12,153 +12,18 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from actorllm.cli_checks import flag_error
+from actorllm.cli_flags import build_parser
 
 EXIT_USAGE = 2
+# `actorllm run`'s length when neither --max-tokens nor the model's max_new_tokens is set.
+CLI_MAX_TOKENS = 64
 
 
 class CliError(Exception):
     """A user error: printed as one line, exit code 2."""
-
-
-def _engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", help="model directory (default: the embedded model)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="KV cache blocks (default: from --kv-cache-memory)")
-    g.add_argument("--kv-cache-memory", type=int, default=256 * 2**20, metavar="BYTES")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True, help="reuse the KV blocks of shared prompt prefixes")
-    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
-                   help="priority: requests' `priority` field orders them (lower first)")
-    g.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "cuda"], default="auto")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    g.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch threads in the Worker's process (default: one per core; with "
-                        "--topology engine or pipeline, or under `serve`, one per core less "
-                        "one, left to the event loop that serves HTTP, but all of them for "
-                        "prefill-sized steps); per rank with --tensor-parallel-size "
-                        "(default: cores / N)")
-    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="shard the model over N processes (torch.distributed: gloo on the "
-                        "CPU, NCCL on CUDA); N must divide the attention heads")
-    g.add_argument("--tensor-parallel-local-ranks", type=int, default=None, metavar="K",
-                   help="ranks 0..K-1 run on this host; K..N-1 join from other hosts "
-                        "(`actorllm rank`) at MASTER_ADDR:MASTER_PORT (default: all local)")
-    g.add_argument("--tensor-parallel-timeout", type=float, default=300.0, metavar="S",
-                   help="how long every rank gets to join and load its shard (default 300)")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="plan the next step while one runs, feeding each sampled token "
-                        "forward in the Worker (default: on for CUDA; on the CPU, on for "
-                        "`serve` in the single topology, off otherwise)")
-    g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
-                   help="N replicas of the Scheduler and Worker, each in its own process, "
-                        "behind one HTTP front (needs --topology engine, the default then)")
-    g.add_argument("--data-parallel-local-replicas", type=int, default=None, metavar="K",
-                   help="replicas 0..K-1 run here; K..N-1 join from other hosts "
-                        "(`actorllm replica`) at MASTER_ADDR:MASTER_PORT (default: all here)")
-    g.add_argument("--data-parallel-timeout", type=float, default=300.0, metavar="S",
-                   help="how long every replica gets to join and load (default 300)")
-    g.add_argument("--topology", choices=["single", "engine", "pipeline"], default=None,
-                   help="where the actors run (default: single; engine with "
-                        "--data-parallel-size above 1)")
-    g.add_argument("--trace", metavar="FILE", help="write every state transition as JSON lines")
-    g.add_argument("--trace-hops", action="store_true", help="with --trace: every mailbox hop too")
-    g.add_argument("--log-level", default="WARNING")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="actorllm",
-        description="An LLM inference server whose request lifecycle is explicit.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    run = sub.add_parser("run", help="generate for prompts on the command line")
-    run.add_argument("prompts", nargs="*", metavar="PROMPT")
-    run.add_argument("--prompts-file", type=Path, help="one prompt per line")
-    run.add_argument("--max-tokens", type=int, default=None)
-    run.add_argument("--temperature", type=float, default=None)
-    run.add_argument("--top-p", type=float, default=None)
-    run.add_argument("--top-k", type=int, default=None)
-    run.add_argument("--min-p", type=float, default=None)
-    run.add_argument("--repetition-penalty", type=float, default=None)
-    run.add_argument("--seed", type=int, default=None)
-    run.add_argument("--n", type=int, default=1)
-    run.add_argument("--stop", action="append", default=[], metavar="S")
-    run.add_argument("--ignore-eos", action="store_true")
-    run.add_argument("--output", choices=["text", "jsonl"], default="text")
-    _engine_flags(run)
-
-    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="or ACTORLLM_API_KEY")
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--drain-timeout", type=float, default=10.0)
-    serve.add_argument("--max-request-bytes", type=int, default=1 << 20)
-    serve.add_argument("--max-pending", type=int, default=1024,
-                       help="live sequences before new requests get 503")
-    serve.add_argument("--tool-call-parser", choices=["json", "hermes"], default="json",
-                       help="how the model writes tool calls: json (the embedded model's "
-                       "template) or hermes (<tool_call>{...}</tool_call>)")
-    serve.add_argument("--on-engine-death", choices=["exit", "stay"], default="exit",
-                       help="when the engine dies: fail in-flight requests, then exit with "
-                       "code 3 (exit, for a supervisor to restart) or keep answering 503; "
-                       "with --data-parallel-size, stay fails only a dead replica's requests "
-                       "and serves on with the others")
-    _slow_client_flags(serve)
-    _engine_flags(serve)
-
-    replay = sub.add_parser("replay", help="check a trace against the spec")
-    replay.add_argument("file", type=Path)
-    replay.add_argument("--timeline", type=Path, help="OUT.html or OUT.png")
-    replay.add_argument("--redrive", action="store_true",
-                        help="re-run the Scheduler on the recorded inputs")
-    replay.add_argument("--json", action="store_true", help="machine-readable report")
-
-    rank = _joiner(sub, "rank", "a tensor-parallel rank", "the driver", "one per core")
-    rank.add_argument("--watch-stdin", action="store_true", help=argparse.SUPPRESS)
-    _joiner(sub, "replica", "a data-parallel replica", "the main host",
-            "one per core less one")
-    return parser
-
-
-def _joiner(sub: Any, name: str, what: str, peer: str, threads: str) -> Any:
-    """The subcommand of a process that joins ``peer`` on another host."""
-    p = sub.add_parser(name, help=f"{what} for {peer} on another host (MASTER_ADDR, "
-                       "MASTER_PORT, RANK, WORLD_SIZE from the env)")
-    p.add_argument("--model", help=f"this host's copy of the model (default: {peer}'s path)")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="S",
-                   help=f"how long to wait for {peer} to answer")
-    p.add_argument("--cpu-threads", type=int, default=None,
-                   help=f"torch threads of this {name} (default: {threads})")
-    p.add_argument("--log-level", default="WARNING")
-    return p
-
-
-def _slow_client_flags(p: argparse.ArgumentParser) -> None:
-    """Bounds on slow and stalled clients (docs/architecture.md, "Slow readers"); 0: off."""
-    g = p.add_argument_group("slow clients (0 turns a limit off)")
-    g.add_argument("--max-pending-bytes-per-request", type=int, default=256 << 10,
-                   metavar="BYTES", help="unread output of one request before it is paused")
-    g.add_argument("--max-pending-bytes", type=int, default=64 << 20, metavar="BYTES",
-                   help="unread output of all requests before behind readers are paused "
-                   "and new requests get 503")
-    g.add_argument("--stream-timeout", type=float, default=30.0, metavar="S",
-                   help="cancel a request whose client reads nothing for this long")
-    g.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
-                   help="408 when a request body has not fully arrived after this long")
-    g.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
-                   help="close an idle connection (or unfinished headers) after this long")
 
 
 def _flow_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -169,10 +34,12 @@ def _flow_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def engine_config(args: argparse.Namespace) -> Any:
     from actorllm.config import EngineConfig, default_model_dir
+    from actorllm.hub import resolve_model
 
     try:
         return EngineConfig(
-            model=args.model or str(default_model_dir()),
+            model=resolve_model(args.model or str(default_model_dir()), args.revision),
+            model_impl=args.model_impl,
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory,
@@ -204,27 +71,16 @@ def engine_config(args: argparse.Namespace) -> Any:
 
 
 def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]) -> Any:
-    """Flags first, then the model's defaults (``ModelInfo.sampling_defaults``), then ours."""
-    from actorllm.wire.messages import InvalidRequest, SamplingParams
+    """Flags first, then the model's defaults (``ModelInfo.sampling_defaults``), then ours;
+    64 tokens when neither the flags nor the model name a length."""
+    from actorllm.wire.sampling import InvalidRequest, resolve_sampling
 
-    def pick(flag: Any, key: str, fallback: Any) -> Any:
-        return flag if flag is not None else defaults.get(key, fallback)
-
+    given = {"n": args.n, "max_tokens": args.max_tokens, "temperature": args.temperature,
+             "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+             "repetition_penalty": args.repetition_penalty, "seed": args.seed,
+             "stop": tuple(args.stop), "ignore_eos": args.ignore_eos}
     try:
-        params = SamplingParams(
-            n=args.n,
-            # None lets the Tokenizer apply the model's max_new_tokens within the context.
-            max_tokens=args.max_tokens if args.max_tokens is not None
-            else (None if "max_tokens" in defaults else 64),
-            temperature=float(pick(args.temperature, "temperature", 1.0)),
-            top_p=float(pick(args.top_p, "top_p", 1.0)),
-            top_k=int(pick(args.top_k, "top_k", 0)),
-            min_p=float(pick(args.min_p, "min_p", 0.0)),
-            repetition_penalty=float(pick(args.repetition_penalty, "repetition_penalty", 1.0)),
-            seed=args.seed,
-            stop=tuple(args.stop),
-            ignore_eos=args.ignore_eos,
-        )
+        params = resolve_sampling(given, defaults, max_tokens=CLI_MAX_TOKENS)
         params.validate()
     except InvalidRequest as exc:
         raise CliError(f"--{(exc.param or '').replace('_', '-')}: {exc}") from None
@@ -277,8 +133,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 async def _stream_one(config: Any, resources: Any, prompt: str, params: Any) -> int:
     from actorllm.engine.async_engine import open_engine
-    from actorllm.frontend.outputs import RequestError
     from actorllm.llm import make_request
+    from actorllm.wire.outputs import RequestError
 
     async with open_engine(config, resources=resources) as engine:
         try:

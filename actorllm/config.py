@@ -33,6 +33,9 @@ class EngineConfig:
     """Everything that shapes an engine. Sizes are validated against the model at start-up."""
 
     model: str = attrs.field(factory=lambda: str(default_model_dir()))
+    # auto: the native model where it has the architecture, else transformers' own modules
+    # with paged attention (actorllm/model/hf_backend.py); native; transformers.
+    model_impl: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: from kv_cache_memory
     kv_cache_memory: int = 256 * 2**20  # bytes for K and V of all layers
@@ -74,7 +77,7 @@ class EngineConfig:
     topology: str = "single"
     trace: str | None = None
     trace_hops: bool = False
-    # Slow readers (the Frontend's flow control, FlowLimits in actorllm/frontend/outputs.py);
+    # Slow readers (the Frontend's flow control, FlowLimits in actorllm/frontend/readers.py);
     # None: off.
     max_pending_bytes_per_request: int | None = 256 << 10
     max_pending_bytes: int | None = 64 << 20
@@ -114,6 +117,8 @@ class EngineConfig:
             raise ValueError(f"--topology must be one of {', '.join(TOPOLOGIES)}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("--scheduling-policy must be fcfs or priority")
+        if self.model_impl not in ("auto", "native", "transformers"):
+            raise ValueError("--model-impl must be auto, native or transformers")
         if self.attention_backend not in ("auto", "torch", "cpu", "cuda"):
             raise ValueError("--attention-backend must be auto, torch, cpu or cuda")
         for flag, v in (("--max-pending-bytes-per-request", self.max_pending_bytes_per_request),
@@ -192,23 +197,14 @@ def sampling_defaults(generation_config: Mapping[str, object]) -> dict[str, obje
 
 
 def model_context_limit(text_config: Mapping[str, object]) -> int:
-    """The longest context the model serves exactly.
+    """The longest context the model serves by default: its ``max_position_embeddings``.
 
-    Sliding-window attention is not implemented, so a windowed model is capped at its
-    window: inside it, windowed and full attention are the same thing. A window counts
-    unless the config turns it off (Qwen2's ``use_sliding_window: false``) or names no
-    sliding layer in ``layer_types``.
+    A sliding window does not shorten it: the attention ops apply the window themselves
+    (the torch reference, the CPU decode kernel and the CUDA kernels all take
+    ``sliding_window``), so a windowed model serves every position it has, each query
+    seeing its last ``sliding_window`` keys, as transformers computes it.
     """
-    limit = int(text_config.get("max_position_embeddings", 2048))  # type: ignore[call-overload]
-    window = text_config.get("sliding_window")
-    layer_types = text_config.get("layer_types")
-    if (
-        window
-        and text_config.get("use_sliding_window", True) is not False
-        and (not isinstance(layer_types, list) or "sliding_attention" in layer_types)
-    ):
-        limit = min(limit, int(window))  # type: ignore[call-overload]
-    return limit
+    return int(text_config.get("max_position_embeddings", 2048))  # type: ignore[call-overload]
 
 
 def eos_ids(generation_config: Mapping[str, object],
@@ -227,12 +223,29 @@ def eos_ids(generation_config: Mapping[str, object],
 
 def _read_json(file: Path) -> dict[str, object]:
     try:
-        data = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        text = file.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read {file}: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"cannot read {file}: not a JSON object")
+        raise ValueError(f"{file}: not a JSON object")
     return data
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, object]:
+    """``model_dir/config.json`` as a dict; a one-line ValueError if the directory or the
+    file is missing or is not a JSON object. The one reader of that file: the model loader
+    (:func:`actorllm.model.loader.load_config`) and :func:`read_model_info` both use it."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"model directory {str(path)!r} does not exist or is not a directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model directory {str(path)!r} has no config.json")
+    return _read_json(config_file)
 
 
 def tensor_parallel_problem(size: int, heads: int, kv_heads: int,
@@ -255,7 +268,7 @@ def check_tensor_parallel_size(model_dir: str | Path, size: int) -> None:
     """The same check as the runner's, from config.json alone (no torch): ValueError."""
     if size == 1:
         return
-    cfg = _read_json(Path(model_dir) / "config.json")
+    cfg = read_config_json(model_dir)
     text_cfg = cfg.get("text_config", cfg)
     assert isinstance(text_cfg, dict)
     try:
@@ -272,12 +285,9 @@ def check_tensor_parallel_size(model_dir: str | Path, size: int) -> None:
 def read_model_info(model_dir: str | Path, max_model_len: int | None = None) -> ModelInfo:
     """Read config.json and generation_config.json; ValueError with a one-line reason."""
     path = Path(model_dir)
-    if not path.is_dir():
+    if not path.is_dir():  # (the CLI's and the server's first check: a short message)
         raise ValueError(f"model directory not found: {path}")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"not a model directory (no config.json): {path}")
-    cfg = _read_json(cfg_file)
+    cfg = read_config_json(path)
     text_cfg = cfg.get("text_config", cfg)
     assert isinstance(text_cfg, dict)
     gen_file = path / "generation_config.json"
@@ -287,6 +297,8 @@ def read_model_info(model_dir: str | Path, max_model_len: int | None = None) -> 
         if max_model_len > limit:
             raise ValueError(f"--max-model-len {max_model_len} exceeds the model's {limit}")
         limit = max_model_len
+    if not isinstance(text_cfg.get("vocab_size"), int):
+        raise ValueError(f"{path / 'config.json'}: no vocab_size: not a language model's config")
     return ModelInfo(
         path=str(path),
         vocab_size=int(text_cfg["vocab_size"]),  # type: ignore[call-overload]

@@ -15,10 +15,15 @@ import trio
 
 from actorllm.config import EngineConfig, default_model_dir
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
-from actorllm.frontend.outputs import CompletionOutput, Merged, RequestError, merge_all
+from actorllm.hub import resolve_model
 from actorllm.wire.messages import ChatMessage, GenerateRequest, SamplingParams
+from actorllm.wire.outputs import CompletionOutput, Merged, RequestError, merge_all
+from actorllm.wire.sampling import resolve_sampling
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
+
+# The length when neither the caller nor the model names one (vLLM's LLM, OpenAI's 16).
+LLM_MAX_TOKENS = 16
 
 
 @attrs.frozen
@@ -68,13 +73,23 @@ async def collect(engine: AsyncEngine, rid: str, prompt: Prompt,
 class LLM:
     """Offline batched generation. ``LLM(model=DIR).generate(prompts, SamplingParams(...))``."""
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.config = EngineConfig(model=str(model or default_model_dir()), **engine_args)
+    def __init__(self, model: str | None = None, *, revision: str | None = None,
+                 **engine_args: Any) -> None:
+        """``model``: a directory or a hub id ``ORG/NAME`` (at ``revision``; see
+        :mod:`actorllm.hub`); None: the embedded model."""
+        path = resolve_model(str(model), revision) if model else str(default_model_dir())
+        self.config = EngineConfig(model=path, **engine_args)
         self.resources = Resources(self.config)
 
     @property
     def tokenizer(self) -> Any:
         return self.resources.hf_tokenizer
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` samples with when given no SamplingParams: the model's
+        generation_config.json defaults (as the CLI and HTTP take them), else the class's."""
+        return resolve_sampling({}, self.resources.info.sampling_defaults,
+                                max_tokens=LLM_MAX_TOKENS)
 
     def generate(
         self,
@@ -83,12 +98,15 @@ class LLM:
         *,
         on_done: Callable[[GenerationResult], None] | None = None,
     ) -> list[GenerationResult]:
-        """Generate for every prompt concurrently; results come back in prompt order."""
+        """Generate for every prompt concurrently; results come back in prompt order.
+
+        Without ``sampling_params``, :meth:`default_sampling_params` (the model's defaults).
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+            params_list = [sampling_params or self.default_sampling_params()] * len(prompt_list)
         else:
             params_list = list(sampling_params)
         if len(params_list) != len(prompt_list):

@@ -18,9 +18,23 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 
 
 class EngineMetrics:
+    """The engine's series, in one registry of their own (``registry``)."""
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         p = "actorllm:"
+        self._request_series(r, p)
+        self._engine_series(r, p)
+        self._flow_series(r, p)
+        self._replica_series(r, p)
+        self._replica_totals: dict[tuple[int, str], float] = {}
+        self._totals = {"steps": 0.0, "forward_s": 0.0, "sample_s": 0.0,
+                        "num_preemptions": 0.0, "prefix_cache_queries": 0.0,
+                        "prefix_cache_hits": 0.0, "late_results_dropped": 0.0}
+        self.arrivals = 0
+
+    def _request_series(self, r: CollectorRegistry, p: str) -> None:
+        """Requests, tokens, latencies and mailboxes."""
         self.num_requests_running = Gauge(p + "num_requests_running", "Sequences running",
                                           registry=r)
         self.num_requests_waiting = Gauge(p + "num_requests_waiting", "Sequences waiting",
@@ -53,8 +67,10 @@ class EngineMetrics:
                                    registry=r)
         self.mailbox_high_water = Gauge(p + "mailbox_high_water", "Most messages ever waiting",
                                         ["mailbox"], registry=r)
-        # The Scheduler's running totals (SchedulerStats), as counters: what the engine
-        # did and how long the Worker was busy doing it (a benchmark's idle-gap figure).
+
+    def _engine_series(self, r: CollectorRegistry, p: str) -> None:
+        """The Scheduler's running totals (``SchedulerStats``), as counters: what the engine
+        did and how long the Worker was busy doing it (a benchmark's idle-gap figure)."""
         self.engine_steps = Counter(p + "engine_steps", "Steps the Worker ran", registry=r)
         self.worker_forward_seconds = Counter(p + "worker_forward_seconds",
                                               "Worker time in forward passes", registry=r)
@@ -70,7 +86,9 @@ class EngineMetrics:
         self.late_results_dropped = Counter(
             p + "late_results_dropped", "Step results the Scheduler dropped (for sequences "
             "that had ended, or stale)", registry=r)
-        # Slow readers (the Frontend's flow control; docs/architecture.md).
+
+    def _flow_series(self, r: CollectorRegistry, p: str) -> None:
+        """Slow readers (the Frontend's flow control; docs/architecture.md)."""
         self.consumer_lag = Histogram(p + "consumer_lag_tokens", "Tokens generated and not "
                                       "yet read by the client, at each new token",
                                       buckets=_TOKEN_BUCKETS, registry=r)
@@ -97,7 +115,9 @@ class EngineMetrics:
             "without a read", registry=r)
         self.num_requests_paused = Gauge(p + "num_requests_paused", "Sequences paused",
                                          registry=r)
-        # Data parallelism: each replica's figures, labelled (the series above are totals).
+
+    def _replica_series(self, r: CollectorRegistry, p: str) -> None:
+        """Data parallelism: each replica's figures, labelled (the other series are totals)."""
         self.replica_num_requests_running = Gauge(
             p + "replica_num_requests_running", "Sequences running, per replica",
             ["replica"], registry=r)
@@ -122,11 +142,7 @@ class EngineMetrics:
             ["replica"], registry=r)
         self.replica_deaths = Counter(p + "replica_deaths", "Replicas whose process died "
                                       "while the others served on", registry=r)
-        self._replica_totals: dict[tuple[int, str], float] = {}
-        self._totals = {"steps": 0.0, "forward_s": 0.0, "sample_s": 0.0,
-                        "num_preemptions": 0.0, "prefix_cache_queries": 0.0,
-                        "prefix_cache_hits": 0.0, "late_results_dropped": 0.0}
-        self.arrivals = 0
+
 
     def on_stats(self, stats: Any) -> None:
         """Advance the counters to a ``SchedulerStats``' running totals."""
@@ -161,15 +177,17 @@ class EngineMetrics:
                 counter.labels(replica=label).inc(value - self._replica_totals.get(key, 0.0))
                 self._replica_totals[key] = float(value)
 
-    def watch_flows(self, frontend: Any) -> None:
-        """Read the Frontend's flow-control figures when scraped (they change per token)."""
+    def watch_flows(self, pacing: Any) -> None:
+        """Read the Frontend's flow-control figures when scraped (they change per token):
+        ``pacing`` is its ReaderPacing, with ``pending_bytes`` and the collectors it paces
+        (``flows``)."""
         from actorllm.clock import now
 
-        self.pending_output_bytes.set_function(lambda: frontend.pending_bytes)
+        self.pending_output_bytes.set_function(lambda: pacing.pending_bytes)
         self.pending_output_bytes_max.set_function(
-            lambda: max((c.pending_bytes for c in frontend.flows), default=0))
+            lambda: max((c.pending_bytes for c in pacing.flows), default=0))
         self.oldest_undelivered_output.set_function(
-            lambda: max((c.age(now()) for c in frontend.flows), default=0.0))
+            lambda: max((c.age(now()) for c in pacing.flows), default=0.0))
 
     def on_arrival(self) -> None:
         self.arrivals += 1

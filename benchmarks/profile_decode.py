@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import build_model
 
 from actorllm.wire.messages import NewSeqData, SamplingParams, ScheduledSeq, StepPlan
-from actorllm.worker.actor import ModelRunner
+from actorllm.worker.runner import ModelRunner
 
 SEQS, CONTEXT, BLOCKS_PER_SEQ = 32, 300, 40
 

@@ -14,7 +14,6 @@ from helpers import CONTEXT, Call, app_for
 
 from actorllm.engine.async_engine import AsyncEngine
 from actorllm.frontend.actor import Frontend
-from actorllm.frontend.outputs import RequestError
 from actorllm.metrics import EngineMetrics
 from actorllm.wire.mailbox import Mailbox
 from actorllm.wire.messages import (
@@ -26,6 +25,7 @@ from actorllm.wire.messages import (
     SamplingParams,
     TokenizerInput,
 )
+from actorllm.wire.outputs import RequestError
 
 REASONS = ("client_disconnect", "stream_timeout", "drain_timeout", "sibling_failed",
            "engine_dead", "user")

@@ -23,7 +23,7 @@ from actorllm.ops import TorchBackend, cpu_step
 from actorllm.ops.cpu_backend import CpuKernelError, build_library
 from actorllm.ops.cpu_step import DecodeStep, load_decode_step, why_not
 from actorllm.wire.messages import NewSeqData, SamplingParams, ScheduledSeq, StepPlan
-from actorllm.worker.actor import ModelRunner
+from actorllm.worker.runner import ModelRunner
 
 BLOCK = 4
 cpu_step.load_op_library()  # raises, saying why, where the op cannot be built here

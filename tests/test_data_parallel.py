@@ -19,11 +19,11 @@ from helpers import Call, app_for, collect_all, greedy_expectations
 from actorllm import cli
 from actorllm.config import EngineConfig
 from actorllm.engine.async_engine import AsyncEngine, open_engine
-from actorllm.frontend.outputs import Merged, RequestError, merge_all
 from actorllm.frontend.routing import AFFINITY_CHARS, AFFINITY_SLACK, Router
 from actorllm.llm import LLM, collect, make_request
 from actorllm.topology.placement import child_roles, split_role, worker_threads
 from actorllm.wire.messages import GenerateRequest, SamplingParams, SchedulerStats
+from actorllm.wire.outputs import Merged, RequestError, merge_all
 
 ENGINE_ARGS: dict[str, Any] = dict(num_kv_blocks=96, max_num_seqs=8)
 PROMPTS = [

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sim.profiles import examples
 
-from actorllm.detokenizer.actor import Detokenizer, IncrementalDecoder, StopMatcher, hf_decode_fn
+from actorllm.detokenizer.actor import Detokenizer
+from actorllm.detokenizer.decoding import IncrementalDecoder, StopMatcher, hf_decode_fn
 from actorllm.wire.mailbox import Mailbox
 from actorllm.wire.messages import (
     DetokSetup,

@@ -34,10 +34,10 @@ from test_data_parallel import MAX_TOKENS, PROMPTS, _outcome, _streaming, dp_con
 from actorllm import cli
 from actorllm.config import EngineConfig
 from actorllm.engine.async_engine import open_engine
-from actorllm.frontend.outputs import RequestError
 from actorllm.llm import collect, make_request
 from actorllm.topology import EngineStartError
 from actorllm.wire.messages import AbortRequest, SchedulerInput
+from actorllm.wire.outputs import RequestError
 from actorllm.wire.transport import IpcDir, ZmqInbox, ZmqOutbox
 
 pytest.importorskip("torch")

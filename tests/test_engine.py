@@ -18,9 +18,9 @@ from helpers import hf_greedy
 from actorllm.config import TOPOLOGIES, EngineConfig
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.frontend.actor import DuplicateRequestId
-from actorllm.frontend.outputs import RequestError
 from actorllm.llm import GenerationResult, collect
 from actorllm.wire.messages import ChatMessage, GenerateRequest, SamplingParams
+from actorllm.wire.outputs import RequestError
 
 PROMPTS = [
     "hello",

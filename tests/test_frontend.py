@@ -6,7 +6,7 @@ import trio
 import trio.testing
 
 from actorllm.frontend.actor import Frontend
-from actorllm.frontend.outputs import OutputCollector
+from actorllm.frontend.collector import OutputCollector
 from actorllm.wire.mailbox import Mailbox
 from actorllm.wire.messages import (
     AbortRequest,

@@ -59,6 +59,44 @@ def test_view_checks_actor_and_state() -> None:
         v.fire("abort")
 
 
+def _scan(spec_rows: tuple, state: str | None, event: str) -> str | None:
+    """The table read row by row: the first row for ``event`` that leaves ``state``."""
+    for t in spec_rows:
+        if t.event == event and (state in t.sources or (state is None and not t.sources)):
+            return t.target
+    return None
+
+
+def test_step_is_the_first_row_of_the_table_that_matches() -> None:
+    for state in (None, *SPEC.states):
+        for event in SPEC.events():
+            assert SPEC.step(state, event) == _scan(SPEC.transitions, state, event), \
+                (state, event)
+    assert SPEC.step("RUNNING", "no-such-event") is None
+    # Two rows for one move: the first one wins, as a scan of the rows would have it.
+    text = (Path(__file__).parent.parent / "spec" / "lifecycle.toml").read_text()
+    doubled = text + '\n[[transition]]\nevent = "preempt"\nfrom = ["RUNNING"]\n' \
+        'to = "FINISHED"\nactor = "scheduler"\n'
+    spec = parse_spec(doubled)
+    assert spec.step("RUNNING", "preempt") == _scan(spec.transitions, "RUNNING", "preempt") \
+        == "PREEMPTED"
+
+
+def test_an_illegal_event_names_the_request_event_actor_and_state() -> None:
+    v = View(SPEC, "scheduler", "r1")
+    v.fire("enqueue")
+    # (the state is the view's candidates: others' events may have moved it on meanwhile)
+    assert "WAITING" in v.state.split("|")
+    with pytest.raises(IllegalTransition) as info:
+        v.fire("free")
+    assert str(info.value) == f"request 'r1': event 'free' by scheduler is illegal in state " \
+        f"{v.state}"
+    with pytest.raises(IllegalTransition) as info:
+        v.fire("teleport")
+    assert str(info.value) == f"request 'r1': event 'teleport' by scheduler is illegal in " \
+        f"state {v.state}"
+
+
 def test_frontend_view_cannot_respond_twice() -> None:
     v = View(SPEC, "frontend", "r")
     v.fire("register")

@@ -49,7 +49,9 @@ from sim import InvariantViolation, SimConfig, TextModel, World, make_machine
 from sim.bugs import COLLECTOR_BUGS
 from sim.bugs import PLANTED as PLANTED_BUGS
 
-from actorllm.frontend.outputs import FlowLimits, Merged, OutputCollector
+from actorllm.frontend.collector import OutputCollector
+from actorllm.frontend.readers import FlowLimits
+from actorllm.wire.outputs import Merged
 
 PLANTED = [
     ("frontend.bug_register_after_dispatch", "1"),
@@ -104,7 +106,7 @@ def test_every_bug_is_planted_and_only_where_asked(tiny_tokenizer: Any) -> None:
             assert not [a for a in dir(actor) if a.startswith("bug_")], actor
     finally:
         world.close()
-    assert OutputCollector("probe", 1).merged_type is Merged
+    assert type(OutputCollector("probe", 1)._merged(0)) is Merged
     for seam, variant in PLANTED_BUGS.items():
         world = World(tiny_tokenizer, TextModel(tiny_tokenizer), SimConfig(bugs=frozenset({seam})))
         try:

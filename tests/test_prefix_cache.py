@@ -247,7 +247,7 @@ def test_a_request_owing_prompt_logprobs_takes_only_what_it_need_not_score() -> 
     d2.step()  # two chunks of 5: positions 1..10 reported
     seq = s2.seqs["scored"]
     assert seq.prompt_lps_next == 11 and seq.skippable_prefix() == 10
-    s2._preempt(seq)
+    s2.batch.preempt(seq)
     d2.run()
     restart = d2.computed("scored")[2]
     assert restart[0] == 8, "two full blocks (8 <= 10 tokens) from the cache"

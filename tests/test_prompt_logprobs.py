@@ -24,6 +24,7 @@ from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.llm import GenerationResult, collect
 from actorllm.scheduler import actor as scheduler_module
 from actorllm.scheduler.actor import Scheduler
+from actorllm.scheduler.batch import Batch
 from actorllm.wire.mailbox import Mailbox
 from actorllm.wire.messages import (
     InvalidRequest,
@@ -39,7 +40,7 @@ from actorllm.wire.messages import (
     TokenBatch,
     TokenLogprob,
 )
-from actorllm.worker.actor import ModelRunner
+from actorllm.worker.runner import ModelRunner
 from actorllm.worker.sampler import SamplingState, prompt_logprobs
 
 EOS = 1
@@ -298,16 +299,16 @@ async def test_prompt_logprobs_equal_transformers(
         tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, num_kv_blocks: int,
         budget: int, squeezed: bool) -> None:
     # Which sequences were preempted while they still owed prompt logprobs (observed,
-    # not changed: the real _preempt runs).
+    # not changed: the real preempt runs).
     owed_at_preemption: list[int] = []
-    real_preempt = Scheduler._preempt
+    real_preempt = Batch.preempt
 
-    def watch(self: Scheduler, seq: scheduler_module.Sequence) -> None:
+    def watch(self: Batch, seq: scheduler_module.Sequence) -> None:
         if seq.owes_prompt_logprobs and seq.prompt_lps_next > 1:
             owed_at_preemption.append(seq.prompt_lps_next)
         real_preempt(self, seq)
 
-    monkeypatch.setattr(Scheduler, "_preempt", watch)
+    monkeypatch.setattr(Batch, "preempt", watch)
     k = 3
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
                              prompt_logprobs=k, logprobs=1)] * 3
@@ -371,7 +372,7 @@ def check_echo(lp: dict[str, Any], text: str, ids: list[int], ref: torch.Tensor,
 
 def _piece(tokenizer: Any, tid: int) -> str:
     """A token's text the way the server shows it: its bytes, decoded on their own."""
-    from actorllm.server.convert import TokenTexts
+    from actorllm.server.logprobs import TokenTexts
 
     return TokenTexts(tokenizer).get(tid)[0]
 

@@ -18,7 +18,7 @@ import trio
 
 from actorllm.config import EngineConfig
 from actorllm.engine.async_engine import Resources, open_engine
-from actorllm.lifecycle.table import load_spec, parse_spec
+from actorllm.lifecycle.table import State, load_spec, parse_spec
 from actorllm.llm import make_request
 from actorllm.replay import (
     check_trace,
@@ -30,6 +30,7 @@ from actorllm.replay import (
     summarize,
 )
 from actorllm.replay.check import check_session
+from actorllm.replay.timeline import STATE_COLOURS, Rect, Text, build_timeline
 from actorllm.wire.messages import SamplingParams
 
 SPEC = load_spec()
@@ -361,6 +362,26 @@ def test_reused_rid_is_two_lives(tmp_path: Path) -> None:
     trace = load_trace(path, SPEC)
     assert [incarnation.name for incarnation in trace.incarnations] == ["r", "r#2"]
     assert check_trace(trace, SPEC) == []
+
+
+def test_timeline_has_a_colour_and_a_legend_entry_for_every_state_of_the_table() -> None:
+    assert set(STATE_COLOURS) == set(SPEC.states), "a table state the timeline cannot draw"
+    assert len(set(STATE_COLOURS.values())) == len(STATE_COLOURS), "two states look alike"
+    trace = parse_trace([json.dumps(x) for x in [HEADER, *_leaf("r", 1.0)]], SPEC)
+    drawing = build_timeline(trace, SPEC, summarize(trace, SPEC), [])
+    legend = {s.text for s in drawing.background if isinstance(s, Text)}
+    assert set(SPEC.states) <= legend
+
+
+def test_timeline_draws_a_paused_stretch_in_its_own_colour() -> None:
+    events = ["register", "dispatch", "enqueue", "schedule", "pause", "resume", "schedule",
+              "finish", "free", "respond", "forget"]
+    trace = parse_trace([json.dumps(x) for x in [HEADER, *_leaf("r", 1.0, events)]], SPEC)
+    assert check_trace(trace, SPEC) == []
+    drawing = build_timeline(trace, SPEC, summarize(trace, SPEC), [])
+    (row,) = drawing.rows
+    paused = [s for s in row.shapes if isinstance(s, Rect) and ": PAUSED from" in s.title]
+    assert len(paused) == 1 and paused[0].fill == STATE_COLOURS[State.PAUSED]
 
 
 def test_several_runs_in_one_file_are_sessions(tmp_path: Path) -> None:

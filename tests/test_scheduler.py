@@ -8,10 +8,13 @@ from __future__ import annotations
 import pytest
 from sim.bugs import FreeBeforeFence
 
+from actorllm.lifecycle.table import State
 from actorllm.scheduler.actor import Scheduler
+from actorllm.scheduler.kv_pool import BlockPool
 from actorllm.wire.mailbox import Mailbox
 from actorllm.wire.messages import (
     AbortRequest,
+    FlowControl,
     SampledToken,
     SamplingParams,
     SchedulerInput,
@@ -297,3 +300,39 @@ def test_duplicate_live_rid_is_a_bug() -> None:
     s.handle(request("a", 2))
     with pytest.raises(AssertionError):
         s.handle(request("a", 2))
+
+
+def test_a_pool_given_to_the_scheduler_is_the_one_it_plans_with() -> None:
+    pool = BlockPool(64, 4)
+    s = make(pool=pool)
+    s.handle(request("a", 8))
+    s.schedule()
+    assert s.pool is pool and pool.num_used == 2  # 8 prompt tokens in blocks of 4
+    with pytest.raises(ValueError, match="a pool of 64 x 4 given for 32 x 4"):
+        make(num_blocks=32, pool=BlockPool(64, 4))
+
+
+def test_paused_kv_goes_before_a_running_sequence_is_preempted() -> None:
+    # Room for two 8-token prompts plus a little: "a" pauses and keeps its blocks until
+    # "c" needs them; "b", running, is never preempted for it.
+    s = make(num_blocks=5, block_size=4, budget=64)
+    for rid in ("a", "b"):
+        s.handle(request(rid, 8, max_tokens=8))
+    plan = s.schedule()
+    s.handle(answer(plan))
+    s.handle(FlowControl("a", True))
+    plan = s.schedule()
+    assert [q.rid for q in plan.seqs] == ["b"] and list(s.paused) == ["a"]
+    assert s.seqs["a"].block_table, "a paused sequence keeps its KV while nobody needs it"
+    s.handle(answer(plan))
+    # Other tokens than a's and b's, so no prefix-cache hit makes room for it.
+    s.handle(SequenceRequest("c", tuple(range(50, 58)), SamplingParams(max_tokens=2), 2,
+                             (EOS,)))
+    plan = s.schedule()
+    assert {q.rid for q in plan.seqs} == {"b", "c"}
+    assert not s.seqs["a"].block_table and s.seqs["a"].status is State.PAUSED
+    assert s.num_preemptions == 1 and list(s.paused) == ["a"]
+    s.handle(answer(plan))
+    s.handle(FlowControl("a", False))  # its reader caught up: it recomputes
+    run_to_end(s)
+    assert not s.drain_problems()

@@ -90,7 +90,7 @@ def test_prompt_encoder_refuses_lone_surrogates(resources: Resources) -> None:
 
 async def test_engine_api_lone_surrogate_is_invalid_request(engine: AsyncEngine) -> None:
     """Through the engine (the Tokenizer actor), the error is invalid_request, not internal."""
-    from actorllm.frontend.outputs import RequestError
+    from actorllm.wire.outputs import RequestError
     with pytest.raises(RequestError) as info:
         async for _ in engine.generate(GenerateRequest("s1", SamplingParams(max_tokens=2),
                                                        prompt=LONE)):

@@ -28,7 +28,7 @@ from sim.machine import LifecycleMachine
 from sim.profiles import sim_settings
 from sim.scripted_worker import scripted_token
 
-from actorllm.frontend.outputs import FlowLimits
+from actorllm.frontend.readers import FlowLimits
 from actorllm.wire.messages import AbortRequest, SamplingParams, SchedulerInput, StopMatched
 
 # A long run takes as long as it takes; CI's runs keep the suite's per-test timeout.

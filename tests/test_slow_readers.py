@@ -15,9 +15,10 @@ from helpers import Call, app_for
 
 from actorllm.config import EngineConfig
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
-from actorllm.frontend.outputs import OutputCollector, RequestError
+from actorllm.frontend.collector import OutputCollector
 from actorllm.llm import collect
 from actorllm.wire.messages import GenerateRequest, SamplingParams
+from actorllm.wire.outputs import RequestError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
 _resources: dict[tuple[str, int], Resources] = {}

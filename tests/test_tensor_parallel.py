@@ -27,8 +27,8 @@ from helpers import hf_greedy, hf_model
 from actorllm.cli import main as cli_main
 from actorllm.config import EngineConfig, default_model_dir
 from actorllm.engine.async_engine import Resources, open_engine
-from actorllm.frontend.outputs import RequestError
 from actorllm.wire.messages import GenerateRequest, SamplingParams
+from actorllm.wire.outputs import RequestError
 
 torch = pytest.importorskip("torch")
 MODEL = default_model_dir()

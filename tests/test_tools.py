@@ -15,10 +15,10 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from actorllm.frontend.outputs import CompletionOutput
 from actorllm.server.render import ChatRenderer
 from actorllm.server.schemas import ChatCompletionRequest
 from actorllm.server.tools import PARSERS, plan_tools
+from actorllm.wire.outputs import CompletionOutput
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}}}}},

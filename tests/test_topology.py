@@ -29,7 +29,6 @@ from helpers import greedy_expectations
 
 from actorllm.config import EngineConfig
 from actorllm.engine.async_engine import AsyncEngine, EngineStartError, Resources, open_engine
-from actorllm.frontend.outputs import RequestError
 from actorllm.llm import LLM, collect, make_request
 from actorllm.topology import supervisor as supervisor_module
 from actorllm.topology.placement import (
@@ -40,8 +39,10 @@ from actorllm.topology.placement import (
 )
 from actorllm.topology.supervisor import Supervisor
 from actorllm.wire import codec
+from actorllm.wire.handshake import PROTOCOL_VERSION, schema_fingerprint
 from actorllm.wire.messages import GenerateRequest, SamplingParams
-from actorllm.wire.transport import PROTOCOL_VERSION, IpcDir, schema_fingerprint
+from actorllm.wire.outputs import RequestError
+from actorllm.wire.transport import IpcDir
 
 TOPOLOGIES = ("single", "engine", "pipeline")
 MULTI = ("engine", "pipeline")
@@ -375,7 +376,8 @@ READY_IMPOSTOR = """
 import os, signal, sys, time
 import trio
 from actorllm.wire.messages import ControlMessage, Ready, StartFailed
-from actorllm.wire.transport import ZmqInbox, ZmqOutbox, make_hello
+from actorllm.wire.handshake import make_hello
+from actorllm.wire.transport import ZmqInbox, ZmqOutbox
 
 async def main():
     if sys.argv[1] == "stubborn":  # ignores Shutdown (never reads it) and SIGTERM
@@ -491,7 +493,7 @@ async def main():
             if tokens == 0:
                 print(json.dumps({"pids": engine.supervisor.pids(),
                                   "ipc": engine.supervisor.ipc.path,
-                                  "runner": "actorllm.worker.actor" in sys.modules}), flush=True)
+                                  "runner": "actorllm.worker.runner" in sys.modules}), flush=True)
             tokens += len(out.outputs[0].token_ids)
         print(f"done {tokens}", flush=True)
         await trio.sleep_forever()

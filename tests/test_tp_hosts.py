@@ -31,8 +31,8 @@ from helpers import free_port, other_host, wait_exit
 
 from actorllm.config import EngineConfig, default_model_dir
 from actorllm.engine.async_engine import Resources, open_engine
-from actorllm.frontend.outputs import RequestError
 from actorllm.wire.messages import GenerateRequest, SamplingParams
+from actorllm.wire.outputs import RequestError
 
 torch = pytest.importorskip("torch")
 MODEL = default_model_dir()

@@ -20,6 +20,14 @@ from hypothesis import strategies as st
 from sim.profiles import examples
 
 from actorllm.wire import codec, transport
+from actorllm.wire.handshake import (
+    PROTOCOL_VERSION,
+    HandshakeError,
+    check_hello,
+    frame_version,
+    make_hello,
+    schema_fingerprint,
+)
 from actorllm.wire.mailbox import MailboxClosed, MailboxTypeError
 from actorllm.wire.messages import (
     AbortRequest,
@@ -30,18 +38,7 @@ from actorllm.wire.messages import (
     TextDelta,
     TokenizerInput,
 )
-from actorllm.wire.transport import (
-    PROTOCOL_VERSION,
-    FrameTooLarge,
-    HandshakeError,
-    IpcDir,
-    ZmqInbox,
-    ZmqOutbox,
-    check_hello,
-    frame_version,
-    make_hello,
-    schema_fingerprint,
-)
+from actorllm.wire.transport import FrameTooLarge, IpcDir, ZmqInbox, ZmqOutbox
 
 
 @pytest.fixture

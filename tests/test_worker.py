@@ -21,7 +21,8 @@ from actorllm.wire.messages import (
     StepPlan,
     StepResult,
 )
-from actorllm.worker.actor import ModelRunner, Worker
+from actorllm.worker.actor import Worker
+from actorllm.worker.runner import ModelRunner
 
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, logprobs=2)
@@ -252,7 +253,7 @@ def test_a_small_step_runs_on_one_thread_and_a_large_one_on_all(tiny_llama_dir: 
 _POOLS = """
 import os, sys, threading, torch
 from actorllm.wire.messages import NewSeqData, SamplingParams, ScheduledSeq, StepPlan
-from actorllm.worker.actor import ModelRunner
+from actorllm.worker.runner import ModelRunner
 def threads():
     return len(os.listdir("/proc/self/task"))
 torch.set_num_threads(2)  # (its first call may start a thread of torch's own pthreadpool)

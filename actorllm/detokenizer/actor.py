@@ -15,14 +15,23 @@ held back until it is known not to be.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import attrs
 
+from actorllm.detokenizer.decoding import (
+    DecodeFn,
+    IncrementalDecoder,
+    Known,
+    PieceTable,
+    StopMatcher,
+    TokenizerDecode,
+)
 from actorllm.wire.mailbox import Inbox, Outbox
 from actorllm.wire.messages import (
     DetokenizerInput,
     DetokSetup,
+    FinishReason,
     FrontendInput,
     OutputBatch,
     ReplicaLost,
@@ -36,83 +45,11 @@ from actorllm.wire.messages import (
 
 log = logging.getLogger(__name__)
 
-# decode(ids, skip_special_tokens) -> text
-DecodeFn = Callable[[Sequence[int], bool], str]
-
-
-def hf_decode_fn(hf_tokenizer: object) -> DecodeFn:
-    """Decode through the fast tokenizer's Rust backend (no clean-up of spaces)."""
-    backend = hf_tokenizer.backend_tokenizer  # type: ignore[attr-defined]
-
-    def decode(ids: Sequence[int], skip_special: bool) -> str:
-        return backend.decode(list(ids), skip_special_tokens=skip_special)
-
-    return decode
-
-
-@attrs.define
-class IncrementalDecoder:
-    """vLLM-style windowed decoding: re-decode a short window, emit what became stable.
-
-    ``prefix`` marks where the window starts, ``read`` where the already-emitted text
-    ends. A piece that still ends in U+FFFD is an incomplete UTF-8 character: wait.
-    """
-
-    decode: DecodeFn
-    skip_special: bool = True
-    ids: list[int] = attrs.Factory(list)
-    prefix: int = 0
-    read: int = 0
-
-    def push(self, token_ids: Sequence[int]) -> str:
-        self.ids.extend(token_ids)
-        before = self.decode(self.ids[self.prefix : self.read], self.skip_special)
-        window = self.decode(self.ids[self.prefix :], self.skip_special)
-        if len(window) > len(before) and not window.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return window[len(before) :]
-        return ""
-
-    def flush(self) -> str:
-        """At the end: whatever is left, incomplete characters included."""
-        before = self.decode(self.ids[self.prefix : self.read], self.skip_special)
-        window = self.decode(self.ids[self.prefix :], self.skip_special)
-        self.prefix = self.read = len(self.ids)
-        return window[len(before) :]
-
-
-@attrs.define
-class StopMatcher:
-    """Holds back the tail that could begin a stop string."""
-
-    stops: tuple[str, ...]
-    include: bool = False
-    held: str = ""
-
-    def feed(self, text: str, final: bool) -> tuple[str, str | None]:
-        """Returns (text safe to emit, the stop string if one matched)."""
-        buf = self.held + text
-        if self.stops:
-            hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
-            if hits:
-                # The stop that is complete first wins (then the one that began first):
-                # what a client streaming the text would see, however it was chunked.
-                i, stop = min(hits, key=lambda h: (h[0] + len(h[1]), h[0]))
-                self.held = ""
-                return buf[: i + len(stop)] if self.include else buf[:i], stop
-        if final or not self.stops:
-            self.held = ""
-            return buf, None
-        keep = max(len(s) for s in self.stops) - 1
-        cut = max(len(buf) - keep, 0)
-        self.held = buf[cut:]
-        return buf[:cut], None
-
 
 @attrs.define
 class DecodeState:
     decoder: IncrementalDecoder
-    matcher: StopMatcher
+    matcher: StopMatcher | None  # None without stop strings: the text goes out as it comes
     num_prompt_tokens: int = 0
     incarnation: int = 0
     stopped: str | None = None  # the stop string that matched; output is over
@@ -120,7 +57,12 @@ class DecodeState:
 
 
 class Detokenizer:
-    """The actor: one TokenBatch in, one OutputBatch out (plus StopMatched when needed)."""
+    """The actor: one TokenBatch in, one OutputBatch out (plus StopMatched when needed).
+
+    Per step, most rows cost a table lookup (see :class:`IncrementalDecoder`); the rows of
+    one token that need the windowed decode get theirs in one ``decode_batch`` call
+    before the rows are processed, in order, as ever.
+    """
 
     def __init__(
         self,
@@ -132,6 +74,10 @@ class Detokenizer:
         schedulers: Sequence[Outbox[SchedulerInput]] | None = None,
     ) -> None:
         self.decode = decode
+        # Only a tokenizers-backed decode has a table and a batch decode; any other
+        # DecodeFn takes the windowed path for every token.
+        self.pieces: PieceTable = decode.pieces() if isinstance(decode, TokenizerDecode) else ()
+        self.decode_batch = decode.decode_batch if isinstance(decode, TokenizerDecode) else None
         self.inbox, self.frontend, self.scheduler = inbox, frontend, scheduler
         # With data parallelism, one per replica: a StopMatched goes back to the replica
         # whose TokenBatch it came from (the batch's stats name it).
@@ -152,8 +98,9 @@ class Detokenizer:
             deltas: list[TextDelta] = []
             finished: list[RequestFinished] = []
             stops: list[StopMatched] = []
-            for out in batch.outputs:
-                self._process(out, deltas, finished, stops, replica)
+            known = self._prepare(batch.outputs)
+            for out, row in zip(batch.outputs, known, strict=True):
+                self._process(out, deltas, finished, stops, replica, row)
             for stop in stops:
                 await self.schedulers[replica].send(stop)
             if deltas or finished or batch.freed or batch.stats is not None:
@@ -161,13 +108,48 @@ class Detokenizer:
                     OutputBatch(tuple(deltas), tuple(finished), batch.freed, batch.stats)
                 )
 
+    def _prepare(self, outputs: Sequence[TokenOut]) -> list[Known]:
+        """Per row of one token: its piece if the table serves it, else the decodes of its
+        window, all rows' in one ``decode_batch`` call; None for any other row.
+
+        Only a rid's first row in the batch is prepared: a later one must see the state the
+        earlier one leaves.
+        """
+        known: list[Known] = [None] * len(outputs)
+        states, pieces = self.states, self.pieces
+        size = len(pieces)
+        windows: dict[bool, list[tuple[int, list[int], list[int]]]] = {}
+        seen: set[str] = set()
+        for i, out in enumerate(outputs):
+            rid = out.rid
+            if rid in seen:
+                continue
+            seen.add(rid)
+            st = states.get(rid)
+            if st is None or st.stopped is not None or len(out.token_ids) != 1:
+                continue
+            dec = st.decoder
+            t = out.token_ids[0]
+            if dec.plain and 0 <= t < size and (piece := pieces[t]) is not None:
+                known[i] = piece
+            elif self.decode_batch is not None:
+                before, after = dec.window(out.token_ids)
+                windows.setdefault(dec.skip_special, []).append((i, before, after))
+        for skip, group in windows.items():
+            if len(group) < 2:
+                continue  # one row: _process decodes it as cheaply
+            texts = self.decode_batch([ids for _, b, a in group for ids in (b, a)], skip)
+            for k, (i, _, _) in enumerate(group):
+                known[i] = (texts[2 * k], texts[2 * k + 1])
+        return known
+
     def _state(self, rid: str, setup: DetokSetup | None, replica: int = 0) -> DecodeState:
         st = self.states.get(rid)
         if st is None:
             setup = setup or DetokSetup()
             st = self.states[rid] = DecodeState(
-                IncrementalDecoder(self.decode, setup.skip_special_tokens),
-                StopMatcher(setup.stop, setup.include_stop_str_in_output),
+                IncrementalDecoder(self.decode, setup.skip_special_tokens, pieces=self.pieces),
+                StopMatcher(setup.stop, setup.include_stop_str_in_output) if setup.stop else None,
                 setup.num_prompt_tokens,
                 setup.incarnation,
                 replica=replica,
@@ -175,44 +157,65 @@ class Detokenizer:
         return st
 
     def _process(self, out: TokenOut, deltas: list[TextDelta], finished: list[RequestFinished],
-                 stops: list[StopMatched], replica: int = 0) -> None:
-        st = self._state(out.rid, out.spec, replica)
+                 stops: list[StopMatched], replica: int = 0,
+                 known: Known = None) -> None:
+        """One row. ``known``: what :meth:`_prepare` worked out for it."""
+        st = self.states.get(out.rid) or self._state(out.rid, out.spec, replica)
         final = out.finish_reason is not None
         if self._emitting(st):
-            kept_ids: list[int] = []
-            kept_lps: list[TokenLogprob] = []
-            text_parts: list[str] = []
-            for i, tid in enumerate(out.token_ids):
-                piece = st.decoder.push((tid,))
-                last = final and i == len(out.token_ids) - 1
-                if last:
-                    piece += st.decoder.flush()
-                emit, stop = st.matcher.feed(piece, final=last)
-                kept_ids.append(tid)
-                if i < len(out.logprobs):
-                    kept_lps.append(out.logprobs[i])
-                text_parts.append(emit)
-                if stop is not None and st.stopped is None:
-                    st.stopped = stop
-                    stops.append(StopMatched(out.rid, stop, st.incarnation))
-                    break
-            if not out.token_ids and final:
-                emit, _ = st.matcher.feed(st.decoder.flush(), final=True)
-                text_parts.append(emit)
-            text = "".join(text_parts)
+            token_ids = out.token_ids
+            matcher = st.matcher
+            if matcher is None:
+                # No stop string can cut the row: its text goes out whole, no per-token work.
+                text = st.decoder.push(token_ids, known) if token_ids else ""
+                if final:
+                    text += st.decoder.flush()
+                kept_ids = token_ids
+                kept_lps = out.logprobs if len(out.logprobs) <= len(token_ids) else (
+                    out.logprobs[: len(token_ids)])
+            else:
+                text, kept_ids, kept_lps = self._match(out, st, matcher, final, stops, known)
             if text or kept_ids or out.prompt_logprobs:
                 # Prompt logprobs pass through untouched: they come before any token, so
                 # a stop string can never have cut them off.
-                deltas.append(TextDelta(out.rid, text, tuple(kept_ids), tuple(kept_lps),
+                deltas.append(TextDelta(out.rid, text, kept_ids, kept_lps,
                                         out.prompt_logprobs, out.prompt_token_ids))
         if final:
             reason, stop_reason = out.finish_reason, out.stop_reason
-            if st.stopped is not None and reason != "abort" and reason != "error":
-                reason, stop_reason = "stop", st.stopped
-            finished.append(RequestFinished(out.rid, reason or "error", stop_reason,
+            if st.stopped is not None and reason not in (FinishReason.ABORT, FinishReason.ERROR):
+                reason, stop_reason = FinishReason.STOP, st.stopped
+            finished.append(RequestFinished(out.rid, reason or FinishReason.ERROR, stop_reason,
                                             st.num_prompt_tokens, out.error, out.queue_s,
                                             out.cached_tokens))
             del self.states[out.rid]
+
+    def _match(self, out: TokenOut, st: DecodeState, matcher: StopMatcher, final: bool,
+               stops: list[StopMatched], known: Known,
+               ) -> tuple[str, tuple[int, ...], tuple[TokenLogprob, ...]]:
+        """A row of a request with stop strings: token by token, so the tokens delivered
+        end with the one that completed a stop string."""
+        kept_ids: list[int] = []
+        kept_lps: list[TokenLogprob] = []
+        text_parts: list[str] = []
+        last_i = len(out.token_ids) - 1
+        for i, tid in enumerate(out.token_ids):
+            piece = st.decoder.push((tid,), known)  # known: only for a row of one token
+            last = final and i == last_i
+            if last:
+                piece += st.decoder.flush()
+            emit, stop = matcher.feed(piece, final=last)
+            kept_ids.append(tid)
+            if i < len(out.logprobs):
+                kept_lps.append(out.logprobs[i])
+            text_parts.append(emit)
+            if stop is not None and st.stopped is None:
+                st.stopped = stop
+                stops.append(StopMatched(out.rid, stop, st.incarnation))
+                break
+        if not out.token_ids and final:
+            emit, _ = matcher.feed(st.decoder.flush(), final=True)
+            text_parts.append(emit)
+        return "".join(text_parts), tuple(kept_ids), tuple(kept_lps)
 
     def _emitting(self, st: DecodeState) -> bool:
         """Nothing reaches the client after a stop string matched (invariant 2)."""

@@ -25,6 +25,8 @@ from collections.abc import Callable
 
 import trio
 
+from actorllm.wire.messages import RefusalCode
+
 
 class Gate(enum.Enum):
     OPEN = "open"
@@ -34,10 +36,9 @@ class Gate(enum.Enum):
 
 
 class Refused(Exception):
-    """New work is not taken now. ``code``: ``engine_dead``, ``shutting_down``,
-    ``overloaded`` (retry later) or ``too_large`` (a request that can never fit)."""
+    """New work is not taken now; ``code`` says why (the server maps it to an API error)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: RefusalCode, message: str) -> None:
         super().__init__(message)
         self.code = code
 
@@ -66,9 +67,9 @@ class Admission:
     def refusal(self) -> Refused | None:
         """Why new work is refused now, or None while open."""
         if self.gate is Gate.DEAD:
-            return Refused("engine_dead", self.reason or "the engine is dead")
+            return Refused(RefusalCode.ENGINE_DEAD, self.reason or "the engine is dead")
         if self.gate is not Gate.OPEN:
-            return Refused("shutting_down", self.reason or "the engine is shutting down")
+            return Refused(RefusalCode.SHUTTING_DOWN, self.reason or "the engine is shutting down")
         return None
 
     def reserve(self, cost: int) -> None:
@@ -78,15 +79,15 @@ class Admission:
             raise refused
         if self.capacity is not None:
             if cost > self.capacity:
-                raise Refused("too_large", f"the request needs {cost} sequences (prompts x n), "
-                              f"more than the server's limit of {self.capacity}")
+                raise Refused(RefusalCode.TOO_LARGE, f"the request needs {cost} sequences "
+                              f"(prompts x n), more than the server's limit of {self.capacity}")
             if self.held + cost > self.capacity:
-                raise Refused("overloaded", f"the server is overloaded ({self.held} sequences "
-                              "pending); retry later")
+                raise Refused(RefusalCode.OVERLOADED, f"the server is overloaded ({self.held} "
+                              "sequences pending); retry later")
             waiting = self.pending_bytes()
             if self.max_pending_bytes is not None and waiting > self.max_pending_bytes:
-                raise Refused("overloaded", f"the server is overloaded ({waiting} bytes of "
-                              "output wait for slow clients); retry later")
+                raise Refused(RefusalCode.OVERLOADED, f"the server is overloaded ({waiting} "
+                              "bytes of output wait for slow clients); retry later")
         self.held += cost
 
     def release(self, cost: int) -> None:

@@ -12,11 +12,10 @@ Ordering rules kept here (DESIGN.md §1):
 - One terminal output per request; anything after it is counted and dropped.
 - Fan-out lives here: ``n > 1`` becomes children ``{rid}-{i}`` that the rest of the
   engine treats as ordinary requests.
-- Flow control lives here too, because the Frontend fills the collectors and so sees each
-  reader's lag: over the byte marks (``FlowLimits``) a request's leaves are paused with
-  ``FlowControl`` on the aborts' edge, resumed when its reader takes what waits, and
-  cancelled (an error for the reader, an abort for the engine) after ``stream_timeout``
-  seconds in which output waited and the reader took none.
+- Flow control starts here, because the Frontend fills the collectors and so sees each
+  reader's lag: its :class:`ReaderPacing` (frontend/readers.py) decides when a request
+  is paused, resumed or cancelled; the Frontend sends the ``FlowControl`` and
+  ``AbortRequest`` messages, on one FIFO edge with everything else it sends.
 """
 
 from __future__ import annotations
@@ -27,15 +26,19 @@ import time
 import attrs
 import trio
 
-from actorllm.frontend.outputs import UNLIMITED, FlowLimits, OutputCollector, RequestError
-from actorllm.frontend.readers import ReaderPacing
+from actorllm.frontend.collector import OutputCollector
+from actorllm.frontend.readers import UNLIMITED, FlowLimits, ReaderPacing
 from actorllm.frontend.routing import Router, estimate_cost
-from actorllm.lifecycle.table import Ledger, State, View
+from actorllm.frontend.state import RequestState, fan_out
+from actorllm.lifecycle.table import Ledger, State
 from actorllm.lifecycle.trace import Tracer
 from actorllm.metrics import EngineMetrics
 from actorllm.wire.mailbox import Inbox, Outbox
 from actorllm.wire.messages import (
     AbortRequest,
+    FailureCode,
+    FinishReason,
+    FlowControl,
     FrontendInput,
     GenerateRequest,
     InvalidRequest,
@@ -46,6 +49,7 @@ from actorllm.wire.messages import (
     TextDelta,
     TokenizerInput,
 )
+from actorllm.wire.outputs import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -54,35 +58,11 @@ class DuplicateRequestId(InvalidRequest):
     """A client-supplied rid collides with a live one."""
 
 
-@attrs.define(eq=False)
-class RequestState:
-    """One registry entry. Its lifecycle state is ``view``, the Frontend's ledger view;
-    ``dispatched`` and ``abort_sent`` are facts about messages, not states of the table."""
+class Frontend:
+    """The actor. ``submit``/``abort`` are called by API-layer tasks of the same process.
 
-    rid: str
-    collector: OutputCollector
-    view: View
-    parent: str | None = None
-    index: int = 0
-    children: list[str] = attrs.Factory(list)
-    arrival: float = 0.0
-    first_token: float | None = None
-    last_token: float | None = None
-    num_output_tokens: int = 0
-    dispatched: bool = False  # its request has left for the Tokenizer (an abort may follow it now)
-    abort_sent: bool = False  # an AbortRequest was sent or is owed right after dispatch
-    paused_sent: bool = False  # the last FlowControl sent for it said pause
-    replica: int = 0  # the data-parallel replica it was routed to (actorllm/frontend/routing.py)
-    cost: int = 0  # its outstanding tokens in the Router's load of that replica
-
-    @property
-    def responded(self) -> bool:
-        """The client has its final output: nothing more may reach it."""
-        return self.view.within(State.RESPONDED, State.RELEASED)
-
-
-class Frontend(ReaderPacing):
-    """The actor. ``submit``/``abort`` are called by API-layer tasks of the same process."""
+    It owns its :class:`ReaderPacing`, built from ``pacing`` (the class) with ``limits``.
+    """
 
     def __init__(
         self,
@@ -93,9 +73,9 @@ class Frontend(ReaderPacing):
         tracer: Tracer | None = None,
         limits: FlowLimits = UNLIMITED,
         replicas: int = 1,
+        pacing: type[ReaderPacing] = ReaderPacing,
     ) -> None:
         self.inbox, self.tokenizer = inbox, tokenizer
-        self.limits = limits
         self.registry: dict[str, RequestState] = {}
         self.ledger = Ledger("frontend", tracer)
         self.metrics = metrics or EngineMetrics()
@@ -107,15 +87,17 @@ class Frontend(ReaderPacing):
         # have ended and a new request may be using its rid.
         self._abort_next: list[tuple[RequestState, str]] = []  # (state, reason)
         self._abort_wake = trio.Event()
-        # Flow control: each collector with its leaves, while it is live or holds unread
-        # output; their unread bytes; leaves whose FlowControl may be owed (sent by
-        # _abort_sender, which sends whatever the collector's `paused` says then).
-        self.flows: dict[OutputCollector, list[RequestState]] = {}
-        self.pending_bytes = 0
+        # Leaves whose FlowControl may be owed: _abort_sender sends whatever the pacing
+        # says of their collector by then (frontend/readers.py decides; we send).
         self._flow_next: list[RequestState] = []
-        self._stall_wake = trio.Event()
-        self._stall_idle = False
-        self.metrics.watch_flows(self)
+        self.pacing = pacing(limits, self.metrics, flow=self._queue_flow,
+                             cancel=self._abort_for_lag)
+        self.metrics.watch_flows(self.pacing)
+
+    @property
+    def pending_bytes(self) -> int:
+        """Output waiting for its readers, over every streaming request (bytes)."""
+        return self.pacing.pending_bytes
 
     # --- called by the API layer -------------------------------------------------------
 
@@ -124,52 +106,32 @@ class Frontend(ReaderPacing):
         """Register ``req`` (and its children), then dispatch. Returns its collector
         (``final_only``: one that wakes its reader only at the end, unpaced)."""
         n = req.params.n
-        rids = [req.rid] if n == 1 else [req.rid, *(f"{req.rid}-{i}" for i in range(n))]
-        self._check_unique(rids)
+        leaves = fan_out(req)
+        children = [rid for rid, _, _ in leaves] if n > 1 else []
+        self._check_unique([req.rid, *children])
         now = time.monotonic()
         collector = OutputCollector(req.rid, n, final_only=final_only)
         replica = self.router.pick(req)  # one for all the children: they share the prompt
         cost = estimate_cost(req)
-        if n == 1:
-            leaves = [(req.rid, req.params, 0)]
-        else:
-            self.ledger.fire(req.rid, "register", n=n)
-            self.ledger.fire(req.rid, "fan_out", children=rids[1:])
-            self.registry[req.rid] = RequestState(req.rid, collector,
-                                                  self.ledger.view(req.rid),
-                                                  children=rids[1:], arrival=now)
-            leaves = [
-                (rid, attrs.evolve(req.params, n=1, seed=None if req.params.seed is None
-                                   else req.params.seed + i), i)
-                for i, rid in enumerate(rids[1:])
-            ]
-        parent_rid = None if n == 1 else req.rid
+        parent = None
+        if n > 1:
+            parent = req.rid
+            self.ledger.fire(parent, "register", n=n)
+            self.ledger.fire(parent, "fan_out", children=children)
+            self.registry[parent] = RequestState(parent, collector, self.ledger.view(parent),
+                                                 children=children, arrival=now,
+                                                 replica=replica)
         # Every child is registered before the first one leaves: otherwise child 0 could
         # end before child 1 exists, and the parent would gather early (found by spin).
-        self._register_leaves([(rid, index) for rid, _, index in leaves], collector,
-                              parent_rid, now)
-        if n > 1:
-            self.registry[req.rid].replica = replica
-        for rid, _, _ in leaves:
-            st = self.registry.get(rid)
-            if st is not None:  # (a planted bug registers at dispatch: tests/sim/bugs.py)
-                st.replica, st.cost = replica, cost
-                self.router.add(replica, cost)
+        for rid, _, index in leaves:
+            self._register(rid, collector, parent=parent, index=index, arrival=now,
+                           replica=replica, cost=cost)
         # Shielded: once registered, a request is always dispatched, even if the caller
         # is cancelled while the Tokenizer's mailbox is full; otherwise it would leak.
         with trio.CancelScope(shield=True):
             for rid, params, _ in leaves:
-                msg = attrs.evolve(req, rid=rid, params=params, arrival_time=now,
-                                   replica=replica)
-                await self._dispatch(rid, msg)
-                st = self.registry.get(rid)
-                if st is None:
-                    continue
-                st.dispatched = True
-                if st.abort_sent:  # aborted while we were still sending: it goes right after
-                    await self.tokenizer.send(AbortRequest(rid, replica))
-                elif collector.paused:  # a sibling's output paused the request meanwhile
-                    self._queue_flow([st])
+                await self._send_request(attrs.evolve(req, rid=rid, params=params,
+                                                      arrival_time=now, replica=replica))
         self.metrics.on_arrival()
         return collector
 
@@ -179,24 +141,34 @@ class Frontend(ReaderPacing):
         if taken:
             raise DuplicateRequestId(f"request id {taken[0]!r} is already in use", "request_id")
 
-    def _register_leaves(self, leaves: list[tuple[str, int]], collector: OutputCollector,
-                         parent: str | None, now: float) -> None:
-        for rid, index in leaves:
-            self._register(rid, index, collector, parent, now)
-
-    def _register(self, rid: str, index: int, collector: OutputCollector, parent: str | None,
-                  now: float) -> None:
+    def _register(self, rid: str, collector: OutputCollector, *, parent: str | None,
+                  index: int, arrival: float, replica: int, cost: int) -> None:
+        """Make one leaf known: its ledger entry, its registry entry, its replica's load
+        and (streaming) its place in the reader pacing."""
         self.ledger.fire(rid, "register")
         st = self.registry[rid] = RequestState(rid, collector, self.ledger.view(rid),
-                                               parent=parent, index=index, arrival=now)
-        if not collector.final_only:  # flow control (frontend/readers.py): leaves by collector
-            collector.on_read = self._on_read
-            self.flows.setdefault(collector, []).append(st)
+                                               parent=parent, index=index, arrival=arrival,
+                                               replica=replica, cost=cost)
+        self.router.add(replica, cost)
+        if not collector.final_only:
+            self.pacing.track(st)
 
     async def _dispatch(self, rid: str, msg: GenerateRequest) -> None:
         """Send one registered request to the Tokenizer."""
         self.ledger.fire(rid, "dispatch")
         await self.tokenizer.send(msg)
+
+    async def _send_request(self, msg: GenerateRequest) -> None:
+        """Dispatch one leaf, then what was decided about it while it waited to go."""
+        await self._dispatch(msg.rid, msg)
+        st = self.registry.get(msg.rid)
+        if st is None:
+            return
+        st.dispatched = True
+        if st.abort_sent:  # aborted while we were still sending: it goes right after
+            await self.tokenizer.send(AbortRequest(st.rid, st.replica))
+        elif self.pacing.paused(st.collector):  # a sibling's output paused the request
+            self._queue_flow([st])
 
     async def abort(self, rid: str, reason: str = "user") -> None:
         """Stop ``rid`` (and its children). Idempotent; a no-op after it ended. ``reason``
@@ -240,7 +212,7 @@ class Frontend(ReaderPacing):
         """
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._abort_sender)
-            nursery.start_soon(self._stall_watch)
+            nursery.start_soon(self.pacing.watch_stalls)
             async for msg in self.inbox:
                 self.handle(msg)
                 if self._abort_next or self._flow_next:
@@ -256,6 +228,24 @@ class Frontend(ReaderPacing):
                     await self._abort(*self._abort_next.pop(0))
                 else:
                     await self._send_flow(self._flow_next.pop(0))
+
+    def _queue_flow(self, leaves: list[RequestState]) -> None:
+        self._flow_next.extend(leaves)
+        self._abort_wake.set()
+
+    def _abort_for_lag(self, leaves: list[RequestState]) -> None:
+        """The pacing cancelled these leaves: their reader stalled past the timeout."""
+        self._abort_next.extend((st, "stream_timeout") for st in leaves)
+        self._abort_wake.set()
+
+    async def _send_flow(self, st: RequestState) -> None:
+        """Tell the Scheduler what the pacing says of ``st`` now, if that is news."""
+        want = self.pacing.paused(st.collector)
+        if (self.registry.get(st.rid) is not st or st.responded or st.abort_sent
+                or not st.dispatched or st.paused_sent == want):
+            return
+        st.paused_sent = want
+        await self.tokenizer.send(FlowControl(st.rid, want, st.replica))
 
     def handle(self, msg: FrontendInput) -> None:
         """Apply one message from the Tokenizer or Detokenizer. Never blocks."""
@@ -285,35 +275,31 @@ class Frontend(ReaderPacing):
         st = self._live(d.rid)
         if st is None:
             return
-        col = st.collector
-        now = time.monotonic()
         if d.token_ids:
-            if st.first_token is None:
-                self.metrics.ttft.observe(now - st.arrival)
-            elif st.last_token is not None:
-                self.metrics.itl.observe((now - st.last_token) / len(d.token_ids))
-            st.first_token = st.first_token or now
-            st.last_token = now
-            st.num_output_tokens += len(d.token_ids)
-            done = min(len(d.token_ids), st.cost)
-            st.cost -= done
-            self.router.sub(st.replica, done)
-            self.metrics.generation_tokens.inc(len(d.token_ids))
+            self._count_tokens(st, len(d.token_ids))
+        col = st.collector
         if col.failed:
             return  # cancelled (stream timeout): the reader gets the error, nothing after it
-        before = col.pending_bytes
-        waited = col.oldest is not None
+        before, waited = col.pending_bytes, col.oldest is not None
         col.put_delta(st.index, d.text, d.token_ids, d.logprobs, d.prompt_logprobs,
                       d.prompt_token_ids)
-        if col.final_only:  # no backlog to count or pace: the reader takes all at the end
-            return
-        self.pending_bytes += col.pending_bytes - before
-        if d.token_ids:
-            self.metrics.consumer_lag.observe(col.pending_tokens)
-        if not waited and self._stall_idle:
-            self._stall_idle = False
-            self._stall_wake.set()
-        self._pace(col)
+        if not col.final_only:  # (else no backlog to pace: the reader takes all at the end)
+            self.pacing.on_output(col, col.pending_bytes - before, len(d.token_ids), waited)
+
+    def _count_tokens(self, st: RequestState, n: int) -> None:
+        """``n`` more tokens for ``st``: latency metrics, and its replica's load."""
+        now = time.monotonic()
+        if st.first_token is None:
+            self.metrics.ttft.observe(now - st.arrival)
+        elif st.last_token is not None:
+            self.metrics.itl.observe((now - st.last_token) / n)
+        st.first_token = st.first_token or now
+        st.last_token = now
+        st.num_output_tokens += n
+        done = min(n, st.cost)
+        st.cost -= done
+        self.router.sub(st.replica, done)
+        self.metrics.generation_tokens.inc(n)
 
     def _on_finished(self, fin: RequestFinished) -> None:
         st = self._live(fin.rid)
@@ -329,13 +315,14 @@ class Frontend(ReaderPacing):
                                  time.monotonic() - st.arrival)
         if fin.queue_s is not None:
             self.metrics.queue_time.observe(fin.queue_s)
-        if fin.finish_reason == "error":
-            st.collector.put_error(RequestError(fin.error or "engine error", "internal"))
+        if fin.finish_reason == FinishReason.ERROR:
+            st.collector.put_error(RequestError(fin.error or "engine error",
+                                                FailureCode.INTERNAL))
             if st.parent is not None:  # the client gets the error: its siblings are moot
                 self._abort_next.append((self.registry[st.parent], "sibling_failed"))
         elif not st.collector.failed:  # (after a stream timeout the reader gets the error)
             st.collector.put_finish(st.index, fin.finish_reason, fin.stop_reason)
-        self._untrack_if_idle(st.collector)
+        self.pacing.untrack_if_idle(st.collector)
         self._maybe_forget(st)
 
     def _on_failed(self, msg: RequestFailed) -> None:
@@ -348,7 +335,7 @@ class Frontend(ReaderPacing):
         st.collector.put_error(RequestError(msg.message, msg.code, msg.param))
         if st.parent is not None:
             self._abort_next.append((self.registry[st.parent], "sibling_failed"))
-        self._untrack_if_idle(st.collector)
+        self.pacing.untrack_if_idle(st.collector)
         self._maybe_forget(st)
 
     def _on_freed(self, rid: str) -> None:
@@ -397,10 +384,10 @@ class Frontend(ReaderPacing):
                 self.ledger.fire(rid, "lose")
             if not answered:
                 self.ledger.fire(rid, "respond", reason="error")
-                st.collector.put_error(RequestError(message, "engine_dead"))
+                st.collector.put_error(RequestError(message, FailureCode.ENGINE_DEAD))
                 self.metrics.on_finished("error", 0, time.monotonic() - st.arrival)
                 self.metrics.aborted_requests.labels(reason="engine_dead").inc()
-                self._untrack_if_idle(st.collector)
+                self.pacing.untrack_if_idle(st.collector)
             self._maybe_forget(st)
             lost += 1
         return lost

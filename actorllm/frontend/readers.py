@@ -1,9 +1,10 @@
-"""The Frontend's side of flow control: how far each reader may fall behind.
+"""Reader pacing: how far each reader may fall behind, and what happens when it does.
 
-A mixin of :class:`actorllm.frontend.actor.Frontend`, kept apart so the Frontend stays one
-readable module; it reads and writes only the Frontend's own state (the collectors it
-fills, its registry) and speaks to the Scheduler only through ``FlowControl`` and
-``AbortRequest`` messages on the Tokenizer's FIFO edge.
+An object the Frontend owns (:class:`ReaderPacing`). It holds the pacing state: the
+streaming collectors with the leaves that fill each, whether each request is paused,
+their unread bytes, and the stream-timeout watch. It sends nothing itself: it asks its
+owner to send a request's ``FlowControl`` or to abort it, through the two callbacks the
+Frontend gives it, so every message still leaves on the Tokenizer's FIFO edge in order.
 
 The ladder, per request (never global): deltas merge in the collector while the reader
 is a little behind; over the byte marks (``FlowLimits.behind``) the request's leaves are
@@ -16,75 +17,138 @@ read (nothing is dropped), the engine an abort with reason ``stream_timeout``.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
+import attrs
 import trio
 
 from actorllm.clock import now
-from actorllm.frontend.outputs import FlowLimits, OutputCollector, RequestError
-from actorllm.wire.messages import FlowControl
+from actorllm.frontend.collector import OutputCollector
+from actorllm.frontend.state import RequestState
+from actorllm.metrics import EngineMetrics
+from actorllm.wire.outputs import RequestError
 
-if TYPE_CHECKING:
-    from actorllm.frontend.actor import RequestState
-    from actorllm.metrics import EngineMetrics
-    from actorllm.wire.mailbox import Outbox
-    from actorllm.wire.messages import TokenizerInput
+
+@attrs.frozen
+class FlowLimits:
+    """How far a reader may fall behind (``--max-pending-bytes-per-request``,
+    ``--max-pending-bytes``, ``--stream-timeout``); the Frontend's pacing applies them.
+
+    Over its own mark, or over a share of it while the total is over the global mark, a
+    request is paused (its leaves leave the batch, keeping their KV) until its reader takes
+    what is pending; a request whose reader takes nothing for ``stream_timeout`` seconds
+    while the engine still works on it is cancelled with an error. None turns a limit off.
+    """
+
+    max_bytes_per_request: int | None = 256 << 10
+    max_bytes: int | None = 64 << 20
+    stream_timeout: float | None = 30.0
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("max_bytes_per_request", "max_bytes"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be at least 1, got {v}")
+        if self.stream_timeout is not None and not self.stream_timeout > 0:
+            raise ValueError(f"stream_timeout must be positive, got {self.stream_timeout}")
+
+    def behind(self, pending: int, total: int) -> bool:
+        """A request with ``pending`` bytes unread (``total`` over all) should pause."""
+        own = self.max_bytes_per_request
+        if own is not None and pending > own:
+            return True
+        # Over the global mark, only readers that are behind pause (never everyone): more
+        # than an eighth of their own mark, or than 4 KiB without one.
+        share = (own // 8) if own is not None else 4096
+        return self.max_bytes is not None and total > self.max_bytes and pending > share
+
+
+UNLIMITED = FlowLimits(None, None, None)
+
+Leaves = Callable[[list[RequestState]], None]
+
+
+@attrs.define(eq=False)
+class Flow:
+    """One paced collector: the leaves whose output fills it, and whether they are paused.
+    Paused only while output waits (a read of all of it resumes), so an entry is never
+    dropped while paused."""
+
+    leaves: list[RequestState] = attrs.Factory(list)
+    paused: bool = False
 
 
 class ReaderPacing:
-    """Pause, resume and cancel for lag; the Frontend supplies the state below."""
+    """Pause, resume and cancel for lag, per collector.
 
-    limits: FlowLimits
-    metrics: EngineMetrics
-    registry: dict[str, RequestState]
-    tokenizer: Outbox[TokenizerInput]
-    flows: dict[OutputCollector, list[RequestState]]
-    pending_bytes: int
-    _flow_next: list[RequestState]
-    _abort_next: list[tuple[RequestState, str]]
-    _abort_wake: trio.Event
-    _stall_wake: trio.Event
-    _stall_idle: bool
+    ``flow(leaves)``: these leaves' FlowControl may be owed; the owner sends what
+    :meth:`paused` says when it sends. ``cancel(leaves)``: abort them (stream timeout).
+    """
 
-    def _queue_flow(self, leaves: list[RequestState]) -> None:
-        self._flow_next.extend(leaves)
-        self._abort_wake.set()
+    def __init__(self, limits: FlowLimits, metrics: EngineMetrics, *, flow: Leaves,
+                 cancel: Leaves) -> None:
+        self.limits, self.metrics = limits, metrics
+        self._flow, self._cancel = flow, cancel
+        # Each streaming collector, while it is live or holds unread output.
+        self.flows: dict[OutputCollector, Flow] = {}
+        self.pending_bytes = 0  # unread, over every collector in flows
+        self._stall_wake = trio.Event()
+        self._stall_idle = False  # the stall watch sleeps until output waits somewhere
 
-    async def _send_flow(self, st: RequestState) -> None:
-        """Tell the Scheduler what the collector's ``paused`` says now, if that is news."""
-        want = st.collector.paused
-        if (self.registry.get(st.rid) is not st or st.responded or st.abort_sent
-                or not st.dispatched or st.paused_sent == want):
-            return
-        st.paused_sent = want
-        await self.tokenizer.send(FlowControl(st.rid, want, st.replica))
+    def track(self, st: RequestState) -> None:
+        """Pace ``st``'s (streaming) collector from now on, with ``st`` among its leaves."""
+        st.collector.on_read = self.on_read
+        self.flows.setdefault(st.collector, Flow()).leaves.append(st)
 
-    def _pace(self, col: OutputCollector) -> None:
-        """After a delta: pause the request if its reader is too far behind."""
-        if col.paused or col.engine_done.is_set() or col not in self.flows:
+    def paused(self, col: OutputCollector) -> bool:
+        """Whether ``col``'s request should be paused now."""
+        flow = self.flows.get(col)
+        return flow is not None and flow.paused
+
+    def on_output(self, col: OutputCollector, cost: int, tokens: int, waited: bool) -> None:
+        """``col`` took a delta of ``cost`` bytes and ``tokens`` tokens (``waited``: output
+        was waiting already): count it, and pause the request if its reader is behind."""
+        self.pending_bytes += cost
+        if tokens:
+            self.metrics.consumer_lag.observe(col.pending_tokens)
+        if not waited and self._stall_idle:
+            self._stall_idle = False
+            self._stall_wake.set()
+        self.pace(col)
+
+    def pace(self, col: OutputCollector) -> None:
+        """Pause ``col``'s request if its reader is too far behind."""
+        flow = self.flows.get(col)
+        if flow is None or flow.paused or col.engine_done.is_set():
             return
         if self.limits.behind(col.pending_bytes, self.pending_bytes):
-            col.paused = True
+            flow.paused = True
             self.metrics.requests_paused.inc()
-            self._queue_flow(self.flows[col])
+            self._flow(flow.leaves)
 
-    def _on_read(self, col: OutputCollector, cost: int, tokens: int) -> None:
+    def on_read(self, col: OutputCollector, cost: int, tokens: int) -> None:
         """The reader took ``cost`` bytes (``tokens`` tokens): resume it if it was paused."""
         self.pending_bytes -= cost
         if tokens:
             self.metrics.tokens_per_output_event.observe(tokens)
-        if col.paused and not col.pending_bytes:
-            col.paused = False
-            if not col.engine_done.is_set():
-                self.metrics.requests_resumed.inc()
-                self._queue_flow(self.flows.get(col, []))
-        self._untrack_if_idle(col)
+        flow = self.flows.get(col)
+        if flow is not None and flow.paused and not col.pending_bytes:
+            self.resume(col, flow)
+        self.untrack_if_idle(col)
 
-    def _untrack_if_idle(self, col: OutputCollector) -> None:
+    def resume(self, col: OutputCollector, flow: Flow) -> None:
+        """``col``'s reader caught up: its leaves may run again."""
+        flow.paused = False
+        if not col.engine_done.is_set():
+            self.metrics.requests_resumed.inc()
+            self._flow(flow.leaves)
+
+    def untrack_if_idle(self, col: OutputCollector) -> None:
+        """Stop pacing ``col`` once the engine is done with it and nothing waits."""
         if col.engine_done.is_set() and not col.pending_bytes:
             self.flows.pop(col, None)
 
-    async def _stall_watch(self) -> None:
+    async def watch_stalls(self) -> None:
         """Cancel requests whose reader took nothing for ``stream_timeout`` seconds while
         output waited. Sleeps until the earliest such deadline, or until output waits."""
         timeout = self.limits.stream_timeout
@@ -93,13 +157,13 @@ class ReaderPacing:
         while True:
             t = now()
             deadline = math.inf
-            for col, leaves in list(self.flows.items()):
+            for col, flow in list(self.flows.items()):
                 if col.engine_done.is_set() or col.oldest is None:
                     continue  # the engine is done (the HTTP write timeout takes over), or
                     # nothing waits for the reader
                 stalled = col.stalled_for(t)
                 if stalled >= timeout:
-                    self._cancel_stalled(col, leaves, timeout)
+                    self._cancel_stalled(col, flow.leaves, timeout)
                 else:
                     deadline = min(deadline, t + timeout - stalled)
             self._stall_idle = deadline == math.inf
@@ -113,5 +177,4 @@ class ReaderPacing:
         col.put_error(RequestError(
             f"the client read nothing for {timeout:g} s while output waited "
             "(--stream-timeout); the request was cancelled", "stream_timeout"))
-        self._abort_next.extend((st, "stream_timeout") for st in leaves)
-        self._abort_wake.set()
+        self._cancel(leaves)

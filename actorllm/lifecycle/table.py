@@ -73,6 +73,34 @@ class Transition:
     effect: str
 
 
+def _index_moves(transitions: tuple[Transition, ...]) -> dict[tuple[str | None, str], str]:
+    """``(state, event) -> target`` for every row (state None: the event creates the
+    request). Where rows overlap, the first one in the table wins."""
+    moves: dict[tuple[str | None, str], str] = {}
+    for t in transitions:
+        for source in t.sources or (None,):
+            moves.setdefault((source, t.event), t.target)
+    return moves
+
+
+def _index_owners(transitions: tuple[Transition, ...]) -> dict[str, str]:
+    """``event -> actor`` (parse_spec refuses an event that two actors fire)."""
+    owners: dict[str, str] = {}
+    for t in transitions:
+        owners.setdefault(t.event, t.actor)
+    return owners
+
+
+def _index_exits(transitions: tuple[Transition, ...]
+                 ) -> dict[str | None, tuple[tuple[str, str], ...]]:
+    """``state -> ((actor, target), ...)``: the rows leaving each state, in table order."""
+    exits: dict[str | None, list[tuple[str, str]]] = {}
+    for t in transitions:
+        for source in t.sources or (None,):
+            exits.setdefault(source, []).append((t.actor, t.target))
+    return {s: tuple(rows) for s, rows in exits.items()}
+
+
 @attrs.frozen
 class Spec:
     """The parsed table. ``step(state, event)`` is the whole semantics."""
@@ -84,20 +112,25 @@ class Spec:
     final_states: frozenset[str]
     transitions: tuple[Transition, ...]
     invariants: dict[str, str]
+    # Derived from ``transitions`` once: every actor fires events per rid per message, so
+    # ``step`` is one dict lookup instead of a scan of the rows (as h11 does).
+    _moves: dict[tuple[str | None, str], str] = attrs.field(
+        init=False, repr=False, eq=False,
+        default=attrs.Factory(lambda self: _index_moves(self.transitions), takes_self=True))
+    _owners: dict[str, str] = attrs.field(
+        init=False, repr=False, eq=False,
+        default=attrs.Factory(lambda self: _index_owners(self.transitions), takes_self=True))
+    _exits: dict[str | None, tuple[tuple[str, str], ...]] = attrs.field(
+        init=False, repr=False, eq=False,
+        default=attrs.Factory(lambda self: _index_exits(self.transitions), takes_self=True))
 
     def step(self, state: str | None, event: str) -> str | None:
         """The state after ``event`` from ``state`` (None before creation), or None if illegal."""
-        for t in self.transitions:
-            if t.event == event and (state in t.sources or (state is None and not t.sources)):
-                return t.target
-        return None
+        return self._moves.get((state, event))
 
     def actor_of(self, event: str) -> str:
         """The one actor allowed to fire ``event``."""
-        for t in self.transitions:
-            if t.event == event:
-                return t.actor
-        raise KeyError(event)
+        return self._owners[event]
 
     def events(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(t.event for t in self.transitions))
@@ -111,13 +144,10 @@ class Spec:
         seen = set(states)
         todo = list(seen)
         while todo:
-            s = todo.pop()
-            for t in self.transitions:
-                if t.actor == actor or not (s in t.sources or (s is None and not t.sources)):
-                    continue
-                if t.target not in seen:
-                    seen.add(t.target)
-                    todo.append(t.target)
+            for by, target in self._exits.get(todo.pop(), ()):
+                if by != actor and target not in seen:
+                    seen.add(target)
+                    todo.append(target)
         return frozenset(seen)
 
     def mermaid(self) -> str:

@@ -1,10 +1,12 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2) over the paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
 
 The model sees only a :class:`ForwardBatch` (packed tokens of many sequences) and the
 per-layer cache tensors; it writes each new token's K/V through the attention backend
 and attends over the paged cache with the backend's one op (DESIGN.md section 5). It
 owns no cache and no sequence state. q/k/v and gate/up are fused into single matmuls;
 the loader (:mod:`actorllm.model.loader`) fills the fused weights from HF checkpoints.
+Qwen3 adds an RMSNorm over each head of q and k before RoPE (``qk_norm``); Mistral and
+windowed Qwen layers attend over a sliding window, which the attention op applies.
 """
 
 from __future__ import annotations
@@ -42,6 +44,22 @@ class ForwardBatch:
     max_seqlen_q: int
     max_seqlen_k: int
     slots_valid: bool = False  # no slot is -1: the attention backend need not look
+
+
+def layer_window(config: PretrainedConfig, layer: int) -> int | None:
+    """Layer ``layer``'s sliding window as transformers applies it, or None (full attention).
+
+    Mistral windows every layer with ``sliding_window``; Qwen2/Qwen3 only the layers
+    ``layer_types`` names ``sliding_attention`` (their configs clear the window when
+    ``use_sliding_window`` is off).
+    """
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and layer_types[layer] != "sliding_attention":
+        return None
+    return int(window)
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -105,7 +123,8 @@ class Attention(nn.Module):
     """Fused-qkv GQA attention that writes K/V to the paged cache and reads it back."""
 
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool,
-                 tp: TensorParallel) -> None:
+                 tp: TensorParallel, *, qk_norm: bool = False,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         # This rank's heads: all of them on one rank (model/parallel.py).
         self.num_heads = config.num_attention_heads // tp.world
@@ -118,19 +137,19 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.qkv_proj.shards = (self.q_size, self.kv_size, self.kv_size)  # for the loader
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)  # row-parallel
+        self.sliding_window = sliding_window
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        batch: ForwardBatch,
-        kv_cache: KVCache,
-        backend: AttentionBackend,
-    ) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch,
+                kv_cache: KVCache, backend: AttentionBackend) -> Tensor:
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk = qkv[:, : self.num_heads + self.num_kv_heads]
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]),
+                            self.k_norm(qk[:, self.num_heads :])), dim=1)
         # q and k heads side by side take one rotation (half the small ops of two).
-        qk = _apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        qk = _apply_rope(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.num_heads + self.num_kv_heads :]
         k_cache, v_cache = kv_cache
@@ -145,6 +164,7 @@ class Attention(nn.Module):
             self.scale,
             max_seqlen_q=batch.max_seqlen_q,
             max_seqlen_k=batch.max_seqlen_k,
+            sliding_window=self.sliding_window,
         )
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
@@ -169,22 +189,16 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention + MLP block with residuals."""
 
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
-                 tp: TensorParallel):
+                 tp: TensorParallel, *, qk_norm: bool = False, sliding_window: int | None = None):
         super().__init__()
-        self.self_attn = Attention(config, qkv_bias, o_bias, tp)
+        self.self_attn = Attention(config, qkv_bias, o_bias, tp, qk_norm=qk_norm,
+                                   sliding_window=sliding_window)
         self.mlp = MLP(config, mlp_bias, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        h: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        batch: ForwardBatch,
-        kv_cache: KVCache,
-        backend: AttentionBackend,
-    ) -> Tensor:
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch,
+                kv_cache: KVCache, backend: AttentionBackend) -> Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, kv_cache, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -193,12 +207,13 @@ class DecoderModel(nn.Module):
     """Embeddings, the decoder layers and the final norm (HF's ``model.*`` submodule)."""
 
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
-                 tp: TensorParallel):
+                 tp: TensorParallel, qk_norm: bool = False):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)  # replicated
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, o_bias, mlp_bias, tp)
-            for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, qkv_bias, o_bias, mlp_bias, tp, qk_norm=qk_norm,
+                         sliding_window=layer_window(config, i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -208,8 +223,9 @@ class LlamaForCausalLM(nn.Module):
 
     Parameter names mirror transformers' except the fused ``qkv_proj`` and
     ``gate_up_proj``. ``qkv_bias`` is True for Qwen2; ``o_bias``/``mlp_bias`` follow
-    Llama's ``attention_bias``/``mlp_bias``. ``tp`` makes it one rank's shard of a
-    tensor-parallel model (:mod:`actorllm.model.parallel`); the LM head is replicated.
+    Llama's ``attention_bias``/``mlp_bias``; ``qk_norm`` is True for Qwen3. ``tp`` makes it
+    one rank's shard of a tensor-parallel model (:mod:`actorllm.model.parallel`); the LM
+    head is replicated.
     """
 
     def __init__(
@@ -220,12 +236,13 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         mlp_bias: bool = False,
+        qk_norm: bool = False,
         tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.tp = tp or TensorParallel()
-        self.model = DecoderModel(config, qkv_bias, o_bias, mlp_bias, self.tp)
+        self.model = DecoderModel(config, qkv_bias, o_bias, mlp_bias, self.tp, qk_norm)
         self.rotary = rotary
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()

@@ -1,10 +1,13 @@
-"""Load a Hugging Face checkpoint directory into :class:`LlamaForCausalLM`.
+"""Load a Hugging Face checkpoint directory: the native model or the transformers path.
 
 A directory holds ``config.json`` and ``*.safetensors`` weights (one file, or shards
-listed by ``model.safetensors.index.json``). Llama, Mistral and Qwen2 are supported.
-RoPE frequencies come from transformers' own init functions, so every rope type it
-computes statically (default, linear, llama3, yarn) matches it exactly. Every problem
-with the directory is a one-line ``ValueError``.
+listed by ``model.safetensors.index.json``). ``model_impl`` picks the implementation:
+``native`` is :class:`LlamaForCausalLM` (Llama, Mistral, Qwen2, Qwen3), ``transformers``
+is :class:`~actorllm.model.hf_backend.HFCausalLM` (any decoder-only causal LM transformers
+can build), ``auto`` the native one where it exists. For the native model, RoPE
+frequencies come from transformers' own init functions, so every rope type it computes
+statically (default, linear, llama3, yarn) matches it exactly. Every problem with the
+directory is a one-line ``ValueError``.
 """
 
 from __future__ import annotations
@@ -12,14 +15,19 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
-from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from actorllm.config import read_config_json
 from actorllm.model.llama import LlamaForCausalLM, RotaryEmbedding, head_dim_of
-from actorllm.model.parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from actorllm.model.hf_backend import HFCausalLM
+from actorllm.model.parallel import IMPL_ATTR, TensorParallel, check_tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +35,7 @@ CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "LlamaForCausalLM": LlamaConfig,
     "MistralForCausalLM": MistralConfig,
     "Qwen2ForCausalLM": Qwen2Config,
+    "Qwen3ForCausalLM": Qwen3Config,
 }
 # Rope types whose frequencies depend on the running sequence length are not supported:
 # the paged cache stores rotated keys, so frequencies must not change mid-sequence.
@@ -42,30 +51,46 @@ _FUSED = {
 }
 
 
-def load_config(model_dir: str | Path) -> PretrainedConfig:
-    """Read and check ``model_dir/config.json``; raise a one-line ``ValueError`` if unusable."""
-    path = Path(model_dir)
-    if not path.is_dir():
-        raise ValueError(f"model directory {str(path)!r} does not exist or is not a directory")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"model directory {str(path)!r} has no config.json")
-    try:
-        raw = json.loads(config_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{config_file}: not valid JSON ({exc})") from None
-    archs = raw.get("architectures") if isinstance(raw, dict) else None
-    arch = archs[0] if isinstance(archs, list) and archs else None
-    if arch not in CONFIG_CLASSES:
+MODEL_IMPLS = ("auto", "native", "transformers")
+
+
+def model_impl_of(config: PretrainedConfig) -> str:
+    """``"native"`` or ``"transformers"``: the implementation ``load_config`` chose."""
+    return getattr(config, IMPL_ATTR, "native")
+
+
+def _choose_impl(arch: object, model_impl: str, path: Path) -> str:
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}, "
+                         f"got {model_impl!r}")
+    if model_impl == "native" and arch not in CONFIG_CLASSES:
         raise ValueError(
-            f"{str(path)!r}: unsupported architecture {arch!r} "
-            f"(supported: {', '.join(CONFIG_CLASSES)})"
-        )
+            f"{str(path)!r}: unsupported architecture {arch!r} for the native model (supported: "
+            f"{', '.join(CONFIG_CLASSES)}); --model-impl auto or transformers runs it")
+    if model_impl == "transformers" or arch not in CONFIG_CLASSES:
+        return "transformers"
+    return "native"
+
+
+def load_config(model_dir: str | Path, model_impl: str = "native") -> PretrainedConfig:
+    """Read and check ``model_dir/config.json`` for ``model_impl``; a one-line ``ValueError``
+    if unusable. :func:`model_impl_of` says which implementation it chose."""
+    path = Path(model_dir)
+    raw = read_config_json(path)
+    archs = raw.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    if _choose_impl(arch, model_impl, path) == "transformers":
+        from actorllm.model.hf_loader import load_hf_config
+
+        config = load_hf_config(path, arch if isinstance(arch, str) else None)
+        setattr(config, IMPL_ATTR, "transformers")
+        return config
     try:
-        config = CONFIG_CLASSES[arch].from_pretrained(str(path))
+        config = CONFIG_CLASSES[arch].from_dict(raw)  # (the file is read once, above)
     except Exception as exc:  # transformers raises many types for a bad config
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{config_file}: cannot be read as {arch}: {first_line}") from None
+        raise ValueError(f"{path / 'config.json'}: cannot be read as {arch}: {first_line}") \
+            from None
     config.architectures = [arch]
     _check_config(config, path)
     return config
@@ -129,7 +154,7 @@ def load_model(
     device: str | torch.device = "cpu",
     config: PretrainedConfig | None = None,
     tp: TensorParallel | None = None,
-) -> LlamaForCausalLM:
+) -> LlamaForCausalLM | HFCausalLM:
     """Build the model for ``model_dir`` and fill it from its safetensors (``dtype``, ``device``).
 
     With ``tp``, only that rank's shard: each sharded tensor is read as its slice
@@ -140,6 +165,11 @@ def load_model(
     """
     path = Path(model_dir)
     config = config or load_config(path)
+    if model_impl_of(config) == "transformers":
+        check_tensor_parallel(config, tp.world if tp is not None else 1)
+        from actorllm.model.hf_loader import load_hf_model
+
+        return load_hf_model(path, config, dtype=dtype, device=device)
     files = _weight_files(path)
     arch = config.architectures[0]
     attention_bias = bool(getattr(config, "attention_bias", False))
@@ -150,6 +180,7 @@ def load_model(
             qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             tp=tp,
         )
     # Meta construction skips random init (minutes for a 7B model on CPU); every
@@ -221,3 +252,24 @@ def _load_one(model: LlamaForCausalLM, name: str, tensor: torch.Tensor, file: st
             f"the config implies {tuple(target.shape)}"
         )
     target.copy_(tensor)
+
+
+def check_device_dtype(device: torch.device, dtype: torch.dtype) -> None:
+    """Raise a one-line ``ValueError`` unless ``device`` exists and can run ``dtype``.
+
+    A few ops of the kinds every model runs (a matmul, a softmax, an RMSNorm) are tried,
+    so that a dtype the device lacks fails here rather than inside the first step.
+    """
+    name = str(dtype).removeprefix("torch.")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: torch sees no CUDA GPU here")
+        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"--dtype bfloat16: the GPU on {device} cannot run it; "
+                             "use --dtype float16")
+    try:
+        x = torch.ones(2, 8, dtype=dtype, device=device)
+        torch.softmax(torch.rms_norm(x @ x.T, (2,)), dim=-1).sum().item()
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"--dtype {name} cannot run on {device}: {first}") from None

@@ -90,8 +90,17 @@ class TensorParallel:
         return self.rank * part, part
 
 
+# The attribute model.loader.load_config sets on a config to record the implementation.
+IMPL_ATTR = "actorllm_model_impl"
+
+
 def check_tensor_parallel(config: PretrainedConfig, world: int) -> None:
-    """Raise a one-line ``ValueError`` unless the model splits evenly over ``world`` ranks."""
+    """Raise a one-line ``ValueError`` unless the model splits evenly over ``world`` ranks
+    (only the native model is sharded)."""
+    if world > 1 and getattr(config, IMPL_ATTR, "native") != "native":
+        raise ValueError(f"--tensor-parallel-size {world} needs the native model; "
+                         f"{config.architectures[0]} runs through transformers "
+                         "(--model-impl transformers)")
     problem = tensor_parallel_problem(world, config.num_attention_heads,
                                       config.num_key_value_heads, config.intermediate_size)
     if problem is not None:

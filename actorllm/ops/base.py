@@ -36,8 +36,14 @@ class AttentionBackend(Protocol):
         scale: float,
         max_seqlen_q: int | None = None,
         max_seqlen_k: int | None = None,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> Tensor:
-        """Causal attention of packed queries over paged K/V; returns ``[total_q, H, D]``."""
+        """Causal attention of packed queries over paged K/V; returns ``[total_q, H, D]``.
+
+        ``sliding_window`` W: a query sees only keys within W positions back (its own
+        included); ``softcap`` c: scores become ``c * tanh(score / c)`` before the softmax."""
         ...
 
 

@@ -105,6 +105,10 @@ def why_not(model: torch.nn.Module, backend: object) -> str | None:
         return "the rotary embedding is not the default one"
     layer = model.model.layers[0]
     attn = layer.self_attn
+    if any(layer.self_attn.q_norm is not None for layer in model.model.layers):
+        return "the model normalises q and k per head (Qwen3)"
+    if any(layer.self_attn.sliding_window is not None for layer in model.model.layers):
+        return "the model attends over a sliding window"
     if attn.head_dim > _MAX_HEAD_DIM or attn.num_heads // attn.num_kv_heads > _MAX_GROUP:
         return "the decode kernel does not take this head shape"
     for layer in model.model.layers:

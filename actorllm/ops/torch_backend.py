@@ -12,11 +12,18 @@ CUDA kernels are tested against. Two paths, both free of per-token Python loops:
 
 A batch that mixes the two sends its decode sequences down the batched path and
 loops over the prefill sequences only.
+
+Two model features narrow or bend the scores, both as transformers' eager attention
+defines them (the oracle): a ``sliding_window`` W lets the query at position p see keys
+at positions ``> p - W`` only (Mistral, Gemma's local layers), and a ``softcap`` c maps
+each scaled score s to ``c * tanh(s / c)`` before the mask and softmax (Gemma 2). SDPA
+has no soft-cap, so a soft-capped call computes scores and softmax explicitly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +34,38 @@ from actorllm.ops.checks import check_paged_attention_args, check_write_kv_args
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Features:
+    """The optional score features of one attention call (None: off)."""
+
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+    @property
+    def any(self) -> bool:
+        """Whether any feature is on."""
+        return self.sliding_window is not None or self.softcap is not None
+
+
+NO_FEATURES = Features()
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float,
+            softcap: float | None) -> Tensor:
+    """Masked attention ``[..., Lq, D]`` x ``[..., Lk, D]``; soft-capped scores when asked.
+
+    The soft-capped path follows transformers' eager attention op for op (scale, cap,
+    mask, fp32 softmax, cast back), since that is what the oracle computes.
+    """
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 class TorchBackend:
@@ -69,6 +108,8 @@ class TorchBackend:
         *,
         seq_lens_host: Sequence[int] | None = None,
         cu_seqlens_q_host: Sequence[int] | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> Tensor:
         """Causal attention of packed queries over paged K/V; returns ``[total_q, num_heads, D]``.
 
@@ -85,6 +126,9 @@ class TorchBackend:
                 path reads no tensor values on the host (no device sync).
             seq_lens_host, cu_seqlens_q_host: optional host copies (lists) of ``seq_lens``
                 and ``cu_seqlens_q``; when given, they are used instead of ``.tolist()``.
+            sliding_window: when set, a query sees only the last ``sliding_window`` keys
+                up to its own position.
+            softcap: when set, scores are soft-capped: ``softcap * tanh(score / softcap)``.
 
         Query token ``i`` of sequence ``s`` is at position ``seq_lens[s] - q_len[s] + i`` and
         attends to keys at positions ``<=`` its own. Softmax accumulates in fp32 (torch's SDPA
@@ -94,35 +138,38 @@ class TorchBackend:
         num_seqs = seq_lens.shape[0]
         if q.shape[0] == 0 or num_seqs == 0:
             return torch.empty_like(q)
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+        if sliding_window is not None and max_seqlen_k is not None \
+                and max_seqlen_k <= sliding_window:
+            sliding_window = None  # no context reaches past the window: full attention
+        extra = Features(sliding_window, softcap)
         if max_seqlen_q == 1 and max_seqlen_k is not None and q.shape[0] == num_seqs:
-            return self.decode(q, k_cache, v_cache, block_tables, seq_lens, max_seqlen_k, scale)
+            return self.decode(q, k_cache, v_cache, block_tables, seq_lens, max_seqlen_k, scale,
+                               extra)
 
         lens = list(seq_lens_host) if seq_lens_host is not None else seq_lens.tolist()
         cu = list(cu_seqlens_q_host) if cu_seqlens_q_host is not None else cu_seqlens_q.tolist()
         decode = [s for s in range(num_seqs) if cu[s + 1] - cu[s] == 1]
         if len(decode) == num_seqs:
-            return self.decode(q, k_cache, v_cache, block_tables, seq_lens, max(lens), scale)
+            return self.decode(q, k_cache, v_cache, block_tables, seq_lens, max(lens), scale,
+                               extra)
 
         out = torch.empty_like(q)
         if decode:
             rows = torch.tensor([cu[s] for s in decode], device=q.device)
             seqs = torch.tensor(decode, device=q.device)
             max_len = max(lens[s] for s in decode)
-            o = self.decode(
-                q.index_select(0, rows),
-                k_cache,
-                v_cache,
-                block_tables.index_select(0, seqs),
-                seq_lens.index_select(0, seqs),
-                max_len,
-                scale,
-            )
+            o = self.decode(q.index_select(0, rows), k_cache, v_cache,
+                            block_tables.index_select(0, seqs), seq_lens.index_select(0, seqs),
+                            max_len, scale, extra)
             out.index_copy_(0, rows, o)
         for s in range(num_seqs):
             q_len = cu[s + 1] - cu[s]
             if q_len > 1:
                 out[cu[s] : cu[s + 1]] = _prefill_one(
-                    q[cu[s] : cu[s + 1]], k_cache, v_cache, block_tables[s], lens[s], scale
+                    q[cu[s] : cu[s + 1]], k_cache, v_cache, block_tables[s], lens[s], scale,
+                    extra,
                 )
         return out
 
@@ -135,10 +182,11 @@ class TorchBackend:
         seq_lens: Tensor,
         max_len: int,
         scale: float,
+        extra: Features = NO_FEATURES,
     ) -> Tensor:
         """The decode rows: one query ``[num_seqs, H, D]`` per sequence; ``max_len`` bounds
         ``seq_lens``. A subclass may replace this path alone (``CpuBackend`` does)."""
-        return _decode(q, k_cache, v_cache, block_tables, seq_lens, max_len, scale)
+        return _decode(q, k_cache, v_cache, block_tables, seq_lens, max_len, scale, extra)
 
 
 def _decode(
@@ -149,6 +197,7 @@ def _decode(
     seq_lens: Tensor,
     max_len: int,
     scale: float,
+    extra: Features = NO_FEATURES,
 ) -> Tensor:
     """One query token per sequence: gather padded K/V for all sequences, one masked SDPA."""
     num_seqs, num_heads, head_dim = q.shape
@@ -171,18 +220,16 @@ def _decode(
     # query rows of one attention problem (they share its mask too). Measured ~2x faster on
     # CPU than enable_gqa with a [S, H, 1, D] query.
     group = num_heads // num_kv_heads
-    out = F.scaled_dot_product_attention(
-        q.view(num_seqs, num_kv_heads, group, head_dim),
-        k,
-        v,
-        attn_mask=live[:, None, None, :],
-        scale=scale,
-    )
+    if extra.sliding_window is not None:
+        live = live & (pos[None, :] >= seq_lens[:, None] - extra.sliding_window)
+    out = _attend(q.view(num_seqs, num_kv_heads, group, head_dim), k, v,
+                  live[:, None, None, :], scale, extra.softcap)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def _prefill_one(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_len: int, scale: float
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_len: int, scale: float,
+    extra: Features = NO_FEATURES,
 ) -> Tensor:
     """One sequence's query chunk ``[q_len, H, D]`` against its first ``seq_len`` cached keys."""
     q_len, num_heads, head_dim = q.shape
@@ -192,9 +239,21 @@ def _prefill_one(
     v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
 
     mask = None
-    if q_len != seq_len:  # cached prefix: the causal diagonal is shifted by its length
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+    window = extra.sliding_window
+    if q_len != seq_len or window is not None or extra.softcap is not None:
+        # The causal diagonal is shifted by the cached prefix's length.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask = mask & (k_pos > q_pos - window)
+    if extra.softcap is not None:
+        group = num_heads // num_kv_heads
+        out = _attend(q.transpose(0, 1).unsqueeze(0),
+                      k.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0),
+                      v.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0),
+                      mask, scale, extra.softcap)
+        return out[0].transpose(0, 1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),

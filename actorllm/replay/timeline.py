@@ -19,22 +19,25 @@ from pathlib import Path
 import attrs
 
 from actorllm.lifecycle.invariants import fold
-from actorllm.lifecycle.table import Spec
+from actorllm.lifecycle.table import Spec, State
 from actorllm.replay.check import Violation
 from actorllm.replay.summary import Summary
 from actorllm.replay.tracefile import Trace
 
-STATE_COLOURS = {
-    "CREATED": "#cbd5e1",
-    "TOKENIZING": "#a5b4fc",
-    "WAITING": "#fcd34d",
-    "RUNNING": "#22c55e",
-    "PREEMPTED": "#f97316",
-    "FINISHED": "#3b82f6",
-    "FREED": "#93c5fd",
-    "RESPONDED": "#c4b5fd",
-    "RELEASED": "#e5e7eb",
-    "GATHERING": "#e9d5ff",
+# One colour per state of the table, keyed on its enum (load_spec checks the enum against
+# the table); tests/test_replay.py fails on a state without one.
+STATE_COLOURS: dict[State, str] = {
+    State.CREATED: "#cbd5e1",
+    State.TOKENIZING: "#a5b4fc",
+    State.WAITING: "#fcd34d",
+    State.RUNNING: "#22c55e",
+    State.PREEMPTED: "#f97316",
+    State.PAUSED: "#14b8a6",
+    State.FINISHED: "#3b82f6",
+    State.FREED: "#93c5fd",
+    State.RESPONDED: "#c4b5fd",
+    State.RELEASED: "#e5e7eb",
+    State.GATHERING: "#e9d5ff",
 }
 MARK_COLOURS = {"abort": "#dc2626", "preempt": "#c2410c", "late": "#111827", "token": "#ffffff"}
 
@@ -151,7 +154,7 @@ def build_timeline(trace: Trace, spec: Spec, summary: Summary,
             end = lines[j + 1].t if j + 1 < len(lines) else t1
             row.shapes.append(Rect(
                 x_of(line.t), y, max(x_of(end) - x_of(line.t), 0.5), ROW_H,
-                STATE_COLOURS.get(state, "#9ca3af"),
+                STATE_COLOURS[State(state)],
                 f"{name}: {state} from {(line.t - t0) * 1e3:.2f} ms for "
                 f"{(end - line.t) * 1e3:.2f} ms (after {line.event}, line {line.no})"))
             if line.event == "abort":
@@ -197,8 +200,8 @@ def _record_marks(trace: Trace, spec: Spec) -> dict[str, list[tuple[str, float, 
 def _legend(d: Drawing) -> None:
     d.background.append(Text(MARGIN, 20, d.title, 14))
     x = MARGIN
-    for state, colour in STATE_COLOURS.items():
-        d.background.append(Rect(x, 32, 10, 10, colour))
+    for state in State:  # the table's order
+        d.background.append(Rect(x, 32, 10, 10, STATE_COLOURS[state]))
         d.background.append(Text(x + 13, 41, state, 10))
         x += 16 + 7 * len(state)
     for shape, colour, label in (("cross", MARK_COLOURS["abort"], "abort"),

@@ -1,5 +1,6 @@
-"""The Scheduler actor: owns every Sequence, the waiting and running queues, and the
-KV block pool, and makes every finish decision.
+"""The Scheduler actor: owns every Sequence, the batch (scheduler/batch.py: the waiting,
+running and paused queues and the KV block pool), the steps in flight, and makes every
+finish decision.
 
 It hears from the Tokenizer (``SequenceRequest``, and ``AbortRequest`` on the same edge),
 the Worker (``StepResult``) and the Detokenizer (``StopMatched``); it speaks ``StepPlan``
@@ -17,13 +18,15 @@ to the Worker and ``TokenBatch`` to the Detokenizer. Theory of operation:
 - Flow control: ``FlowControl(pause)`` (the client's reader is behind) takes a sequence
   out of the batch at the next plan no step in flight names it; it keeps its blocks
   (PAUSED) until another sequence needs them, then gives them up (recompute on resume).
-  ``FlowControl(resume)`` puts it first in the waiting queue (PREEMPTED). (scheduler/flow.py)
+  ``FlowControl(resume)`` puts it first in the waiting queue (PREEMPTED). The batch's
+  ``Pacer`` (scheduler/flow.py) holds the pauses; the batch carries out what it says.
+- What the decisions produce for the Detokenizer waits in ``Outgoing``
+  (scheduler/outgoing.py) until the sender takes it as one ``TokenBatch``.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from typing import Any
 
@@ -31,10 +34,10 @@ import trio
 
 from actorllm.lifecycle.table import Ledger, State
 from actorllm.lifecycle.trace import Tracer
-from actorllm.scheduler import seq_blocks as blocks
-from actorllm.scheduler.flow import Pacing
+from actorllm.scheduler.batch import Batch
 from actorllm.scheduler.kv_pool import BlockPool
-from actorllm.scheduler.policy import POLICIES, WaitingQueue, arrival_victim, order
+from actorllm.scheduler.outgoing import Outgoing
+from actorllm.scheduler.policy import POLICIES, WaitingQueue
 from actorllm.scheduler.sequence import Sequence, take_prompt_pieces
 from actorllm.wire.mailbox import Inbox, Outbox
 from actorllm.wire.messages import (
@@ -48,18 +51,15 @@ from actorllm.wire.messages import (
     StepResult,
     StopMatched,
     TokenBatch,
-    TokenLogprob,
-    TokenOut,
 )
 
 log = logging.getLogger(__name__)
 
 
-class Scheduler(Pacing):
+class Scheduler:
     """Continuous batching: chunked prefill, preemption by recompute, prefix caching, an
     optional priority order, pauses for slow readers, one or two steps in flight."""
 
-    pool_class = BlockPool  # a seam for the simulation's planted bugs (tests/sim/bugs.py)
     replica = 0  # data-parallel replica, stamped on its stats (set by build_actors)
 
     def __init__(
@@ -76,37 +76,36 @@ class Scheduler(Pacing):
         enable_prefix_caching: bool = True,
         scheduling_policy: str = "fcfs",
         tracer: Tracer | None = None,
+        pool: BlockPool | None = None,
     ) -> None:
+        """``pool``: the KV block pool to own, of ``num_blocks`` x ``block_size`` (default:
+        a fresh one)."""
         if max_steps_in_flight not in (1, 2):
             raise ValueError(f"max_steps_in_flight must be 1 or 2, got {max_steps_in_flight}")
         self.inbox, self.worker, self.detokenizer = inbox, worker, detokenizer
-        self.pool = self.pool_class(num_blocks, block_size, enable_prefix_caching)
+        if pool is None:
+            pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        elif (pool.num_blocks, pool.block_size) != (num_blocks, block_size):
+            raise ValueError(f"a pool of {pool.num_blocks} x {pool.block_size} given for "
+                             f"{num_blocks} x {block_size}")
         if scheduling_policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {scheduling_policy!r}")
-        self.priority = scheduling_policy == "priority"
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
         self.tracer = tracer
         self.ledger = Ledger("scheduler", tracer)
+        self.batch = Batch(pool, self.ledger, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_batched_tokens,
+                           priority=scheduling_policy == "priority")
         self.seqs: dict[str, Sequence] = {}
-        self.waiting = WaitingQueue(by_priority=self.priority)
-        self.running: list[Sequence] = []
         self.fenced: list[Sequence] = []  # finished, waiting for the step in flight
         self.max_steps_in_flight = max_steps_in_flight
         self.in_flight: deque[StepPlan] = deque()  # sent, result not yet back; oldest first
-        # PAUSED (in the order they paused: the longest-paused gives its blocks up first,
-        # being the least likely to be read soon), and pauses asked for, not yet applied.
-        self.paused: dict[str, Sequence] = {}
-        self.pause_wanted: set[str] = set()
         self.next_step_id = 0
         self.next_incarnation = 0
-        self.worker_drops: list[str] = []  # rids whose Worker state may go (StepPlan.drop)
-        self._outputs: list[TokenOut] = []
-        self._freed: list[str] = []
-        self._stats_dirty, self._wake = False, trio.Event()
+        self.outgoing = Outgoing()
+        self._wake = trio.Event()
         # Counters (exported through SchedulerStats); ahead_tokens_dropped: rows planned
         # ahead for a sequence that ended meanwhile.
-        self.num_preemptions = self.late_results_dropped = self.late_stops_dropped = 0
+        self.late_results_dropped = self.late_stops_dropped = 0
         self.ahead_tokens_dropped = self.steps = 0
         self.forward_s = self.sample_s = 0.0
         if tracer is not None:  # what `actorllm replay --redrive` needs to rebuild us
@@ -139,17 +138,41 @@ class Scheduler(Pacing):
 
     async def flush(self) -> None:
         """Send what the decisions so far produced to the Detokenizer."""
-        batch = self.take_batch()
-        if batch is not None:
-            await self.detokenizer.send(batch)
+        out = self.take_batch()
+        if out is not None:
+            await self.detokenizer.send(out)
 
     def take_batch(self) -> TokenBatch | None:
         """The outputs, frees and stats decided since the last call, if any."""
-        if not (self._outputs or self._freed or self._stats_dirty):
-            return None
-        batch = TokenBatch(tuple(self._outputs), tuple(self._freed), self.stats())
-        self._outputs, self._freed, self._stats_dirty = [], [], False
-        return batch
+        return self.outgoing.take(self.stats)
+
+    # What the batch holds, read here for the stats and by tests.
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.batch.pool
+
+    @property
+    def waiting(self) -> WaitingQueue:
+        return self.batch.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.batch.running
+
+    @property
+    def paused(self) -> dict[str, Sequence]:
+        """The PAUSED sequences, longest paused first."""
+        return self.batch.flow.paused
+
+    @property
+    def worker_drops(self) -> list[str]:
+        """Rids whose Worker state may go, sent with the next StepPlan."""
+        return self.batch.worker_drops
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.batch.num_preemptions
 
     def handle(self, msg: Any) -> None:
         """Apply one message to the Scheduler's state. Never blocks."""
@@ -160,7 +183,7 @@ class Scheduler(Pacing):
         elif isinstance(msg, AbortRequest):
             self.finish_early(msg.rid, "abort")
         elif isinstance(msg, FlowControl):
-            self.on_flow(msg)  # actorllm/scheduler/flow.py
+            self.on_flow(msg)
         elif isinstance(msg, StopMatched):
             seq = self.seqs.get(msg.rid)
             # A stop found for an earlier request under this rid must not end this one.
@@ -169,7 +192,7 @@ class Scheduler(Pacing):
                 self.late_stops_dropped += 1
         else:  # the mailbox's type check makes this unreachable
             raise TypeError(type(msg).__name__)
-        self._stats_dirty = True
+        self.outgoing.stats_changed = True
 
     def on_request(self, req: SequenceRequest) -> None:
         if req.rid in self.seqs:
@@ -181,7 +204,7 @@ class Scheduler(Pacing):
                        view=self.ledger.view(req.rid), incarnation=self.next_incarnation)
         self.next_incarnation += 1
         self.seqs[seq.rid] = seq
-        self.waiting.add(seq)
+        self.batch.add(seq)
         if self.tracer is not None:
             self.tracer.record("input", actor="scheduler", msg="SequenceRequest", rid=req.rid,
                                prompt_tokens=len(req.prompt_token_ids), max_tokens=req.max_tokens,
@@ -199,8 +222,15 @@ class Scheduler(Pacing):
         self._finish(seq, "abort" if reason == "abort" else "finish", reason, stop)
         return True
 
+    def on_flow(self, msg: FlowControl) -> None:
+        """A reader fell behind (pause, applied at the next plan) or caught up (resume)."""
+        if self.tracer is not None:
+            self.tracer.record("input", actor="scheduler", msg="pause" if msg.pause
+                               else "resume", rid=msg.rid)
+        self.batch.pace(msg, self.seqs.get(msg.rid))
+
     def schedule(self) -> StepPlan | None:
-        """Plan the next step: running sequences first, then admissions. None if idle.
+        """Plan the next step (scheduler/batch.py) and put it in flight. None if idle.
 
         With a step in flight this plans *ahead* (overlap scheduling): it runs what does
         not wait on that step's results and never preempts; where the plain path would
@@ -208,64 +238,12 @@ class Scheduler(Pacing):
         """
         assert len(self.in_flight) < self.max_steps_in_flight
         ahead = bool(self.in_flight)
-        if self.pause_wanted:
-            self._apply_pauses()
-        budget = self.max_num_batched_tokens
-        planned: list[tuple[Sequence, int]] = []
-        while self.priority and (
-                v := arrival_victim(self.waiting, self.running, self._can_start)):
-            if ahead:
-                return None  # an urgent arrival preempts: only the plain path may
-            self._preempt(v)
-        # Victims come from the end: the newest (fcfs) or the lowest priority, then newest.
-        queue = sorted(self.running, key=order) if self.priority else list(self.running)
-        preempted = False
-        while queue and budget > 0:
-            seq = queue.pop(0)
-            if ahead and (not seq.may_plan_ahead() or seq.rid in self.pause_wanted):
-                continue  # (a pause waits for the steps that name it to return)
-            n = min(seq.num_unscheduled, budget)
-            if n <= 0:
-                continue
-            while not self._reserve(seq, n):
-                if ahead:
-                    # No preemption while a step runs. Rather than run younger sequences
-                    # past an older one, plan nothing: the pipeline drains to one step
-                    # and the plain path preempts the newest, as without overlap.
-                    return None
-                victim = queue.pop() if queue else seq
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            else:
-                planned.append((seq, n))
-                budget -= n
-        # No admissions in a step that had to preempt (the victim would come straight back
-        # and be preempted again), unless nothing runs any more.
-        admit = not preempted or not self.running
-        computing = blocks.computing(self.pool, planned) if admit and self.waiting else set()
-        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.block_table:  # resumed with the KV it kept while paused
-                n = min(seq.num_unscheduled, budget)
-                if not self._reserve(seq, n):
-                    break
-            else:
-                hits = blocks.cache_hits(self.pool, seq)
-                if blocks.next_block_computing(self.pool, seq, hits, computing):
-                    break  # it waits a step, then starts from that block too
-                n = min(seq.num_tokens - len(hits) * self.pool.block_size, budget)
-                if not self._admit(seq, hits, n):
-                    break
-            self.waiting.popleft()
-            if seq.first_scheduled is None:
-                seq.first_scheduled = time.monotonic()
-            self.running.append(seq)
-            self.ledger.fire(seq.rid, "schedule")
-            planned.append((seq, n))
-            computing |= blocks.computing(self.pool, [(seq, n)])
-            budget -= n
+        paused = len(self.paused)
+        planned = self.batch.plan(ahead)
+        if len(self.paused) != paused:
+            self.outgoing.stats_changed = True  # num_paused changed after handle() had flushed
+        if planned is None:
+            return None
         if not planned:
             if ahead:
                 return None  # drops, if any, go with a later plan
@@ -279,33 +257,14 @@ class Scheduler(Pacing):
         plan = StepPlan(
             step_id=self.next_step_id,
             seqs=tuple(seq.scheduled(n) for seq, n in planned),
-            drop=tuple(self.worker_drops),
+            drop=self.batch.take_worker_drops(),
         )
-        self.worker_drops = []
         self.next_step_id += 1
         self.in_flight.append(plan)
         if self.tracer is not None:
             self.tracer.record("plan", actor="scheduler", step=plan.step_id,
                                seqs=[[s.rid, len(s.token_ids), s.sample] for s in plan.seqs])
         return plan
-
-    def _can_start(self, seq: Sequence) -> bool:
-        """A seat for a waiting sequence, and blocks for its first chunk."""
-        return len(self.running) < self.max_num_seqs and blocks.fits(
-            self.pool, seq, self.max_num_batched_tokens)
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Recompute later: give back the blocks now (no step is in flight)."""
-        assert not seq.in_flight and not self.in_flight
-        self.running.remove(seq)
-        blocks.release(self.pool, seq)
-        self._reset_for_recompute(seq)
-        if seq.worker_knows:
-            seq.worker_knows = False
-            self.worker_drops.append(seq.rid)
-        self.waiting.add(seq, preempted=True)
-        self.num_preemptions += 1
-        self.ledger.fire(seq.rid, "preempt")
 
     def on_result(self, result: StepResult) -> None:
         # The Worker runs plans in order, so a result answers the oldest plan in flight.
@@ -327,19 +286,26 @@ class Scheduler(Pacing):
                 continue
             seq.step_returned(s)
             if seq.status is State.RUNNING and result.error is None:
-                seq.num_computed += len(s.token_ids)
-                blocks.register(self.pool, seq)
-        # Finished sequences no step in flight names any more give their blocks back.
-        passed = [seq for seq in self.fenced if self._fence_passed(seq)]
-        self.fenced = [seq for seq in self.fenced if seq not in passed]
-        for seq in passed:
-            self._free(seq)
+                self.batch.computed(seq, len(s.token_ids))
+        self._pass_fence()
         if result.error is not None:
             for s in plan.seqs:
                 seq = self.seqs.get(s.rid)
                 if seq is not None and seq.status is State.RUNNING:
                     self._finish(seq, "fail", "error", error=result.error)
             return
+        self._commit(plan, result)
+
+    def _pass_fence(self) -> None:
+        """Invariant 3: finished sequences that no step in flight names any more give
+        their blocks back (until then a step may still read them)."""
+        passed = [seq for seq in self.fenced if not seq.in_flight]
+        self.fenced = [seq for seq in self.fenced if seq.in_flight]
+        for seq in passed:
+            self._free(seq)
+
+    def _commit(self, plan: StepPlan, result: StepResult) -> None:
+        """A step's tokens and prompt logprobs for the sequences still running."""
         pieces, gaps = take_prompt_pieces(
             [q for q in (self._running(s.rid) for s in plan.seqs) if q is not None],
             result.prompt_logprobs)
@@ -357,50 +323,28 @@ class Scheduler(Pacing):
                 else:
                     self.late_results_dropped += 1  # finished (abort, stop) while it ran
                 continue
-            self._append(seq, tok.token_id, tok.logprob, pieces.pop(seq.rid, None))
+            reason, stop_reason = seq.finish_after(tok.token_id)
+            self.outgoing.token(seq, tok.token_id, tok.logprob, pieces.pop(seq.rid, None))
+            if reason is not None:
+                self._finish(seq, "finish", reason, stop_reason)
         for s in plan.seqs:
             seq = self._running(s.rid)
             if seq is None:
                 continue
             piece = pieces.pop(seq.rid, None)
             if piece is not None:  # a prefill chunk that sampled nothing
-                self._outputs.append(TokenOut(seq.rid, spec=seq.detok_spec_once(), **piece))
+                self.outgoing.piece(seq, piece)
             if seq.max_tokens == 0 and seq.num_computed == seq.num_tokens \
                     and not seq.in_flight:
                 self._finish(seq, "finish", "length")  # the prompt is scored: nothing to sample
 
-    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
-                piece: dict[str, Any] | None = None) -> None:
-        reason, stop_reason = seq.finish_after(token)
-        self._outputs.append(
-            TokenOut(
-                rid=seq.rid,
-                token_ids=(token,),
-                logprobs=(logprob,) if logprob is not None else (),
-                spec=seq.detok_spec_once(),
-                **(piece or {}),
-            )
-        )
-        if reason is not None:
-            self._finish(seq, "finish", reason, stop_reason)
-
     def _finish(self, seq: Sequence, event: str, reason: str, stop_reason: Any = None,
                 error: str | None = None) -> None:
         """The one terminal transition; blocks go back now or after the fence."""
-        if seq.status is State.PAUSED:
-            del self.paused[seq.rid]
-        else:
-            (self.running if seq.status is State.RUNNING else self.waiting).remove(seq)
+        self.batch.remove(seq)
         self.ledger.fire(seq.rid, event, reason=reason)
-        # Merged with this step's token for the rid, if any: one TokenOut per rid per batch.
-        last = self._outputs[-1] if self._outputs else None
-        if last is not None and last.rid == seq.rid and last.finish_reason is None:
-            self._outputs.pop()
-        else:
-            last = None
-        out = seq.final_output(reason, stop_reason, error, last)
-        self._outputs.append(out)
-        if self._fenced(seq):
+        self.outgoing.final(seq, reason, stop_reason, error)
+        if seq.in_flight:  # invariant 3: a step in flight still reads its blocks
             self.fenced.append(seq)
         else:
             self._free(seq)
@@ -410,26 +354,12 @@ class Scheduler(Pacing):
         seq = self.seqs.get(rid)
         return seq if seq is not None and seq.status is State.RUNNING else None
 
-    def _reset_for_recompute(self, seq: Sequence) -> None:  # a seam for tests/sim/bugs.py
-        seq.reset_for_recompute()
-
-    def _fenced(self, seq: Sequence) -> bool:
-        """Invariant 3: blocks a step in flight reads go back only after its result."""
-        return seq.in_flight > 0
-
-    def _fence_passed(self, seq: Sequence) -> bool:
-        """For a fenced sequence, after a result: no step in flight names it any more."""
-        return not seq.in_flight
-
     def _free(self, seq: Sequence) -> None:
-        blocks.release(self.pool, seq)
+        self.batch.release(seq)
         del self.seqs[seq.rid]
-        self.pause_wanted.discard(seq.rid)
-        if seq.worker_knows:
-            self.worker_drops.append(seq.rid)
         self.ledger.fire(seq.rid, "free")
         self.ledger.drop(seq.rid)
-        self._freed.append(seq.rid)
+        self.outgoing.freed.append(seq.rid)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(

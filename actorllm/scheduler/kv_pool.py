@@ -169,10 +169,3 @@ class BlockPool:
 
     def cached_blocks(self) -> list[int]:
         return list(self._cached)
-
-    def reset_cache(self) -> None:
-        """Forget every cached block's contents (they become free)."""
-        for b in list(self._cached):
-            del self._cached[b]
-            self._evict(b)
-            self._free.append(b)

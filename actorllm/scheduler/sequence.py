@@ -16,6 +16,7 @@ from actorllm.scheduler.kv_pool import extend_hashes
 from actorllm.wire.messages import (
     FEED_LAST_SAMPLE,
     DetokSetup,
+    FinishReason,
     NewSeqData,
     PromptLogprobs,
     SamplingParams,
@@ -178,11 +179,11 @@ class Sequence:
         p = self.params
         if n_out >= p.min_tokens:
             if token in self.eos_ids and not p.ignore_eos:
-                return "stop", None
+                return FinishReason.STOP, None
             if token in p.stop_token_ids:
-                return "stop", token
+                return FinishReason.STOP, token
         if n_out >= self.max_tokens:
-            return "length", None
+            return FinishReason.LENGTH, None
         return None, None
 
     def take_prompt_logprobs(self, got: PromptLogprobs | None) -> dict[str, Any] | None:

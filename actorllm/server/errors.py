@@ -17,8 +17,9 @@ from starlette.responses import Response
 from starlette.types import Send
 
 from actorllm.frontend.actor import DuplicateRequestId
-from actorllm.frontend.outputs import RequestError
-from actorllm.wire.messages import InvalidRequest
+from actorllm.server.response_models import ErrorResponse
+from actorllm.wire.messages import FailureCode, InvalidRequest
+from actorllm.wire.outputs import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,21 @@ _TYPES = {
     500: "server_error",
     503: "server_error",
 }
+
+
+# The error answers routes document in /openapi.json (FastAPI's ``responses=``).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": why} for status, why in (
+        (400, "invalid parameters, or a prompt that does not fit"),
+        (401, "missing or wrong API key"),
+        (404, "unknown model"),
+        (409, "the X-Request-Id is in use by a live request"),
+        (413, "the body is over --max-request-bytes"),
+        (503, "overloaded, or not serving"),
+    )
+}
+# ... and for a generation route, whose 200 may be a stream of server-sent events.
+STREAM_RESPONSES = {**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}}
 
 
 class APIError(Exception):
@@ -81,9 +97,9 @@ def invalid(exc: InvalidRequest) -> APIError:
 
 def from_request_error(exc: RequestError) -> APIError:
     """An engine-side error, before any byte of the response was sent."""
-    if exc.code == "invalid_request":
+    if exc.code == FailureCode.INVALID_REQUEST:
         return APIError(400, str(exc), param=exc.param, code="invalid_request")
-    if exc.code == "engine_dead":
+    if exc.code == FailureCode.ENGINE_DEAD:
         return APIError(503, str(exc), code="engine_dead")
     return APIError(500, str(exc), code=exc.code or "internal_error")
 

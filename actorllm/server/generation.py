@@ -15,6 +15,10 @@ running ends the same way: a stream with an ``error`` event (code ``shutting_dow
 and ``[DONE]``, a whole response with a 503. The cut only ever cancels a wait, never a send
 half-way (that would corrupt the chunked body).
 
+A response's life is two enums: :class:`Phase` (it only moves forward: NEW -> ADMITTED
+-> SENT, the status line out) and :class:`Ending` (why it stops before its engine
+requests finish; the first by precedence wins, and is the abort reason the engine gets).
+
 Slow clients. A job's admission reservation is given back as soon as the engine is done
 with it (``OutputCollector.engine_done``), not when its client has read everything: what
 the client has not read counts against ``--max-pending-bytes`` instead. A send that the
@@ -29,44 +33,22 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
-import attrs
 import trio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from actorllm.engine.admission import Refused
-from actorllm.frontend.outputs import CompletionOutput, EndOfOutput, OutputCollector, RequestError
 from actorllm.server import sse
 from actorllm.server.errors import APIError, from_request_error, invalid
+from actorllm.server.job import PRECEDENCE, Ending, Job, Phase
 from actorllm.server.render import Renderer, usage
-from actorllm.wire.messages import GenerateRequest, InvalidRequest
-
-if TYPE_CHECKING:
-    from actorllm.server.app import ServerState
+from actorllm.server.state import ServerState
+from actorllm.wire.messages import InvalidRequest
+from actorllm.wire.outputs import CompletionOutput, RequestError, RequestOutput
 
 log = logging.getLogger(__name__)
-
-
-@attrs.define(eq=False)
-class Job:
-    """One engine request of an HTTP request: its choices are ``index_base + i``."""
-
-    request: GenerateRequest
-    index_base: int = 0
-    echo: str = ""  # completions with echo: text put before each choice's output
-    collector: OutputCollector | None = None
-    # The echo is a text prompt as given (its special tokens, like <|bos|>, not shown),
-    # or the decoding of token ids with them: text_offset must know which.
-    echo_skips_special: bool = True
-    released: bool = False  # its admission reservation was given back
-
-    @property
-    def cost(self) -> int:
-        """Engine sequences it occupies (what the overload cap counts)."""
-        return self.request.params.n
 
 
 class _ClientGone(Exception):
@@ -99,18 +81,35 @@ class GenerationResponse(Response):
         self.stream, self.include_usage = stream, include_usage
         self.extra_headers = [(b"x-request-id", request_id.encode())]
         self._send: Send | None = None
-        self._started = False
-        self._reserved = 0
-        self._error: RequestError | None = None
-        self._cut = False  # the drain timeout ran out before this request finished
-        self._abort_reason: str | None = None  # why unfinished engine requests are aborted
+        self.phase = Phase.NEW
+        self.ending: Ending | None = None
+        self._error: RequestError | None = None  # with Ending.FAILED: the first failure
+        self._held: list[Job] = []  # jobs whose admission reservation is still held
         self._nursery: trio.Nursery | None = None
+
+    def _end(self, why: Ending) -> None:
+        if self.ending is None or PRECEDENCE[why] < PRECEDENCE[self.ending]:
+            self.ending = why
+
+    def _fail(self, exc: RequestError) -> None:
+        self._error = self._error or exc
+        self._end(Ending.FAILED)
+
+    @property
+    def _cut(self) -> bool:
+        return self.ending is Ending.DRAIN_CUT
 
     def _api_error(self, exc: RequestError) -> APIError:
         err = from_request_error(exc)
         if err.param is not None:
             err.param = self.param_names.get(err.param, err.param)
         return err
+
+    def _ending_error(self) -> APIError:
+        """What the client is told when the response ends early (drain cut or failure)."""
+        if self._cut or self._error is None:
+            return drain_cut_error()
+        return self._api_error(self._error)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._send = send
@@ -124,7 +123,7 @@ class GenerationResponse(Response):
                 except Exception as exc:  # a bug must not leak the request; finally aborts
                     if not _client_gone(exc):
                         log.exception("generation request failed")
-                        if not self._started:
+                        if self.phase is not Phase.SENT:
                             await self._send_error(APIError(500, "internal error",
                                                             code="internal_error"))
                 finally:
@@ -142,12 +141,11 @@ class GenerationResponse(Response):
                 if message["type"] == "http.disconnect":
                     log.debug("client disconnected: aborting %s",
                               [j.request.rid for j in self.jobs])
-                    self._abort_reason = self._abort_reason or "client_disconnect"
-                    scope.cancel()
-                    return
+                    break
         except Exception:  # a broken receive means the client is gone too
-            self._abort_reason = self._abort_reason or "client_disconnect"
-            scope.cancel()
+            pass
+        self._end(Ending.CLIENT_GONE)
+        scope.cancel()
 
     async def _raw_send(self, message: dict[str, Any]) -> None:
         assert self._send is not None
@@ -162,11 +160,11 @@ class GenerationResponse(Response):
         timeout = self.state.engine.config.stream_timeout
         if timeout is not None and waited >= timeout:
             # hypercorn gave up on this write (server/timeouts.py) and closed the connection
-            self._abort_reason = "stream_timeout"
+            self._end(Ending.STREAM_TIMEOUT)
             raise _ClientGone()
 
     async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        self._started = True
+        self.phase = Phase.SENT
         await self._raw_send({"type": "http.response.start", "status": status,
                               "headers": headers + self.extra_headers})
 
@@ -174,15 +172,14 @@ class GenerationResponse(Response):
         await self._raw_send({"type": "http.response.body", "body": data, "more_body": more})
 
     async def _send_error(self, err: APIError) -> None:
-        self._started = True
+        self.phase = Phase.SENT
         assert self._send is not None
         await err.send(self._send, self.extra_headers)
 
     def _release_job(self, job: Job) -> None:
-        if not job.released:
-            job.released = True
-            self.state.admission.release(job.cost)
-            self._reserved -= job.cost
+        if job in self._held:
+            self._held.remove(job)
+            self.state.release(job.cost)
 
     async def _release_when_done(self, job: Job) -> None:
         """Give the job's sequences back once the engine is done with it, read or not."""
@@ -192,15 +189,9 @@ class GenerationResponse(Response):
 
     async def _release(self) -> None:
         """Abort what has not finished and give back the overload reservation."""
-        if self._reserved:  # the reservation was made: give back what is still held
-            for job in self.jobs:
-                self._release_job(job)
-        if self._cut:
-            reason = "drain_timeout"
-        elif self._error is not None:
-            reason = "sibling_failed"
-        else:
-            reason = self._abort_reason or "client_disconnect"
+        for job in list(self._held):
+            self._release_job(job)
+        reason = (self.ending or Ending.CLIENT_GONE).value
         for job in self.jobs:
             if job.collector is None:
                 continue
@@ -211,31 +202,15 @@ class GenerationResponse(Response):
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     log.debug("engine stopped before %s could be aborted", job.request.rid)
 
-    async def _cut_on_drain(self, scope: trio.CancelScope) -> None:
-        """Cancel ``scope`` (which must not hold a send) once the drain timeout runs out."""
-        await self.state.drain_expired.wait()
-        self._cut = True
-        scope.cancel()
-
     async def _submit(self) -> None:
-        state = self.state
-        refusal = state.refusal()
-        if refusal is not None:
-            raise refusal
-        cost = sum(j.cost for j in self.jobs)
-        try:
-            state.admission.reserve(cost)
-        except Refused as refused:
-            if refused.code == "too_large":  # could never run: retrying would not help
-                raise APIError(400, str(refused), param="n", code="invalid_request") from None
-            if refused.code == "overloaded":
-                raise APIError(503, str(refused), code="overloaded") from None
-            raise state.refusal() or APIError(503, str(refused), code=refused.code) from None
-        self._reserved = cost
+        """Reserve the jobs' sequences (the one admission check) and submit them."""
+        self.state.reserve(sum(j.cost for j in self.jobs))
+        self._held = list(self.jobs)
+        self.phase = Phase.ADMITTED
         for job in self.jobs:
             try:
-                job.collector = await state.engine.submit(job.request, reserved=True,
-                                                          final_only=not self.stream)
+                job.collector = await self.state.engine.submit(
+                    job.request, reserved=True, final_only=not self.stream)
             except InvalidRequest as exc:  # a live duplicate request id
                 raise invalid(exc) from None
             if self._nursery is not None:
@@ -247,27 +222,21 @@ class GenerationResponse(Response):
         return usage(prompt, self.renderer.completion_tokens(),
                      sum(c or 0 for c in cached) if any(c is not None for c in cached) else None)
 
-    async def _first_outputs(self) -> list[Any] | None:
-        """Each job's first output (an error cancels the rest and is kept in _error)."""
-        firsts: list[Any] = [None] * len(self.jobs)
+    async def _each_job(self, work: Callable[[Job, trio.CancelScope], Awaitable[None]]) -> None:
+        """Run ``work(job, cancel_all)`` for every job at once, until all return, one
+        cancels them all, or the drain timeout cuts them (nothing here sends)."""
 
-        async def first(i: int, col: OutputCollector, cancel: trio.CancelScope) -> None:
-            try:
-                firsts[i] = await col.get()
-            except RequestError as exc:
-                self._error = self._error or exc
-                cancel.cancel()
-            except EndOfOutput:
-                pass
+        async def cut_on_drain(scope: trio.CancelScope) -> None:
+            await self.state.drain_expired.wait()
+            self._end(Ending.DRAIN_CUT)
+            scope.cancel()
 
         async with trio.open_nursery() as outer:
-            outer.start_soon(self._cut_on_drain, outer.cancel_scope)
+            outer.start_soon(cut_on_drain, outer.cancel_scope)
             async with trio.open_nursery() as nursery:
-                for i, job in enumerate(self.jobs):
-                    assert job.collector is not None
-                    nursery.start_soon(first, i, job.collector, nursery.cancel_scope)
+                for job in self.jobs:
+                    nursery.start_soon(work, job, nursery.cancel_scope)
             outer.cancel_scope.cancel()  # done: stop watching for the cut
-        return None if self._error is not None or self._cut else firsts
 
     # --- the two ways to answer ----------------------------------------------------------
 
@@ -284,44 +253,45 @@ class GenerationResponse(Response):
 
     async def _respond_whole(self) -> None:
         async def drain(job: Job, cancel: trio.CancelScope) -> None:
-            assert job.collector is not None
-            while True:
-                try:
-                    out = await job.collector.get()
-                except EndOfOutput:
-                    return
-                except RequestError as exc:
-                    self._error = self._error or exc
+            while (item := await job.next()) is not None:
+                if isinstance(item, RequestError):
+                    self._fail(item)
                     cancel.cancel()
                     return
-                for o in out.outputs:
+                for o in item.outputs:
                     self.renderer.add(job, o)
 
-        async with trio.open_nursery() as outer:
-            outer.start_soon(self._cut_on_drain, outer.cancel_scope)
-            async with trio.open_nursery() as nursery:
-                for job in self.jobs:
-                    nursery.start_soon(drain, job, nursery.cancel_scope)
-            outer.cancel_scope.cancel()  # done: stop watching for the cut
-        if self._cut:
-            await self._send_error(drain_cut_error())
-            return
-        if self._error is not None:
-            await self._send_error(self._api_error(self._error))
+        await self._each_job(drain)
+        if self.ending in (Ending.DRAIN_CUT, Ending.FAILED):
+            await self._send_error(self._ending_error())
             return
         payload = json.dumps(self.renderer.final(self._usage()), ensure_ascii=False).encode()
         await self._start(200, [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(payload)).encode())])
         await self._body(payload, more=False)
 
+    async def _first_outputs(self) -> list[RequestOutput | None] | None:
+        """Each job's first output; None if one failed or the drain cut them."""
+        firsts: dict[Job, RequestOutput | None] = {}
+
+        async def first(job: Job, cancel: trio.CancelScope) -> None:
+            item = await job.next()
+            if isinstance(item, RequestError):
+                self._fail(item)
+                cancel.cancel()
+            else:
+                firsts[job] = item
+
+        await self._each_job(first)
+        if self.ending in (Ending.DRAIN_CUT, Ending.FAILED):
+            return None
+        return [firsts.get(job) for job in self.jobs]
+
     async def _respond_stream(self) -> None:
+        """SSE: the status line once every job has its first output, then the events."""
         firsts = await self._first_outputs()
         if firsts is None:
-            err = drain_cut_error() if self._cut else None
-            if err is None:
-                assert self._error is not None
-                err = self._api_error(self._error)
-            await self._send_error(err)
+            await self._send_error(self._ending_error())
             return
         await self._start(200, list(sse.HEADERS))
         for chunk in self.renderer.prelude():
@@ -329,42 +299,43 @@ class GenerationResponse(Response):
         for job, out in zip(self.jobs, firsts, strict=True):
             if out is not None:
                 await self._emit(job, out.outputs)
+        failed = await self._stream_rest()
+        if self._cut and not failed:
+            await self._body(sse.event(drain_cut_error().body()))
+            failed = True
+        if self.include_usage and not failed:
+            await self._body(sse.event(self.renderer.usage_chunk(self._usage())))
+        await self._body(sse.DONE)
+        await self._body(b"", more=False)
 
+    async def _stream_rest(self) -> bool:
+        """Send every job's outputs as they come, until all end, one fails (its error is
+        sent as an event: True) or the drain cut comes (only ever during a wait)."""
         send_ch, recv_ch = trio.open_memory_channel[tuple[Job, Any]](0)
 
         async def pump(job: Job, ch: trio.MemorySendChannel[tuple[Job, Any]]) -> None:
-            assert job.collector is not None
             async with ch:
-                while True:
-                    try:
-                        out = await job.collector.get()
-                    except EndOfOutput:
+                while (item := await job.next()) is not None:
+                    await ch.send((job, item))
+                    if isinstance(item, RequestError):
                         return
-                    except RequestError as exc:
-                        await ch.send((job, exc))
-                        return
-                    await ch.send((job, out))
+
+        async def next_of_one(job: Job) -> tuple[Job, Any]:
+            # One job (the common case: one prompt, n = 1) needs no pump task and no
+            # channel hop between collector and socket: two task switches less a token.
+            item = await job.next()
+            if item is None:
+                raise trio.EndOfChannel
+            return job, item
 
         receiving: trio.CancelScope | None = None
 
         async def watch_cut() -> None:
             await self.state.drain_expired.wait()
-            self._cut = True
+            self._end(Ending.DRAIN_CUT)
             if receiving is not None:  # else the loop is sending and sees the flag next
                 receiving.cancel()
 
-        async def next_of_one(job: Job) -> tuple[Job, Any]:
-            # One job (the common case: one prompt, n = 1) needs no pump task and no
-            # channel hop between collector and socket: two task switches less a token.
-            assert job.collector is not None
-            try:
-                return job, await job.collector.get()
-            except EndOfOutput:
-                raise trio.EndOfChannel from None
-            except RequestError as exc:
-                return job, exc
-
-        failed = False
         single = self.jobs[0] if len(self.jobs) == 1 else None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch_cut)
@@ -373,33 +344,28 @@ class GenerationResponse(Response):
                     for job in self.jobs:
                         nursery.start_soon(pump, job, send_ch.clone())
             async with recv_ch:
-                while not self._cut:
-                    # Only the wait is cancellable by the cut, never a send.
-                    with trio.CancelScope() as receiving:
-                        try:
-                            job, item = await (next_of_one(single) if single is not None
-                                               else recv_ch.receive())
-                        except trio.EndOfChannel:
+                try:
+                    while not self._cut:
+                        # Only the wait is cancellable by the cut, never a send.
+                        with trio.CancelScope() as receiving:
+                            try:
+                                job, item = await (next_of_one(single) if single is not None
+                                                   else recv_ch.receive())
+                            except trio.EndOfChannel:
+                                break
+                        receiving = None
+                        if self._cut:
                             break
-                    receiving = None
-                    if self._cut:
-                        break
-                    if isinstance(item, RequestError):
-                        # Headers are gone: the error travels as an event, then [DONE].
-                        await self._body(sse.event(self._api_error(item).body()))
-                        failed = True
-                        break
-                    await self._emit(job, item.outputs)
-                # Cancel the pumps while the channel is still open: one that sends into
-                # a closed channel would raise BrokenResourceError instead of stopping.
-                nursery.cancel_scope.cancel()
-        if self._cut and not failed:
-            await self._body(sse.event(drain_cut_error().body()))
-            failed = True
-        if self.include_usage and not failed:
-            await self._body(sse.event(self.renderer.usage_chunk(self._usage())))
-        await self._body(sse.DONE)
-        await self._body(b"", more=False)
+                        if isinstance(item, RequestError):
+                            # Headers are gone: the error travels as an event, then [DONE].
+                            await self._body(sse.event(self._api_error(item).body()))
+                            return True
+                        await self._emit(job, item.outputs)
+                finally:
+                    # Cancel the pumps while the channel is still open: one that sends
+                    # into a closed channel would raise BrokenResourceError, not stop.
+                    nursery.cancel_scope.cancel()
+        return False
 
     async def _emit(self, job: Job, outputs: Sequence[CompletionOutput]) -> None:
         for o in outputs:

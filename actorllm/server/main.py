@@ -35,7 +35,8 @@ from typing import Any
 import trio
 
 from actorllm.config import EngineConfig, check_tensor_parallel_size
-from actorllm.server.app import DEFAULT_MAX_PENDING, build_app
+from actorllm.server.app import build_app
+from actorllm.server.state import DEFAULT_MAX_PENDING
 
 log = logging.getLogger(__name__)
 

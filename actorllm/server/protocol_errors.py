@@ -13,13 +13,11 @@ upgrade makes it stop working. HTTP/2 is not served (no TLS), so only h11 matter
 
 from __future__ import annotations
 
-import logging
 from itertools import chain
 from typing import Any
 
 from actorllm.server.errors import APIError
-
-log = logging.getLogger(__name__)
+from actorllm.server.hypercorn_patch import replace_method
 
 _MESSAGES = {
     400: "malformed HTTP request",
@@ -41,24 +39,20 @@ def install() -> bool:
         from hypercorn.protocol.h11 import H11Protocol
     except ImportError:  # pragma: no cover - hypercorn is a dependency
         return False
-    current = getattr(H11Protocol, "_send_error_response", None)
-    if getattr(current, "_actorllm", False):
-        return True
-    if current is None or not hasattr(H11Protocol, "_send_h11_event"):
-        log.warning("hypercorn's protocol errors keep their empty bodies: this hypercorn "
-                    "version has no H11Protocol._send_error_response")
-        return False
 
-    async def send_error_response(self: Any, status_code: int) -> None:
-        body = error_body(status_code)
-        headers = [(b"content-type", b"application/json"),
-                   (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
-        await self._send_h11_event(h11.Response(
-            status_code=status_code,
-            headers=list(chain(headers, self.config.response_headers("h11")))))
-        await self._send_h11_event(h11.Data(data=body))
-        await self._send_h11_event(h11.EndOfMessage())
+    def make(_: Any) -> Any:
+        async def send_error_response(self: Any, status_code: int) -> None:
+            body = error_body(status_code)
+            headers = [(b"content-type", b"application/json"),
+                       (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+            await self._send_h11_event(h11.Response(
+                status_code=status_code,
+                headers=list(chain(headers, self.config.response_headers("h11")))))
+            await self._send_h11_event(h11.Data(data=body))
+            await self._send_h11_event(h11.EndOfMessage())
 
-    send_error_response._actorllm = True  # type: ignore[attr-defined]
-    H11Protocol._send_error_response = send_error_response  # type: ignore[method-assign]
-    return True
+        return send_error_response
+
+    return replace_method(H11Protocol, "_send_error_response", make,
+                          needs=("_send_h11_event",),
+                          without="hypercorn's protocol errors keep their empty bodies")

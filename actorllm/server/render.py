@@ -2,7 +2,7 @@
 
 A renderer knows nothing of ASGI, sockets or the engine; ``generation.py`` feeds it each
 ``CompletionOutput`` as it comes and sends what it returns. Each choice's outputs are
-folded with the one merge of ``actorllm.frontend.outputs``; what a renderer adds is the shape:
+folded with the one merge of ``actorllm.wire.outputs``; what a renderer adds is the shape:
 roles, chunks, logprobs in the chat or the legacy completions layout, usage.
 """
 
@@ -12,8 +12,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from actorllm.frontend.outputs import CompletionOutput, Merged
-from actorllm.server.convert import (
+from actorllm.server.logprobs import (
     PromptOffsets,
     TokenTexts,
     chat_logprobs,
@@ -23,6 +22,8 @@ from actorllm.server.convert import (
 )
 from actorllm.server.tool_stream import ToolStream
 from actorllm.server.tools import ToolPlan
+from actorllm.wire.messages import FinishReason
+from actorllm.wire.outputs import CompletionOutput, Merged
 
 
 class JobView(Protocol):
@@ -191,7 +192,9 @@ class ChatRenderer(_RendererBase):
 
 def _tool_finish(finish: str | None, called: bool) -> str | None:
     """OpenAI's ``tool_calls`` for an answer that ended by itself with calls."""
-    return "tool_calls" if called and finish == "stop" else finish
+    if called and finish == FinishReason.STOP:
+        return FinishReason.TOOL_CALLS
+    return finish
 
 
 class CompletionRenderer(_RendererBase):

@@ -8,7 +8,7 @@ gives the write a deadline (``set_write_timeout`` on the hypercorn config) and, 
 passes, closes the connection, as a broken pipe would. The app sees its send return after
 the timeout and the client disconnected (``server/generation.py`` tells the two apart by
 the time the send took). Like ``protocol_errors``, it patches a method of a third-party
-class: ``install`` checks what it relies on and otherwise leaves hypercorn alone, and
+class, replaced through ``hypercorn_patch.replace_method``, and
 ``tests/test_slow_clients.py`` fails if an upgrade breaks it.
 
 The same method first tries the write without awaiting (``_write_now``): an SSE event
@@ -24,6 +24,8 @@ import os
 from typing import Any
 
 import trio
+
+from actorllm.server.hypercorn_patch import replace_method
 
 log = logging.getLogger(__name__)
 
@@ -42,48 +44,42 @@ def install() -> bool:
         from hypercorn.trio.tcp_server import TCPServer
     except ImportError:  # pragma: no cover - hypercorn is a dependency
         return False
-    current = getattr(TCPServer, "protocol_send", None)
-    if getattr(current, "_actorllm", False):
-        return True
-    if current is None:
-        log.warning("no write timeout: this hypercorn has no TCPServer.protocol_send")
-        return False
-    original = current
 
-    async def protocol_send(self: Any, event: Any) -> None:
-        if isinstance(event, RawData) and not self.send_lock.locked():
-            sent = _write_now(self.stream, event.data)
-            if sent == len(event.data):
+    def make(original: Any) -> Any:
+        async def protocol_send(self: Any, event: Any) -> None:
+            if isinstance(event, RawData) and not self.send_lock.locked():
+                sent = _write_now(self.stream, event.data)
+                if sent == len(event.data):
+                    return
+                if sent:
+                    event = RawData(data=event.data[sent:])
+            timeout = getattr(self.config, _ATTR, None)
+            if timeout is None or not isinstance(event, RawData):
+                await original(self, event)
                 return
-            if sent:
-                event = RawData(data=event.data[sent:])
-        timeout = getattr(self.config, _ATTR, None)
-        if timeout is None or not isinstance(event, RawData):
-            await original(self, event)
-            return
-        async with self.send_lock:
-            try:
-                # Shielded as hypercorn does (a cancelled app must not cut a chunk in two),
-                # but with a deadline of its own.
-                with trio.CancelScope(shield=True) as scope:
-                    scope.deadline = trio.current_time() + timeout
-                    await self.stream.send_all(event.data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                await self.protocol.handle(Closed())
-                return
-            if not scope.cancelled_caught:
-                return
-            log.info("a client took nothing for %.1f s (--stream-timeout): closing", timeout)
-            with trio.CancelScope(shield=True):
+            async with self.send_lock:
                 try:
-                    await self.stream.aclose()
+                    # Shielded as hypercorn does (a cancelled app must not cut a chunk in two),
+                    # but with a deadline of its own.
+                    with trio.CancelScope(shield=True) as scope:
+                        scope.deadline = trio.current_time() + timeout
+                        await self.stream.send_all(event.data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
-                await self.protocol.handle(Closed())
+                    await self.protocol.handle(Closed())
+                    return
+                if not scope.cancelled_caught:
+                    return
+                log.info("a client took nothing for %.1f s (--stream-timeout): closing", timeout)
+                with trio.CancelScope(shield=True):
+                    try:
+                        await self.stream.aclose()
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
+                    await self.protocol.handle(Closed())
 
-    protocol_send._actorllm = True  # type: ignore[attr-defined]
-    TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]
-    return True
+        return protocol_send
+
+    return replace_method(TCPServer, "protocol_send", make, without="no write timeout")
 
 
 def _write_now(stream: Any, data: bytes) -> int:

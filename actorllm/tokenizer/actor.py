@@ -31,6 +31,7 @@ from actorllm.wire.mailbox import Inbox, Outbox
 from actorllm.wire.messages import (
     AbortRequest,
     ChatMessage,
+    FailureCode,
     FlowControl,
     FrontendInput,
     GenerateRequest,
@@ -216,15 +217,15 @@ class Tokenizer:
             except InvalidRequest as exc:
                 self.ledger.fire(msg.rid, "reject", reason=str(exc))
                 self.ledger.drop(msg.rid)
-                await self.frontend.send(RequestFailed(msg.rid, str(exc), "invalid_request",
-                                                       exc.param))
+                await self.frontend.send(RequestFailed(
+                    msg.rid, str(exc), FailureCode.INVALID_REQUEST, exc.param))
                 continue
             except Exception as exc:  # a tokenizer bug must not take the server down
                 log.exception("tokenizing %s failed", msg.rid)
                 self.ledger.fire(msg.rid, "reject", reason="internal")
                 self.ledger.drop(msg.rid)
                 await self.frontend.send(RequestFailed(msg.rid, f"tokenizer error: {exc}",
-                                                       "internal"))
+                                                       FailureCode.INTERNAL))
                 continue
             await self.schedulers[msg.replica].send(seq)
 

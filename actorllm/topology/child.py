@@ -47,8 +47,7 @@ from actorllm.topology.placement import (
     set_hop_hooks,
     split_role,
 )
-from actorllm.wire.messages import (
-    ControlMessage,
+from actorllm.wire.control import (
     DrainQuery,
     DrainReport,
     Heartbeat,
@@ -57,15 +56,9 @@ from actorllm.wire.messages import (
     Shutdown,
     StartFailed,
 )
-from actorllm.wire.transport import (
-    HandshakeError,
-    IpcDir,
-    ZmqInbox,
-    ZmqOutbox,
-    check_hello,
-    context,
-    make_hello,
-)
+from actorllm.wire.handshake import HandshakeError, check_hello, make_hello
+from actorllm.wire.messages import ControlMessage
+from actorllm.wire.transport import IpcDir, ZmqInbox, ZmqOutbox, context
 
 log = logging.getLogger(__name__)
 
@@ -114,16 +107,15 @@ def load_parts(role: str, config: EngineConfig, ipc: IpcDir) -> Parts:
     if role == "detokenizer":
         import tokenizers
 
+        from actorllm.detokenizer.decoding import TokenizerDecode
+
         path = ipc.file(TOKENIZER_FILE)
         try:
             backend = tokenizers.Tokenizer.from_file(path)
         except Exception as exc:  # tokenizers raises its own exception type
             raise ValueError(f"cannot load the tokenizer from {path}: {exc}") from None
-
-        def decode(ids: Any, skip_special: bool) -> str:
-            return backend.decode(list(ids), skip_special_tokens=skip_special)
-
-        return Parts(decode=decode)
+        # TokenizerDecode, not a bare function: the Detokenizer's piece table needs it.
+        return Parts(decode=TokenizerDecode(backend))
     raise ValueError(f"unknown role {role!r}")
 
 

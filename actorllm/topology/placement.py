@@ -205,7 +205,7 @@ class Parts:
 
     info: ModelInfo | None = None
     hf_tokenizer: Any = None
-    runner: Any = None  # actorllm.worker.actor.ModelRunner
+    runner: Any = None  # actorllm.worker.runner.ModelRunner
     decode: Any = None  # actorllm.detokenizer.actor.DecodeFn
 
 
@@ -213,10 +213,11 @@ class Parts:
 def build_runner(config: EngineConfig, info: ModelInfo) -> Any:
     """The ModelRunner for ``config``; ValueError if its KV cache cannot hold one sequence."""
     from actorllm.wire.rendezvous import Rendezvous  # torch: only where a Worker lives
-    from actorllm.worker.actor import ModelRunner
+    from actorllm.worker.runner import ModelRunner
 
     runner = ModelRunner(
         config.model,
+        model_impl=config.model_impl,
         num_blocks=config.num_kv_blocks,
         block_size=config.block_size,
         kv_cache_bytes=None if config.num_kv_blocks is not None else config.kv_cache_memory,
@@ -315,7 +316,7 @@ def build_actors(role: str, wiring: Wiring, config: EngineConfig, parts: Parts,
     role, replica = split_role(role)
     actors: dict[str, Any] = {}
     if place["frontend"] == role:
-        from actorllm.frontend.outputs import FlowLimits
+        from actorllm.frontend.readers import FlowLimits
 
         limits = FlowLimits(config.max_pending_bytes_per_request, config.max_pending_bytes,
                             config.stream_timeout)

@@ -19,6 +19,7 @@ request itself, so an abort can never overtake the request it cancels.
 
 from __future__ import annotations
 
+import enum
 from typing import Union
 
 import attrs
@@ -33,105 +34,40 @@ from actorllm.wire.control import (  # parent <-> child; re-exported here
     Shutdown,
     StartFailed,
 )
+from actorllm.wire.sampling import STRUCTURED_KINDS as STRUCTURED_KINDS  # re-exported
+from actorllm.wire.sampling import InvalidRequest as InvalidRequest
+from actorllm.wire.sampling import SamplingParams, StructuredOutput
 
 
-class InvalidRequest(ValueError):
-    """A request the engine will not run; ``param`` names the offending field."""
+class FinishReason(enum.StrEnum):
+    """Why a sequence ended (``TokenOut``/``RequestFinished.finish_reason``, OpenAI's field).
 
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-# --- what the caller asks for -------------------------------------------------------
-
-
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
-
-
-@attrs.frozen
-class StructuredOutput:
-    """A grammar the output must match (vLLM's structured outputs; :mod:`actorllm.text.structured`).
-
-    ``kind``: "json" (``spec`` a JSON schema), "regex", "choice" (a JSON list of strings)
-    or "grammar" (Lark or GBNF). ``param``: the request field it came from, for errors.
+    A ``str``: the codec and JSON carry the plain value, byte for byte; a decoded message
+    holds the ``str``, which compares equal to the member.
     """
 
-    kind: str
-    spec: str
-    param: str = "structured_outputs"
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens, or the context's end
+    ABORT = "abort"  # the caller gave up (AbortRequest)
+    ERROR = "error"  # the engine failed it (RequestFinished.error says why)
+    TOOL_CALLS = "tool_calls"  # HTTP only: a chat answer that ended with tool calls
 
 
-@attrs.frozen
-class SamplingParams:
-    """How to sample one request (OpenAI/vLLM semantics). ``validate`` says what is wrong."""
+class FailureCode(enum.StrEnum):
+    """Why a request failed before it finished (``RequestFailed.code``, ``RequestError.code``)."""
 
-    n: int = 1
-    max_tokens: int | None = 16  # None: the model's max_new_tokens, within the context
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: off
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    logprobs: int | None = None  # None: none; k >= 0: the chosen token and k alternatives
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    prompt_logprobs: int | None = None  # k: each prompt token and k alternatives (0th None)
-    structured: StructuredOutput | None = None  # constrain the output to a grammar
-    priority: int = 0  # lower runs first, ties by arrival; non-zero only with that policy
+    INVALID_REQUEST = "invalid_request"
+    INTERNAL = "internal"
+    ENGINE_DEAD = "engine_dead"
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise :class:`InvalidRequest` naming the first bad value."""
-        checks: list[tuple[bool, str, str]] = [
-            (1 <= self.n <= 128, "n", "must be between 1 and 128"),
-            # 0: run the prefill only (for prompt logprobs) and finish with `length`.
-            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens",
-             "must be non-negative"),
-            (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-             "must not exceed max_tokens"),
-            (0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]"),
-            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
-            (self.top_k >= -1, "top_k", "must be -1, 0 (off) or positive"),
-            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
-            (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
-             "must be in [0, 20]"),
-            (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
-            (len(self.stop) <= 16, "stop", "at most 16 stop strings"),
-        ]
-        for ok, param, why in checks:
-            if not ok:
-                raise InvalidRequest(f"{param} {why}, got {getattr(self, param)!r}", param)
-        if self.structured is not None and self.structured.kind not in STRUCTURED_KINDS:
-            raise InvalidRequest(f"{self.structured.param}: unknown kind "
-                                 f"{self.structured.kind!r}", self.structured.param)
-        for name, v in (("temperature", self.temperature), ("top_p", self.top_p)):
-            if v != v:  # NaN
-                raise InvalidRequest(f"{name} must be a number", name)
-        if vocab_size is not None:
-            for tid in self.stop_token_ids:
-                if not 0 <= tid < vocab_size:
-                    raise InvalidRequest(f"stop_token_ids: {tid} is not in the vocabulary",
-                                         "stop_token_ids")
-            for tid, bias in self.logit_bias:
-                if not 0 <= tid < vocab_size:
-                    raise InvalidRequest(f"logit_bias: token {tid} is not in the vocabulary",
-                                         "logit_bias")
-                if not -100.0 <= bias <= 100.0:
-                    raise InvalidRequest(f"logit_bias: {bias} is not in [-100, 100]",
-                                         "logit_bias")
+
+class RefusalCode(enum.StrEnum):
+    """Why new work is not taken now (``engine.admission.Refused.code``)."""
+
+    ENGINE_DEAD = "engine_dead"
+    SHUTTING_DOWN = "shutting_down"
+    OVERLOADED = "overloaded"  # retry later
+    TOO_LARGE = "too_large"  # can never fit: retrying will not help
 
 
 @attrs.frozen
@@ -197,7 +133,7 @@ class RequestFailed:
 
     rid: str
     message: str
-    code: str = "invalid_request"  # or "internal", "engine_dead"
+    code: str = FailureCode.INVALID_REQUEST  # a FailureCode
     param: str | None = None
 
 
@@ -298,7 +234,7 @@ class TokenOut:
     rid: str
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # a FinishReason
     stop_reason: str | int | None = None
     error: str | None = None
     spec: DetokSetup | None = None
@@ -366,7 +302,7 @@ class TextDelta:
 @attrs.frozen
 class RequestFinished:
     rid: str
-    finish_reason: str
+    finish_reason: str  # a FinishReason
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     error: str | None = None

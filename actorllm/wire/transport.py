@@ -34,40 +34,28 @@ Theory of operation (trio, no threads):
   another codec version, a wrong type) is counted in ``rejected`` and dropped; it
   never crashes the process.
 
-The handshake (:func:`make_hello`, :func:`check_hello`) runs on the control
-channel between a parent and each child (:mod:`actorllm.topology`): both sides
-send a :class:`~actorllm.wire.messages.Hello` with the transport protocol version, the
-codec version and a fingerprint of every message class, and each refuses a peer
-whose Hello differs, with an error that says which.
+The handshake between processes is :mod:`actorllm.wire.handshake`.
 """
 
 from __future__ import annotations
 
 import atexit
-import hashlib
 import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from functools import cache
 from typing import Any, Generic, TypeVar
 
-import attrs
-import msgpack
 import trio
 import zmq
 
 from actorllm.wire import codec
 from actorllm.wire.mailbox import Mailbox, MailboxTypeError, accepted_types
-from actorllm.wire.messages import MESSAGE_TYPES, Hello
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
-
-PROTOCOL_VERSION = 1
-"""Bump when the transport's framing, endpoints or control protocol change."""
 
 MAX_FRAME_BYTES = 64 << 20  # a peer that sends more is disconnected by ZeroMQ itself
 READ_BATCH = 256  # frames read from a socket per look, before other tasks run
@@ -89,55 +77,6 @@ def context() -> zmq.Context[Any]:
 
 class FrameTooLarge(ValueError):
     """A message whose frame is over :data:`MAX_FRAME_BYTES`: it was not sent."""
-
-
-class HandshakeError(Exception):
-    """A peer process runs different actorllm code; the two refuse each other."""
-
-
-@cache
-def schema_fingerprint() -> str:
-    """A short hash of every message class, field name and field annotation, in order."""
-    parts = []
-    for cls in MESSAGE_TYPES:
-        fields = ",".join(f"{f.name}:{f.type}" for f in attrs.fields(cls))
-        parts.append(f"{cls.__name__}({fields})")
-    return hashlib.sha256(";".join(parts).encode()).hexdigest()[:16]
-
-
-def make_hello(role: str) -> Hello:
-    """This process's Hello."""
-    return Hello(PROTOCOL_VERSION, codec.VERSION, schema_fingerprint(), role, os.getpid())
-
-
-def check_hello(peer: Hello, expect_role: str | None = None) -> None:
-    """Raise :class:`HandshakeError` unless ``peer`` runs the same protocol, codec and schema."""
-    who = f"{peer.role} process (pid {peer.pid})"
-    if peer.protocol != PROTOCOL_VERSION:
-        raise HandshakeError(f"{who} speaks transport protocol {peer.protocol}, this process "
-                             f"speaks {PROTOCOL_VERSION}: mismatched actorllm installations")
-    if peer.codec != codec.VERSION:
-        raise HandshakeError(f"{who} speaks codec version {peer.codec}, this process speaks "
-                             f"{codec.VERSION}: mismatched actorllm installations")
-    if peer.schema != schema_fingerprint():
-        raise HandshakeError(f"{who} has message schema {peer.schema}, this process has "
-                             f"{schema_fingerprint()}: mismatched actorllm installations")
-    if expect_role is not None and peer.role != expect_role:
-        raise HandshakeError(f"expected the {expect_role} process, got the {who}")
-
-
-def frame_version(data: bytes) -> int | None:
-    """The codec version a frame claims (``[version, message]``), or None if it claims none.
-
-    Lets a receiver tell "a peer of another version" from plain garbage.
-    """
-    try:
-        frame = msgpack.unpackb(data, raw=False)
-    except Exception:  # msgpack raises many types for garbage
-        return None
-    if isinstance(frame, list) and len(frame) == 2 and type(frame[0]) is int:
-        return frame[0]
-    return None
 
 
 class IpcDir:
@@ -358,10 +297,7 @@ class ZmqInbox(Mailbox[T]):
             return super().receive_nowait()
         except trio.WouldBlock:
             pass
-        msg = self._read_socket()
-        if self.hop_hook is not None:
-            self.hop_hook(self.name, "recv", msg)
-        return msg
+        return self._received(self._read_socket())
 
     def _read_socket(self) -> T:
         """The next valid message waiting in the socket (reading at most a batch of

@@ -5,7 +5,7 @@ per-sequence token ids, start positions and block tables become flat int arrays 
 positions, KV slots, lengths, cumulative query lengths, sampled rows) and a padded
 block table, one tensor each. Per-token work is one list comprehension per sequence
 (the slots of its new tokens); every tensor is made from a flat ``array`` without
-per-element Python objects. Called by ``ModelRunner._prepare`` (worker/actor.py).
+per-element Python objects. Called by ``ModelRunner._prepare`` (worker/runner.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Planted bugs: deliberately wrong variants of the actors, for tests that must fail.
 
 Production modules carry no switches for these. Each bug is a mixin that overrides one
-hook of the real actor (``Frontend._check_unique``, ``Scheduler._fenced``, ...); the
+ordinary method of the real actor (``Frontend._check_unique``, ``Scheduler._pass_fence``,
+...) or hands it a faulty part through its constructor (the Frontend's ``pacing``, the
+Scheduler's ``pool``); the
 simulation (``SimConfig.bugs``) builds each actor from its class plus the mixins named
 for it, so the rest of the actor is the real code. tests/test_planted_bugs.py shows that
 the harness catches each; the names are ``"<actor>.bug_<what>"``.
@@ -12,12 +14,16 @@ from __future__ import annotations
 from typing import Any
 
 from actorllm.detokenizer.actor import DecodeState, Detokenizer
-from actorllm.frontend.actor import Frontend, RequestState
-from actorllm.frontend.outputs import Merged, OutputCollector
+from actorllm.frontend.actor import Frontend
+from actorllm.frontend.collector import OutputCollector
+from actorllm.frontend.readers import Flow, ReaderPacing
+from actorllm.frontend.state import RequestState
 from actorllm.scheduler.actor import Scheduler
+from actorllm.scheduler.batch import Batch
 from actorllm.scheduler.kv_pool import BlockPool
 from actorllm.scheduler.sequence import Sequence
 from actorllm.wire.messages import GenerateRequest, StepPlan
+from actorllm.wire.outputs import Merged
 
 from .scripted_worker import ScriptedWorker
 
@@ -25,13 +31,17 @@ from .scripted_worker import ScriptedWorker
 class RegisterAfterDispatch(Frontend):
     """Invariant 1: the GenerateRequest leaves before the rid is registered."""
 
-    def _register_leaves(self, leaves: list[tuple[str, int]], collector: OutputCollector,
-                         parent: str | None, now: float) -> None:
-        self._late = {rid: (index, collector, parent, now) for rid, index in leaves}
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._late: dict[str, tuple[OutputCollector, dict[str, Any]]] = {}
+
+    def _register(self, rid: str, collector: OutputCollector, **leaf: Any) -> None:
+        self._late[rid] = (collector, leaf)
 
     async def _dispatch(self, rid: str, msg: GenerateRequest) -> None:
         await self.tokenizer.send(msg)
-        self._register(rid, *self._late.pop(rid))
+        collector, leaf = self._late.pop(rid)
+        super()._register(rid, collector, **leaf)
         self.ledger.fire(rid, "dispatch")
 
 
@@ -59,29 +69,53 @@ class EndParentEarly(Frontend):
 class FreeBeforeFence(Scheduler):
     """Invariant 3: a finished sequence's blocks freed while a step still reads them."""
 
-    def _fenced(self, seq: Sequence) -> bool:
-        return False
+    def _finish(self, seq: Sequence, *args: Any, **kwargs: Any) -> None:
+        super()._finish(seq, *args, **kwargs)
+        if seq in self.fenced:  # the bug: it goes back without waiting for the fence
+            self.fenced.remove(seq)
+            self._free(seq)
 
 
 class FenceOneStep(Scheduler):
     """Invariant 3 with two steps in flight: a fenced sequence freed when the first of the
     steps that name it returns, while the step planned ahead still reads its blocks."""
 
-    def _fence_passed(self, seq: Sequence) -> bool:
-        return True
+    def _pass_fence(self) -> None:
+        fenced, self.fenced = self.fenced, []
+        for seq in fenced:
+            self._free(seq)
+
+
+def _planted_batch(base: Scheduler, batch_class: type[Batch]) -> None:
+    """Give a Scheduler just built a batch of ``batch_class``, with the same settings."""
+    old = base.batch
+    base.batch = batch_class(old.pool, old.ledger, max_num_seqs=old.max_num_seqs,
+                             max_num_batched_tokens=old.max_num_batched_tokens,
+                             priority=old.priority)
+
+
+class _RereportBatch(Batch):
+    def drop_kv(self, seq: Sequence) -> None:
+        super().drop_kv(seq)
+        if seq.prompt_lps_next:
+            seq.prompt_lps_next = 1
 
 
 class RereportPromptLogprobs(Scheduler):
     """Invariant 7: a recompute after preemption reports prompt logprobs again."""
 
-    def _reset_for_recompute(self, seq: Sequence) -> None:
-        super()._reset_for_recompute(seq)
-        if seq.prompt_lps_next:
-            seq.prompt_lps_next = 1
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _planted_batch(self, _RereportBatch)
 
 
-# The prefix cache's bugs live in the pool; the Scheduler builds its pool from
-# ``Scheduler.pool_class``, so each is planted as a Scheduler whose pool is wrong.
+# The prefix cache's bugs live in the pool: each is planted as a Scheduler given a wrong
+# pool through its ``pool`` argument.
+
+
+def _planted_pool(pool_class: type[BlockPool], kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {**kwargs, "pool": pool_class(kwargs["num_blocks"], kwargs.get("block_size", 16),
+                                         kwargs.get("enable_prefix_caching", True))}
 
 
 class _CachesSharedBlockPool(BlockPool):
@@ -96,7 +130,8 @@ class _CachesSharedBlockPool(BlockPool):
 class CacheSharedBlock(Scheduler):
     """Invariant 8: a shared cached block becomes evictable when one holder lets go."""
 
-    pool_class = _CachesSharedBlockPool
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **_planted_pool(_CachesSharedBlockPool, kwargs))
 
 
 class _KeepEvictedHashPool(BlockPool):
@@ -107,7 +142,8 @@ class _KeepEvictedHashPool(BlockPool):
 class KeepEvictedHash(Scheduler):
     """Invariant 9: an evicted block is overwritten while its hash still finds it."""
 
-    pool_class = _KeepEvictedHashPool
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **_planted_pool(_KeepEvictedHashPool, kwargs))
 
 
 class _ShareWithoutReferencePool(BlockPool):
@@ -119,7 +155,8 @@ class _ShareWithoutReferencePool(BlockPool):
 class ShareWithoutReference(Scheduler):
     """Invariant 10: a prefix-cache hit on a block in use does not count its new holder."""
 
-    pool_class = _ShareWithoutReferencePool
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **_planted_pool(_ShareWithoutReferencePool, kwargs))
 
 
 class EmitAfterStop(Detokenizer):
@@ -129,32 +166,45 @@ class EmitAfterStop(Detokenizer):
         return True
 
 
+class _KeepSlotBatch(Batch):
+    def apply_pauses(self) -> None:
+        running = list(self.running)
+        super().apply_pauses()
+        self.running[:] = running
+
+
 class PauseKeepsSlot(Scheduler):
     """Invariant 11: a paused sequence stays in the running batch."""
 
-    def _apply_pauses(self) -> None:
-        running = list(self.running)
-        super()._apply_pauses()
-        self.running[:] = running
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _planted_batch(self, _KeepSlotBatch)
+
+
+class _NeverResumePacing(ReaderPacing):
+    def resume(self, col: OutputCollector, flow: Flow) -> None:
+        pass  # the bug: the reader caught up, its request stays paused
 
 
 class NeverResume(Frontend):
     """Invariant 11: a reader that catches up is never resumed."""
 
-    def _on_read(self, col: OutputCollector, cost: int, tokens: int) -> None:
-        paused = col.paused
-        super()._on_read(col, cost, tokens)
-        col.paused = paused
-        self._flow_next.clear()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, pacing=_NeverResumePacing, **kwargs)
+
+
+class _DropOnPausePacing(ReaderPacing):
+    def pace(self, col: OutputCollector) -> None:
+        super().pace(col)
+        if self.paused(col):
+            col._pending.clear()  # the bug: what waited for the reader is gone
 
 
 class DropOnPause(Frontend):
     """Invariant 7: what a reader had not read is dropped when its request is paused."""
 
-    def _pace(self, col: OutputCollector) -> None:
-        super()._pace(col)
-        if col.paused:
-            col._pending.clear()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, pacing=_DropOnPausePacing, **kwargs)
 
 
 class IgnoreForget(ScriptedWorker):
@@ -185,7 +235,7 @@ PLANTED: dict[str, type[Any]] = {
 
 
 class DroppingMerged(Merged):
-    """collector.bug_drop_merged: merging a delta into pending text loses what was pending."""
+    """Merging a delta into pending text loses what was pending."""
 
     def add(self, out: Any) -> None:
         if self.text:
@@ -193,9 +243,20 @@ class DroppingMerged(Merged):
         super().add(out)
 
 
-# Planted on each OutputCollector as it appears (the harness's _watch_collector), as the
-# fold it merges with.
-COLLECTOR_BUGS: dict[str, type[Merged]] = {"collector.bug_drop_merged": DroppingMerged}
+class DroppingCollector(OutputCollector):
+    """collector.bug_drop_merged: a collector that folds with :class:`DroppingMerged`."""
+
+    def _merged(self, index: int) -> Merged:
+        p = self._pending.get(index)
+        if p is None:
+            p = self._pending[index] = DroppingMerged()
+        return p
+
+
+# Not an actor's: the harness (_watch_collector) makes each collector it watches one of
+# these as it appears, before any output reaches it.
+COLLECTOR_BUGS: dict[str, type[OutputCollector]] = {
+    "collector.bug_drop_merged": DroppingCollector}
 
 
 def actor_class(actor: str, base: type[Any], bugs: frozenset[str]) -> type[Any]:

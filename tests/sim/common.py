@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from actorllm.detokenizer.actor import hf_decode_fn
+from actorllm.detokenizer.decoding import hf_decode_fn
 from actorllm.lifecycle.table import load_spec
 from actorllm.wire.messages import (
     AbortRequest,

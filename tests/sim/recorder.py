@@ -9,9 +9,9 @@ from typing import Any
 
 import attrs
 
-from actorllm.frontend.outputs import RequestError
 from actorllm.lifecycle.invariants import History, check_gather
 from actorllm.wire.messages import SamplingParams, StepPlan
+from actorllm.wire.outputs import RequestError
 
 from .common import SPEC, TERMINAL, InvariantViolation, SimConfig, TextModel
 

@@ -86,7 +86,7 @@ class ScriptedWorker:
             self._wake = trio.Event()
 
     def on_plan(self, plan: StepPlan) -> None:
-        """Apply ``new``/``forget`` as ``worker.actor.ModelRunner`` does; queue the step."""
+        """Apply ``new``/``forget`` as ``worker.runner.ModelRunner`` does; queue the step."""
         self._drop(plan, last_step=False)
         for s in plan.seqs:
             if s.new is not None:

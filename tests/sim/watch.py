@@ -9,13 +9,13 @@ from typing import Any
 import trio
 import trio.testing
 
-from actorllm.frontend.outputs import EndOfOutput, RequestError
 from actorllm.lifecycle.table import State
 from actorllm.wire.messages import (
     AbortRequest,
     StepResult,
     StopMatched,
 )
+from actorllm.wire.outputs import EndOfOutput, RequestError
 
 from .bugs import COLLECTOR_BUGS
 from .common import message_rids
@@ -111,7 +111,7 @@ class Watches(WorldFields):
         return (seqs, tuple(q.rid for q in s.waiting), tuple(q.rid for q in s.running),
                 tuple(q.rid for q in s.fenced), frozenset(s.pool.refs.items()),
                 tuple(p.step_id for p in s.in_flight), tuple(s.worker_drops),
-                tuple(s._outputs), tuple(s._freed))
+                tuple(s.outgoing.outputs), tuple(s.outgoing.freed))
 
     # --- clients ------------------------------------------------------------------------------
 
@@ -131,9 +131,9 @@ class Watches(WorldFields):
     def _watch_collector(self, client: Client) -> None:
         """Invariant 2 at the collector: nothing is put into it after its final output."""
         col = client.collector
-        for bug, fold in COLLECTOR_BUGS.items():
+        for bug, variant in COLLECTOR_BUGS.items():
             if bug in self.config.bugs:
-                col.merged_type = fold
+                col.__class__ = variant
         put_delta, put_finish, put_error = col.put_delta, col.put_finish, col.put_error
         done: set[int] = set()
 

@@ -13,7 +13,7 @@ import trio.testing
 from actorllm.config import ModelInfo
 from actorllm.detokenizer.actor import Detokenizer
 from actorllm.frontend.actor import DuplicateRequestId, Frontend
-from actorllm.frontend.outputs import UNLIMITED
+from actorllm.frontend.readers import UNLIMITED
 from actorllm.lifecycle.table import IllegalTransition
 from actorllm.metrics import EngineMetrics
 from actorllm.scheduler.actor import Scheduler

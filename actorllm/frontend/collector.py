@@ -1,58 +1,61 @@
-"""What a request gives back: outputs, errors, and the one way deltas are merged.
+"""The output collector: what one request's reader has not taken yet, merged.
 
-The engine produces a request's output in pieces (one ``CompletionOutput`` delta per
-choice per step). Three readers put pieces together: the :class:`OutputCollector`, which
-holds what a slow reader has not taken yet; ``llm.collect``, which builds whole results;
-and the server's renderers, which build whole responses. All three fold with
-:meth:`Merged.add`, so "what a delta means" is written once.
+The Frontend fills it (:meth:`OutputCollector.put_delta`, ``put_finish``, ``put_error``);
+the reader (an HTTP response, ``LLM.generate``) takes from it (``get``, ``take``) or
+leaves (``discard``). The writer never waits: deltas for a choice fold into one pending
+item with :meth:`Merged.add`, so a slow reader costs O(1) items per choice.
+
+Its life, written once in ``MOVES`` (an event a phase does not list raises
+:class:`IllegalMove`)::
+
+    OPEN --end--> ENDED --close--> CLOSED        (every choice finished; the reader read it)
+    OPEN --fail--> FAILED --close--> CLOSED      (an error; the reader was given it)
+    OPEN --leave--> LEFT --end|fail--> CLOSED    (the reader went first; the engine ends)
+    ENDED|FAILED --leave--> CLOSED
+
+``delta`` and ``finish`` (a choice's output, a finish that is not the last) keep a phase
+that takes them; ``fail`` after an error or in CLOSED keeps the first error.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import AsyncIterator, Callable
 
-import attrs
 import trio
 
 from actorllm.clock import now
 from actorllm.wire.messages import TokenLogprob
+from actorllm.wire.outputs import CompletionOutput, EndOfOutput, Merged, RequestError, RequestOutput
 
 
-@attrs.frozen
-class FlowLimits:
-    """How far a reader may fall behind (``--max-pending-bytes-per-request``,
-    ``--max-pending-bytes``, ``--stream-timeout``); the Frontend applies them.
-
-    Over its own mark, or over a share of it while the total is over the global mark, a
-    request is paused (its leaves leave the batch, keeping their KV) until its reader takes
-    what is pending; a request whose reader takes nothing for ``stream_timeout`` seconds
-    while the engine still works on it is cancelled with an error. None turns a limit off.
-    """
-
-    max_bytes_per_request: int | None = 256 << 10
-    max_bytes: int | None = 64 << 20
-    stream_timeout: float | None = 30.0
-
-    def __attrs_post_init__(self) -> None:
-        for name in ("max_bytes_per_request", "max_bytes"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ValueError(f"{name} must be at least 1, got {v}")
-        if self.stream_timeout is not None and not self.stream_timeout > 0:
-            raise ValueError(f"stream_timeout must be positive, got {self.stream_timeout}")
-
-    def behind(self, pending: int, total: int) -> bool:
-        """A request with ``pending`` bytes unread (``total`` over all) should pause."""
-        own = self.max_bytes_per_request
-        if own is not None and pending > own:
-            return True
-        # Over the global mark, only readers that are behind pause (never everyone): more
-        # than an eighth of their own mark, or than 4 KiB without one.
-        share = (own // 8) if own is not None else 4096
-        return self.max_bytes is not None and total > self.max_bytes and pending > share
+class Phase(enum.Enum):
+    OPEN = "open"  # the engine produces and the reader reads
+    ENDED = "ended"  # every choice has finished; the reader has not taken the end yet
+    FAILED = "failed"  # an error came; the reader has not been given it yet
+    LEFT = "left"  # the reader went away while the engine still produced: nothing is kept
+    CLOSED = "closed"  # the engine is done and the reader has all it will ever get
 
 
-UNLIMITED = FlowLimits(None, None, None)
+P = Phase
+MOVES: dict[Phase, dict[str, Phase]] = {
+    P.OPEN: {"delta": P.OPEN, "finish": P.OPEN, "end": P.ENDED, "fail": P.FAILED,
+             "leave": P.LEFT},
+    P.ENDED: {"close": P.CLOSED, "leave": P.CLOSED},
+    P.FAILED: {"fail": P.FAILED, "close": P.CLOSED, "leave": P.CLOSED},
+    P.LEFT: {"delta": P.LEFT, "finish": P.LEFT, "end": P.CLOSED, "fail": P.CLOSED,
+             "leave": P.LEFT},
+    P.CLOSED: {"fail": P.CLOSED, "leave": P.CLOSED},
+}
+ENGINE_DONE = frozenset({P.ENDED, P.FAILED, P.CLOSED})
+
+
+class IllegalMove(Exception):
+    """An event the collector's phase does not take (``MOVES``): a bug in its writer."""
+
+    def __init__(self, rid: str, phase: Phase, event: str) -> None:
+        self.rid, self.phase, self.event = rid, phase, event
+        super().__init__(f"collector of {rid!r}: event {event!r} is illegal in {phase.name}")
 
 
 def output_bytes(text: str, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprob, ...],
@@ -65,79 +68,6 @@ def output_bytes(text: str, token_ids: tuple[int, ...], logprobs: tuple[TokenLog
     return n
 
 
-
-
-class RequestError(Exception):
-    """A request ended with an error; ``code`` is ``invalid_request``, ``internal``, ..."""
-
-    def __init__(self, message: str, code: str = "internal", param: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.param = code, param
-
-
-class EndOfOutput(Exception):
-    """The final output of a request has already been read."""
-
-
-@attrs.frozen
-class CompletionOutput:
-    """One choice's news since the last read (or, in LLM results, its whole output)."""
-
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...] = ()
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    # With params.prompt_logprobs: one entry per prompt position (the first None), and
-    # the prompt's token ids (in the output that carries the first entry).
-    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
-    prompt_token_ids: tuple[int, ...] = ()
-
-
-@attrs.frozen
-class RequestOutput:
-    rid: str
-    outputs: tuple[CompletionOutput, ...]
-    finished: bool
-    num_prompt_tokens: int = 0
-
-
-@attrs.define
-class Merged:
-    """One choice's deltas folded together; appends only, so a long fold stays linear."""
-
-    text: list[str] = attrs.Factory(list)
-    token_ids: list[int] = attrs.Factory(list)
-    logprobs: list[TokenLogprob] = attrs.Factory(list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    prompt_logprobs: list[TokenLogprob | None] = attrs.Factory(list)
-    prompt_token_ids: tuple[int, ...] = ()
-
-    def add(self, out: CompletionOutput) -> None:
-        """Fold a later delta in: text and tokens concatenate, a finish is kept."""
-        self.text.append(out.text)
-        self.token_ids.extend(out.token_ids)
-        self.logprobs.extend(out.logprobs)
-        self.prompt_logprobs.extend(out.prompt_logprobs)
-        self.prompt_token_ids = self.prompt_token_ids or out.prompt_token_ids
-        if out.finish_reason is not None:
-            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
-
-    def output(self, index: int) -> CompletionOutput:
-        """Everything folded so far, as one output."""
-        return CompletionOutput(index, "".join(self.text), tuple(self.token_ids),
-                                tuple(self.logprobs), self.finish_reason, self.stop_reason,
-                                tuple(self.prompt_logprobs), self.prompt_token_ids)
-
-
-def merge_all(outputs: dict[int, Merged], out: RequestOutput) -> None:
-    """Fold every choice of ``out`` into ``outputs`` (index -> merged so far)."""
-    for o in out.outputs:
-        outputs.setdefault(o.index, Merged()).add(o)
-
-
 class OutputCollector:
     """Merges outputs for a reader that may be slow: O(1) pending items per choice.
 
@@ -146,12 +76,10 @@ class OutputCollector:
 
     It also counts what waits for the reader (``pending_bytes``, ``pending_tokens``, since
     when: ``oldest``) and when the reader last took something (``last_read``); the
-    Frontend, which fills it, reads these to pace the request and sets ``on_read`` to
-    hear of each take (and of :meth:`discard`). ``engine_done`` is set once the engine
-    has given its last output (or an error), read or not.
+    Frontend's reader pacing reads these and sets ``on_read`` to hear of each take (and of
+    :meth:`discard`). ``engine_done`` is set once the engine has given its last output (or
+    an error), read or not.
     """
-
-    merged_type: type[Merged] = Merged  # the fold; the simulation plants a faulty one
 
     def __init__(self, rid: str, n: int, *, final_only: bool = False) -> None:
         self.rid, self.n = rid, n
@@ -160,11 +88,10 @@ class OutputCollector:
         # delta. Its output is a result being built rather than a backlog, so it is not
         # counted as pending and never paces the request.
         self.final_only = final_only
+        self.phase = Phase.OPEN
         self._pending: dict[int, Merged] = {}
-        self._done: set[int] = set()
-        self._error: RequestError | None = None
-        self._closed = False  # the final output has been read
-        self._discarded = False  # the reader left: nothing more is kept
+        self._done: set[int] = set()  # the choices that have finished
+        self._error: RequestError | None = None  # the first error, raised to the reader
         self.num_prompt_tokens = 0
         # Prompt tokens the prefix cache served; with n > 1 the fewest any choice got.
         self.num_cached_tokens: int | None = None
@@ -175,13 +102,19 @@ class OutputCollector:
         self.tokens_read = 0
         self.oldest: float | None = None  # when the oldest unread output arrived
         self.last_read = now()
-        self.paused = False  # the Frontend asked the engine to pause its leaves
         # Called after each take (and discard) with (self, bytes, tokens) taken.
         self.on_read: Callable[[OutputCollector, int, int], None] | None = None
 
+    def _move(self, event: str) -> None:
+        to = MOVES[self.phase].get(event)
+        if to is None:
+            raise IllegalMove(self.rid, self.phase, event)
+        self.phase = to
+
     @property
     def finished(self) -> bool:
-        return self._error is not None or len(self._done) == self.n
+        """The engine has given its last output or an error (read or not)."""
+        return self.phase in ENGINE_DONE
 
     @property
     def failed(self) -> bool:
@@ -189,7 +122,7 @@ class OutputCollector:
 
     def _arrived(self, cost: int, tokens: int) -> None:
         if self.final_only:
-            if len(self._done) == self.n:
+            if self.phase is Phase.ENDED:
                 self._event.set()
             return
         self.pending_bytes += cost
@@ -201,14 +134,16 @@ class OutputCollector:
     def _merged(self, index: int) -> Merged:
         p = self._pending.get(index)
         if p is None:
-            p = self._pending[index] = self.merged_type()
+            p = self._pending[index] = Merged()
         return p
 
     def put_delta(self, index: int, text: str, token_ids: tuple[int, ...],
                   logprobs: tuple[TokenLogprob, ...],
                   prompt_logprobs: tuple[TokenLogprob | None, ...] = (),
                   prompt_token_ids: tuple[int, ...] = ()) -> None:
-        if self._discarded:
+        """Fold one delta of choice ``index`` into what waits for the reader."""
+        self._move("delta")
+        if self.phase is Phase.LEFT:
             return
         self._merged(index).add(CompletionOutput(index, text, token_ids, logprobs,
                                                  prompt_logprobs=prompt_logprobs,
@@ -217,17 +152,22 @@ class OutputCollector:
                       len(token_ids))
 
     def put_finish(self, index: int, reason: str, stop_reason: str | int | None) -> None:
+        """Choice ``index`` has finished; the last one ends the collector."""
         self._done.add(index)
-        if not self._discarded:
+        kept = self.phase is Phase.OPEN  # (once the reader has left, nothing is kept)
+        self._move("end" if len(self._done) == self.n else "finish")
+        if kept:
             self._merged(index).add(CompletionOutput(index, "", (), finish_reason=reason,
                                                      stop_reason=stop_reason))
             self._arrived(0, 0)
-        if len(self._done) == self.n:
+        if self.finished:
             self.engine_done.set()
 
     def put_error(self, error: RequestError) -> None:
+        """The request failed: the reader gets ``error`` (the first one) after what waits."""
         if self._error is None:
             self._error = error
+        self._move("fail")
         self._event.set()
         self.engine_done.set()
 
@@ -240,7 +180,7 @@ class OutputCollector:
             return None
         outs = tuple(p.output(i) for i, p in sorted(self._pending.items()))
         self._pending = {}
-        finished = len(self._done) == self.n and self._error is None
+        finished = self.phase is Phase.ENDED
         self._read()
         return RequestOutput(self.rid, outs, finished, self.num_prompt_tokens)
 
@@ -256,7 +196,7 @@ class OutputCollector:
     def discard(self) -> None:
         """The reader is gone: what it did not read is dropped (and no longer counted)."""
         self._pending = {}
-        self._closed = self._discarded = True
+        self._move("leave")
         self._read()
 
     def age(self, t: float) -> float:
@@ -275,14 +215,16 @@ class OutputCollector:
     async def get(self) -> RequestOutput:
         """Wait for news. Raises RequestError after an error, EndOfOutput after the end."""
         while True:
-            if self._closed:
+            if self.phase in (Phase.LEFT, Phase.CLOSED):
                 raise EndOfOutput(self.rid)
             out = self.take()
             if out is not None:
-                self._closed = out.finished
+                if out.finished:
+                    self._move("close")
                 return out
-            if self._error is not None:
-                self._closed = True
+            if self.phase is Phase.FAILED:
+                assert self._error is not None
+                self._move("close")
                 raise self._error
             await self._event.wait()
             self._event = trio.Event()

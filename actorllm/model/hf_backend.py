@@ -1,0 +1,141 @@
+"""Any decoder-only causal LM transformers can build, run over the paged KV cache.
+
+The model's own transformers modules compute everything but attention: embeddings (scaled
+ones too), norms, rotary embeddings of every kind, q/k norms, MLPs and mixtures of
+experts, per-layer attention types. Attention goes through transformers' attention
+interface: the model is built with ``attn_implementation="actorllm_paged"``, whose
+function (:func:`paged_attention_forward`) writes each layer's new K/V into that layer's
+paged cache and runs the backend's paged attention op, with the window, scale and
+soft-cap the model's attention module passes. So continuous batching, chunked prefill,
+prefix caching and preemption work as for the native model: the model sees one packed
+batch of every scheduled sequence's new tokens (``[1, T]``, positions per token), and
+each step's :class:`ForwardBatch`, caches and backend travel to the attention function
+as a keyword argument of the model's forward, which transformers passes down to it.
+
+transformers builds no attention mask for an implementation it has no mask function
+for (``masking_utils._preprocess_mask_arguments``), so the packed batch costs no
+``[T, T]`` mask: the paged op knows where each sequence starts from ``cu_seqlens_q``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import PretrainedConfig
+
+from actorllm.model.llama import ForwardBatch, KVCache
+from actorllm.model.parallel import TensorParallel
+from actorllm.ops import AttentionBackend
+
+log = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "actorllm_paged"
+_STEP_KWARG = "actorllm_step"
+_registered = False
+
+
+class Step:
+    """What the attention function needs from the step in flight."""
+
+    __slots__ = ("backend", "batch", "kv_caches")
+
+    def __init__(self, batch: ForwardBatch, kv_caches: list[KVCache],
+                 backend: AttentionBackend) -> None:
+        self.batch, self.kv_caches, self.backend = batch, kv_caches, backend
+
+
+def paged_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention-function contract over the paged cache.
+
+    ``query`` is ``[1, H, T, D]`` and ``key``/``value`` ``[1, Hkv, T, D]`` (after RoPE and
+    any q/k norm); returns ``([1, T, H, D], None)`` as transformers' SDPA function does.
+    ``attention_mask`` is ignored: causality per sequence comes from the batch.
+    """
+    step: Step | None = kwargs.get(_STEP_KWARG)
+    if step is None:
+        raise RuntimeError(f"{type(module).__name__}: {ATTN_IMPLEMENTATION} attention called "
+                           "outside a step (the model must run through HFCausalLM)")
+    batch = step.batch
+    q = query[0].transpose(0, 1).contiguous()
+    k = key[0].transpose(0, 1).contiguous()
+    v = value[0].transpose(0, 1).contiguous()
+    k_cache, v_cache = step.kv_caches[module.layer_idx]
+    step.backend.write_kv(k, v, k_cache, v_cache, batch.slot_mapping,
+                          slots_valid=batch.slots_valid)
+    out = step.backend.paged_attention(
+        q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
+        scaling if scaling is not None else q.shape[-1] ** -0.5,
+        max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k,
+        sliding_window=sliding_window or None, softcap=softcap or None,
+    )
+    return out.unsqueeze(0), None
+
+
+def register_attention() -> None:
+    """Make ``attn_implementation="actorllm_paged"`` known to transformers (idempotent)."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+        _registered = True
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM behind the runner's model contract.
+
+    ``forward(batch, kv_caches, backend)`` returns the final hidden states ``[T, hidden]``
+    (after the model's final norm, unlike the native model, which leaves it to
+    ``compute_logits``); ``compute_logits`` applies the LM head and what the model's
+    own ``forward`` does to its logits after it (Gemma's final soft-cap, Granite's
+    ``logits_scaling``, Cohere's ``logit_scale``).
+    """
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.config: PretrainedConfig = hf_model.config
+        self.tp = TensorParallel()  # one rank: the transformers path is not sharded
+        self.base = getattr(hf_model, hf_model.base_model_prefix)
+        self.lm_head = hf_model.get_output_embeddings()
+        cfg = self.config
+        self._softcap = getattr(cfg, "final_logit_softcapping", None)
+        self._divide = getattr(cfg, "logits_scaling", None)
+        scale = getattr(hf_model, "logit_scale", None)
+        self._multiply = scale if isinstance(scale, int | float) and scale != 1 else None
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[KVCache],
+                backend: AttentionBackend) -> Tensor:
+        """Final hidden states of every packed token, ``[T, hidden]``."""
+        out = self.base(
+            input_ids=batch.input_ids[None],
+            position_ids=batch.positions[None],
+            use_cache=False,
+            **{_STEP_KWARG: Step(batch, kv_caches, backend)},
+        )
+        return out.last_hidden_state[0]
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """fp32 logits ``[N, vocab]`` for the given rows of ``forward``'s output."""
+        logits = self.lm_head(hidden)
+        if self._multiply is not None:
+            logits = logits * self._multiply
+        if self._divide:
+            logits = logits / self._divide
+        if self._softcap:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits.float()

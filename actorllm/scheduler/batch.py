@@ -1,0 +1,219 @@
+"""The batch and the queue before it: which sequences run, wait or are paused, and the KV
+blocks each holds. Owned by the Scheduler (actorllm/scheduler/actor.py), which turns
+what :meth:`Batch.plan` picks into a numbered ``StepPlan``.
+
+Planning one step: pauses asked for are applied; under the priority policy an urgent
+arrival may preempt; the running sequences get their next chunks, in order, preempting
+from the end of that order when blocks run out; then waiting sequences start, front first,
+while seats, blocks and the token budget last. Blocks of sequences that do not run (paused,
+or resumed and still waiting) go before any running one is preempted, in the order the
+:class:`~actorllm.scheduler.flow.Pacer` gives. Preemption is by recompute.
+
+With a step in flight (``ahead``) nothing is preempted: where the plain path would
+preempt, the plan is empty and the pipeline drains to one step.
+"""
+
+from __future__ import annotations
+
+import time
+
+from actorllm.lifecycle.table import Ledger, State
+from actorllm.scheduler import seq_blocks as blocks
+from actorllm.scheduler.flow import Pacer
+from actorllm.scheduler.kv_pool import BlockPool
+from actorllm.scheduler.policy import WaitingQueue, arrival_victim, order
+from actorllm.scheduler.sequence import Sequence
+from actorllm.wire.messages import FlowControl
+
+Chunks = list[tuple[Sequence, int]]  # (sequence, tokens it runs in the step), in order
+
+
+class Batch:
+    """Who runs, who waits, who is paused, and the block pool they share."""
+
+    def __init__(self, pool: BlockPool, ledger: Ledger, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, priority: bool) -> None:
+        """``ledger``: the Scheduler's, where each move this makes is fired."""
+        self.pool, self.ledger = pool, ledger
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.priority = priority
+        self.waiting = WaitingQueue(by_priority=priority)
+        self.running: list[Sequence] = []
+        self.flow = Pacer()  # PAUSED sequences, and pauses asked for, not yet applied
+        self.worker_drops: list[str] = []  # rids whose Worker state may go (StepPlan.drop)
+        self.num_preemptions = 0
+
+    # --- membership ---------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """A new sequence, at the back of the line (or its place by priority)."""
+        self.waiting.add(seq)
+
+    def pace(self, msg: FlowControl, seq: Sequence | None) -> None:
+        """A reader fell behind (pause, applied at the next plan) or caught up (resume)."""
+        resumed = self.flow.on_flow(msg, seq)
+        if resumed is not None:
+            self.waiting.add(resumed, preempted=True)  # like a preempted one: before arrivals
+            self.ledger.fire(resumed.rid, "resume")
+
+    def remove(self, seq: Sequence) -> None:
+        """``seq`` is about to finish: it leaves whichever queue holds it."""
+        if seq.status is not State.PAUSED:
+            (self.running if seq.status is State.RUNNING else self.waiting).remove(seq)
+        self.flow.forget(seq.rid)
+
+    def release(self, seq: Sequence) -> None:
+        """A finished sequence no step reads any more: its blocks and Worker state go."""
+        blocks.release(self.pool, seq)
+        if seq.worker_knows:
+            self.worker_drops.append(seq.rid)
+
+    def computed(self, seq: Sequence, n: int) -> None:
+        """A step that ran ``n`` tokens of ``seq`` is back: its full blocks may be shared."""
+        seq.num_computed += n
+        blocks.register(self.pool, seq)
+
+    def take_worker_drops(self) -> tuple[str, ...]:
+        """The rids whose Worker state may go, for the next StepPlan (and then forgotten)."""
+        drops, self.worker_drops = tuple(self.worker_drops), []
+        return drops
+
+    # --- planning -----------------------------------------------------------------------
+
+    def plan(self, ahead: bool) -> Chunks | None:
+        """The next step's chunks: running sequences first, then admissions. None: plan
+        nothing now (``ahead``, it would have to preempt)."""
+        if self.flow.wanted:
+            self.apply_pauses()
+        while self.priority and (
+                v := arrival_victim(self.waiting, self.running, self.can_start)):
+            if ahead:
+                return None  # an urgent arrival preempts: only the plain path may
+            self.preempt(v)
+        running = self._plan_running(ahead)
+        if running is None:
+            return None
+        planned, preempted = running
+        # No admissions in a step that had to preempt (the victim would come straight back
+        # and be preempted again), unless nothing runs any more.
+        if not preempted or not self.running:
+            self._plan_admissions(planned, self.max_num_batched_tokens - sum(
+                n for _, n in planned))
+        return planned
+
+    def apply_pauses(self) -> None:
+        """Take the sequences whose readers are behind out of the batch, once no step in
+        flight names them (until then they are not planned ahead)."""
+        for seq in self.flow.due():
+            if seq.status is State.RUNNING:
+                self.running.remove(seq)
+            else:
+                self.waiting.remove(seq)
+            self.ledger.fire(seq.rid, "pause")
+
+    def _plan_running(self, ahead: bool) -> tuple[Chunks, bool] | None:
+        """The running sequences' next chunks, preempting the newest (or the lowest
+        priority) where blocks run out: (chunks, whether it preempted)."""
+        budget = self.max_num_batched_tokens
+        planned: Chunks = []
+        # Victims come from the end: the newest (fcfs) or the lowest priority, then newest.
+        queue = sorted(self.running, key=order) if self.priority else list(self.running)
+        preempted = False
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            if ahead and (not seq.may_plan_ahead() or seq.rid in self.flow.wanted):
+                continue  # (a pause waits for the steps that name it to return)
+            n = min(seq.num_unscheduled, budget)
+            if n <= 0:
+                continue
+            while not self.reserve(seq, n):
+                if ahead:
+                    # No preemption while a step runs. Rather than run younger sequences
+                    # past an older one, plan nothing: the pipeline drains to one step
+                    # and the plain path preempts the newest, as without overlap.
+                    return None
+                victim = queue.pop() if queue else seq
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                planned.append((seq, n))
+                budget -= n
+        return planned, preempted
+
+    def _plan_admissions(self, planned: Chunks, budget: int) -> None:
+        """Start waiting sequences, front first, while seats, blocks and ``budget`` last;
+        their first chunks join ``planned``."""
+        computing = blocks.computing(self.pool, planned) if self.waiting else set()
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.block_table:  # resumed with the KV it kept while paused
+                n = min(seq.num_unscheduled, budget)
+                if not self.reserve(seq, n):
+                    break
+            else:
+                hits = blocks.cache_hits(self.pool, seq)
+                if blocks.next_block_computing(self.pool, seq, hits, computing):
+                    break  # it waits a step, then starts from that block too
+                n = min(seq.num_tokens - len(hits) * self.pool.block_size, budget)
+                if not self.admit(seq, hits, n):
+                    break
+            self.waiting.popleft()
+            if seq.first_scheduled is None:
+                seq.first_scheduled = time.monotonic()
+            self.running.append(seq)
+            self.ledger.fire(seq.rid, "schedule")
+            planned.append((seq, n))
+            computing |= blocks.computing(self.pool, [(seq, n)])
+            budget -= n
+
+    def can_start(self, seq: Sequence) -> bool:
+        """A seat for a waiting sequence, and blocks for its first chunk."""
+        return len(self.running) < self.max_num_seqs and blocks.fits(
+            self.pool, seq, self.max_num_batched_tokens)
+
+    # --- blocks -------------------------------------------------------------------------
+
+    def reserve(self, seq: Sequence, n: int) -> bool:
+        """Blocks for ``n`` more tokens of ``seq``; KV of what does not run goes first."""
+        if blocks.reserve(self.pool, seq, n):
+            return True
+        self._make_room(self.pool.blocks_for(seq.num_scheduled + n) - len(seq.block_table), seq)
+        return blocks.reserve(self.pool, seq, n)
+
+    def admit(self, seq: Sequence, hits: list[int], n: int) -> bool:
+        """``blocks.admit``, after evicting KV of what does not run if it must."""
+        if blocks.admit(self.pool, seq, hits, n):
+            return True
+        self._make_room(self.pool.blocks_for(len(hits) * self.pool.block_size + n), seq)
+        return blocks.admit(self.pool, seq, hits, n)
+
+    def _make_room(self, need: int, keep: Sequence) -> None:
+        """Free KV of sequences that are not running, in the Pacer's order, until ``need``
+        blocks fit. Each recomputes when it runs again."""
+        for seq in self.flow.holding_kv(keep, self.waiting):
+            if self.pool.can_allocate(need):
+                return
+            self.drop_kv(seq)
+            if seq.status is State.PAUSED:
+                self.ledger.fire(seq.rid, "preempt")
+            # (a resumed one is PREEMPTED already: that state allows either)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute later: give back the blocks now (no step is in flight)."""
+        assert not seq.in_flight
+        self.running.remove(seq)
+        self.drop_kv(seq)
+        self.waiting.add(seq, preempted=True)
+        self.ledger.fire(seq.rid, "preempt")
+
+    def drop_kv(self, seq: Sequence) -> None:
+        """Preemption by recompute: its blocks go back, the Worker forgets it."""
+        blocks.release(self.pool, seq)
+        seq.reset_for_recompute()
+        if seq.worker_knows:
+            seq.worker_knows = False
+            self.worker_drops.append(seq.rid)
+        self.num_preemptions += 1
