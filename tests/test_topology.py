@@ -452,7 +452,9 @@ async def test_a_child_not_ready_in_time_fails_start_up_naming_it(tmp_path: Path
 async def test_a_child_that_ignores_shutdown_and_sigterm_is_killed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(supervisor_module, "SHUTDOWN_GRACE", 0.5)
+    from actorllm.topology import children as children_module
+
+    monkeypatch.setattr(children_module, "SHUTDOWN_GRACE", 0.5)
     monkeypatch.setattr(supervisor_module, "CHILD_TIMEOUT", 600.0)  # silence is not death
     sup, deaths = await _start_with([*_impostor(tmp_path, READY_IMPOSTOR), "stubborn"],
                                     tmp_path)
