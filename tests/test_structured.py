@@ -408,6 +408,27 @@ async def test_a_refused_token_fails_the_request_with_the_grammars_error(
     assert res.error is not None and "output constraint refused sampled token" in res.error
 
 
+async def test_a_refused_token_fails_only_its_own_request(
+        engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The refusal is per row: a request batched with the refused one runs to its end.
+    monkeypatch.setattr(PendingMasks, "apply", lambda self, logits: None)
+    bad = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                         structured=StructuredOutput("regex", "q{16}", "guided_regex"))
+    free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    results: dict[str, Any] = {}
+
+    async def one(rid: str, params: SamplingParams) -> None:
+        results[rid] = await collect(engine, rid, "The json module", params)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one, "refused-alone", bad)
+        nursery.start_soon(one, "unconstrained", free)
+    assert results["refused-alone"].error is not None
+    assert "output constraint refused sampled token" in results["refused-alone"].error
+    assert results["unconstrained"].error is None
+    assert len(results["unconstrained"].outputs[0].token_ids) == 16
+
+
 # --- tools ----------------------------------------------------------------------------------
 
 WEATHER = {"type": "function", "function": {

@@ -31,7 +31,13 @@ from actorllm.ops import select_backend
 from actorllm.ops.cpu_linear import pack_linears
 from actorllm.ops.cpu_step import load_decode_step
 from actorllm.ops.threads import StepThreads, single_threaded
-from actorllm.text.structured import Grammar, GrammarBackend, LLGuidanceBackend, MaskFiller
+from actorllm.text.structured import (
+    Grammar,
+    GrammarBackend,
+    GrammarRefused,
+    LLGuidanceBackend,
+    MaskFiller,
+)
 from actorllm.wire.messages import (
     NewSeqData,
     PromptLogprobs,
@@ -237,6 +243,8 @@ class ModelRunner:
         lps: tuple[TokenLogprob, ...] = ()
         prompt_lps: tuple[PromptLogprobs, ...] = ()
         sample_s = pack_s = 0.0
+        refused_rows: tuple[int, ...] = ()
+        refused: tuple[str, ...] = ()
         if plan.rids:
             rows = self.tables.apply(plan)  # before any check: the diffs are always kept
             sampling = [states[rid] for rid in sampled]
@@ -270,8 +278,11 @@ class ModelRunner:
             if masks is not None:
                 masks.apply(logits)
             results = sample(logits, sampling, self.eos_token_ids)
-            for state, (token_id, _) in zip(sampling, results, strict=True):
-                state.append(token_id)
+            for j, (state, (token_id, _)) in enumerate(zip(sampling, results, strict=True)):
+                try:
+                    state.append(token_id)
+                except GrammarRefused as exc:  # fails that request alone, not the step
+                    refused_rows, refused = (*refused_rows, j), (*refused, str(exc))
             token_ids = tuple(token_id for token_id, _ in results)
             lp_rows = tuple(j for j, (_, lp) in enumerate(results) if lp is not None)
             if lp_rows:
@@ -284,7 +295,7 @@ class ModelRunner:
         return StepResult(
             step_id=plan.step_id, token_ids=token_ids, forward_s=forward_s,
             sample_s=sample_s, prompt_logprobs=prompt_lps, logprob_rows=lp_rows, logprobs=lps,
-            pack_s=pack_s,
+            pack_s=pack_s, refused_rows=refused_rows, refused=refused,
         )
 
     def _last_sample(self, rid: str, position: int) -> int:
