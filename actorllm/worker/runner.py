@@ -214,22 +214,7 @@ class ModelRunner:
 
     def _execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
-        # A rid both dropped and scheduled without `new` is running its last step: drop it
-        # afterwards. Every other drop (incl. one re-sent with `new`) happens first.
-        last_step: set[str] = set()
-        if plan.drop:
-            news = {plan.rids[i] for i in plan.new_rows}
-            last_step = {rid for rid in plan.rids if rid not in news}
-            for rid in plan.drop:
-                if rid not in last_step:
-                    self._drop(rid)
-        for i, new in zip(plan.new_rows, plan.new, strict=True):
-            rid = plan.rids[i]
-            self.tables.reset(rid)  # back after preemption: its old table is gone
-            self._states[rid] = SamplingState(
-                new.params, new.prompt_token_ids, new.output_token_ids,
-                self._grammar(rid, new),
-            )
+        last_step = self._take_news_and_drops(plan)
         states = self._states
         sampled = [rid for rid, s in zip(plan.rids, plan.sample, strict=True) if s]
         asked = [rid for rid in sampled if rid not in states]
@@ -297,6 +282,26 @@ class ModelRunner:
             sample_s=sample_s, prompt_logprobs=prompt_lps, logprob_rows=lp_rows, logprobs=lps,
             pack_s=pack_s, refused_rows=refused_rows, refused=refused,
         )
+
+    def _take_news_and_drops(self, plan: StepPlan) -> set[str]:
+        """Apply the plan's drops and ``NewSeqData``; returns the rids running their last
+        step. A rid both dropped and scheduled without ``new`` is running its last step: it
+        is dropped afterwards. Every other drop (incl. one re-sent with ``new``) happens first."""
+        last_step: set[str] = set()
+        if plan.drop:
+            news = {plan.rids[i] for i in plan.new_rows}
+            last_step = {rid for rid in plan.rids if rid not in news}
+            for rid in plan.drop:
+                if rid not in last_step:
+                    self._drop(rid)
+        for i, new in zip(plan.new_rows, plan.new, strict=True):
+            rid = plan.rids[i]
+            self.tables.reset(rid)  # back after preemption: its old table is gone
+            self._states[rid] = SamplingState(
+                new.params, new.prompt_token_ids, new.output_token_ids,
+                self._grammar(rid, new),
+            )
+        return last_step
 
     def _last_sample(self, rid: str, position: int) -> int:
         """The token this runner sampled for ``rid`` last, fed forward to ``position``.
