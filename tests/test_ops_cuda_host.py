@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sim.profiles import examples
 
 from actorllm.ops import BackendUnavailable, checks, select_backend
 from actorllm.ops.cuda_backend import (
@@ -126,7 +127,7 @@ def test_cuda_write_kv_layout_checks(name, bad, message):
 # ---------------------------------------------------------------------------- planning
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     num_seqs=st.integers(1, 512),
     num_kv_heads=st.sampled_from([1, 2, 4, 8, 32]),

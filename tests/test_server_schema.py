@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from sim.profiles import examples
 from test_server import ServerProcess
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -26,7 +27,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-MAX_EXAMPLES = 25  # per operation; about 10 s in all on a busy 2-core machine
+MAX_EXAMPLES = examples(25)  # per operation under ci; about 10 s in all on a busy 2-core machine
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_headers_conformance, response_schema_conformance]

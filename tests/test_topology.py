@@ -232,8 +232,8 @@ async def test_stream_abort_and_drain(topology: str, tiny_llama_dir: Path,
 
 @pytest.mark.parametrize(("topology", "victim"), [("engine", "engine"),
                                                   ("pipeline", "detokenizer")])
-async def test_killed_child_fails_live_requests_within_2s(topology: str, victim: str,
-                                                          tiny_llama_dir: Path) -> None:
+async def test_killed_child_fails_live_requests_naming_the_process(
+        topology: str, victim: str, tiny_llama_dir: Path) -> None:
     config = EngineConfig(model=str(tiny_llama_dir), topology=topology, **ENGINE_ARGS)
     async with open_engine(config) as engine:
         assert engine.supervisor is not None
@@ -244,15 +244,15 @@ async def test_killed_child_fails_live_requests_within_2s(topology: str, victim:
         for c in collectors:
             await c.get()  # every request is streaming
         os.kill(pids[victim], signal.SIGKILL)
-        t0 = trio.current_time()
         errors = []
-        for c in collectors:
-            with pytest.raises(RequestError) as info:
-                async for _ in c:
-                    pass
-            errors.append(info.value)
-        elapsed = trio.current_time() - t0
-        assert elapsed < 2.0
+        # The guard only stops a hang; the message below says the cause was the exit
+        # itself, not a missed heartbeat or the requests running out of tokens.
+        with trio.fail_after(60):
+            for c in collectors:
+                with pytest.raises(RequestError) as info:
+                    async for _ in c:
+                        pass
+                errors.append(info.value)
         message = f"{victim} process exited with code -9 (killed by SIGKILL)"
         assert {(str(e), e.code) for e in errors} == {(message, "engine_dead")}
         assert not engine.alive and engine.dead_reason == message
@@ -271,11 +271,9 @@ async def test_bad_weights_fail_start_with_the_childs_error(tiny_llama_dir: Path
     (broken / "model.safetensors").write_bytes(b"these are not weights")
     config = EngineConfig(model=str(broken), topology="engine", **ENGINE_ARGS)
     resources = Resources(config)  # tokenizer and config only: fine here
-    t0 = time.monotonic()
     with pytest.raises(EngineStartError, match=r"^engine process failed to start: ") as info:
         async with open_engine(config, resources=resources):
             pass
-    assert time.monotonic() - t0 < 120  # seconds, mostly the child importing torch
     assert "safetensors" in str(info.value).lower() or "header" in str(info.value).lower()
 
 
@@ -375,18 +373,22 @@ def test_real_child_refuses_a_mismatched_parent(tmp_path: Path) -> None:
 
 
 READY_IMPOSTOR = """
-import os, sys, time
+import os, signal, sys, time
 import trio
 from actorllm.wire.messages import ControlMessage, Ready, StartFailed
 from actorllm.wire.handshake import make_hello
 from actorllm.wire.transport import ZmqInbox, ZmqOutbox
 
 async def main():
+    if sys.argv[1] == "stubborn":  # ignores Shutdown (never reads it) and SIGTERM
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctl_in = ZmqInbox("engine.ctl", ControlMessage, 16, sys.argv[-1])
     out = ZmqOutbox(sys.argv[-2], ControlMessage, name="out", linger_ms=1000)
     async with trio.open_nursery() as nursery:
         await out.send(make_hello("engine"))
         await ctl_in.receive()
+        if sys.argv[1] == "never_ready":
+            await trio.sleep(60)  # handshakes, then never says Ready
         await out.send(Ready("engine", os.getpid()))
         if sys.argv[1] == "crash":
             await trio.sleep(0.3)
@@ -429,6 +431,48 @@ async def test_silent_child_is_killed_and_the_engine_declared_dead(
 async def test_crashing_child_says_why(tmp_path: Path) -> None:
     deaths = await _run_until_death([*_impostor(tmp_path, READY_IMPOSTOR), "crash"], tmp_path)
     assert deaths == ["engine process exited with code 1 (RuntimeError: boom)"]
+
+
+async def test_a_child_not_ready_in_time_fails_start_up_naming_it(tmp_path: Path) -> None:
+    sup, _ = await _start_with([*_impostor(tmp_path, READY_IMPOSTOR), "never_ready"],
+                               tmp_path, ready_timeout=1.0)
+    try:
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(EngineStartError, match=r"^engine process not ready after 1 s$"):
+                await sup.start(nursery)
+            with trio.fail_after(60):  # a guard: not ready, it is sent SIGTERM at once
+                await sup.shutdown()
+            nursery.cancel_scope.cancel()
+    finally:
+        sup.ipc.remove()
+    (child,) = sup.children.values()
+    assert child.proc is not None and child.proc.returncode == -signal.SIGTERM
+
+
+async def test_a_child_that_ignores_shutdown_and_sigterm_is_killed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from actorllm.topology import children as children_module
+
+    monkeypatch.setattr(children_module, "SHUTDOWN_GRACE", 0.5)
+    monkeypatch.setattr(supervisor_module, "CHILD_TIMEOUT", 600.0)  # silence is not death
+    sup, deaths = await _start_with([*_impostor(tmp_path, READY_IMPOSTOR), "stubborn"],
+                                    tmp_path)
+    try:
+        async with trio.open_nursery() as nursery:
+            await sup.start(nursery)
+            with trio.fail_after(60):  # a guard against a hang
+                await sup.shutdown()
+            nursery.cancel_scope.cancel()
+    finally:
+        sup.ipc.remove()
+    (child,) = sup.children.values()
+    # Shutdown, then SIGTERM, then SIGKILL: each step logged, and only the last ended it.
+    assert child.proc is not None and child.proc.returncode == -signal.SIGKILL
+    steps = [r.getMessage() for r in caplog.records if "did not stop" in r.getMessage()]
+    assert steps == ["engine process did not stop; sending SIGTERM",
+                     "engine process did not stop; sending SIGKILL"]
+    assert deaths == []  # a stop, not a death
 
 
 # --- the parent process dies ---------------------------------------------------------------

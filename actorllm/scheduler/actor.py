@@ -2,26 +2,23 @@
 running and paused queues and the KV block pool), the steps in flight, and makes every
 finish decision.
 
-It hears from the Tokenizer (``SequenceRequest``, and ``AbortRequest`` on the same edge),
-the Worker (``StepResult``) and the Detokenizer (``StopMatched``); it speaks ``StepPlan``
-to the Worker and ``TokenBatch`` to the Detokenizer. Theory of operation:
+It hears from the Tokenizer (``SequenceRequest``, ``AbortRequest``), the Worker
+(``StepResult``) and the Detokenizer (``StopMatched``); it speaks ``StepPlan`` to the
+Worker, ``TokenBatch`` to the Detokenizer. Theory of operation:
 - At most ``max_steps_in_flight`` steps run (1, or 2 for overlap scheduling). With 2 the
   next step is planned while one runs, a token the running step samples going as
   ``FEED_LAST_SAMPLE`` for the Worker to feed forward. Planning ahead never preempts:
   where the plain path would, it plans nothing and the pipeline drains to one step.
-- Handling a message is synchronous (``handle``); a separate task sends. So the inbox
-  always drains, and Scheduler -> Detokenizer -> Scheduler cannot deadlock.
+- Handling a message is synchronous (``handle``); a separate task sends: the inbox always
+  drains, and Scheduler -> Detokenizer -> Scheduler cannot deadlock.
 - The step fence: a sequence that finishes while steps that use it are in flight keeps
   its blocks until every one of them is back.
-- Prefix caching (scheduler/kv_pool.py, scheduler/seq_blocks.py): blocks are shared by
-  reference count and cached or evicted only with none left; a fenced sequence keeps its references.
-- Flow control: ``FlowControl(pause)`` (the client's reader is behind) takes a sequence
-  out of the batch at the next plan no step in flight names it; it keeps its blocks
-  (PAUSED) until another sequence needs them, then gives them up (recompute on resume).
-  ``FlowControl(resume)`` puts it first in the waiting queue (PREEMPTED). The batch's
-  ``Pacer`` (scheduler/flow.py) holds the pauses; the batch carries out what it says.
-- What the decisions produce for the Detokenizer waits in ``Outgoing``
-  (scheduler/outgoing.py) until the sender takes it as one ``TokenBatch``.
+- Prefix caching (kv_pool.py, seq_blocks.py): blocks are shared by reference count and
+  cached or evicted only with none left; a fenced sequence keeps its references.
+- Flow control (the batch's ``Pacer``, flow.py): ``FlowControl(pause)`` takes a sequence out
+  of the batch once no step in flight names it; it keeps its blocks (PAUSED) until another
+  sequence needs them; ``resume`` puts it first in the waiting queue (PREEMPTED).
+- What goes to the Detokenizer waits in ``Outgoing`` (outgoing.py) for one ``TokenBatch``.
 """
 
 from __future__ import annotations
@@ -316,8 +313,8 @@ class Scheduler:
         return bool(passed)
 
     def _commit(self, plan: StepPlan, seqs: list[Sequence | None], result: StepResult) -> None:
-        """A step's tokens and prompt logprobs for the sequences still running: the
-        sampled tokens are a column aligned with the plan's sampling rows."""
+        """A step's tokens and prompt logprobs for the sequences still running (the
+        tokens are a column aligned with the plan's sampling rows); refused rows fail."""
         running = State.RUNNING  # (a view's local is None once its sequence is freed)
         pieces: dict[str, dict[str, Any]] = {}
         if self.lp_live or result.pooled:  # (pooled: an embedding's vector, kept for its finish)
@@ -325,13 +322,13 @@ class Scheduler:
                 [q for q in seqs if q is not None and q.view.local is running],
                 result.prompt_logprobs, result.pooled)
             for seq, gap in gaps:
-                # A Worker bug. The client must not get a list with holes, and the other
-                # requests need not die with this one.
+                # A Worker bug: no list with holes for the client; the others live on.
                 log.error("%s: %s", seq.rid, gap)
                 self._finish(seq, "fail", "error", error=gap)
         logprobs = dict(zip(result.logprob_rows, result.logprobs, strict=True)) \
             if result.logprobs else None
         sampling = [i for i, sampled in enumerate(plan.sample) if sampled]
+        refused = dict(zip(result.refused_rows, result.refused, strict=True))
         for j, (i, token) in enumerate(zip(sampling, result.token_ids, strict=True)):
             seq = seqs[i]
             if seq is None or seq.view.local is not running:
@@ -339,6 +336,9 @@ class Scheduler:
                     self.ahead_tokens_dropped += 1  # planned ahead past its end
                 else:
                     self.late_results_dropped += 1  # finished (abort, stop) while it ran
+                continue
+            if j in refused:  # its grammar refused the draw (a masking bug): it fails alone
+                self._finish(seq, "fail", "error", error=refused[j])
                 continue
             reason, stop_reason = seq.finish_after(token)
             self.outgoing.token(seq, token, logprobs.get(j) if logprobs else None,

@@ -71,6 +71,10 @@ class ToolParser(Protocol):
         """Streaming: the spans of ``text`` (all the output so far) that hold the calls'
         JSON, in order; the last may still be growing (its end is how far it is sure)."""
 
+    def after_calls(self, text: str) -> str:
+        """Text after the first call that is in no call (content that ``parse`` keeps, and
+        a stream sends at its end)."""
+
 
 class JsonListParser:
     """The answer is a JSON list of calls (a lone call object too), and nothing else."""
@@ -99,9 +103,17 @@ class JsonListParser:
     def regions(self, text: str) -> list[tuple[int, int]]:
         return [(0, len(text))]
 
+    def after_calls(self, text: str) -> str:
+        return ""  # the answer is the list and nothing else
+
 
 class HermesParser:
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, after optional text."""
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, after optional text.
+
+    Text outside the blocks (before the first, between them, after the last) is the
+    answer's content: a model may say something after its calls, and dropping that
+    without a word would lose it.
+    """
 
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -120,8 +132,12 @@ class HermesParser:
             if not found:
                 return text, []  # a malformed call: the text stays the answer
             calls += found
-        content = text[:start].strip()
+        content = (text[:start] + self.after_calls(text)).strip()
         return (content or None), calls
+
+    def after_calls(self, text: str) -> str:
+        start = text.find(self.OPEN)
+        return "" if start < 0 else self._BLOCK.sub("", text[start:])
 
     def split(self, text: str) -> tuple[int, bool]:
         start = text.find(self.OPEN)
@@ -232,6 +248,9 @@ class Llama3JsonParser:
         where = self._start(text)
         return [] if where is None else _json_spans(text, where[1], ";")
 
+    def after_calls(self, text: str) -> str:
+        return ""  # the calls end the answer (else parse keeps it all as content)
+
 
 class MistralParser:
     """Mistral: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}]`` after optional text."""
@@ -258,6 +277,9 @@ class MistralParser:
     def regions(self, text: str) -> list[tuple[int, int]]:
         start = text.find(self.TAG)
         return [] if start < 0 else [(start + len(self.TAG), len(text))]
+
+    def after_calls(self, text: str) -> str:
+        return ""  # the list ends the answer (else parse keeps it all as content)
 
 
 class PythonicParser:
@@ -298,6 +320,9 @@ class PythonicParser:
 
     def regions(self, text: str) -> list[tuple[int, int]]:
         return []  # not JSON: the calls go out whole when the answer ends
+
+    def after_calls(self, text: str) -> str:
+        return ""  # the list is the whole answer
 
 
 def _python_call(node: ast.expr) -> ToolCall | None:

@@ -173,6 +173,10 @@ class StepResult:
     logprobs: tuple[TokenLogprob, ...] = ()
     pack_s: float = 0.0  # packing the plan into tensors (not counted in forward_s)
     pooled: tuple[PooledHidden, ...] = ()  # rows whose prompt this step completed
+    # Sampling rows whose grammar refused the drawn token (text/structured.GrammarRefused),
+    # with why: those requests fail alone; the rest of the step stands.
+    refused_rows: tuple[int, ...] = ()
+    refused: tuple[str, ...] = ()
 
     def sampled(self, plan: StepPlan) -> tuple[SampledToken, ...]:
         """The tokens as objects with their rids (tests and tools), given the step's plan."""

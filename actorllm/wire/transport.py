@@ -75,6 +75,10 @@ def context() -> zmq.Context[Any]:
     return _context
 
 
+class FrameTooLarge(ValueError):
+    """A message whose frame is over :data:`MAX_FRAME_BYTES`: it was not sent."""
+
+
 class IpcDir:
     """A private (0700) directory holding the ``ipc://`` endpoints of one engine.
 
@@ -159,7 +163,14 @@ class ZmqOutbox(Generic[T]):
                 f"mailbox {self.name!r} takes {[t.__name__ for t in self.types]}, "
                 f"not {type(msg).__name__}"
             )
-        return codec.encode(msg)
+        data = codec.encode(msg)
+        if len(data) > MAX_FRAME_BYTES:
+            # The peer's ZeroMQ would drop it and the connection without a word; say so
+            # here, where the sender can fail the one message rather than lose it.
+            raise FrameTooLarge(f"mailbox {self.name!r}: a {type(msg).__name__} of "
+                                f"{len(data)} bytes is over the {MAX_FRAME_BYTES}-byte frame "
+                                "limit")
+        return data
 
     async def send(self, msg: T) -> None:
         """Deliver ``msg``, waiting while the peer's queue is full (backpressure)."""
@@ -191,12 +202,10 @@ class ZmqOutbox(Generic[T]):
             raise
 
     def send_nowait(self, msg: T) -> None:
-        """Deliver without waiting; raises trio.WouldBlock when the peer is full."""
-        data = self._check(msg)
-        try:
-            self._sock.send(data, zmq.NOBLOCK)
-        except zmq.Again:
-            raise trio.WouldBlock from None
+        """Deliver without waiting; raises trio.WouldBlock when the peer is full, and
+        trio.ClosedResourceError after :meth:`close` (as :meth:`send` does)."""
+        if not self._try_send(self._sock, self._check(msg)):
+            raise trio.WouldBlock
         self.sent += 1
 
     def close(self) -> None:

@@ -31,7 +31,13 @@ from actorllm.ops import select_backend
 from actorllm.ops.cpu_linear import pack_linears
 from actorllm.ops.cpu_step import load_decode_step
 from actorllm.ops.threads import StepThreads, single_threaded
-from actorllm.text.structured import Grammar, GrammarBackend, LLGuidanceBackend, MaskFiller
+from actorllm.text.structured import (
+    Grammar,
+    GrammarBackend,
+    GrammarRefused,
+    LLGuidanceBackend,
+    MaskFiller,
+)
 from actorllm.wire.messages import (
     NewSeqData,
     PooledHidden,
@@ -212,16 +218,7 @@ class ModelRunner:
 
     def _execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
-        # A rid both dropped and scheduled without `new` is running its last step: drop it
-        # afterwards. Every other drop (incl. one re-sent with `new`) happens first.
-        last_step: set[str] = set()
-        if plan.drop:
-            news = {plan.rids[i] for i in plan.new_rows}
-            last_step = {rid for rid in plan.rids if rid not in news}
-            for rid in plan.drop:
-                if rid not in last_step:
-                    self._drop(rid)
-        self._start(plan)
+        last_step = self._take_news_and_drops(plan)
         states = self._states
         sampled = [rid for rid, s in zip(plan.rids, plan.sample, strict=True) if s]
         asked = [rid for rid in sampled if rid not in states]
@@ -236,6 +233,8 @@ class ModelRunner:
         prompt_lps: tuple[PromptLogprobs, ...] = ()
         pooled: tuple[PooledHidden, ...] = ()
         sample_s = pack_s = 0.0
+        refused_rows: tuple[int, ...] = ()
+        refused: tuple[str, ...] = ()
         if plan.rids:
             rows = self.tables.apply(plan)  # before any check: the diffs are always kept
             sampling = [states[rid] for rid in sampled]
@@ -270,8 +269,11 @@ class ModelRunner:
             if masks is not None:
                 masks.apply(logits)
             results = sample(logits, sampling, self.eos_token_ids)
-            for state, (token_id, _) in zip(sampling, results, strict=True):
-                state.append(token_id)
+            for j, (state, (token_id, _)) in enumerate(zip(sampling, results, strict=True)):
+                try:
+                    state.append(token_id)
+                except GrammarRefused as exc:  # fails that request alone, not the step
+                    refused_rows, refused = (*refused_rows, j), (*refused, str(exc))
             token_ids = tuple(token_id for token_id, _ in results)
             lp_rows = tuple(j for j, (_, lp) in enumerate(results) if lp is not None)
             if lp_rows:
@@ -284,8 +286,29 @@ class ModelRunner:
         return StepResult(
             step_id=plan.step_id, token_ids=token_ids, forward_s=forward_s,
             sample_s=sample_s, prompt_logprobs=prompt_lps, logprob_rows=lp_rows, logprobs=lps,
-            pack_s=pack_s, pooled=pooled,
+            pack_s=pack_s, refused_rows=refused_rows, refused=refused, pooled=pooled,
         )
+
+    def _take_news_and_drops(self, plan: StepPlan) -> set[str]:
+        """Apply the plan's drops and ``NewSeqData``; returns the rids running their last
+        step. A rid both dropped and scheduled without ``new`` is running its last step: it
+        is dropped afterwards. Every other drop (incl. one re-sent with ``new``) happens first."""
+        last_step: set[str] = set()
+        if plan.drop:
+            news = {plan.rids[i] for i in plan.new_rows}
+            last_step = {rid for rid in plan.rids if rid not in news}
+            for rid in plan.drop:
+                if rid not in last_step:
+                    self._drop(rid)
+        for i, new in zip(plan.new_rows, plan.new, strict=True):
+            rid = plan.rids[i]
+            self.tables.reset(rid)  # back after preemption: its old table is gone
+            self.pooler.start(rid, new)  # a recompute pools from the start again
+            self._states[rid] = SamplingState(
+                new.params, new.prompt_token_ids, new.output_token_ids,
+                self._grammar(rid, new),
+            )
+        return last_step
 
     def _last_sample(self, rid: str, position: int) -> int:
         """The token this runner sampled for ``rid`` last, fed forward to ``position``.
@@ -305,18 +328,6 @@ class ModelRunner:
                              f"fed to {position}")
         self.fed_forward += 1
         return state.output_token_ids[-1]
-
-    def _start(self, plan: StepPlan) -> None:
-        """Sampling state, an empty block table and a fresh pooling sum for each row
-        the Worker has not seen (or lost to preemption)."""
-        for i, new in zip(plan.new_rows, plan.new, strict=True):
-            rid = plan.rids[i]
-            self.tables.reset(rid)  # back after preemption: its old table is gone
-            self.pooler.start(rid, new)  # a recompute pools from the start again
-            self._states[rid] = SamplingState(
-                new.params, new.prompt_token_ids, new.output_token_ids,
-                self._grammar(rid, new),
-            )
 
     def _drop(self, rid: str) -> None:
         self._states.pop(rid, None)

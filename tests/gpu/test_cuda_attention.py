@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sim.profiles import examples
 
 from actorllm.ops import TorchBackend
 
@@ -206,7 +207,7 @@ def batches(draw):
     )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(params=batches())
 def test_hypothesis_batches(cuda, params):
     check_against_reference(cuda, build_case(cuda, **params))
