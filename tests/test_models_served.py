@@ -91,7 +91,7 @@ def served(case: Case, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
 def test_server(case: Case, served: str, tokenizer_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    from actorllm.server.convert import TokenTexts
+    from actorllm.server.logprobs import TokenTexts
 
     _, _, ids, want = case
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
