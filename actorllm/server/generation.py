@@ -40,7 +40,8 @@ import trio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from actorllm.server import sse
+from actorllm.clock import now
+from actorllm.server import sse, timeouts
 from actorllm.server.errors import APIError, from_request_error, invalid
 from actorllm.server.job import PRECEDENCE, Ending, Job, Phase
 from actorllm.server.render import Renderer, usage
@@ -86,6 +87,7 @@ class GenerationResponse(Response):
         self._error: RequestError | None = None  # with Ending.FAILED: the first failure
         self._held: list[Job] = []  # jobs whose admission reservation is still held
         self._nursery: trio.Nursery | None = None
+        self._watch = timeouts.WriteWatch()
 
     def _end(self, why: Ending) -> None:
         if self.ending is None or PRECEDENCE[why] < PRECEDENCE[self.ending]:
@@ -113,6 +115,28 @@ class GenerationResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._send = send
+        self.state.responding += 1
+        try:
+            with timeouts.watch_writes(scope.get("client"), self._client_read) as watch:
+                self._watch = watch
+                await self._run(receive)
+        except* _ClientGone:
+            # Every way a gone client surfaces (a task group may hold several): one line.
+            log.info("client gone (%s): %s", (self.ending or Ending.CLIENT_GONE).value,
+                     [j.request.rid for j in self.jobs])
+        finally:
+            self.state.responding -= 1
+
+    def _client_read(self) -> None:
+        """The client took bytes while a write waited: it is reading, if slowly. Its
+        collectors must not call it stalled (the Frontend's --stream-timeout rule counts
+        from the last take, and the response takes nothing while its write waits)."""
+        t = now()
+        for job in self.jobs:
+            if job.collector is not None:
+                job.collector.last_read = max(job.collector.last_read, t)
+
+    async def _run(self, receive: Receive) -> None:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -157,10 +181,11 @@ class GenerationResponse(Response):
         finally:
             waited = time.monotonic() - start
             self.state.engine.metrics.socket_blocked_seconds.inc(waited)
-        timeout = self.state.engine.config.stream_timeout
-        if timeout is not None and waited >= timeout:
-            # hypercorn gave up on this write (server/timeouts.py) and closed the connection
-            self._end(Ending.STREAM_TIMEOUT)
+        if self._watch.cut is not None:
+            # hypercorn's write was cut (server/timeouts.py) and the connection closed:
+            # the client took nothing for --stream-timeout, or the drain ran out.
+            if self._watch.cut == timeouts.STALLED:
+                self._end(Ending.STREAM_TIMEOUT)
             raise _ClientGone()
 
     async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
@@ -169,12 +194,23 @@ class GenerationResponse(Response):
                               "headers": headers + self.extra_headers})
 
     async def _body(self, data: bytes, more: bool = True) -> None:
-        await self._raw_send({"type": "http.response.body", "body": data, "more_body": more})
+        message = {"type": "http.response.body", "body": data, "more_body": more}
+        if more:
+            await self._raw_send(message)
+            return
+        # The last send is shielded from this response's own cancel: within it hypercorn
+        # ends the request cycle (``_maybe_recycle``), which tells the disconnect watcher
+        # (``http.disconnect``) and then arms the keep-alive timer or, for HTTP/1.0,
+        # closes the connection; a cancel there would skip both and leave the
+        # connection open for ever. The write itself keeps its deadline (timeouts.py).
+        with trio.CancelScope(shield=True):
+            await self._raw_send(message)
 
     async def _send_error(self, err: APIError) -> None:
         self.phase = Phase.SENT
         assert self._send is not None
-        await err.send(self._send, self.extra_headers)
+        with trio.CancelScope(shield=True):  # its last send ends the cycle, as in _body
+            await err.send(self._send, self.extra_headers)
 
     def _release_job(self, job: Job) -> None:
         if job in self._held:

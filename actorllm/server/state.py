@@ -62,6 +62,9 @@ class ServerState:
         self.admission.capacity = max_pending
         # Set when --drain-timeout runs out: requests still running end with an error.
         self.drain_expired = trio.Event()
+        # Generation responses still sending (their engine work may be done, their client
+        # still reading): the drain waits for these too.
+        self.responding = 0
         self.created = int(time.time())
         self.texts = TokenTexts(engine.tokenizer)
         # /tokenize refuses and templates exactly as the Tokenizer actor does.
