@@ -12,7 +12,10 @@ changed, the process exited); the timeouts only guard against a hang.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +23,7 @@ from typing import Any
 
 import pytest
 from helpers import build_tiny_model, sse_events
-from test_server import ServerProcess, metrics
+from test_server import ServerProcess, http, metrics
 
 CONTEXT = 1024
 GUARD = 60.0  # seconds: only ever a guard against a hang
@@ -210,3 +213,90 @@ def _dechunk(raw: bytes) -> bytes:
             break
         out, raw = out + raw[:n], raw[n + 2:]
     return out
+
+
+# --- 4. a frozen engine shows in /health ------------------------------------------------
+
+
+def _engine_child(pid: int) -> int:
+    """The pid of the ``engine`` child process of ``pid``."""
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        if "engine" in Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace"):
+            return int(child)
+    raise AssertionError(f"no engine child of {pid}")
+
+
+def _health_until(base: str, want: int) -> tuple[int, bytes]:
+    deadline = time.monotonic() + GUARD
+    while True:
+        try:
+            status, _, body = http(base + "/health")
+        except OSError as exc:  # the server exited (its engine was killed)
+            return 0, str(exc).encode()
+        if status == want or time.monotonic() > deadline:
+            return status, body
+        time.sleep(0.1)
+
+
+def test_a_stopped_engine_process_shows_in_health_and_recovers(
+        model_dir: Path, tmp_path: Path) -> None:
+    srv = ServerProcess(model_dir, "--topology", "engine", log_dir=tmp_path)
+    try:
+        base = srv.wait_ready()
+        assert http(base + "/health")[0] == 200
+        child = _engine_child(srv.proc.pid)
+        os.kill(child, signal.SIGSTOP)
+        try:
+            status, body = _health_until(base, 503)
+        finally:
+            os.kill(child, signal.SIGCONT)
+        # Late heartbeats, not the supervisor's kill: the engine is not dead.
+        assert status == 503, body
+        assert json.loads(body)["error"]["code"] == "engine_unresponsive", body
+        # Its heartbeats resume: healthy again, and it still generates.
+        status, body = _health_until(base, 200)
+        assert status == 200, body
+        status, _, body = http(base + "/v1/completions", "POST",
+                               {"prompt": "after", "max_tokens": 2})
+        assert status == 200, body
+    finally:
+        rc = srv.stop()
+    assert rc == 0, srv.stderr()
+
+
+# --- 5. stalled readers do not hold a shutdown past --drain-timeout -----------------------
+
+
+def test_stalled_readers_do_not_hold_the_shutdown_past_the_drain_timeout(
+        model_dir: Path, tmp_path: Path) -> None:
+    stream_timeout = 120.0
+    srv = ServerProcess(model_dir, "--topology", "engine", "--drain-timeout", "2",
+                        "--stream-timeout", str(stream_timeout), log_dir=tmp_path)
+    socks: list[socket.socket] = []
+    try:
+        base = srv.wait_ready()
+        for i in range(5):  # clients that never read
+            sock = _connect(base, SO_RCVBUF=4096, TCP_MAXSEG=536)
+            sock.sendall(_post("/v1/completions", {
+                "prompt": f"stalled {i}", "max_tokens": CONTEXT - 64, "logprobs": 20,
+                "ignore_eos": True, "stream": True}))
+            socks.append(sock)
+        # Their output backs up behind full sockets (the writes wait) ...
+        deadline = time.monotonic() + GUARD
+        while metrics(base).get("actorllm:pending_output_bytes", 0) == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        srv.send_signal(signal.SIGTERM)
+        # ... and the process still exits with the drain, not at the writes' timeout.
+        try:
+            rc = srv.proc.wait(stream_timeout / 2)
+        except subprocess.TimeoutExpired:
+            rc = None
+    finally:
+        for sock in socks:
+            sock.close()
+        srv.stop()
+    assert rc == 0, srv.stderr()[-2000:]
+    log = srv.stderr()
+    # A cut client is one line at most, never a traceback per cut.
+    assert "unhandled error" not in log and "Traceback" not in log, log[-3000:]

@@ -125,6 +125,18 @@ class AsyncEngine:
     def died(self) -> trio.Event:
         return self.admission.died
 
+    @property
+    def unresponsive(self) -> str | None:
+        """Why the engine looks frozen (a child process's heartbeats are late), or None.
+
+        Health reports it (``/health`` 503) long before the supervisor would kill the
+        child; new work is still admitted (a late child may only be slow) and the answer
+        turns back to None if its heartbeats resume.
+        """
+        if self.supervisor is None or not self.alive:
+            return None
+        return self.supervisor.late()
+
     async def submit(self, request: GenerateRequest, *, reserved: bool = False,
                      final_only: bool = False) -> OutputCollector:
         """Register and dispatch; read the returned collector for outputs.

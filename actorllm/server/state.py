@@ -77,6 +77,18 @@ class ServerState:
         refused = self.admission.refusal()
         return None if refused is None else refusal_error(refused)
 
+    def health(self) -> APIError | None:
+        """What ``/health`` answers besides 200: a refusal (draining, dead), or a 503
+        ``engine_unresponsive`` while a child process's heartbeats are late."""
+        refusal = self.refusal()
+        if refusal is not None:
+            return refusal
+        late = self.engine.unresponsive
+        if late is not None:
+            return APIError(503, f"the engine is not responding: {late}",
+                            code="engine_unresponsive")
+        return None
+
     def reserve(self, cost: int) -> None:
         """Hold ``cost`` engine sequences for a request; raises the API error if refused."""
         try:
