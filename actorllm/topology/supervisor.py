@@ -67,9 +67,7 @@ from actorllm.wire.transport import (
 log = logging.getLogger(__name__)
 
 CHILD_TIMEOUT = 10.0  # a child silent this long is killed
-# A ready child silent this long (two heartbeats missed) is reported late: /health says
-# so (503) long before CHILD_TIMEOUT kills it, and says 200 again if it resumes.
-LATE_AFTER = 3 * HEARTBEAT_INTERVAL
+LATE_AFTER = 3 * HEARTBEAT_INTERVAL  # two beats missed: late (AsyncEngine.unresponsive)
 READY_TIMEOUT = 300.0  # loading a large model can take minutes; failures report at once
 
 
@@ -135,7 +133,7 @@ class Supervisor:
         self._reports = trio.Event()
         self._tokens = itertools.count(1)
         self._ctl_in: ZmqInbox[Any] | None = None
-        self._ticked = -float("inf")  # when _heartbeats last ran (late() trusts it)
+        self.ticked = -float("inf")  # when _heartbeats last ran: this loop keeps time
 
     # --- start ---
 
@@ -327,28 +325,10 @@ class Supervisor:
                               hwm=CONTROL_CAPACITY)
         await child.ctl.send(make_hello("parent"))
 
-    def late(self) -> str | None:
-        """Why the engine looks frozen now: a ready local child whose heartbeats are late
-        by more than two intervals (``LATE_AFTER``), e.g. a stopped process; None if none.
-
-        Judged only while this loop itself keeps time (its own heartbeat tick is recent):
-        after a stall here, the children's heartbeats may wait unread in the socket.
-        """
-        now = trio.current_time()
-        if self.stopping or self.dead is not None or now - self._ticked > LATE_AFTER:
-            return None
-        for child in self.children.values():
-            if child.proc is None or not child.ready or child.exited.is_set():
-                continue
-            silent = now - child.last_heard
-            if silent > LATE_AFTER:
-                return f"the {child.role} process sent no heartbeat for {silent:.1f} s"
-        return None
-
     async def _heartbeats(self) -> None:
         for seq in itertools.count(1):
             await trio.sleep(HEARTBEAT_INTERVAL)
-            now = self._ticked = trio.current_time()
+            now = self.ticked = trio.current_time()
             for child in self.children.values():
                 if child.exited.is_set() or child.ctl is None:
                     continue
