@@ -140,7 +140,11 @@ async def _guard(server: Any, timeout: float | None, cut: trio.Event | None,
     step = _POLL if timeout is None else min(_POLL, timeout / 4)
     why = SHUTDOWN
     while cut is None or not cut.is_set():
-        with trio.move_on_after(step):
+        # Wake at the next look, or exactly when the timeout would run out.
+        wake = trio.current_time() + step
+        if timeout is not None:
+            wake = min(wake, quiet_since + timeout)
+        with trio.move_on_at(wake):
             if cut is not None:
                 await cut.wait()
             else:
