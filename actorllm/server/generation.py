@@ -21,11 +21,17 @@ requests finish; the first by precedence wins, and is the abort reason the engin
 
 Slow clients. A job's admission reservation is given back as soon as the engine is done
 with it (``OutputCollector.engine_done``), not when its client has read everything: what
-the client has not read counts against ``--max-pending-bytes`` instead. A send that the
-client does not take for ``--stream-timeout`` seconds closes the connection (hypercorn's
-write is made to time out by ``server/timeouts.py``); the engine requests are then
-aborted with reason ``stream_timeout``. The time each send waits is counted in
-``actorllm:socket_blocked_seconds``.
+the client has not read counts against ``--max-pending-bytes`` instead. A client that
+takes nothing for ``--stream-timeout`` seconds while a send waits is cut (the connection
+closed, by ``server/timeouts.py``, which tells this response through its ``WriteWatch``);
+the engine requests are then aborted with reason ``stream_timeout``. A client that reads,
+however slowly, is not: each byte it takes restarts that clock, and counts as a read for
+the Frontend's own stall rule (``_client_read``). The time each send waits is counted in
+``actorllm:socket_blocked_seconds``. A gone client, however it surfaces, is one log line.
+
+The last send of a response is shielded from the response's own cancel scope: hypercorn
+ends the request cycle inside it (keep-alive timer, or the close of an HTTP/1.0
+connection), and the disconnect watcher wakes during that same call.
 """
 
 from __future__ import annotations

@@ -9,7 +9,10 @@ answers 503 ``shutting_down`` to new requests (a client told so can go elsewhere
 refused connection says nothing), lets in-flight requests finish for up to
 ``--drain-timeout`` seconds, then ends the rest with an error (an SSE error event and
 ``[DONE]``, or a 503 body; their engine requests are aborted through the Frontend),
-and only then stops hypercorn and exits 0. A second signal stops at once.
+and only then stops hypercorn and exits 0. A second signal stops at once. The drain waits
+for responses still sending too (a slow reader's backlog), and at its deadline cuts every
+write that waits on a client (``timeouts.py``): ``--drain-timeout`` bounds the whole
+shutdown, not the clients' ``--stream-timeout``.
 
 Engine death (a child process exits, an actor raises): every live request has already
 failed with ``engine_dead`` (``AsyncEngine.mark_dead``). With ``--on-engine-death exit``

@@ -83,14 +83,17 @@ def watch_writes(client: Any, on_progress: Callable[[], None] | None = None,
     ``client``), for the ``with`` block; a dummy when the client is unknown."""
     watch = WriteWatch(on_progress)
     key = tuple(client) if client else None
-    if key is None or key in _watches:
+    if key is None:
         yield watch
         return
+    # The newest response on a connection is the one writing (a finished one may still
+    # be cleaning up while the next request on the connection starts).
     _watches[key] = watch
     try:
         yield watch
     finally:
-        _watches.pop(key, None)
+        if _watches.get(key) is watch:
+            del _watches[key]
 
 
 def set_write_timeout(config: Any, seconds: float | None, cut: trio.Event | None = None,
