@@ -22,8 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
+import trio.testing
 from helpers import build_tiny_model, sse_events
 from test_server import ServerProcess, http, metrics
+
+from actorllm.engine.async_engine import AsyncEngine
+from actorllm.topology.supervisor import LATE_AFTER
 
 CONTEXT = 1024
 GUARD = 60.0  # seconds: only ever a guard against a hang
@@ -300,3 +305,53 @@ def test_stalled_readers_do_not_hold_the_shutdown_past_the_drain_timeout(
     log = srv.stderr()
     # A cut client is one line at most, never a traceback per cut.
     assert "unhandled error" not in log and "Traceback" not in log, log[-3000:]
+
+
+class _Child:
+    def __init__(self, role: str, last_heard: float) -> None:
+        self.role, self.last_heard, self.proc, self.ready = role, last_heard, object(), True
+        self.exited = trio.Event()
+
+
+class _Supervisor:
+    def __init__(self, children: list[_Child]) -> None:
+        self.children = {c.role: c for c in children}
+        self.stopping, self.ticked = False, trio.current_time()
+
+
+class _Engine:
+    alive = True
+
+    def __init__(self, supervisor: _Supervisor) -> None:
+        self.supervisor = supervisor
+
+
+async def test_late_heartbeats_are_judged_on_trios_clock(mock_clock: trio.testing.MockClock,
+                                                         ) -> None:
+    unresponsive = AsyncEngine.unresponsive.fget
+    assert unresponsive is not None
+    engine_child = _Child("engine", trio.current_time())
+    sup = _Supervisor([engine_child, _Child("detokenizer", trio.current_time())])
+    eng = _Engine(sup)
+    mock_clock.jump(LATE_AFTER * 0.9)
+    sup.ticked = trio.current_time()
+    assert unresponsive(eng) is None  # a beat or so late: not yet
+    mock_clock.jump(LATE_AFTER * 0.2)
+    sup.ticked = trio.current_time()
+    sup.children["detokenizer"].last_heard = trio.current_time()
+    late = unresponsive(eng)
+    assert late is not None and "engine process" in late  # names the silent one
+    # This loop itself stalled (its own tick is old): the beats may wait unread.
+    mock_clock.jump(LATE_AFTER * 2)
+    assert unresponsive(eng) is None
+    sup.ticked = trio.current_time()
+    assert unresponsive(eng) is not None
+    # It beats again: healthy.
+    engine_child.last_heard = sup.children["detokenizer"].last_heard = trio.current_time()
+    assert unresponsive(eng) is None
+    # A child that exited is the supervisor's death path, not lateness.
+    mock_clock.jump(LATE_AFTER * 2)
+    sup.ticked = trio.current_time()
+    for child in sup.children.values():
+        child.exited.set()
+    assert unresponsive(eng) is None
