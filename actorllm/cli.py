@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Any
 
+from actorllm.cli_checks import flag_error
 from actorllm.cli_flags import build_parser
 
 EXIT_USAGE = 2
@@ -269,6 +270,9 @@ def openmp_defaults(environ: dict[str, str] | os._Environ[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``actorllm`` console script."""
     args = build_parser().parse_args(argv)
+    if (problem := flag_error(args)) is not None:  # before logging, and the model, load
+        sys.stderr.write(f"actorllm: error: {problem}\n")
+        return EXIT_USAGE
     openmp_defaults(os.environ)  # torch is not imported yet (its modules load lazily)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -197,24 +197,14 @@ def sampling_defaults(generation_config: Mapping[str, object]) -> dict[str, obje
 
 
 def model_context_limit(text_config: Mapping[str, object]) -> int:
-    """The longest context the model serves by default.
+    """The longest context the model serves by default: its ``max_position_embeddings``.
 
-    A windowed model is capped at its window by default (inside it, windowed and full
-    attention are the same thing); an explicit ``--max-model-len`` may go past it, up to
-    ``max_position_embeddings``, since the attention op applies the window. A window counts
-    unless the config turns it off (Qwen2's ``use_sliding_window: false``) or names no
-    sliding layer in ``layer_types``.
+    A sliding window does not shorten it: the attention ops apply the window themselves
+    (the torch reference, the CPU decode kernel and the CUDA kernels all take
+    ``sliding_window``), so a windowed model serves every position it has, each query
+    seeing its last ``sliding_window`` keys, as transformers computes it.
     """
-    limit = int(text_config.get("max_position_embeddings", 2048))  # type: ignore[call-overload]
-    window = text_config.get("sliding_window")
-    layer_types = text_config.get("layer_types")
-    if (
-        window
-        and text_config.get("use_sliding_window", True) is not False
-        and (not isinstance(layer_types, list) or "sliding_attention" in layer_types)
-    ):
-        limit = min(limit, int(window))  # type: ignore[call-overload]
-    return limit
+    return int(text_config.get("max_position_embeddings", 2048))  # type: ignore[call-overload]
 
 
 def eos_ids(generation_config: Mapping[str, object],
@@ -233,12 +223,29 @@ def eos_ids(generation_config: Mapping[str, object],
 
 def _read_json(file: Path) -> dict[str, object]:
     try:
-        data = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        text = file.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read {file}: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"cannot read {file}: not a JSON object")
+        raise ValueError(f"{file}: not a JSON object")
     return data
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, object]:
+    """``model_dir/config.json`` as a dict; a one-line ValueError if the directory or the
+    file is missing or is not a JSON object. The one reader of that file: the model loader
+    (:func:`actorllm.model.loader.load_config`) and :func:`read_model_info` both use it."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"model directory {str(path)!r} does not exist or is not a directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model directory {str(path)!r} has no config.json")
+    return _read_json(config_file)
 
 
 def tensor_parallel_problem(size: int, heads: int, kv_heads: int,
@@ -261,7 +268,7 @@ def check_tensor_parallel_size(model_dir: str | Path, size: int) -> None:
     """The same check as the runner's, from config.json alone (no torch): ValueError."""
     if size == 1:
         return
-    cfg = _read_json(Path(model_dir) / "config.json")
+    cfg = read_config_json(model_dir)
     text_cfg = cfg.get("text_config", cfg)
     assert isinstance(text_cfg, dict)
     try:
@@ -278,28 +285,20 @@ def check_tensor_parallel_size(model_dir: str | Path, size: int) -> None:
 def read_model_info(model_dir: str | Path, max_model_len: int | None = None) -> ModelInfo:
     """Read config.json and generation_config.json; ValueError with a one-line reason."""
     path = Path(model_dir)
-    if not path.is_dir():
+    if not path.is_dir():  # (the CLI's and the server's first check: a short message)
         raise ValueError(f"model directory not found: {path}")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"not a model directory (no config.json): {path}")
-    cfg = _read_json(cfg_file)
+    cfg = read_config_json(path)
     text_cfg = cfg.get("text_config", cfg)
     assert isinstance(text_cfg, dict)
     gen_file = path / "generation_config.json"
     gen = _read_json(gen_file) if gen_file.is_file() else {}
     limit = model_context_limit(text_cfg)
     if max_model_len is not None:
-        # Sliding windows are implemented (the attention op's sliding_window), so an explicit
-        # --max-model-len may reach past the window, up to the position limit; by default
-        # the context stays within the window, as before.
-        positions = int(text_cfg.get("max_position_embeddings", limit))  # type: ignore[call-overload]
-        if max_model_len > max(limit, positions):
-            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
-                             f"{max(limit, positions)}")
+        if max_model_len > limit:
+            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's {limit}")
         limit = max_model_len
     if not isinstance(text_cfg.get("vocab_size"), int):
-        raise ValueError(f"{cfg_file}: no vocab_size: not a language model's config")
+        raise ValueError(f"{path / 'config.json'}: no vocab_size: not a language model's config")
     return ModelInfo(
         path=str(path),
         vocab_size=int(text_cfg["vocab_size"]),  # type: ignore[call-overload]

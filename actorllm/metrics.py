@@ -7,20 +7,86 @@ renders the registry at ``/metrics`` with the ``actorllm:`` prefix.
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 # Tokens: a reader's lag, and how many tokens one read (one SSE event) carries.
 _TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                     60.0, 120.0)
 
+#: A step's phases, in the order a token meets them (``actorllm:step_phase_seconds``), and
+#: the ``SchedulerStats`` field each is read from; ``route`` (the Frontend's handling of an
+#: ``OutputBatch``), ``http_render`` (SSE chunks rendered and encoded) and ``http_write``
+#: (the response's sends, as ``socket_blocked_seconds``: a write the socket takes at once
+#: never yields, see server/timeouts.py) are counted where they happen.
+PHASES: tuple[tuple[str, str | None], ...] = (
+    ("plan", "plan_s"), ("pack", "pack_s"), ("forward", "forward_s"), ("sample", "sample_s"),
+    ("commit", "commit_s"), ("detokenize", "detokenize_s"), ("route", None),
+    ("http_render", None), ("http_write", None))
+
+
+class StepHistogram:
+    """A histogram the Frontend observes many times per step (per request per step), so
+    its ``observe`` must cost next to nothing: a bisect and two additions, no lock (one
+    trio thread writes it; a scrape reads a copy). Scraped as a plain Prometheus histogram
+    of the same name, buckets and samples as ``prometheus_client.Histogram``'s."""
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float],
+                 registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        self.bounds = [float(b) for b in buckets]
+        if self.bounds[-1] != math.inf:
+            self.bounds.append(math.inf)
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        """One observation (``value <= bound`` falls in that bound's bucket, as in
+        prometheus_client)."""
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def collect(self) -> Iterator[Metric]:
+        counts, total = list(self.counts), self.sum
+        cumulative, buckets = 0, []
+        for bound, n in zip(self.bounds, counts, strict=True):
+            cumulative += n
+            buckets.append((floatToGoString(bound), cumulative))
+        yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets,
+                                    sum_value=total)
+
+    def describe(self) -> Iterator[Metric]:
+        yield HistogramMetricFamily(self.name, self.documentation)
+
 
 class EngineMetrics:
+    """The engine's series, in one registry of their own (``registry``)."""
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         p = "actorllm:"
+        self._request_series(r, p)
+        self._engine_series(r, p)
+        self._flow_series(r, p)
+        self._replica_series(r, p)
+        self._replica_totals: dict[tuple[int, str], float] = {}
+        self._totals = {"steps": 0.0, "forward_s": 0.0, "sample_s": 0.0,
+                        "num_preemptions": 0.0, "prefix_cache_queries": 0.0,
+                        "prefix_cache_hits": 0.0, "late_results_dropped": 0.0,
+                        "seq_steps": 0.0}
+        self._phase_totals = {field: 0.0 for _, field in PHASES if field}
+        self.arrivals = 0
+
+    def _request_series(self, r: CollectorRegistry, p: str) -> None:
+        """Requests, tokens, latencies and mailboxes."""
         self.num_requests_running = Gauge(p + "num_requests_running", "Sequences running",
                                           registry=r)
         self.num_requests_waiting = Gauge(p + "num_requests_waiting", "Sequences waiting",
@@ -42,8 +108,9 @@ class EngineMetrics:
                                             registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between tokens",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = StepHistogram(p + "inter_token_latency_seconds", "Time between tokens "
+                                 "(a step that brings a request k tokens observes its gap / k "
+                                 "once)", buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to final output",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram(p + "request_queue_time_seconds",
@@ -53,13 +120,29 @@ class EngineMetrics:
                                    registry=r)
         self.mailbox_high_water = Gauge(p + "mailbox_high_water", "Most messages ever waiting",
                                         ["mailbox"], registry=r)
-        # The Scheduler's running totals (SchedulerStats), as counters: what the engine
-        # did and how long the Worker was busy doing it (a benchmark's idle-gap figure).
+
+    def _engine_series(self, r: CollectorRegistry, p: str) -> None:
+        """The Scheduler's running totals (``SchedulerStats``), as counters: what the engine
+        did and how long the Worker was busy doing it (a benchmark's idle-gap figure)."""
         self.engine_steps = Counter(p + "engine_steps", "Steps the Worker ran", registry=r)
         self.worker_forward_seconds = Counter(p + "worker_forward_seconds",
                                               "Worker time in forward passes", registry=r)
         self.worker_sample_seconds = Counter(p + "worker_sample_seconds",
                                              "Worker time in sampling", registry=r)
+        # Host cost per step (issue 28): each phase's seconds, summed over steps, and the
+        # sequence-steps they served, so seconds / sequence-steps is a phase's cost per
+        # sequence per step. Every actor times a step once (a perf_counter pair), never
+        # per token.
+        self.step_phase_seconds = Counter(
+            p + "step_phase_seconds", "Time in each phase of a step, summed over steps: "
+            "plan, pack, forward, sample, commit (Scheduler and Worker), detokenize, route "
+            "(the Frontend's handling of an output batch), http_render (SSE chunks rendered "
+            "and encoded), http_write (HTTP sends, with any wait for a slow client)",
+            ["phase"], registry=r)
+        self.phase = {name: self.step_phase_seconds.labels(phase=name) for name, _ in PHASES}
+        self.engine_sequence_steps = Counter(
+            p + "engine_sequence_steps", "Sequences in the steps the Worker ran, summed (a "
+            "sequence in one step is one sequence-step)", registry=r)
         self.num_preemptions = Counter(p + "num_preemptions", "Sequences preempted",
                                        registry=r)
         # Tokens looked up in the prefix cache at admissions, and found (vLLM's names).
@@ -70,11 +153,14 @@ class EngineMetrics:
         self.late_results_dropped = Counter(
             p + "late_results_dropped", "Step results the Scheduler dropped (for sequences "
             "that had ended, or stale)", registry=r)
-        # Slow readers (the Frontend's flow control; docs/architecture.md).
-        self.consumer_lag = Histogram(p + "consumer_lag_tokens", "Tokens generated and not "
-                                      "yet read by the client, at each new token",
-                                      buckets=_TOKEN_BUCKETS, registry=r)
-        self.tokens_per_output_event = Histogram(
+
+    def _flow_series(self, r: CollectorRegistry, p: str) -> None:
+        """Slow readers (the Frontend's flow control; docs/architecture.md)."""
+        self.consumer_lag = StepHistogram(
+            p + "consumer_lag_tokens", "Tokens generated and not yet read by the client, "
+            "observed per request at each step that brings it tokens (once per token when "
+            "a step brings one)", buckets=_TOKEN_BUCKETS, registry=r)
+        self.tokens_per_output_event = StepHistogram(
             p + "tokens_per_output_event", "Tokens merged into one read (one SSE event)",
             buckets=_TOKEN_BUCKETS[1:], registry=r)
         self.pending_output_bytes = Gauge(p + "pending_output_bytes",
@@ -97,7 +183,9 @@ class EngineMetrics:
             "without a read", registry=r)
         self.num_requests_paused = Gauge(p + "num_requests_paused", "Sequences paused",
                                          registry=r)
-        # Data parallelism: each replica's figures, labelled (the series above are totals).
+
+    def _replica_series(self, r: CollectorRegistry, p: str) -> None:
+        """Data parallelism: each replica's figures, labelled (the other series are totals)."""
         self.replica_num_requests_running = Gauge(
             p + "replica_num_requests_running", "Sequences running, per replica",
             ["replica"], registry=r)
@@ -122,11 +210,6 @@ class EngineMetrics:
             ["replica"], registry=r)
         self.replica_deaths = Counter(p + "replica_deaths", "Replicas whose process died "
                                       "while the others served on", registry=r)
-        self._replica_totals: dict[tuple[int, str], float] = {}
-        self._totals = {"steps": 0.0, "forward_s": 0.0, "sample_s": 0.0,
-                        "num_preemptions": 0.0, "prefix_cache_queries": 0.0,
-                        "prefix_cache_hits": 0.0, "late_results_dropped": 0.0}
-        self.arrivals = 0
 
     def on_stats(self, stats: Any) -> None:
         """Advance the counters to a ``SchedulerStats``' running totals."""
@@ -136,11 +219,18 @@ class EngineMetrics:
                               ("num_preemptions", self.num_preemptions),
                               ("prefix_cache_queries", self.prefix_cache_queries),
                               ("prefix_cache_hits", self.prefix_cache_hits),
-                              ("late_results_dropped", self.late_results_dropped)):
+                              ("late_results_dropped", self.late_results_dropped),
+                              ("seq_steps", self.engine_sequence_steps)):
             value = float(getattr(stats, name))
             if value > self._totals[name]:  # totals only grow within one Scheduler
                 counter.inc(value - self._totals[name])
                 self._totals[name] = value
+        for phase, field in PHASES:
+            if field is not None:
+                value = float(getattr(stats, field))
+                if value > self._phase_totals[field]:
+                    self.phase[phase].inc(value - self._phase_totals[field])
+                    self._phase_totals[field] = value
         self.num_requests_paused.set(getattr(stats, "num_paused", 0))
 
     def on_replica_stats(self, stats: Any, outstanding: int, routed: int, up: bool) -> None:

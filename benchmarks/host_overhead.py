@@ -20,12 +20,16 @@ pinning and ``vllm bench serve`` client; imported, not copied):
 2. Serving at rate inf, completions and chat, actorllm ``single`` and ``engine`` against
    vLLM, with ``vllm bench serve`` (same workload).
 3. The engine's own breakdown per step, in microseconds per sequence per step, from the
-   timers it keeps: offline from ``engine.frontend.stats`` (every ``*_s`` field of
-   ``SchedulerStats``), serving from the differences of the server's ``actorllm:*_seconds``
-   counters over each scenario. One generated token is one sequence-step, so a timer's
-   share is ``seconds / output tokens``. Today the engine keeps forward and sample; the
-   rest of :data:`STAGES` (plan, pack, commit, detokenize, route, render) shows ``-``
-   until a timer of that name exists, and then appears with no change here.
+   timers it keeps (one ``perf_counter`` pair per step per actor): offline from
+   ``engine.frontend.stats`` (the ``*_s`` fields of ``SchedulerStats``: plan, pack,
+   forward, sample, commit, detokenize) and ``engine.frontend.route_s``; serving from the
+   differences of the server's ``actorllm:step_phase_seconds_total{phase=...}`` counters
+   over each scenario (those, ``http_render`` and ``http_write``). A timer's share is
+   ``seconds / sequence-steps`` (``SchedulerStats.seq_steps``,
+   ``actorllm:engine_sequence_steps_total``: the rows of every step; the output tokens
+   where that is missing). An HTTP write the socket takes at once never yields to the
+   event loop (server/timeouts.py), so its wall time is its cost; one that waits for a
+   slow client counts the wait too.
 
 Results: ``benchmarks/results/host_overhead.{json,md}`` (``--out`` elsewhere).
 Targets (issue 28): offline >= 4x vLLM; serving at rate inf >= 1.5x vLLM in both
@@ -63,18 +67,22 @@ MODEL_SHAPE: dict[str, int] = {"num_hidden_layers": 1, "hidden_size": 64,
                                "vocab_size": 4096, "max_position_embeddings": 512}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 # A step's stages in the order a token meets them, and the timer each is read from: a
-# SchedulerStats field offline, an ``actorllm:<name>_seconds_total`` counter when serving.
-# Stages whose timer the engine does not keep yet show "-".
+# SchedulerStats field (or the Frontend's route_s) offline, the
+# ``actorllm:step_phase_seconds_total`` series of that phase when serving. A stage with no
+# timer in a run (HTTP offline) shows "-".
 STAGES: tuple[tuple[str, str, str], ...] = (
-    ("plan", "plan_s", "scheduler_plan"),
-    ("pack", "pack_s", "worker_pack"),
-    ("forward", "forward_s", "worker_forward"),
-    ("sample", "sample_s", "worker_sample"),
-    ("commit", "commit_s", "scheduler_commit"),
-    ("detokenize", "detokenize_s", "detokenizer"),
-    ("route outputs", "route_s", "frontend_route"),
-    ("HTTP render + write", "render_s", "http_render"),
+    ("plan", "plan_s", "plan"),
+    ("pack", "pack_s", "pack"),
+    ("forward", "forward_s", "forward"),
+    ("sample", "sample_s", "sample"),
+    ("commit", "commit_s", "commit"),
+    ("detokenize", "detokenize_s", "detokenize"),
+    ("route outputs", "route_s", "route"),
+    ("HTTP render", "render_s", "http_render"),
+    ("HTTP write", "write_s", "http_write"),
 )
+PHASE_SERIES = 'actorllm:step_phase_seconds_total{{phase="{}"}}'
+SEQ_STEPS_SERIES = "actorllm:engine_sequence_steps_total"
 BREAKDOWN_CLIENT = "bench-serve-breakdown"
 TARGETS = {"offline": 4.0, "serving": 1.5, "ttft": 1.0, "host_us": 10.0}
 
@@ -155,7 +163,9 @@ def offline_child(spec: dict[str, Any]) -> None:
             stats = engine.frontend.stats
             timed["timers_s"] = {f.name: getattr(stats, f.name)
                                  for f in attrs.fields(type(stats)) if f.name.endswith("_s")}
+            timed["timers_s"]["route_s"] = engine.frontend.route_s
             timed["steps"] = stats.steps
+            timed["seq_steps"] = stats.seq_steps
             timed["results"] = results
 
     trio.run(go)
@@ -166,22 +176,26 @@ def offline_child(spec: dict[str, Any]) -> None:
     out = {**timed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
            "requests_per_s": len(results) / elapsed, "num_errors": len(errors),
            "errors": errors[:5], "topology": "single",
-           "breakdown_us": breakdown(timed["timers_s"], elapsed, tokens, timed["steps"]),
+           "breakdown_us": breakdown(timed["timers_s"], elapsed, tokens, timed["steps"],
+                                     timed["seq_steps"]),
            "sampling": {**serving.OFFLINE_SAMPLING, "ignore_eos": True}}
     Path(spec["out"]).write_text(json.dumps(out, indent=2) + "\n")
 
 
-def breakdown(timers_s: dict[str, float], wall_s: float, tokens: int, steps: int
-              ) -> dict[str, Any]:
+def breakdown(timers_s: dict[str, float], wall_s: float, tokens: int, steps: int,
+              seq_steps: int = 0) -> dict[str, Any]:
     """Microseconds per sequence per step: each stage's timer, the wall time, and the host
-    time outside the forward (wall minus forward)."""
-    per = 1e6 / tokens if tokens else math.nan
+    time outside the forward (wall minus forward). ``seq_steps``: the sequences of every
+    step, summed (0: unknown, the output ``tokens`` stand in)."""
+    rows = seq_steps or tokens
+    per = 1e6 / rows if rows else math.nan
     stages = {name: (round(timers_s[key] * per, 2) if key in timers_s else None)
               for name, key, _ in STAGES}
     forward = timers_s.get("forward_s", 0.0)
     return {"stages": stages, "wall": round(wall_s * per, 2),
             "outside_forward": round((wall_s - forward) * per, 2),
-            "sequences_per_step": round(tokens / steps, 1) if steps else None}
+            "sequences_per_step": round(rows / steps, 1) if steps else None,
+            "sequence_steps": rows}
 
 
 # --- serving -------------------------------------------------------------------------------------
@@ -213,9 +227,10 @@ def served_breakdowns() -> dict[str, dict[str, Any]]:
         moved = seen["moved"]
         tokens = moved.get("actorllm:generation_tokens_total", 0.0)
         steps = moved.get("actorllm:engine_steps_total", 0.0)
-        timers = {key: moved[f"actorllm:{metric}_seconds_total"]
-                  for _, key, metric in STAGES if f"actorllm:{metric}_seconds_total" in moved}
-        row = breakdown(timers, float(seen["duration_s"] or 0.0), int(tokens), int(steps))
+        timers = {key: moved[PHASE_SERIES.format(phase)]
+                  for _, key, phase in STAGES if PHASE_SERIES.format(phase) in moved}
+        row = breakdown(timers, float(seen["duration_s"] or 0.0), int(tokens), int(steps),
+                        int(moved.get(SEQ_STEPS_SERIES, 0.0)))
         out.setdefault(seen["server"], {})[seen["scenario"]] = row
     return out
 
@@ -359,8 +374,8 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{fmt(peer_row.get('median_ttft_ms'))} | "
                          f"{fmt(ratio.get('median_ttft_ms'), 2)} |")
     lines += ["", "## The engine's breakdown, us per sequence per step", "",
-              "From the engine's own timers (one generated token = one sequence-step); `-`: "
-              "the engine keeps no timer for that stage yet.", ""]
+              "From the engine's own timers (one sequence in one step = one sequence-step); "
+              "`-`: no timer for that stage in that run.", ""]
     columns: list[tuple[str, dict[str, Any]]] = []
     if off:
         columns.append(("offline", off["actorllm"]["breakdown_us"]))

@@ -30,7 +30,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-FAMILIES = ["llama", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "olmo2", "mixtral"]
+FAMILIES = ["llama", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "olmo2", "mixtral",
+            "qwen3_moe"]
 NATIVE = {"llama", "qwen3", "mistral"}
 
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import build_model
 
 from actorllm.wire.messages import NewSeqData, SamplingParams, ScheduledSeq, StepPlan
-from actorllm.worker.actor import ModelRunner
+from actorllm.worker.runner import ModelRunner
 
 SEQS, CONTEXT, BLOCKS_PER_SEQ = 32, 300, 40
 
@@ -34,11 +34,12 @@ def main() -> None:
     def table(i: int) -> tuple[int, ...]:
         return tuple(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ))
 
-    runner.execute(StepPlan(0, tuple(
+    runner.execute(StepPlan.of_rows(0, tuple(
         ScheduledSeq(f"s{i}", prompt, 0, table(i), True, NewSeqData(params, prompt))
         for i in range(SEQS))))
-    decode = StepPlan(1, tuple(ScheduledSeq(f"s{i}", (7,), CONTEXT, table(i), True)
-                               for i in range(SEQS)))
+    # Every table was sent with the prefill: a decode row carries no new blocks.
+    decode = StepPlan.of_rows(1, tuple(ScheduledSeq(f"s{i}", (7,), CONTEXT, (), True)
+                                       for i in range(SEQS)))
     for _ in range(3):
         runner.execute(decode)
     with profile(activities=[ProfilerActivity.CPU]) as prof:

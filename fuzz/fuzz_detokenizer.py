@@ -25,7 +25,8 @@ import tokenizers
 from _harness import main
 
 from actorllm.config import default_model_dir
-from actorllm.detokenizer.actor import Detokenizer, hf_decode_fn
+from actorllm.detokenizer.actor import Detokenizer
+from actorllm.detokenizer.decoding import hf_decode_fn
 from actorllm.wire.messages import DetokSetup, RequestFinished, StopMatched, TextDelta, TokenOut
 
 NAME = "detokenizer"

@@ -100,7 +100,7 @@ async def engine(resources: Resources) -> AsyncIterator[AsyncEngine]:
         # A dead engine fails its requests rather than draining them; the tests that
         # kill it check that themselves.
         if not eng.died.is_set():
-            assert await eng.wait_drained(5.0) == []
+            assert await eng.wait_drained(30.0) == []
 
 
 @pytest.fixture

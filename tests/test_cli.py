@@ -16,7 +16,7 @@ def actorllm(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[st
                           text=True, timeout=timeout)
 
 
-def test_help_is_instant_and_imports_no_torch() -> None:
+def test_help_imports_neither_torch_nor_transformers() -> None:
     code = ("import sys\nfrom actorllm.cli import build_parser\n"
             "try:\n    build_parser().parse_args(['--help'])\nexcept SystemExit:\n    pass\n"
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n")
@@ -101,6 +101,53 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("actorllm: error:"), out.stderr
     assert message in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["serve", "--trace", "/nonexistent/t.jsonl"],
+         "--trace /nonexistent/t.jsonl: the directory /nonexistent does not exist"),
+        (["run", "x", "--trace", "/"], "--trace /: is a directory"),
+        (["serve", "--log-level", "LOUD"], "--log-level must be one of"),
+        (["replica", "--log-level", "LOUD"], "--log-level must be one of"),
+        (["serve", "--max-request-bytes", "-1"], "--max-request-bytes must be positive, got -1"),
+        (["serve", "--max-request-bytes", "0"], "--max-request-bytes must be positive, got 0"),
+        (["serve", "--drain-timeout", "-1"], "--drain-timeout must be 0 or more, got -1.0"),
+        (["serve", "--max-pending", "0"], "--max-pending must be positive, got 0"),
+        (["serve", "--body-timeout", "nan"], "--body-timeout must be 0 or more, got nan"),
+    ],
+)
+def test_bad_flags_are_refused_before_the_model_loads(args: list[str], message: str) -> None:
+    # Each would otherwise load the model first (or serve with a useless limit); here the
+    # model is one that cannot load, so only a check before loading can give this line.
+    out = actorllm(*args, "--model", "/nonexistent/model", timeout=60)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert lines == [f"actorllm: error: {lines[0].removeprefix('actorllm: error: ')}"]
+    assert message in lines[0], lines
+
+
+def test_a_missing_tokenizer_is_one_whole_line(tmp_path: Path) -> None:
+    from actorllm.config import default_model_dir
+
+    model = tmp_path / "no-tokenizer"
+    model.mkdir()
+    (model / "config.json").write_bytes((default_model_dir() / "config.json").read_bytes())
+    out = actorllm("run", "x", "--model", str(model))
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"actorllm: error: cannot load a tokenizer from {model}: "), out.stderr
+    assert not lines[0].rstrip().endswith(":"), lines  # the reason is all there
+
+
+def test_a_prompt_longer_than_the_context_is_said_plainly(tiny_llama_dir: Path) -> None:
+    out = actorllm("run", "word " * 40, "--model", str(tiny_llama_dir), "--max-model-len", "10")
+    assert "maximum context length is 10 tokens" in out.stderr, out.stderr
+    assert "the prompt alone has" in out.stderr and "more than the context holds" \
+        in out.stderr, out.stderr
+    assert "-" not in out.stderr.split("maximum context length")[1].split(".")[1], out.stderr
 
 
 @pytest.mark.parametrize(("command", "serving"), [("serve", True), ("run", False)])

@@ -9,6 +9,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sim.profiles import examples
 
 from actorllm.wire import codec, messages
 from actorllm.wire.messages import MESSAGE_TYPES
@@ -51,7 +52,7 @@ def message_strategy(cls: type) -> st.SearchStrategy[typing.Any]:
 
 @pytest.mark.parametrize("cls", MESSAGE_TYPES, ids=lambda c: c.__name__)
 def test_every_message_type_round_trips(cls: type) -> None:
-    @settings(max_examples=60, deadline=None)
+    @settings(max_examples=examples(60), deadline=None)
     @given(message_strategy(cls))
     def check(msg: typing.Any) -> None:
         back = codec.decode(codec.encode(msg))
@@ -61,7 +62,7 @@ def test_every_message_type_round_trips(cls: type) -> None:
     check()
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(st.binary(max_size=200))
 def test_arbitrary_bytes_decode_to_a_message_or_codec_error(data: bytes) -> None:
     try:
@@ -71,7 +72,7 @@ def test_arbitrary_bytes_decode_to_a_message_or_codec_error(data: bytes) -> None
     assert type(msg) in MESSAGE_TYPES
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.recursive(st.none() | st.booleans() | _ints | _floats | st.text(max_size=8),
                     lambda inner: st.lists(inner, max_size=4), max_leaves=20),
        st.sampled_from([c.__name__ for c in MESSAGE_TYPES]))
@@ -83,6 +84,59 @@ def test_structured_garbage_is_rejected_with_codec_error(fields: typing.Any, nam
     except codec.CodecError:
         return
     assert type(msg).__name__ == name
+    # What the decoder let through is a message of exactly its declared field types, all
+    # the way down (checked here against the annotations, not by the codec's own code).
+    assert _conforms(msg, type(msg)), msg
+    assert codec.decode(codec.encode(msg)) == msg
+
+
+def _conforms(value: typing.Any, hint: typing.Any) -> bool:
+    """Whether ``value`` is exactly of the annotated type (``bool`` is not an ``int``)."""
+    origin = typing.get_origin(hint)
+    if hint is type(None):
+        return value is None
+    if hint in (bool, int, str, float):
+        return type(value) is hint
+    if attrs.has(hint):
+        if type(value) is not hint:
+            return False
+        hints = typing.get_type_hints(hint, vars(messages))
+        return all(_conforms(getattr(value, f.name), hints[f.name])
+                   for f in attrs.fields(hint))
+    if origin in (typing.Union, __import__("types").UnionType):
+        return any(_conforms(value, a) for a in typing.get_args(hint))
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if type(value) is not tuple:
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_conforms(v, args[0]) for v in value)
+        return len(value) == len(args) and all(map(_conforms, value, args))
+    raise TypeError(hint)
+
+
+def _wrong_value(hint: typing.Any) -> typing.Any:
+    """A value of a type ``hint`` does not allow: None, or a map (no field is a map)."""
+    return {"a": 1} if _conforms(None, hint) else None
+
+
+@pytest.mark.parametrize("cls", MESSAGE_TYPES, ids=lambda c: c.__name__)
+def test_a_field_of_the_wrong_type_is_a_codec_error(cls: type) -> None:
+    # Each field in turn, in an otherwise valid message, gets a value of a type its
+    # annotation does not allow: the frame is refused, naming no crash but CodecError.
+    @settings(max_examples=examples(10), deadline=None)
+    @given(message_strategy(cls), st.data())
+    def check(msg: typing.Any, data: st.DataObject) -> None:
+        wire = msgpack.unpackb(codec.encode(msg), strict_map_key=False)
+        hints = typing.get_type_hints(cls, vars(messages))
+        names = [f.name for f in attrs.fields(cls)]
+        i = data.draw(st.integers(0, len(names) - 1), label="field")
+        fields = list(wire[1][1])
+        fields[i] = _wrong_value(hints[names[i]])
+        with pytest.raises(codec.CodecError):
+            codec.decode(msgpack.packb([wire[0], [wire[1][0], fields]]))
+
+    check()
 
 
 def test_wrong_field_type_is_rejected() -> None:
@@ -109,3 +163,42 @@ def test_unhashable_garbage_in_a_union_field_is_rejected() -> None:
     assert len(fields) == len(attrs.fields(messages.TokenOut))  # fails on the union, not arity
     with pytest.raises(codec.CodecError, match="matches no type"):
         codec.decode(msgpack.packb([codec.VERSION, ["TokenOut", fields]]))
+
+
+# --- the columnar step messages: whole plans and results, consistent across columns ---
+
+_rows = st.lists(st.builds(
+    messages.ScheduledSeq,
+    rid=st.text(max_size=6),
+    token_ids=st.lists(st.integers(-1, 2**31), min_size=1, max_size=5).map(tuple),
+    start_pos=st.integers(0, 2**20),
+    new_blocks=st.lists(st.integers(0, 2**20), max_size=4).map(tuple),
+    sample=st.booleans(),
+    new=st.none() | message_strategy(messages.NewSeqData),
+    prompt_logprobs_from=st.none() | st.integers(1, 2**20),
+), max_size=6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_rows, st.lists(st.text(max_size=4), max_size=3).map(tuple), st.data())
+def test_a_columnar_plan_and_its_result_round_trip(rows: list[typing.Any],
+                                                   drop: tuple[str, ...],
+                                                   data: st.DataObject) -> None:
+    plan = messages.StepPlan.of_rows(7, rows, drop)
+    back = codec.decode(codec.encode(plan))
+    assert back == plan and back.seqs == tuple(rows) and back.drop == drop
+    # Sparse per-request data stay sparse: one entry per row that has it.
+    assert len(plan.new) == sum(r.new is not None for r in rows)
+    assert len(plan.lp_rows) == sum(r.prompt_logprobs_from is not None for r in rows)
+    n = sum(r.sample for r in rows)
+    tokens = data.draw(st.lists(st.integers(0, 2**31), min_size=n, max_size=n))
+    asked = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    lp_rows = tuple(j for j in range(n) if asked[j])
+    lps = tuple(messages.TokenLogprob(tokens[j], -1.0 * j) for j in lp_rows)
+    result = messages.StepResult(7, tuple(tokens), logprob_rows=lp_rows, logprobs=lps)
+    again = codec.decode(codec.encode(result))
+    assert again == result
+    sampled = again.sampled(plan)
+    assert [t.rid for t in sampled] == [r.rid for r in rows if r.sample]
+    assert [t.token_id for t in sampled] == tokens
+    assert [t.logprob is not None for t in sampled] == asked

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import hf_greedy, hf_model
+from steps import Plans, execute
 
 from actorllm.model import ForwardBatch
 from actorllm.model.llama import LlamaForCausalLM
@@ -23,7 +24,7 @@ from actorllm.ops import TorchBackend, cpu_step
 from actorllm.ops.cpu_backend import CpuKernelError, build_library
 from actorllm.ops.cpu_step import DecodeStep, load_decode_step, why_not
 from actorllm.wire.messages import NewSeqData, SamplingParams, ScheduledSeq, StepPlan
-from actorllm.worker.actor import ModelRunner
+from actorllm.worker.runner import ModelRunner
 
 BLOCK = 4
 cpu_step.load_op_library()  # raises, saying why, where the op cannot be built here
@@ -101,6 +102,7 @@ def test_the_runner_runs_decode_steps_in_the_op_and_matches_transformers(
               for rid, p in prompts.items()}
     got: dict[str, list[int]] = {rid: [] for rid in prompts}
     before = runner.one_op_steps
+    plans = Plans()
     for step in range(12):
         seqs = []
         for rid, p in prompts.items():
@@ -110,11 +112,11 @@ def test_the_runner_runs_decode_steps_in_the_op_and_matches_transformers(
             else:
                 seqs.append(ScheduledSeq(rid, (got[rid][-1],), len(p) + step - 1,
                                          tuple(tables[rid]), True, None))
-        result = runner.execute(StepPlan(step + 1, tuple(seqs)))
+        result = execute(runner, step + 1, seqs, plans=plans)
         assert result.error is None, result.error
         for t in result.tokens:
             got[t.rid].append(t.token_id)
-    runner.execute(StepPlan(13, (), tuple(prompts)))
+    runner.execute(StepPlan(13, drop=tuple(prompts)))
     assert runner.one_op_steps - before == 11  # every step after the prefill
     assert got == want
 

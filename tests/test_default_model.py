@@ -1,5 +1,9 @@
 """Tests for the embedded default model in ``actorllm/assets/default-model``.
 
+The model's files and quality are checked with transformers; actorllm's engine on it is
+checked against transformers' greedy ``generate``, token for token (prompts as text, as
+token ids and as a chat, several in one batch).
+
 The model is built by ``scripts/train_default_model.py``.  Held-out text: that script writes
 ``heldout_sample.txt``, a few KB of validation docstrings (whole documents excluded from
 training, chosen with the card's seed), into the model directory; the baseline below is a
@@ -13,8 +17,10 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
+import trio
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -162,3 +168,62 @@ def test_generates_text(model: torch.nn.Module,
                          do_sample=False)
     text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     assert sum(c.isalpha() for c in text) > 5
+
+
+PARITY_PROMPTS = ["Return a new list", "def load(path):", "The json module",
+                  "Raise ValueError if"]
+
+
+def _hf_greedy(model: torch.nn.Module, ids: list[int], max_new: int,
+               repetition_penalty: float) -> list[int]:
+    """transformers' greedy continuation, eos ignored; the checkpoint's generation config
+    sets a repetition penalty, so it is named here rather than taken from there."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                                                                            dtype=torch.long),
+                             do_sample=False, max_new_tokens=max_new, eos_token_id=None,
+                             pad_token_id=model.config.eos_token_id,
+                             repetition_penalty=repetition_penalty)
+    return out[0, len(ids):].tolist()  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.2])  # plain greedy, and the model's default
+async def test_actorllm_generates_what_transformers_does_greedily(
+        model: torch.nn.Module, tokenizer: transformers.PreTrainedTokenizerBase,
+        penalty: float) -> None:
+    from actorllm.config import EngineConfig, default_model_dir
+    from actorllm.engine.async_engine import Resources, open_engine
+    from actorllm.llm import collect
+    from actorllm.wire.messages import ChatMessage, SamplingParams
+
+    assert default_model_dir().resolve() == MODEL_DIR.resolve()
+    max_new = 24
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True,
+                            repetition_penalty=penalty)
+    chat = [ChatMessage("user", "What does json.dumps do?")]
+    chat_ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What does json.dumps do?"}],
+        add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    cases: list[tuple[Any, list[int]]] = [
+        *((p, tokenizer(p).input_ids) for p in PARITY_PROMPTS),  # actorllm tokenizes
+        (tokenizer("Parse a").input_ids, tokenizer("Parse a").input_ids),  # ids as given
+        (chat, list(chat_ids)),  # actorllm renders the chat template
+    ]
+    resources = Resources(EngineConfig(model=str(default_model_dir()), num_kv_blocks=128))
+    results: dict[int, Any] = {}
+    async with open_engine(resources.config, resources=resources) as engine:
+
+        async def one(i: int, prompt: Any) -> None:
+            results[i] = await collect(engine, f"parity{i}", prompt, params)
+
+        async with trio.open_nursery() as nursery:  # one batch, not one at a time
+            for i, (prompt, _) in enumerate(cases):
+                nursery.start_soon(one, i, prompt)
+    for i, (prompt, ids) in enumerate(cases):
+        res = results[i]
+        assert res.error is None, (prompt, res.error)
+        assert res.num_prompt_tokens == len(ids), prompt
+        (out,) = res.outputs
+        ref_ids = _hf_greedy(model, ids, max_new, penalty)
+        assert list(out.token_ids) == ref_ids, prompt
+        assert out.text == tokenizer.decode(ref_ids, skip_special_tokens=True), prompt

@@ -7,8 +7,10 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sim.profiles import examples
 
-from actorllm.detokenizer.actor import Detokenizer, IncrementalDecoder, StopMatcher, hf_decode_fn
+from actorllm.detokenizer.actor import Detokenizer
+from actorllm.detokenizer.decoding import IncrementalDecoder, StopMatcher, hf_decode_fn
 from actorllm.wire.mailbox import Mailbox
 from actorllm.wire.messages import (
     DetokSetup,
@@ -47,7 +49,7 @@ def test_deltas_concatenate_to_decode_and_never_split_a_character(
     assert all("\ufffd" not in p for p in parts)
 
 
-@settings(max_examples=150, deadline=None,
+@settings(max_examples=examples(150), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_token_ids_concatenate_to_decode(tiny_tokenizer: Any, data: st.DataObject) -> None:

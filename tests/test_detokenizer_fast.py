@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actorllm.config import default_model_dir
-from actorllm.detokenizer.actor import (
-    Detokenizer,
+from actorllm.detokenizer.actor import Detokenizer
+from actorllm.detokenizer.decoding import (
     IncrementalDecoder,
     StopMatcher,
     TokenizerDecode,

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sim.profiles import examples
 
 from actorllm.lifecycle.invariants import History, check_gather, final_state, first_illegal, fold
 from actorllm.lifecycle.table import ACTORS, IllegalTransition, State, View, load_spec, parse_spec
@@ -124,7 +125,7 @@ actor = "frontend"
         parse_spec(text)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(st.sampled_from(SPEC.events()), max_size=12))
 def test_views_never_accept_what_the_global_table_forbids(events: list[str]) -> None:
     """Firing a legal global history through per-actor views never raises; and a view

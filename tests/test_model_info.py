@@ -35,7 +35,8 @@ from actorllm.wire.messages import GenerateRequest, SamplingParams
 
 @pytest.mark.parametrize(("cfg", "limit"), [
     ({"max_position_embeddings": 64}, 64),
-    ({"max_position_embeddings": 64, "sliding_window": 32}, 32),  # Mistral-7B-v0.1's shape
+    # Windows are the attention op's work, so a windowed model serves all its positions.
+    ({"max_position_embeddings": 64, "sliding_window": 32}, 64),  # Mistral-7B-v0.1's shape
     ({"max_position_embeddings": 64, "sliding_window": None}, 64),
     ({"max_position_embeddings": 64, "sliding_window": 128}, 64),
     # Qwen2 writes a window and turns it off.
@@ -43,10 +44,10 @@ from actorllm.wire.messages import GenerateRequest, SamplingParams
     ({"max_position_embeddings": 64, "sliding_window": 32,
       "layer_types": ["full_attention", "full_attention"]}, 64),
     ({"max_position_embeddings": 64, "sliding_window": 32,
-      "layer_types": ["full_attention", "sliding_attention"]}, 32),
+      "layer_types": ["full_attention", "sliding_attention"]}, 64),
 ])
-def test_context_limit_honours_an_active_sliding_window(cfg: dict[str, object],
-                                                        limit: int) -> None:
+def test_context_limit_is_the_position_limit_window_or_not(cfg: dict[str, object],
+                                                           limit: int) -> None:
     assert model_context_limit(cfg) == limit
 
 
@@ -75,12 +76,15 @@ def _tiny(tmp_path: Path, tokenizer_dir: Path, family: str, gen: dict[str, objec
 
 async def test_a_prompt_past_the_window_is_refused_alone(tmp_path: Path,
                                                          tokenizer_dir: Path) -> None:
-    """The Tokenizer refuses what the Worker would; the step's other sequence is unharmed."""
+    """The Tokenizer refuses what the Worker would; the step's other sequence is unharmed.
+
+    The limit is the position limit (64), not the window (32): windows are the attention
+    op's work."""
     model = _tiny(tmp_path, tokenizer_dir, "mistral", max_position_embeddings=64,
                   sliding_window=32)
-    config = EngineConfig(model=str(model), num_kv_blocks=32, block_size=4)
+    config = EngineConfig(model=str(model), num_kv_blocks=48, block_size=4)
     res = Resources(config)
-    assert res.info.max_model_len == res.runner.max_model_len == 32
+    assert res.info.max_model_len == res.runner.max_model_len == 64
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     async with open_engine(config, resources=res) as engine:
         results = {}
@@ -89,12 +93,15 @@ async def test_a_prompt_past_the_window_is_refused_alone(tmp_path: Path,
             results[name] = await collect(engine, name, ids, greedy)
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(one, "long", [5] * 40)  # fits 64 positions, not the window
+            nursery.start_soon(one, "windowed", [5] * 40)  # past the window, within 64
+            nursery.start_soon(one, "long", [5] * 70)  # past the 64 positions
             nursery.start_soon(one, "short", [5, 6, 7])
         assert await engine.wait_drained() == []
     long, short = results["long"], results["short"]
-    assert long.error is not None and "maximum context length is 32" in long.error, long
+    assert long.error is not None and "maximum context length is 64" in long.error, long
     assert short.error is None and len(short.outputs[0].token_ids) == 4, short
+    windowed = results["windowed"]
+    assert windowed.error is None and len(windowed.outputs[0].token_ids) == 4, windowed
 
 
 async def test_worker_and_scheduler_agree_on_eos(tmp_path: Path, tokenizer_dir: Path) -> None:

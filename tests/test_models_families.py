@@ -50,6 +50,9 @@ def _family(name: str) -> tuple[Any, Any, dict[str, Any]]:
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, dict(
             num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM, dict(sliding_window=WINDOW)),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[])),
     }[name]
 
 
@@ -61,7 +64,12 @@ def build_family(save_dir: Path, name: str, tokenizer_dir: Path, seed: int = 0) 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     save_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(save_dir))
-    config = config_cls(**{**_COMMON, "vocab_size": len(tokenizer), **overrides})
+    kwargs = {**_COMMON, "vocab_size": len(tokenizer), **overrides}
+    if "layer_types" in kwargs:  # the pattern repeats over however many layers there are
+        pattern = kwargs["layer_types"]
+        kwargs["layer_types"] = [pattern[i % len(pattern)]
+                                 for i in range(kwargs["num_hidden_layers"])]
+    config = config_cls(**kwargs)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():  # random biases and norm weights, so that every path matters
@@ -113,7 +121,7 @@ def check_generate(model_dir: Path, prompt_ids: list[list[int]], model_impl: str
         assert max(abs(a - b) for a, b in zip(got, lps, strict=True)) < 1e-4
 
 
-TRANSFORMERS_ONLY = ["gemma2", "gemma3", "phi3", "olmo2", "mixtral"]
+TRANSFORMERS_ONLY = ["gemma2", "gemma3", "phi3", "olmo2", "mixtral", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("family", TRANSFORMERS_ONLY)

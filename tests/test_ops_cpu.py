@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from actorllm.ops import BackendUnavailable, TorchBackend, select_backend
 from actorllm.ops.cpu_backend import CpuBackend, build_kernel, load_cpu_backend
@@ -96,3 +98,72 @@ def test_the_kernel_runs_on_torchs_openmp_runtime_not_a_second_one():
     names = ("libgomp", "libiomp", "libomp")
     runtimes = {line.split()[-1] for line in maps if any(n in line for n in names)}
     assert len(runtimes) == 1, runtimes
+
+
+# ---------------------------------------------------------------------------- window, soft-cap
+
+
+@st.composite
+def featured_decode_batches(draw):
+    """Decode batches with a window (or none) and a soft-cap (or none), around block edges."""
+    block_size = draw(st.sampled_from([8, 16, 32]))
+    edge = st.sampled_from([1, block_size - 1, block_size, block_size + 1, 3 * block_size])
+    lens = draw(st.lists(st.one_of(edge, st.integers(1, 130)), min_size=1, max_size=5))
+    window = draw(st.one_of(st.none(), st.sampled_from([1, 2, block_size - 1, block_size,
+                                                        block_size + 3]),
+                            st.integers(1, 140)))
+    cap = draw(st.one_of(st.none(), st.sampled_from([0.5, 3.0, 30.0, 50.0])))
+    kv_heads = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    head_dim = draw(st.sampled_from([8, 32, 64, 128]))
+    case = make_case([(n, 1) for n in lens], num_heads=group * kv_heads, num_kv_heads=kv_heads,
+                     head_dim=head_dim, block_size=block_size, seed=draw(st.integers(0, 2**16)))
+    case["q"] = case["q"] * draw(st.sampled_from([0.1, 1.0, 6.0]))  # flat to peaked scores
+    return case, window, cap, draw(st.sampled_from([1, 2]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(featured_decode_batches())
+def test_decode_kernel_window_and_softcap_match_torch(example):
+    """The kernel's window and soft-cap against the torch reference (their oracle), over
+    shapes, windows that start mid-block, wider than the context, of one key, and caps
+    from binding to loose."""
+    case, window, cap, threads = example
+    backend = CpuBackend(build_kernel(), num_threads=threads)
+    max_len = int(case["seq_lens"].max())
+    got = backend.paged_attention(**case, max_seqlen_q=1, max_seqlen_k=max_len,
+                                  sliding_window=window, softcap=cap)
+    want = TorchBackend().paged_attention(**case, max_seqlen_q=1, max_seqlen_k=max_len,
+                                          sliding_window=window, softcap=cap)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_decode_kernel_runs_windowed_and_capped_calls_itself(monkeypatch):
+    """A window or a soft-cap is the kernel's work now, not the torch fallback's: the torch
+    decode path is made to fail and the call still answers (as the naive oracle does)."""
+    from tests.test_models_attention import naive
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("took the torch decode path")
+
+    monkeypatch.setattr(TorchBackend, "decode", refuse)
+    case = make_case([(45, 1), (7, 1), (33, 1)], num_heads=8, num_kv_heads=2, head_dim=32,
+                     block_size=16, seed=11)
+    for window, cap in ((10, None), (None, 2.5), (17, 4.0)):
+        got = cpu.paged_attention(**case, max_seqlen_q=1, max_seqlen_k=45,
+                                  sliding_window=window, softcap=cap)
+        want = naive(**case, window=window, cap=cap)
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
+
+
+def test_decode_kernel_block_size_not_a_multiple_of_its_chunk():
+    """A block of 96 slots is read in chunks that stop at the block's end (a chunk of 64
+    from slot 64 would run past it into whatever lies beyond)."""
+    case = make_case([(200, 1), (97, 1)], num_heads=4, num_kv_heads=2, head_dim=16,
+                     block_size=96, seed=6)
+    for window in (None, 150):
+        got = cpu.paged_attention(**case, max_seqlen_q=1, max_seqlen_k=200,
+                                  sliding_window=window)
+        want = TorchBackend().paged_attention(**case, max_seqlen_q=1, max_seqlen_k=200,
+                                              sliding_window=window)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sim.profiles import examples
 
 from actorllm.ops import BackendUnavailable, checks, select_backend
 from actorllm.ops.cuda_backend import (
@@ -22,6 +23,7 @@ from actorllm.ops.cuda_backend import (
     kernel_source,
     plan_decode_splits,
     prefill_smem_bytes,
+    score_features,
 )
 
 # ---------------------------------------------------------------------------- arg checks
@@ -125,7 +127,7 @@ def test_cuda_write_kv_layout_checks(name, bad, message):
 # ---------------------------------------------------------------------------- planning
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     num_seqs=st.integers(1, 512),
     num_kv_heads=st.sampled_from([1, 2, 4, 8, 32]),
@@ -202,3 +204,33 @@ def test_select_auto_without_gpu_logs_why(caplog):
     with caplog.at_level("WARNING", logger="actorllm.ops"):
         assert select_backend("auto", "cuda", head_dim=128).name == "torch"
     assert "cuda unavailable" in caplog.text and "torch sees none" in caplog.text
+
+
+# ---------------------------------------------------------------------------- score features
+
+
+def test_score_features_are_zero_when_off():
+    assert [float(x) for x in score_features(0.125, None, None)] == [0.0, 0.0, 0.0]
+    assert int(score_features(0.125, 4096, None)[0]) == 4096
+    assert int(score_features(0.125, 2**40, None)[0]) == 2**31 - 1  # an int32 argument
+
+
+@pytest.mark.parametrize("window, cap", [(0, None), (-3, None), (None, 0.0), (None, -1.0)])
+def test_score_features_reject_nonsense(window, cap):
+    with pytest.raises(ValueError):
+        score_features(0.125, window, cap)
+
+
+@pytest.mark.parametrize("cap", [0.5, 10.0, 50.0])
+def test_softcap_in_base_two_is_the_reference_cap(cap):
+    """common.cuh's score2 written out in float32 (2^x and 1/x exact here, approximate on
+    the GPU) against the reference's ``cap * tanh(s * scale / cap)``, times log2(e): the
+    kernels keep scores in base 2, so the two must agree for raw dots from tiny to huge
+    (where 2^x overflows to inf and the tanh must still come out as 1)."""
+    scale = 64**-0.5
+    _, cap_in, cap_out = score_features(scale, None, cap)
+    dots = torch.cat([torch.linspace(-5000, 5000, 2001), torch.linspace(-1, 1, 201)])
+    e = torch.exp2(dots * float(cap_in))
+    got = float(cap_out) * (1 - 2 * (1 / (e + 1)))
+    want = cap * torch.tanh(dots.double() * scale / cap) * 1.4426950408889634
+    torch.testing.assert_close(got.double(), want, atol=2e-5 * cap, rtol=1e-5)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sim.profiles import examples
 
 from actorllm.ops import BackendUnavailable, TorchBackend, checks, select_backend
 
@@ -195,7 +196,7 @@ def batches(draw):
     return make_case(specs, group * num_kv_heads, num_kv_heads, head_dim, block_size, seed=seed)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(batches())
 def test_hypothesis_shapes(case):
     got, want = run_both(case)

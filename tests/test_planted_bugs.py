@@ -17,6 +17,8 @@ scheduler.bug_fence_one_step                3      with two steps in flight, blo
                                                    the first step naming them returns, while
                                                    the step planned ahead still reads them
 worker.bug_ignore_forget                    4      the Worker keeps state for freed rids
+worker.bug_stale_block_row                  9      a block-table row let go is reused by the
+                                                   next rid without being emptied
 frontend.bug_skip_child_abort               5      aborting a n>1 parent misses a child
 frontend.bug_end_parent_early               6      a n>1 parent gathered at its first child's end
 collector.bug_drop_merged                   7      a slow reader's merged text loses a delta
@@ -60,6 +62,7 @@ PLANTED = [
     ("scheduler.bug_free_before_fence", "3"),
     ("scheduler.bug_fence_one_step", "3"),
     ("worker.bug_ignore_forget", "4"),
+    ("worker.bug_stale_block_row", "9"),
     ("frontend.bug_skip_child_abort", "5"),
     ("frontend.bug_end_parent_early", "6"),
     ("collector.bug_drop_merged", "7"),

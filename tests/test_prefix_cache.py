@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import trio
 from helpers import Call, app_for, hf_greedy
+from steps import Tables
 
 from actorllm.config import EngineConfig
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
@@ -61,6 +62,8 @@ class Driver:
     def __init__(self, s: Scheduler) -> None:
         self.s = s
         self.plans: list[StepPlan] = []
+        self.mirror = Tables()  # the plans' block-table diffs, applied as the Worker does
+        self.tables: list[dict[str, tuple[int, ...]]] = []  # per plan: its rows' tables
         self.finished: list[str] = []
         self.cached: dict[str, int | None] = {}
         self.prompts: dict[str, tuple[int, ...]] = {}
@@ -80,7 +83,8 @@ class Driver:
                     reports.append(PromptLogprobs(x.rid, x.prompt_logprobs_from, tuple(
                         TokenLogprob(prompt[p], -float(p))
                         for p in range(x.prompt_logprobs_from, hi + 1))))
-            self.s.handle(StepResult(plan.step_id, tuple(
+            self.tables.append(self.mirror.apply(plan))
+            self.s.handle(StepResult.of_tokens(plan, (
                 SampledToken(x.rid, 7) for x in plan.seqs if x.sample),
                 prompt_logprobs=tuple(reports)))
         batch = self.s.take_batch()
@@ -194,7 +198,7 @@ def test_children_of_one_prompt_prefill_it_once_and_share_its_blocks() -> None:
     first = d.plans[0]
     assert [x.rid for x in first.seqs] == ["p-0"], "the others wait for its blocks"
     d.step()
-    tables = {x.rid: x.block_table for x in d.plans[1].seqs}
+    tables = d.tables[1]
     assert {r: d.computed(r)[0] for r in ("p-1", "p-2", "p-3")} == {
         r: (12, 1) for r in ("p-1", "p-2", "p-3")}
     shared = tables["p-0"][:3]
@@ -216,11 +220,11 @@ def test_abort_of_one_sharer_keeps_the_blocks_of_the_others() -> None:
     s.handle(req("b", prompt, max_tokens=4))
     plan = s.schedule()  # in flight: a decodes, b starts from a's blocks
     assert plan is not None
-    tables = {x.rid: x.block_table for x in plan.seqs}
+    tables = d.mirror.apply(plan)
     assert tables["a"][:2] == tables["b"][:2]
     s.handle(AbortRequest("a"))  # fenced: a keeps its reference until the result
     assert all(s.pool.refs[b] == 2 for b in tables["a"][:2])
-    s.handle(StepResult(plan.step_id, tuple(SampledToken(x.rid, 7) for x in plan.seqs)))
+    s.handle(StepResult.of_tokens(plan, (SampledToken(x.rid, 7) for x in plan.seqs)))
     assert all(s.pool.refs[b] == 1 for b in tables["a"][:2])
     d.run()
     assert not s.drain_problems()

@@ -18,6 +18,7 @@ import pytest
 import torch
 import trio
 from helpers import hf_model
+from steps import Plans, execute
 
 from actorllm.config import EngineConfig
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
@@ -40,7 +41,7 @@ from actorllm.wire.messages import (
     TokenBatch,
     TokenLogprob,
 )
-from actorllm.worker.actor import ModelRunner
+from actorllm.worker.runner import ModelRunner
 from actorllm.worker.sampler import SamplingState, prompt_logprobs
 
 EOS = 1
@@ -70,7 +71,7 @@ class ReportingWorker:
                     TokenLogprob(prompt[p], -float(p)) for p in range(lo, hi + 1))))
             if s.sample:
                 tokens.append(SampledToken(s.rid, 7))
-        return StepResult(plan.step_id, tuple(tokens), prompt_logprobs=tuple(reports))
+        return StepResult.of_tokens(plan, tokens, prompt_logprobs=tuple(reports))
 
 
 def scheduler(num_blocks: int, budget: int, caching: bool = True) -> Scheduler:
@@ -205,10 +206,11 @@ def test_runner_reports_the_prompt_positions_each_chunk_asks_for(
     table = tuple(range(7))
     new = NewSeqData(params, tuple(ids))
     # Chunked: [0, 10) scores positions 1..10, [10, 24) scores 11..23 and samples.
-    first = runner.execute(StepPlan(1, (ScheduledSeq("a", tuple(ids[:10]), 0, table, False,
-                                                     new, prompt_logprobs_from=1),)))
-    second = runner.execute(StepPlan(2, (ScheduledSeq("a", tuple(ids[10:]), 10, table, True,
-                                                      None, prompt_logprobs_from=11),)))
+    plans = Plans()
+    first = execute(runner, 1, (ScheduledSeq("a", tuple(ids[:10]), 0, table, False,
+                                             new, prompt_logprobs_from=1),), plans=plans)
+    second = execute(runner, 2, (ScheduledSeq("a", tuple(ids[10:]), 10, table, True,
+                                              None, prompt_logprobs_from=11),), plans=plans)
     assert first.error is None and second.error is None
     (p1,), (p2,) = first.prompt_logprobs, second.prompt_logprobs
     assert (p1.rid, p1.start, len(p1.logprobs)) == ("a", 1, 10)
@@ -216,14 +218,14 @@ def test_runner_reports_the_prompt_positions_each_chunk_asks_for(
     check_against(p1.logprobs + p2.logprobs, ids, ref, 3)
     # A recompute after preemption that owes positions from 15 on: only those come back.
     out = second.tokens[0].token_id
-    again = runner.execute(StepPlan(3, (ScheduledSeq("a", (*ids, out), 0, table, True,
-                                                     NewSeqData(params, tuple(ids), (out,)),
-                                                     prompt_logprobs_from=15),),
-                                    drop=("a",)))
+    again = execute(runner, 3, (ScheduledSeq("a", (*ids, out), 0, table, True,
+                                             NewSeqData(params, tuple(ids), (out,)),
+                                             prompt_logprobs_from=15),),
+                    drop=("a",), plans=plans)
     (p3,) = again.prompt_logprobs
     assert p3.start == 15 and len(p3.logprobs) == 9
     check_against(p3.logprobs, ids, ref, 3, first=15)
-    runner.execute(StepPlan(4, (), drop=("a",)))
+    runner.execute(StepPlan(4, drop=("a",)))
     assert runner.num_states == 0
 
 
@@ -519,7 +521,7 @@ def test_a_gap_in_the_workers_report_fails_only_that_request() -> None:
     assert plan is not None
     # The Worker skips position 1 of "gap" (it reports 2..4 where 1..4 was asked for).
     bad = PromptLogprobs("gap", 2, tuple(TokenLogprob(10 + p, -1.0) for p in range(2, 5)))
-    s.handle(StepResult(plan.step_id, (SampledToken("fine", 7),), prompt_logprobs=(bad,)))
+    s.handle(StepResult.of_tokens(plan, (SampledToken("fine", 7),), prompt_logprobs=(bad,)))
     batch = s.take_batch()
     assert batch is not None
     ends = {o.rid: (o.finish_reason, o.error) for o in batch.outputs if o.finish_reason}

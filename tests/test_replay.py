@@ -474,8 +474,8 @@ def test_a_hand_driven_scheduler_redrives_identically(tmp_path: Path) -> None:
             break
         if step == 2:
             sched.handle(AbortRequest("b"))  # while its step is in flight
-        sched.handle(StepResult(plan.step_id, tuple(SampledToken(s.rid, 9)
-                                                    for s in plan.seqs if s.sample)))
+        sched.handle(StepResult.of_tokens(plan, (SampledToken(s.rid, 9)
+                                                 for s in plan.seqs if s.sample)))
     tracer.close()
     assert sched.num_preemptions > 0 and sched.late_results_dropped > 0
     trace = load_trace(path, SPEC)

@@ -44,8 +44,8 @@ def request(rid: str, prompt_len: int, max_tokens: int = 4, **params: object) ->
 
 def answer(plan: StepPlan, token: int = 7) -> StepResult:
     """Sample ``token`` for every sequence the plan asks to sample."""
-    return StepResult(plan.step_id, tuple(SampledToken(s.rid, token) for s in plan.seqs
-                                          if s.sample))
+    return StepResult.of_tokens(plan, (SampledToken(s.rid, token) for s in plan.seqs
+                                       if s.sample))
 
 
 def run_to_end(s: Scheduler, limit: int = 200) -> list[TokenBatch]:
@@ -99,7 +99,7 @@ def test_finish_reasons_eos_stop_token_length_and_min_tokens() -> None:
         toks = []
         for x in plan.seqs:
             toks.append(SampledToken(x.rid, 9 if x.rid == "stoptok" else EOS))
-        s.handle(StepResult(plan.step_id, tuple(toks)))
+        s.handle(StepResult.of_tokens(plan, toks))
         for out in s.take_batch().outputs:
             if out.finish_reason:
                 reasons[out.rid] = (out.finish_reason, out.stop_reason, len(out.token_ids))
@@ -118,7 +118,7 @@ def test_min_tokens_delays_eos() -> None:
         plan = s.schedule()
         if plan is None or not plan.seqs:
             break
-        s.handle(StepResult(plan.step_id, (SampledToken("m", EOS),)))
+        s.handle(StepResult.of_tokens(plan, (SampledToken("m", EOS),)))
         n_out += 1
     assert n_out == 3
 

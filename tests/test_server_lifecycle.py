@@ -54,7 +54,7 @@ def _long_stream(client: openai.OpenAI) -> openai.Stream:  # type: ignore[type-a
 # end, and the server exit, first.
 _HOLD_STEPS = """
 import time
-from actorllm.worker.actor import ModelRunner
+from actorllm.worker.runner import ModelRunner
 execute = ModelRunner.execute
 def held(self, plan):
     time.sleep(0.01)

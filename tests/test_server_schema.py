@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
+from sim.profiles import examples
 from test_server import ServerProcess, http
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -27,7 +28,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-MAX_EXAMPLES = 25  # per operation; about 10 s in all on a busy 2-core machine
+MAX_EXAMPLES = examples(25)  # per operation under ci; about 10 s in all on a busy 2-core machine
 SEED = 33  # with derandomize: the same cases on every run (CI covers the same ground)
 API_KEY = "sk-schema"
 

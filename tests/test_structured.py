@@ -25,8 +25,16 @@ from helpers import Call, app_for
 from actorllm.config import EngineConfig, default_model_dir
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.llm import collect, make_request
-from actorllm.text.structured import LLGuidanceBackend, MaskFiller, _bias, apply_grammar_masks
+from actorllm.text.structured import (
+    GrammarRefused,
+    LLGuidanceBackend,
+    MaskFiller,
+    PendingMasks,
+    _bias,
+    apply_grammar_masks,
+)
 from actorllm.wire.messages import ChatMessage, SamplingParams, StructuredOutput
+from actorllm.worker.sampler import SamplingState
 
 _NAME = {"type": "string", "maxLength": 6}
 SCHEMAS: list[dict[str, Any]] = [
@@ -60,7 +68,7 @@ def resources() -> Resources:
 async def engine(resources: Resources) -> AsyncIterator[AsyncEngine]:
     async with open_engine(resources.config, resources=resources) as eng:
         yield eng
-        assert await eng.wait_drained(5.0) == []
+        assert await eng.wait_drained(30.0) == []
 
 
 def _chat(content: str = "Describe it.") -> list[dict[str, str]]:
@@ -266,7 +274,7 @@ async def test_preemption_mid_structure_replays_the_grammar() -> None:
             for i in range(6):
                 nursery.start_soon(run, i)
         stats = eng.frontend.stats
-        assert await eng.wait_drained(5.0) == []
+        assert await eng.wait_drained(30.0) == []
     assert stats is not None and stats.num_preemptions > 0, "the test must preempt"
     for res in results.values():
         assert res.error is None, res.error
@@ -329,6 +337,98 @@ async def test_bad_constraints_are_400_naming_the_field(engine: AsyncEngine,
         assert call.json()["error"]["param"] == param, call.json()
 
 
+_SCHEMA_IN = {
+    "guided_json": '"guided_json": {"enum": [%s]}',
+    "response_format": '"response_format": {"type": "json_schema", "json_schema": '
+                       '{"name": "n", "schema": {"enum": [%s]}}}',
+    "structured_outputs": '"structured_outputs": {"json": {"type": "object", '
+                          '"properties": {"a": {"const": %s}}}}',
+}
+
+
+@pytest.mark.parametrize("param", sorted(_SCHEMA_IN))
+@pytest.mark.parametrize(("number", "why"), [
+    ("18446744073709551616", "is beyond +-(2**53 - 1)"),  # 2**64: llguidance refuses it
+    ("9007199254740993", "is beyond +-(2**53 - 1)"),  # 2**53 + 1: it would write 2**53
+    ("-9007199254740992", "is beyond +-(2**53 - 1)"),
+    ("1e999", "is not finite"),  # JSON text that parses as infinity
+    ("-1e999", "is not finite"),
+])
+async def test_a_schema_number_the_grammar_cannot_hold_is_400_naming_the_field(
+        engine: AsyncEngine, param: str, number: str, why: str) -> None:
+    raw = '{"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, %s}' % (
+        _SCHEMA_IN[param] % number)
+    call = Call("/v1/chat/completions", {})
+    call.body = raw.encode()  # the number as written, not as Python would write it
+    await call.run(app_for(engine))
+    assert call.status == 400, call.chunks
+    error = call.json()["error"]
+    assert error["param"] == param and why in error["message"], error
+
+
+async def test_the_largest_numbers_the_grammar_holds_are_accepted(engine: AsyncEngine) -> None:
+    for number in (2**53 - 1, -(2**53 - 1), 2.5, -0.25):
+        schema = {"type": "object", "properties": {"a": {"enum": [number]}},
+                  "required": ["a"], "additionalProperties": False}
+        params = SamplingParams(max_tokens=40, structured=StructuredOutput(
+            "json", json.dumps(schema), "guided_json"))
+        res = await collect(engine, f"n{number}", "x", params)
+        assert res.error is None, res.error
+        assert json.loads(res.outputs[0].text) == {"a": number}, res.outputs[0].text
+
+
+async def test_python_api_refuses_a_schema_integer_beyond_2_53(engine: AsyncEngine) -> None:
+    params = SamplingParams(max_tokens=4, structured=StructuredOutput(
+        "json", '{"enum": [18446744073709551616]}', "structured_outputs"))
+    res = await collect(engine, "big", "x", params)
+    assert res.error is not None and "is beyond +-(2**53 - 1)" in res.error
+
+
+def test_a_refused_token_raises_instead_of_going_on_unconstrained(
+        resources: Resources) -> None:
+    backend = LLGuidanceBackend(resources.hf_tokenizer, resources.info.vocab_size,
+                                resources.info.eos_token_ids)
+    grammar = backend.grammar(StructuredOutput("choice", json.dumps(["yes", "no"])))
+    logits = torch.zeros(1, resources.info.vocab_size)
+    apply_grammar_masks(logits, [grammar])
+    refused = int(torch.isinf(logits[0]).nonzero()[0])  # one the mask forbids
+    state = SamplingState(SamplingParams(max_tokens=4), [1, 2], grammar=grammar)
+    with pytest.raises(GrammarRefused, match=rf"refused sampled token {refused}"):
+        state.append(refused)
+
+
+async def test_a_refused_token_fails_the_request_with_the_grammars_error(
+        engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A mask that lets everything through (as a masking bug would): the first token the
+    # grammar refuses ends the request with that error, not with unconstrained text.
+    monkeypatch.setattr(PendingMasks, "apply", lambda self, logits: None)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                            structured=StructuredOutput("regex", "q{16}", "guided_regex"))
+    res = await collect(engine, "refused", "The json module", params)
+    assert res.error is not None and "output constraint refused sampled token" in res.error
+
+
+async def test_a_refused_token_fails_only_its_own_request(
+        engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The refusal is per row: a request batched with the refused one runs to its end.
+    monkeypatch.setattr(PendingMasks, "apply", lambda self, logits: None)
+    bad = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                         structured=StructuredOutput("regex", "q{16}", "guided_regex"))
+    free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    results: dict[str, Any] = {}
+
+    async def one(rid: str, params: SamplingParams) -> None:
+        results[rid] = await collect(engine, rid, "The json module", params)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one, "refused-alone", bad)
+        nursery.start_soon(one, "unconstrained", free)
+    assert results["refused-alone"].error is not None
+    assert "output constraint refused sampled token" in results["refused-alone"].error
+    assert results["unconstrained"].error is None
+    assert len(results["unconstrained"].outputs[0].token_ids) == 16
+
+
 # --- tools ----------------------------------------------------------------------------------
 
 WEATHER = {"type": "function", "function": {
@@ -340,6 +440,26 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {
         "zone": {"enum": ["utc", "cet"]}}, "required": ["zone"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("constraint", [
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "n",
+                                                                "schema": {"type": "object"}}}},
+    {"guided_regex": "a+"},
+])
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_time"}}])
+async def test_a_forced_tool_choice_with_another_constraint_is_400(
+        engine: AsyncEngine, choice: Any, constraint: dict[str, Any]) -> None:
+    # Both would force the output, and only one grammar can: refused, not one ignored.
+    call = await Call("/v1/chat/completions", {
+        "messages": _chat(), "max_tokens": 4, "tools": [WEATHER, TIME], "tool_choice": choice,
+        **constraint}).run(app_for(engine))
+    assert call.status == 400, call.chunks
+    error = call.json()["error"]
+    assert error["param"] == "tool_choice" and "cannot be combined with" in error["message"]
+    assert await engine.wait_drained(30.0) == []
 
 
 def _reassemble(events: list[str]) -> Any:
@@ -555,6 +675,6 @@ async def test_grammar_crosses_processes() -> None:
                             structured=StructuredOutput("json", json.dumps(SCHEMAS[1])))
     async with open_engine(config) as eng:
         res = await collect(eng, "x", "Colors:", params)
-        assert await eng.wait_drained(5.0) == []
+        assert await eng.wait_drained(30.0) == []
     assert res.error is None and res.outputs[0].finish_reason == "stop"
     jsonschema.validate(json.loads(res.outputs[0].text), SCHEMAS[1])

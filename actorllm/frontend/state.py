@@ -9,6 +9,7 @@ import attrs
 
 from actorllm.frontend.collector import OutputCollector
 from actorllm.lifecycle.table import State, View
+from actorllm.metrics import EngineMetrics
 from actorllm.wire.messages import GenerateRequest, SamplingParams
 
 
@@ -37,6 +38,21 @@ class RequestState:
     def responded(self) -> bool:
         """The client has its final output: nothing more may reach it."""
         return self.view.within(State.RESPONDED, State.RELEASED)
+
+    def count_tokens(self, n: int, now: float, metrics: EngineMetrics) -> int:
+        """``n`` more tokens at ``now``: latency metrics and the counts; returns how many
+        of them came off its outstanding cost (its replica's load falls by that much; the
+        caller counts ``generation_tokens``, once per step)."""
+        if self.first_token is None:
+            metrics.ttft.observe(now - self.arrival)
+        elif self.last_token is not None:
+            metrics.itl.observe((now - self.last_token) / n)
+        self.first_token = self.first_token or now
+        self.last_token = now
+        self.num_output_tokens += n
+        done = min(n, self.cost)
+        self.cost -= done
+        return done
 
 
 def fan_out(req: GenerateRequest) -> list[tuple[str, SamplingParams, int]]:

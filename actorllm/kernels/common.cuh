@@ -35,6 +35,13 @@ ACTORLLM_DEVICE float fast_exp2(float x) {
   return y;
 }
 
+// 1/x with the SFU (+inf -> +0).
+ACTORLLM_DEVICE float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ------------------------------------------------------------------ 16-bit conversions
 // IS_BF16 selects bfloat16, else IEEE half. Packing puts `lo` in the low 16 bits, which is
 // the element with the lower index in memory and in mma fragments.
@@ -211,14 +218,37 @@ struct LaneOffsets {
   }
 };
 
+// The two optional score features of an attention call, as transformers' eager attention
+// defines them (the torch reference in actorllm/ops/torch_backend.py is the oracle):
+//  * a sliding window W: the query at position p sees keys at positions > p - W only;
+//  * a soft-cap c: a scaled score s becomes c * tanh(s / c) before the mask and softmax.
+// Scores stay in base 2 here, so the cap is applied to s2 = s * log2(e) as
+// cap_out * tanh(s2_raw * cap_in / 2) with tanh(y) = 1 - 2 / (e^(2y) + 1), all in ex2:
+// cap_in = 2 * log2(e) * scale / c and cap_out = c * log2(e) (cap_in == 0: no cap).
+struct ScoreFeatures {
+  int window;    // 0: none
+  float cap_in;  // 0: no soft-cap
+  float cap_out;
+};
+
+// The base-2 score of a raw dot product q.k.
+ACTORLLM_DEVICE float score2(float dot, float scale_log2, const ScoreFeatures& f) {
+  if (f.cap_in == 0.f) return dot * scale_log2;
+  // e = 2^(2 * (s / c) * log2 e) = e^(2 s / c); +inf for large s gives tanh = 1, 0 gives -1.
+  const float e = fast_exp2(dot * f.cap_in);
+  return f.cap_out * (1.f - 2.f * fast_rcp(e + 1.f));
+}
+
 // Attend the warp's 16 query rows (tile rows q_row0..q_row0+15 of the Q tile at q_base) to
 // KEYS keys, tile rows k_row0.. of the K and V tiles. Key j sits at absolute position
-// kpos0 + j; with MASK, a key is dropped for row r when its position exceeds qpos[r].
+// kpos0 + j; with MASK, a key is dropped for row r when its position exceeds qpos[r] or,
+// under a sliding window, is not above qpos[r] - window.
 // q_row0 and k_row0 must be multiples of 16.
 template <bool IS_BF16, int HEAD_DIM, int KEYS, bool MASK>
 ACTORLLM_DEVICE void warp_attend(WarpState<HEAD_DIM>& st, const LaneOffsets<HEAD_DIM>& off,
                                  u32 q_base, int q_row0, u32 k_base, u32 v_base, int k_row0,
-                                 int kpos0, const int (&qpos)[2], float scale_log2) {
+                                 int kpos0, const int (&qpos)[2], float scale_log2,
+                                 const ScoreFeatures& feat) {
   static_assert(KEYS % 16 == 0, "keys come in k16 steps");
   const int lane = threadIdx.x & 31;
 
@@ -244,15 +274,19 @@ ACTORLLM_DEVICE void warp_attend(WarpState<HEAD_DIM>& st, const LaneOffsets<HEAD
     }
   }
 
-  // Scale, mask, and the row max of this step.
+  // Scale (and cap), mask, and the row max of this step. Without a window the lower bound
+  // is -1, below every position.
   const int col0 = 2 * (lane & 3);
+  const int qlo[2] = {feat.window > 0 ? qpos[0] - feat.window : -1,
+                      feat.window > 0 ? qpos[1] - feat.window : -1};
   float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
   for (int nt = 0; nt < KEYS / 8; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      float v = s[nt][e] * scale_log2;
-      if (MASK && kpos0 + nt * 8 + col0 + (e & 1) > qpos[e >> 1]) v = neg_inf();
+      float v = score2(s[nt][e], scale_log2, feat);
+      const int kpos = kpos0 + nt * 8 + col0 + (e & 1);
+      if (MASK && (kpos > qpos[e >> 1] || kpos <= qlo[e >> 1])) v = neg_inf();
       s[nt][e] = v;
       mx[e >> 1] = fmaxf(mx[e >> 1], v);
     }

@@ -12,6 +12,13 @@
  *   seq_lens     [num_seqs] int32 (context length including the new token)
  *   out          [num_seqs, num_heads, head_dim]
  *
+ * Two score features of some models are built in, as transformers' eager attention
+ * defines them (the torch reference is the oracle): a sliding window W lets the query
+ * (at position len - 1) see only the last W keys, so the walk simply starts at
+ * len - W; a soft-cap c maps each scaled score s to c * tanh(s / c) before the softmax
+ * (Gemma 2). Both are arguments of paged_decode_f32_ex; paged_decode_f32 is the plain
+ * call (no window, no cap) that cpu_decode_step.cpp makes.
+ *
  * The query heads that share a KV head (GQA) are processed together, so each key and
  * value row is loaded once per group. Work is split over (sequence, KV head) pairs
  * between `num_threads` threads of an OpenMP parallel region; the caller picks the
@@ -35,6 +42,8 @@ typedef struct {
     float *out;
     int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
     float scale;
+    int64_t window; /* 0: no sliding window */
+    float softcap;  /* 0: no soft-cap */
 } job_t;
 
 /* Up to this many context positions are scored before the running softmax is updated:
@@ -64,11 +73,16 @@ static inline float exp_le0(float x) {
 
 /* `D` and `group` are constants where one_item instantiates this for the common shapes,
  * so the loops over the head dimension and the group's heads unroll and vectorize
- * fully (measured 20 % faster than a runtime group at 4 query heads per KV head). */
+ * fully (measured 20 % faster than a runtime group at 4 query heads per KV head).
+ * `capped` is a constant too, so the plain path carries no soft-cap test in its loops. */
 static inline __attribute__((always_inline)) void item_d(const job_t *j, int64_t item,
-                                                         const int64_t D, const int64_t group) {
+                                                         const int64_t D, const int64_t group,
+                                                         const int capped) {
     const int64_t s = item / j->num_kv_heads, g = item % j->num_kv_heads;
     const int64_t len = j->seq_lens[s], bs = j->block_size;
+    /* The window's first visible key; the keys before it are never read. */
+    const int64_t first = j->window > 0 && len > j->window ? len - j->window : 0;
+    const float cap = j->softcap, inv_cap = capped ? 1.0f / j->softcap : 0.0f;
     const int32_t *table = j->block_tables + s * j->max_blocks;
     const float *q = j->q + (s * j->num_heads + g * group) * D;
     float *out = j->out + (s * j->num_heads + g * group) * D;
@@ -85,9 +99,13 @@ static inline __attribute__((always_inline)) void item_d(const job_t *j, int64_t
         m[h] = -INFINITY;
         l[h] = 0.0f;
     }
-    for (int64_t p0 = 0; p0 < len; p0 += chunk) {
-        /* A chunk never crosses a block: its keys are consecutive rows of one block. */
-        const int64_t n = len - p0 < chunk ? len - p0 : chunk;
+    for (int64_t p0 = first, n = 0; p0 < len; p0 += n) {
+        /* A chunk never crosses a block: its keys are consecutive rows of one block. The
+         * window may start mid-block, so a chunk ends at the block's end, not at the next
+         * multiple of `chunk`. */
+        const int64_t to_block_end = bs - p0 % bs;
+        n = len - p0 < chunk ? len - p0 : chunk;
+        n = n < to_block_end ? n : to_block_end;
         const int64_t slot0 = (int64_t)table[p0 / bs] * bs + p0 % bs;
         const float *kb = j->k_cache + slot0 * row + g * D;
         const float *vb = j->v_cache + slot0 * row + g * D;
@@ -98,6 +116,10 @@ static inline __attribute__((always_inline)) void item_d(const job_t *j, int64_t
                 for (int64_t d = 0; d < D; d++) dot += qs[h][d] * k[d];
                 score[h][i] = dot;
             }
+        }
+        if (capped) {
+            for (int64_t h = 0; h < group; h++)
+                for (int64_t i = 0; i < n; i++) score[h][i] = cap * tanhf(score[h][i] * inv_cap);
         }
         for (int64_t h = 0; h < group; h++) {
             float mx = m[h];
@@ -127,31 +149,49 @@ static inline __attribute__((always_inline)) void item_d(const job_t *j, int64_t
 
 static void one_item(const job_t *j, int64_t item) {
     const int64_t group = j->num_heads / j->num_kv_heads;
-#define CASE(DD, GG) if (j->head_dim == DD && group == GG) { item_d(j, item, DD, GG); return; }
+    if (j->softcap > 0.0f) { /* soft-capped models are few: one generic instantiation */
+        item_d(j, item, j->head_dim, group, 1);
+        return;
+    }
+#define CASE(DD, GG) if (j->head_dim == DD && group == GG) { item_d(j, item, DD, GG, 0); return; }
     CASE(32, 1) CASE(32, 2) CASE(32, 4) CASE(32, 8)
     CASE(64, 1) CASE(64, 2) CASE(64, 4) CASE(64, 8)
     CASE(128, 1) CASE(128, 2) CASE(128, 4) CASE(128, 8)
 #undef CASE
-    item_d(j, item, j->head_dim, group);
+    item_d(j, item, j->head_dim, group, 0);
 }
 
-/* Returns 0 on success, -1 when a shape is beyond the kernel's fixed limits. */
-int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
-                     const int32_t *block_tables, const int32_t *seq_lens, float *out,
-                     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
-                     int num_threads) {
-    if (num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP
-        || head_dim > MAX_HEAD_DIM)
+/* `window` > 0: each query sees only the last `window` keys; `softcap` > 0: scores are
+ * soft-capped. Returns 0 on success, -1 when a shape or argument is beyond the kernel. */
+int paged_decode_f32_ex(const float *q, const float *k_cache, const float *v_cache,
+                        const int32_t *block_tables, const int32_t *seq_lens, float *out,
+                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
+                        int64_t window, float softcap, int num_threads) {
+    if (num_kv_heads < 1 || num_heads % num_kv_heads != 0
+        || num_heads / num_kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM || window < 0
+        || !(softcap >= 0.0f))
         return -1;
     const int64_t items = num_seqs * num_kv_heads;
     if (num_threads < 1) num_threads = 1;
     if (num_threads > 64) num_threads = 64;
     if (num_threads > items) num_threads = (int)(items > 0 ? items : 1);
     const job_t job = {q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs,
-                       num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale};
+                       num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale,
+                       window, softcap};
     /* Static contiguous shares: each thread walks its own run of sequences. */
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t i = 0; i < items; i++) one_item(&job, i);
     return 0;
+}
+
+/* The plain call: no window, no soft-cap (the signature cpu_decode_step.cpp binds). */
+int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+                     const int32_t *block_tables, const int32_t *seq_lens, float *out,
+                     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
+                     int num_threads) {
+    return paged_decode_f32_ex(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs,
+                               num_heads, num_kv_heads, head_dim, block_size, max_blocks,
+                               scale, 0, 0.0f, num_threads);
 }

@@ -12,6 +12,10 @@
 // Sequences whose query length is not 1 are skipped (the prefill kernel serves them), so
 // one launch can cover the decode sequences of a mixed batch.
 //
+// A sliding window W narrows the context to its last W positions: the partitions then
+// start at seq_len - W instead of 0 (the host plans the splits over min(context, W)), and
+// no key outside the window is read. A soft-cap bends the scores (common.cuh, score2).
+//
 // Dynamic shared memory: DECODE_SMEM_BYTES(HEAD_DIM) = 2 stages x (K + V) x 64 keys, + Q.
 #include "common.cuh"
 
@@ -27,7 +31,7 @@ ACTORLLM_DEVICE void paged_decode(
     int bt_stride, const int* __restrict__ seq_lens, const int* __restrict__ cu_seqlens_q,
     unsigned short* __restrict__ out, float* __restrict__ tmp_out, float* __restrict__ tmp_m,
     float* __restrict__ tmp_l, int num_heads, int num_kv_heads, int partition, int num_splits,
-    float scale_log2) {
+    float scale_log2, ScoreFeatures feat) {
   constexpr int CHUNKS = HEAD_DIM / 8;
   constexpr int TILE_BYTES = DECODE_KEYS * HEAD_DIM * 2;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -44,7 +48,8 @@ ACTORLLM_DEVICE void paged_decode(
   const int q_tok = cu_seqlens_q[seq];
   if (cu_seqlens_q[seq + 1] - q_tok != 1) return;
   const int seq_len = seq_lens[seq];
-  const int start = split * partition;
+  const int lo = feat.window > 0 ? max(0, seq_len - feat.window) : 0;  // first visible key
+  const int start = lo + split * partition;
   if (start >= seq_len) return;
   const int end = min(seq_len, start + partition);
   const int* block_table = block_tables + (i64)seq * bt_stride;
@@ -76,6 +81,8 @@ ACTORLLM_DEVICE void paged_decode(
   const LaneOffsets<HEAD_DIM> off;
   WarpState<HEAD_DIM> st;
   st.init();
+  // The window is the partition range itself: inside it every key is visible.
+  const ScoreFeatures tile_feat = {0, feat.cap_in, feat.cap_out};
 
   const int num_tiles = (end - start + DECODE_KEYS - 1) / DECODE_KEYS;
   for (int i = 0; i < num_tiles; ++i) {
@@ -96,10 +103,12 @@ ACTORLLM_DEVICE void paged_decode(
     const int kpos0 = pos0 + warp * 16;
     if (kpos0 + 16 <= end) {
       warp_attend<IS_BF16, HEAD_DIM, 16, false>(st, off, q_base, 0, k_base, k_base + TILE_BYTES,
-                                                warp * 16, kpos0, qpos, scale_log2);
+                                                warp * 16, kpos0, qpos, scale_log2,
+                                                tile_feat);
     } else if (kpos0 < end) {  // the sequence ends inside this warp's 16 keys
       warp_attend<IS_BF16, HEAD_DIM, 16, true>(st, off, q_base, 0, k_base, k_base + TILE_BYTES,
-                                               warp * 16, kpos0, qpos, scale_log2);
+                                               warp * 16, kpos0, qpos, scale_log2,
+                                               tile_feat);
     }
     __syncthreads();  // stage (i & 1) is free for the prefetch of tile i + 2
   }
@@ -164,13 +173,15 @@ ACTORLLM_DEVICE void paged_decode_reduce(const float* __restrict__ tmp_out,
                                          const int* __restrict__ seq_lens,
                                          const int* __restrict__ cu_seqlens_q,
                                          unsigned short* __restrict__ out, int num_heads,
-                                         int partition, int num_splits) {
+                                         int partition, int num_splits, int window) {
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
   const int d = threadIdx.x;
   const int q_tok = cu_seqlens_q[seq];
   if (cu_seqlens_q[seq + 1] - q_tok != 1) return;
-  const int used = min(num_splits, (seq_lens[seq] + partition - 1) / partition);
+  const int seq_len = seq_lens[seq];
+  const int span = window > 0 ? min(seq_len, window) : seq_len;  // the partitioned keys
+  const int used = min(num_splits, (span + partition - 1) / partition);
   const i64 part0 = ((i64)seq * num_heads + head) * num_splits;
   float m = neg_inf();
   for (int s = 0; s < used; ++s) m = fmaxf(m, tmp_m[part0 + s]);
@@ -192,19 +203,20 @@ ACTORLLM_DEVICE void paged_decode_reduce(const float* __restrict__ tmp_out,
       const unsigned short* v_cache, const int* block_tables, int bt_stride,                  \
       const int* seq_lens, const int* cu_seqlens_q, unsigned short* out, float* tmp_out,       \
       float* tmp_m, float* tmp_l, int num_heads, int num_kv_heads, int partition,             \
-      int num_splits, float scale_log2) {                                                      \
+      int num_splits, float scale_log2, int window, float cap_in, float cap_out) {             \
     paged_decode<IS_BF16, D, BS>(q, q_stride, k_cache, v_cache, block_tables, bt_stride,      \
                                  seq_lens, cu_seqlens_q, out, tmp_out, tmp_m, tmp_l,          \
-                                 num_heads, num_kv_heads, partition, num_splits, scale_log2); \
+                                 num_heads, num_kv_heads, partition, num_splits, scale_log2,  \
+                                 ScoreFeatures{window, cap_in, cap_out});                     \
   }
 
 #define ACTORLLM_DECODE_REDUCE(DT, IS_BF16, D)                                                 \
   extern "C" __global__ void __launch_bounds__(D) paged_decode_reduce_##DT##_d##D(             \
       const float* tmp_out, const float* tmp_m, const float* tmp_l, const int* seq_lens,       \
       const int* cu_seqlens_q, unsigned short* out, int num_heads, int partition,              \
-      int num_splits) {                                                                        \
+      int num_splits, int window) {                                                            \
     paged_decode_reduce<IS_BF16, D>(tmp_out, tmp_m, tmp_l, seq_lens, cu_seqlens_q, out,        \
-                                    num_heads, partition, num_splits);                         \
+                                    num_heads, partition, num_splits, window);                 \
   }
 
 #define ACTORLLM_DECODE_DTYPE(DT, IS_BF16) \

@@ -10,6 +10,11 @@
 // positions <= its own; only tiles that reach past a warp's first query position are
 // masked. Row tiles run heaviest-first (most keys) to shorten the tail.
 //
+// A sliding window W: query position p sees keys in (p - W, p]. The CTA starts its walk at
+// the first key its first row can see, a warp skips tiles wholly before its rows' windows,
+// and tiles that straddle a window's edge are masked like the diagonal ones. A soft-cap
+// bends the scores (common.cuh, score2).
+//
 // Sequences with one query token are left to paged_decode (split-K serves them better).
 //
 // Dynamic shared memory: Q (64 rows) + 2 stages x (K + V) x PREFILL_KEYS rows, all
@@ -34,7 +39,7 @@ ACTORLLM_DEVICE void paged_prefill(const unsigned short* __restrict__ q, i64 q_s
                                    const int* __restrict__ seq_lens,
                                    const int* __restrict__ cu_seqlens_q,
                                    unsigned short* __restrict__ out, int num_heads,
-                                   int num_kv_heads, float scale_log2) {
+                                   int num_kv_heads, float scale_log2, ScoreFeatures feat) {
   constexpr int KEYS = PrefillKeys<HEAD_DIM>::value;
   constexpr int CHUNKS = HEAD_DIM / 8;
   constexpr int TILE_BYTES = KEYS * HEAD_DIM * 2;
@@ -52,6 +57,8 @@ ACTORLLM_DEVICE void paged_prefill(const unsigned short* __restrict__ q, i64 q_s
   const int last_row = min(row0 + PREFILL_ROWS, rows_total) - 1;
   const int prefix = seq_lens[seq] - q_len;  // cached positions before this chunk
   const int kv_end = prefix + last_row / group + 1;
+  // The first key the CTA's first row sees; later rows' windows start later still.
+  const int kv_start = feat.window > 0 ? max(0, prefix + row0 / group - feat.window + 1) : 0;
   const int* block_table = block_tables + (i64)seq * bt_stride;
 
   // Shared memory: [Q | K stage 0 | V stage 0 | K stage 1 | V stage 1].
@@ -69,10 +76,11 @@ ACTORLLM_DEVICE void paged_prefill(const unsigned short* __restrict__ q, i64 q_s
     cp_async_16(tile_addr<HEAD_DIM>(q_base, r, c),
                 q + (i64)(q_start + row / group) * q_stride + (i64)head * HEAD_DIM + c * 8, 16);
   }
-  load_kv_tile<HEAD_DIM, BLOCK_SIZE, KEYS, PREFILL_THREADS>(kv_base, k_cache, block_table, 0,
-                                                            kv_end, num_kv_heads, kv_head);
+  load_kv_tile<HEAD_DIM, BLOCK_SIZE, KEYS, PREFILL_THREADS>(kv_base, k_cache, block_table,
+                                                            kv_start, kv_end, num_kv_heads,
+                                                            kv_head);
   load_kv_tile<HEAD_DIM, BLOCK_SIZE, KEYS, PREFILL_THREADS>(
-      kv_base + TILE_BYTES, v_cache, block_table, 0, kv_end, num_kv_heads, kv_head);
+      kv_base + TILE_BYTES, v_cache, block_table, kv_start, kv_end, num_kv_heads, kv_head);
   cp_async_commit();
 
   const int warp = threadIdx.x >> 5;
@@ -89,9 +97,13 @@ ACTORLLM_DEVICE void paged_prefill(const unsigned short* __restrict__ q, i64 q_s
   WarpState<HEAD_DIM> st;
   st.init();
 
-  const int num_tiles = (kv_end + KEYS - 1) / KEYS;
+  // Under a window, keys at or below these positions are outside every row of the warp
+  // (first) or outside some row's (last); without one, both are below every key.
+  const int warp_lo_first = feat.window > 0 ? warp_first - feat.window : -1;
+  const int warp_lo_last = feat.window > 0 ? warp_last - feat.window : -1;
+  const int num_tiles = (kv_end - kv_start + KEYS - 1) / KEYS;
   for (int i = 0; i < num_tiles; ++i) {
-    const int pos0 = i * KEYS;
+    const int pos0 = kv_start + i * KEYS;
     if (i + 1 < num_tiles) {  // prefetch the next tile into the other stage
       const u32 next = kv_base + ((i + 1) & 1) * 2 * TILE_BYTES;
       load_kv_tile<HEAD_DIM, BLOCK_SIZE, KEYS, PREFILL_THREADS>(
@@ -104,18 +116,23 @@ ACTORLLM_DEVICE void paged_prefill(const unsigned short* __restrict__ q, i64 q_s
     __syncthreads();     // ...and so have everyone else's
 
     const u32 k_base = kv_base + (i & 1) * 2 * TILE_BYTES;
-    if (pos0 + KEYS - 1 <= warp_first) {  // every key visible to every row of the warp
+    if (pos0 + KEYS - 1 <= warp_lo_first) {
+      // wholly before every row's window: skipped
+    } else if (pos0 + KEYS - 1 <= warp_first && pos0 > warp_lo_last) {
+      // every key visible to every row of the warp
       warp_attend<IS_BF16, HEAD_DIM, KEYS, false>(st, off, q_base, warp * 16, k_base,
-                                                  k_base + TILE_BYTES, 0, pos0, qpos, scale_log2);
-    } else if (pos0 <= warp_last) {  // on the diagonal; tiles past it are skipped
+                                                  k_base + TILE_BYTES, 0, pos0, qpos, scale_log2,
+                                                  feat);
+    } else if (pos0 <= warp_last) {  // on the diagonal or a window's edge; past it: skipped
       warp_attend<IS_BF16, HEAD_DIM, KEYS, true>(st, off, q_base, warp * 16, k_base,
-                                                 k_base + TILE_BYTES, 0, pos0, qpos, scale_log2);
+                                                 k_base + TILE_BYTES, 0, pos0, qpos, scale_log2,
+                                                 feat);
     }
     __syncthreads();  // stage (i & 1) is free for the prefetch of tile i + 2
   }
   cp_async_wait<0>();
 
-  // Every real row saw key 0, so l > 0.
+  // Every real row saw its own position (key 0 without a window), so l > 0.
   st.reduce_l();
   const int c0 = 2 * (lane & 3);
 #pragma unroll
@@ -142,10 +159,10 @@ ACTORLLM_DEVICE void paged_prefill(const unsigned short* __restrict__ q, i64 q_s
           const unsigned short* q, i64 q_stride, const unsigned short* k_cache,                \
           const unsigned short* v_cache, const int* block_tables, int bt_stride,               \
           const int* seq_lens, const int* cu_seqlens_q, unsigned short* out, int num_heads,    \
-          int num_kv_heads, float scale_log2) {                                                \
+          int num_kv_heads, float scale_log2, int window, float cap_in, float cap_out) {       \
     paged_prefill<IS_BF16, D, BS>(q, q_stride, k_cache, v_cache, block_tables, bt_stride,      \
                                   seq_lens, cu_seqlens_q, out, num_heads, num_kv_heads,        \
-                                  scale_log2);                                                 \
+                                  scale_log2, ScoreFeatures{window, cap_in, cap_out});         \
   }
 
 #define ACTORLLM_PREFILL_DTYPE(DT, IS_BF16) \

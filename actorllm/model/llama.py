@@ -141,15 +141,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        batch: ForwardBatch,
-        kv_cache: KVCache,
-        backend: AttentionBackend,
-    ) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch,
+                kv_cache: KVCache, backend: AttentionBackend) -> Tensor:
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk = qkv[:, : self.num_heads + self.num_kv_heads]
         if self.q_norm is not None and self.k_norm is not None:
@@ -204,15 +197,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        h: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        batch: ForwardBatch,
-        kv_cache: KVCache,
-        backend: AttentionBackend,
-    ) -> Tensor:
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch,
+                kv_cache: KVCache, backend: AttentionBackend) -> Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, kv_cache, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from actorllm.config import read_config_json
 from actorllm.model.llama import LlamaForCausalLM, RotaryEmbedding, head_dim_of
 
 if TYPE_CHECKING:
@@ -75,16 +76,8 @@ def load_config(model_dir: str | Path, model_impl: str = "native") -> Pretrained
     """Read and check ``model_dir/config.json`` for ``model_impl``; a one-line ``ValueError``
     if unusable. :func:`model_impl_of` says which implementation it chose."""
     path = Path(model_dir)
-    if not path.is_dir():
-        raise ValueError(f"model directory {str(path)!r} does not exist or is not a directory")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"model directory {str(path)!r} has no config.json")
-    try:
-        raw = json.loads(config_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{config_file}: not valid JSON ({exc})") from None
-    archs = raw.get("architectures") if isinstance(raw, dict) else None
+    raw = read_config_json(path)
+    archs = raw.get("architectures")
     arch = archs[0] if isinstance(archs, list) and archs else None
     if _choose_impl(arch, model_impl, path) == "transformers":
         from actorllm.model.hf_loader import load_hf_config
@@ -93,10 +86,11 @@ def load_config(model_dir: str | Path, model_impl: str = "native") -> Pretrained
         setattr(config, IMPL_ATTR, "transformers")
         return config
     try:
-        config = CONFIG_CLASSES[arch].from_pretrained(str(path))
+        config = CONFIG_CLASSES[arch].from_dict(raw)  # (the file is read once, above)
     except Exception as exc:  # transformers raises many types for a bad config
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{config_file}: cannot be read as {arch}: {first_line}") from None
+        raise ValueError(f"{path / 'config.json'}: cannot be read as {arch}: {first_line}") \
+            from None
     config.architectures = [arch]
     _check_config(config, path)
     return config

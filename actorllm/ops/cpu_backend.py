@@ -2,7 +2,8 @@
 
 ``actorllm/kernels/cpu_paged_decode.c`` reads each sequence's K/V in place through its block
 table with an online softmax, instead of gathering the whole context into a padded
-tensor first (the torch reference's decode path, most of its attention time). Prefill
+tensor first (the torch reference's decode path, most of its attention time). It takes a
+sliding window (the walk starts ``window`` keys back) and a soft-cap too. Prefill
 chunks and the KV write stay those of :class:`TorchBackend`, which is also the oracle
 the kernel is tested against (tests/test_ops_cpu.py).
 
@@ -123,14 +124,16 @@ class CpuBackend(TorchBackend):
 
     def __init__(self, library: Path, num_threads: int | None = None) -> None:
         lib = ctypes.CDLL(str(library))
-        fn = lib.paged_decode_f32
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float,
-                                                                       ctypes.c_int]
+        plain = lib.paged_decode_f32
+        fn = lib.paged_decode_f32_ex
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [
+            ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
         self.num_threads = num_threads
-        #: The kernel's entry point, for C++ that calls it directly (ops/cpu_step.py).
-        self.kernel_address: int = ctypes.cast(fn, ctypes.c_void_p).value or 0
+        #: The plain kernel's entry point (no window, no soft-cap), for C++ that calls it
+        #: directly (ops/cpu_step.py).
+        self.kernel_address: int = ctypes.cast(plain, ctypes.c_void_p).value or 0
 
     def decode(
         self,
@@ -143,9 +146,9 @@ class CpuBackend(TorchBackend):
         scale: float,
         extra: Features = NO_FEATURES,
     ) -> Tensor:
-        """Decode attention by the kernel; the torch reference where it does not apply
-        (also for a sliding window or a soft-cap, which the kernel does not implement)."""
-        if extra.any or not (
+        """Decode attention by the kernel (sliding window and soft-cap included); the
+        torch reference where it does not apply."""
+        if not (
                 q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype
                 == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()):
             return super().decode(q, k_cache, v_cache, block_tables, seq_lens, max_len, scale,
@@ -160,9 +163,11 @@ class CpuBackend(TorchBackend):
         threads = self.num_threads or torch.get_num_threads()
         rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                       lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, k_cache.shape[2],
-                      head_dim, k_cache.shape[1], tables.shape[1], scale, threads)
+                      head_dim, k_cache.shape[1], tables.shape[1], scale,
+                      extra.sliding_window or 0, extra.softcap or 0.0, threads)
         if rc != 0:
-            return super().decode(q, k_cache, v_cache, block_tables, seq_lens, max_len, scale)
+            return super().decode(q, k_cache, v_cache, block_tables, seq_lens, max_len, scale,
+                                  extra)
         return out
 
 

@@ -32,7 +32,6 @@ from torch import Tensor
 
 from actorllm.ops.base import BackendUnavailable
 from actorllm.ops.checks import check_cuda_paged_attention_args, check_cuda_write_kv_args
-from actorllm.ops.torch_backend import TorchBackend
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +112,21 @@ def plan_decode_splits(
     tiles = math.ceil(max(max_seqlen_k, 1) / DECODE_KEYS)
     partition = math.ceil(tiles / splits) * DECODE_KEYS
     return DecodePlan(num_splits=math.ceil(max(max_seqlen_k, 1) / partition), partition=partition)
+
+
+def score_features(scale: float, sliding_window: int | None,
+                   softcap: float | None) -> tuple[np.int32, np.float32, np.float32]:
+    """The kernels' ``ScoreFeatures`` arguments (common.cuh): ``(window, cap_in, cap_out)``,
+    zeros for a feature that is off. The cap works in base 2 on raw dot products:
+    ``cap_in = 2 log2(e) scale / softcap`` and ``cap_out = softcap log2(e)``."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    window = np.int32(min(sliding_window or 0, 2**31 - 1))
+    if softcap is None:
+        return window, np.float32(0.0), np.float32(0.0)
+    return window, np.float32(2 * LOG2E * scale / softcap), np.float32(softcap * LOG2E)
 
 
 def _ptr(t: Tensor | None) -> np.uint64:
@@ -261,8 +275,9 @@ class CudaBackend:
     ) -> Tensor:
         """Causal attention of packed queries over paged K/V; returns ``[total_q, H, D]``.
 
-        A ``softcap``, or a ``sliding_window`` that the context reaches past, runs the torch
-        reference (the kernels implement neither yet).
+        ``sliding_window`` and ``softcap`` are the kernels' own work (see ``TorchBackend``
+        for their meaning): decode partitions only the window's keys, prefill skips the
+        tiles before a row's window and masks the ones across its edge.
 
         ``max_seqlen_q`` / ``max_seqlen_k`` (upper bounds on the query and context lengths)
         size the grids; pass them to avoid a device-to-host sync each. With
@@ -270,12 +285,8 @@ class CudaBackend:
         kernel serves every sequence with more than one query token and the decode kernel
         the rest.
         """
-        if softcap is not None or (sliding_window is not None and (
-                max_seqlen_k is None or max_seqlen_k > sliding_window)):
-            return TorchBackend().paged_attention(
-                q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seqlen_q,
-                max_seqlen_k, sliding_window=sliding_window, softcap=softcap)
         check_cuda_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
+        features = score_features(scale, sliding_window, softcap)
         self._check_device(k_cache)
         num_tokens, num_heads, head_dim = q.shape
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -287,6 +298,8 @@ class CudaBackend:
             max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
         if max_seqlen_k is None:
             max_seqlen_k = int(seq_lens.max())
+        if features[0] > 0:
+            max_seqlen_k = min(max_seqlen_k, int(features[0]))  # decode splits the window only
         kernels = self._kernels(q.dtype, head_dim, block_size)
         group = num_heads // num_kv_heads
         scale_log2 = np.float32(scale * LOG2E)
@@ -304,7 +317,7 @@ class CudaBackend:
 
         if max_seqlen_q > 1:
             row_tiles = math.ceil(max_seqlen_q * group / PREFILL_ROWS)
-            args = (*common, np.int32(num_heads), np.int32(num_kv_heads), scale_log2)
+            args = (*common, np.int32(num_heads), np.int32(num_kv_heads), scale_log2, *features)
             self._launch(
                 kernels.prefill,
                 (row_tiles, num_kv_heads, num_seqs),
@@ -315,13 +328,16 @@ class CudaBackend:
             if num_tokens == num_seqs * max_seqlen_q:
                 return out  # every sequence has max_seqlen_q > 1 query tokens: no decode rows
 
-        self._decode(kernels, common, scale_log2, out, num_seqs, num_kv_heads, max_seqlen_k)
+        self._decode(kernels, common, scale_log2, features, out, num_seqs, num_kv_heads,
+                     max_seqlen_k)
         return out
 
-    def _decode(self, kernels: _Kernels, common: tuple, scale_log2: np.float32, out: Tensor,
-                num_seqs: int, num_kv_heads: int, max_seqlen_k: int) -> None:
+    def _decode(self, kernels: _Kernels, common: tuple, scale_log2: np.float32,
+                features: tuple[np.int32, np.float32, np.float32], out: Tensor, num_seqs: int,
+                num_kv_heads: int, max_seqlen_k: int) -> None:
         """Launch the split-K decode kernel (and its reduce, when split) for the decode rows;
-        ``common`` is the argument head both kernels share (``paged_attention``'s)."""
+        ``common`` is the argument head both kernels share (``paged_attention``'s), and
+        ``max_seqlen_k`` bounds the keys each sequence attends to (its window, if shorter)."""
         num_heads, head_dim = out.shape[1], out.shape[2]
         group = num_heads // num_kv_heads
         plan = plan_decode_splits(num_seqs, num_kv_heads, group, max_seqlen_k, self.num_sms)
@@ -341,6 +357,7 @@ class CudaBackend:
             np.int32(plan.partition),
             np.int32(plan.num_splits),
             scale_log2,
+            *features,
         )
         grid = (num_kv_heads * math.ceil(group / DECODE_ROWS), num_seqs, plan.num_splits)
         self._launch(kernels.decode, grid, DECODE_THREADS, args, kernels.decode_smem)
@@ -356,6 +373,7 @@ class CudaBackend:
                 np.int32(num_heads),
                 np.int32(plan.partition),
                 np.int32(plan.num_splits),
+                features[0],
             )
             self._launch(kernels.reduce, (num_heads, num_seqs), head_dim, args)
 

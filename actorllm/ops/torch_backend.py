@@ -160,16 +160,9 @@ class TorchBackend:
             rows = torch.tensor([cu[s] for s in decode], device=q.device)
             seqs = torch.tensor(decode, device=q.device)
             max_len = max(lens[s] for s in decode)
-            o = self.decode(
-                q.index_select(0, rows),
-                k_cache,
-                v_cache,
-                block_tables.index_select(0, seqs),
-                seq_lens.index_select(0, seqs),
-                max_len,
-                scale,
-                extra,
-            )
+            o = self.decode(q.index_select(0, rows), k_cache, v_cache,
+                            block_tables.index_select(0, seqs), seq_lens.index_select(0, seqs),
+                            max_len, scale, extra)
             out.index_copy_(0, rows, o)
         for s in range(num_seqs):
             q_len = cu[s + 1] - cu[s]

@@ -31,7 +31,6 @@ from actorllm.replay.tracefile import Line, Session, Trace
 from actorllm.wire.messages import (
     AbortRequest,
     FlowControl,
-    SampledToken,
     SamplingParams,
     SequenceRequest,
     StepResult,
@@ -219,7 +218,9 @@ def _apply(sched: Any, line: Line, default_eos: tuple[int, ...],
         return
     report.inputs += 1
     if line.kind == "result":
-        tokens = tuple(SampledToken(str(rid), int(tok)) for rid, tok in d.get("tokens") or ())
+        # The trace names each token's rid; the result carries the tokens in the order of
+        # the plan's sampling rows, which is the order they were recorded in.
+        tokens = tuple(int(tok) for _, tok in d.get("tokens") or ())
         sched.handle(StepResult(int(d["step"]), tokens, d.get("error")))
     elif d.get("msg") == "SequenceRequest":
         params = _params(d.get("params"), int(d["max_tokens"]))

@@ -32,6 +32,11 @@ class TraceError(Exception):
     """The file cannot be read as a trace at all (missing, empty, not JSON lines)."""
 
 
+def _str_field(line: Line, key: str) -> str | None:
+    value: str | None = line.data.get(key)
+    return value
+
+
 @attrs.frozen
 class Line:
     """One line of the file, parsed. ``no`` is its 1-based line number."""
@@ -43,21 +48,11 @@ class Line:
     def t(self) -> float:
         return float(self.data.get("t", 0.0))
 
-    @property
-    def kind(self) -> str | None:
-        return self.data.get("kind")
-
-    @property
-    def rid(self) -> str | None:
-        return self.data.get("rid")
-
-    @property
-    def event(self) -> str | None:
-        return self.data.get("event")
-
-    @property
-    def actor(self) -> str | None:
-        return self.data.get("actor")
+    # Keys a line may carry, each read as an attribute (None where the line has none).
+    kind = property(lambda self: _str_field(self, "kind"))
+    rid = property(lambda self: _str_field(self, "rid"))
+    event = property(lambda self: _str_field(self, "event"))
+    actor = property(lambda self: _str_field(self, "actor"))
 
     @property
     def is_transition(self) -> bool:

@@ -2,31 +2,29 @@
 running and paused queues and the KV block pool), the steps in flight, and makes every
 finish decision.
 
-It hears from the Tokenizer (``SequenceRequest``, and ``AbortRequest`` on the same edge),
-the Worker (``StepResult``) and the Detokenizer (``StopMatched``); it speaks ``StepPlan``
-to the Worker and ``TokenBatch`` to the Detokenizer. Theory of operation:
+It hears from the Tokenizer (``SequenceRequest``, ``AbortRequest``), the Worker
+(``StepResult``) and the Detokenizer (``StopMatched``); it speaks ``StepPlan`` to the
+Worker, ``TokenBatch`` to the Detokenizer. Theory of operation:
 - At most ``max_steps_in_flight`` steps run (1, or 2 for overlap scheduling). With 2 the
   next step is planned while one runs, a token the running step samples going as
   ``FEED_LAST_SAMPLE`` for the Worker to feed forward. Planning ahead never preempts:
   where the plain path would, it plans nothing and the pipeline drains to one step.
-- Handling a message is synchronous (``handle``); a separate task sends. So the inbox
-  always drains, and Scheduler -> Detokenizer -> Scheduler cannot deadlock.
+- Handling a message is synchronous (``handle``); a separate task sends: the inbox always
+  drains, and Scheduler -> Detokenizer -> Scheduler cannot deadlock.
 - The step fence: a sequence that finishes while steps that use it are in flight keeps
   its blocks until every one of them is back.
-- Prefix caching (scheduler/kv_pool.py, scheduler/seq_blocks.py): blocks are shared by
-  reference count and cached or evicted only with none left; a fenced sequence keeps its references.
-- Flow control: ``FlowControl(pause)`` (the client's reader is behind) takes a sequence
-  out of the batch at the next plan no step in flight names it; it keeps its blocks
-  (PAUSED) until another sequence needs them, then gives them up (recompute on resume).
-  ``FlowControl(resume)`` puts it first in the waiting queue (PREEMPTED). The batch's
-  ``Pacer`` (scheduler/flow.py) holds the pauses; the batch carries out what it says.
-- What the decisions produce for the Detokenizer waits in ``Outgoing``
-  (scheduler/outgoing.py) until the sender takes it as one ``TokenBatch``.
+- Prefix caching (kv_pool.py, seq_blocks.py): blocks are shared by reference count and
+  cached or evicted only with none left; a fenced sequence keeps its references.
+- Flow control (the batch's ``Pacer``, flow.py): ``FlowControl(pause)`` takes a sequence out
+  of the batch once no step in flight names it; it keeps its blocks (PAUSED) until another
+  sequence needs them; ``resume`` puts it first in the waiting queue (PREEMPTED).
+- What goes to the Detokenizer waits in ``Outgoing`` (outgoing.py) for one ``TokenBatch``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Any
 
@@ -35,10 +33,12 @@ import trio
 from actorllm.lifecycle.table import Ledger, State
 from actorllm.lifecycle.trace import Tracer
 from actorllm.scheduler.batch import Batch
+from actorllm.scheduler.columns import PlanColumns
 from actorllm.scheduler.kv_pool import BlockPool
 from actorllm.scheduler.outgoing import Outgoing
 from actorllm.scheduler.policy import POLICIES, WaitingQueue
 from actorllm.scheduler.sequence import Sequence, take_prompt_pieces
+from actorllm.scheduler.totals import StepTotals
 from actorllm.wire.mailbox import Inbox, Outbox
 from actorllm.wire.messages import (
     FEED_LAST_SAMPLE,
@@ -102,12 +102,13 @@ class Scheduler:
         self.next_step_id = 0
         self.next_incarnation = 0
         self.outgoing = Outgoing()
+        self.lp_live = 0  # live sequences that asked for prompt logprobs (commit reads it)
         self._wake = trio.Event()
         # Counters (exported through SchedulerStats); ahead_tokens_dropped: rows planned
         # ahead for a sequence that ended meanwhile.
         self.late_results_dropped = self.late_stops_dropped = 0
-        self.ahead_tokens_dropped = self.steps = 0
-        self.forward_s = self.sample_s = 0.0
+        self.ahead_tokens_dropped = 0
+        self.totals = StepTotals()
         if tracer is not None:  # what `actorllm replay --redrive` needs to rebuild us
             tracer.record("config", actor="scheduler", num_blocks=num_blocks,
                           block_size=block_size, max_num_seqs=max_num_seqs,
@@ -130,7 +131,9 @@ class Scheduler:
             self._wake = trio.Event()
             # Plan first: the next step runs while the Detokenizer and Frontend work.
             while len(self.in_flight) < self.max_steps_in_flight:
+                t0 = time.perf_counter()  # the step's plan phase (SchedulerStats.plan_s)
                 plan = self.schedule()
+                self.totals.plan_s += time.perf_counter() - t0
                 if plan is None:
                     break
                 await self.worker.send(plan)
@@ -147,7 +150,6 @@ class Scheduler:
         return self.outgoing.take(self.stats)
 
     # What the batch holds, read here for the stats and by tests.
-
     @property
     def pool(self) -> BlockPool:
         return self.batch.pool
@@ -177,7 +179,9 @@ class Scheduler:
     def handle(self, msg: Any) -> None:
         """Apply one message to the Scheduler's state. Never blocks."""
         if isinstance(msg, StepResult):
+            t0 = time.perf_counter()  # the step's commit phase (SchedulerStats.commit_s)
             self.on_result(msg)
+            self.totals.commit_s += time.perf_counter() - t0
         elif isinstance(msg, SequenceRequest):
             self.on_request(msg)
         elif isinstance(msg, AbortRequest):
@@ -204,6 +208,7 @@ class Scheduler:
                        view=self.ledger.view(req.rid), incarnation=self.next_incarnation)
         self.next_incarnation += 1
         self.seqs[seq.rid] = seq
+        self.lp_live += req.params.prompt_logprobs is not None
         self.batch.add(seq)
         if self.tracer is not None:
             self.tracer.record("input", actor="scheduler", msg="SequenceRequest", rid=req.rid,
@@ -254,82 +259,96 @@ class Scheduler:
                 return None
             # Nothing to run, but the Worker still holds state for freed rids: an empty
             # step tells it to let go, so a drained engine holds nothing anywhere.
-        plan = StepPlan(
-            step_id=self.next_step_id,
-            seqs=tuple(seq.scheduled(n) for seq, n in planned),
-            drop=self.batch.take_worker_drops(),
-        )
+        cols = PlanColumns()
+        for seq, n in planned:
+            seq.schedule_into(cols, n)
+        plan = cols.freeze(self.next_step_id, self.batch.take_worker_drops())
         self.next_step_id += 1
         self.in_flight.append(plan)
         if self.tracer is not None:
-            self.tracer.record("plan", actor="scheduler", step=plan.step_id,
-                               seqs=[[s.rid, len(s.token_ids), s.sample] for s in plan.seqs])
+            self.tracer.record("plan", actor="scheduler", step=plan.step_id, seqs=[
+                list(row) for row in zip(plan.rids, plan.num_tokens, plan.sample, strict=True)])
         return plan
 
     def on_result(self, result: StepResult) -> None:
+        """Commit a step's result by walking its plan's columns."""
         # The Worker runs plans in order, so a result answers the oldest plan in flight.
         if not self.in_flight or result.step_id != self.in_flight[0].step_id:
             self.late_results_dropped += 1  # a duplicate or stale result: never an error
             log.debug("dropped result of step %d", result.step_id)
             return
         plan = self.in_flight.popleft()
-        self.steps += 1
-        self.forward_s += result.forward_s
-        self.sample_s += result.sample_s
+        self.totals.add_result(result, len(plan.rids))
+        error = result.error
+        if error is None and len(result.token_ids) != sum(plan.sample):  # a Worker bug
+            error = f"{len(result.token_ids)} tokens for {sum(plan.sample)} sampling rows"
         if self.tracer is not None:
             self.tracer.record("result", actor="scheduler", step=result.step_id,
-                               tokens=[[t.rid, t.token_id] for t in result.tokens],
-                               error=result.error, forward_s=result.forward_s)
-        for s in plan.seqs:
-            seq = self.seqs.get(s.rid)
+                               tokens=[[rid, t] for rid, t in zip(
+                                   plan.sampled_rids(), result.token_ids, strict=False)],
+                               error=error, forward_s=result.forward_s)
+        seqs = [self.seqs.get(rid) for rid in plan.rids]
+        for seq, n, sampled in zip(seqs, plan.num_tokens, plan.sample, strict=True):
             if seq is None:
                 continue
-            seq.step_returned(s)
-            if seq.status is State.RUNNING and result.error is None:
-                self.batch.computed(seq, len(s.token_ids))
-        self._pass_fence()
-        if result.error is not None:
-            for s in plan.seqs:
-                seq = self.seqs.get(s.rid)
+            seq.step_returned(sampled)
+            if error is None and seq.status is State.RUNNING:
+                self.batch.computed(seq, n)
+        if self._pass_fence():  # freed ones are gone: look the rids up again
+            seqs = [self.seqs.get(rid) for rid in plan.rids]
+        if error is not None:
+            for seq in seqs:
                 if seq is not None and seq.status is State.RUNNING:
-                    self._finish(seq, "fail", "error", error=result.error)
+                    self._finish(seq, "fail", "error", error=error)
             return
-        self._commit(plan, result)
+        self._commit(plan, seqs, result)
 
-    def _pass_fence(self) -> None:
+    def _pass_fence(self) -> bool:
         """Invariant 3: finished sequences that no step in flight names any more give
-        their blocks back (until then a step may still read them)."""
+        their blocks back (until then a step may still read them). Whether any did."""
         passed = [seq for seq in self.fenced if not seq.in_flight]
         self.fenced = [seq for seq in self.fenced if seq.in_flight]
         for seq in passed:
             self._free(seq)
+        return bool(passed)
 
-    def _commit(self, plan: StepPlan, result: StepResult) -> None:
-        """A step's tokens and prompt logprobs for the sequences still running."""
-        pieces, gaps = take_prompt_pieces(
-            [q for q in (self._running(s.rid) for s in plan.seqs) if q is not None],
-            result.prompt_logprobs)
-        for seq, gap in gaps:
-            # A Worker bug. The client must not get a list with holes, and the other
-            # requests need not die with this one.
-            log.error("%s: %s", seq.rid, gap)
-            self._finish(seq, "fail", "error", error=gap)
-        for tok in result.tokens:
-            seq = self._running(tok.rid)
-            if seq is None:
-                if any(s.rid == tok.rid and s.token_ids[0] == FEED_LAST_SAMPLE
-                       for s in plan.seqs):
+    def _commit(self, plan: StepPlan, seqs: list[Sequence | None], result: StepResult) -> None:
+        """A step's tokens and prompt logprobs for the sequences still running (the
+        tokens are a column aligned with the plan's sampling rows); refused rows fail."""
+        running = State.RUNNING  # (a view's local is None once its sequence is freed)
+        pieces: dict[str, dict[str, Any]] = {}
+        if self.lp_live:
+            pieces, gaps = take_prompt_pieces(
+                [q for q in seqs if q is not None and q.view.local is running],
+                result.prompt_logprobs)
+            for seq, gap in gaps:
+                # A Worker bug: no list with holes for the client; the others live on.
+                log.error("%s: %s", seq.rid, gap)
+                self._finish(seq, "fail", "error", error=gap)
+        logprobs = dict(zip(result.logprob_rows, result.logprobs, strict=True)) \
+            if result.logprobs else None
+        sampling = [i for i, sampled in enumerate(plan.sample) if sampled]
+        refused = dict(zip(result.refused_rows, result.refused, strict=True))
+        for j, (i, token) in enumerate(zip(sampling, result.token_ids, strict=True)):
+            seq = seqs[i]
+            if seq is None or seq.view.local is not running:
+                if plan.token_ids[sum(plan.num_tokens[:i])] == FEED_LAST_SAMPLE:
                     self.ahead_tokens_dropped += 1  # planned ahead past its end
                 else:
                     self.late_results_dropped += 1  # finished (abort, stop) while it ran
                 continue
-            reason, stop_reason = seq.finish_after(tok.token_id)
-            self.outgoing.token(seq, tok.token_id, tok.logprob, pieces.pop(seq.rid, None))
+            if j in refused:  # its grammar refused the draw (a masking bug): it fails alone
+                self._finish(seq, "fail", "error", error=refused[j])
+                continue
+            reason, stop_reason = seq.finish_after(token)
+            self.outgoing.token(seq, token, logprobs.get(j) if logprobs else None,
+                                pieces.pop(seq.rid, None) if pieces else None)
             if reason is not None:
                 self._finish(seq, "finish", reason, stop_reason)
-        for s in plan.seqs:
-            seq = self._running(s.rid)
-            if seq is None:
+        if not pieces and all(plan.sample):
+            return  # (a row that scores its prompt only never samples)
+        for seq in seqs:
+            if seq is None or seq.view.local is not running:
                 continue
             piece = pieces.pop(seq.rid, None)
             if piece is not None:  # a prefill chunk that sampled nothing
@@ -357,6 +376,7 @@ class Scheduler:
     def _free(self, seq: Sequence) -> None:
         self.batch.release(seq)
         del self.seqs[seq.rid]
+        self.lp_live -= seq.params.prompt_logprobs is not None
         self.ledger.fire(seq.rid, "free")
         self.ledger.drop(seq.rid)
         self.outgoing.freed.append(seq.rid)
@@ -366,8 +386,8 @@ class Scheduler:
             num_running=len(self.running), num_waiting=len(self.waiting),
             kv_blocks_used=self.pool.num_used, kv_blocks_total=self.pool.num_blocks,
             num_preemptions=self.num_preemptions, num_paused=len(self.paused),
-            late_results_dropped=self.late_results_dropped, steps=self.steps,
-            forward_s=self.forward_s, sample_s=self.sample_s, replica=self.replica,
+            late_results_dropped=self.late_results_dropped, replica=self.replica,
+            **self.totals.fields(),
             prefix_cache_queries=self.pool.queries, prefix_cache_hits=self.pool.hits)
 
     def drain_problems(self) -> list[str]:

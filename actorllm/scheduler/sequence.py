@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 
 from actorllm.lifecycle.table import State, View, load_spec
+from actorllm.scheduler.columns import PlanColumns
 from actorllm.scheduler.kv_pool import extend_hashes
 from actorllm.wire.messages import (
     FEED_LAST_SAMPLE,
@@ -20,7 +21,6 @@ from actorllm.wire.messages import (
     NewSeqData,
     PromptLogprobs,
     SamplingParams,
-    ScheduledSeq,
     TokenLogprob,
     TokenOut,
 )
@@ -46,7 +46,8 @@ class Sequence:
     num_scheduled: int = 0  # ... or will be once the steps in flight return
     in_flight: int = 0  # steps in flight that schedule it (the fence)
     samples_in_flight: int = 0  # tokens those steps will sample for it
-    worker_knows: bool = False  # the Worker holds its sampling state
+    worker_knows: bool = False  # the Worker holds its sampling state and block table
+    blocks_sent: int = 0  # how much of block_table the Worker has (StepPlan.new_blocks)
     detok_spec_sent: bool = False
     first_scheduled: float | None = None
     incarnation: int = 0  # numbers the rid's incarnations; StopMatched echoes it
@@ -129,48 +130,60 @@ class Sequence:
         the tokens in flight already reach ``max_tokens`` (it ends there for sure)."""
         return len(self.output_ids) + self.samples_in_flight < self.max_tokens
 
-    def step_returned(self, s: ScheduledSeq) -> None:
+    def step_returned(self, sampled: bool) -> None:
         """A step that scheduled it has returned (with a result or an error)."""
         self.in_flight -= 1
-        self.samples_in_flight -= s.sample
+        self.samples_in_flight -= sampled
 
-    def scheduled(self, n: int) -> ScheduledSeq:
-        """The next ``n`` tokens as the Worker gets them (NewSeqData the first time).
+    def schedule_into(self, cols: PlanColumns, n: int) -> None:
+        """Append the next ``n`` tokens as the Worker gets them to the plan's columns: the
+        block ids it has not seen yet, and NewSeqData (with the whole table) the first time.
 
         A token that a step in flight is still to sample goes as ``FEED_LAST_SAMPLE``:
         the Worker feeds the one it sampled for this rid last.
         """
         start = self.num_scheduled
         known = self.num_tokens
-        new = None
+        row = len(cols.rids)
         if not self.worker_knows:
-            new = NewSeqData(self.params, tuple(self.prompt_ids), tuple(self.output_ids))
+            cols.new_rows.append(row)
+            cols.new.append(
+                NewSeqData(self.params, tuple(self.prompt_ids), tuple(self.output_ids)))
             self.worker_knows = True
-        lp_from = None
+            self.blocks_sent = 0  # its table starts afresh at the Worker
         if self.owes_prompt_logprobs:
             # This chunk's rows predict positions start + 1 .. start + n; ask only for the
             # prompt positions among them that were not reported before a preemption.
             lo = max(self.prompt_lps_next, start + 1)
             if lo <= min(start + n, len(self.prompt_ids) - 1):
-                lp_from = lo
+                cols.lp_rows.append(row)
+                cols.lp_from.append(lo)
         if start + n > known:
             # Only ever the one token a step in flight samples, and only that step's.
             assert start + n == known + 1 == start + 1 and self.samples_in_flight, self
+            cols.token_ids.append(FEED_LAST_SAMPLE)
+        elif n == 1:
+            cols.token_ids.append(self.token(start))
+        else:
+            p = len(self.prompt_ids)
+            if start + n <= p:
+                cols.token_ids.extend(self.prompt_ids[start:start + n])
+            else:
+                cols.token_ids.extend(self.token(i) for i in range(start, start + n))
+        # max_tokens 0 (prompt scoring): the prefill runs, nothing is sampled.
         sample = start + n == known + self.samples_in_flight and self.max_tokens > 0
         self.num_scheduled += n
         self.in_flight += 1
         self.samples_in_flight += sample
-        return ScheduledSeq(
-            rid=self.rid,
-            token_ids=tuple(self.token(i) if i < known else FEED_LAST_SAMPLE
-                            for i in range(start, start + n)),
-            start_pos=start,
-            block_table=tuple(self.block_table),
-            # max_tokens 0 (prompt scoring): the prefill runs, nothing is sampled.
-            sample=sample,
-            new=new,
-            prompt_logprobs_from=lp_from,
-        )
+        cols.rids.append(self.rid)
+        cols.num_tokens.append(n)
+        cols.start_pos.append(start)
+        cols.sample.append(sample)
+        table = self.block_table
+        cols.num_new_blocks.append(len(table) - self.blocks_sent)
+        if len(table) > self.blocks_sent:
+            cols.new_blocks.extend(table[self.blocks_sent:])
+            self.blocks_sent = len(table)
 
     def finish_after(self, token: int) -> tuple[str | None, int | None]:
         """Append a sampled token; returns (finish reason, stop token) if it ends the sequence."""

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from actorllm.server.schemas import ChatCompletionRequest, CompletionRequest
+from actorllm.text.structured import check_schema_numbers
 from actorllm.wire.messages import InvalidRequest, StructuredOutput
 
 
@@ -27,6 +28,9 @@ def _json_spec(schema: Any, param: str) -> StructuredOutput:
         schema = {}
     if not isinstance(schema, dict):
         raise InvalidRequest(f"{param}: a JSON schema must be an object", param)
+    # Here, before json.dumps: Python writes infinity as `Infinity`, which no JSON reader
+    # after it would refuse by name.
+    check_schema_numbers(schema, param)
     return StructuredOutput("json", json.dumps(schema, ensure_ascii=False), param)
 
 

@@ -187,6 +187,7 @@ class GenerationResponse(Response):
         finally:
             waited = time.monotonic() - start
             self.state.engine.metrics.socket_blocked_seconds.inc(waited)
+        self.state.engine.metrics.phase["http_write"].inc(waited)
         if self._watch.cut is not None:
             # hypercorn's write was cut (server/timeouts.py) and the connection closed:
             # the client took nothing for --stream-timeout, or the drain ran out.
@@ -336,19 +337,23 @@ class GenerationResponse(Response):
             await self._send_error(self._ending_error())
             return
         await self._start(200, list(sse.HEADERS))
-        for chunk in self.renderer.prelude():
-            await self._body(sse.event(chunk))
+        # One write per step: the prelude with every job's first output, then (in
+        # _stream_rest) what each wake-up brought, then the end with [DONE].
+        events = [sse.event(chunk) for chunk in self.renderer.prelude()]
         for job, out in zip(self.jobs, firsts, strict=True):
             if out is not None:
-                await self._emit(job, out.outputs)
+                events += self._render(job, out.outputs)
+        if events:
+            await self._body(b"".join(events))
         failed = await self._stream_rest()
+        tail = []
         if self._cut and not failed:
-            await self._body(sse.event(drain_cut_error().body()))
+            tail.append(sse.event(drain_cut_error().body()))
             failed = True
         if self.include_usage and not failed:
-            await self._body(sse.event(self.renderer.usage_chunk(self._usage())))
-        await self._body(sse.DONE)
-        await self._body(b"", more=False)
+            tail.append(sse.event(self.renderer.usage_chunk(self._usage())))
+        tail.append(sse.DONE)
+        await self._body(b"".join(tail), more=False)
 
     async def _stream_rest(self) -> bool:
         """Send every job's outputs as they come, until all end, one fails (its error is
@@ -398,19 +403,36 @@ class GenerationResponse(Response):
                         receiving = None
                         if self._cut:
                             break
-                        if isinstance(item, RequestError):
-                            # Headers are gone: the error travels as an event, then [DONE].
-                            await self._body(sse.event(self._api_error(item).body()))
-                            return True
-                        await self._emit(job, item.outputs)
+                        # Whatever else the same step brought (other jobs' pumps are
+                        # waiting to hand it over) goes in the same write.
+                        items = [(job, item)]
+                        while single is None:
+                            try:
+                                items.append(recv_ch.receive_nowait())
+                            except (trio.WouldBlock, trio.EndOfChannel):
+                                break
+                        events: list[bytes] = []
+                        for job, item in items:
+                            if isinstance(item, RequestError):
+                                # Headers are gone: the error travels as an event, then
+                                # [DONE].
+                                events.append(sse.event(self._api_error(item).body()))
+                                await self._body(b"".join(events))
+                                return True
+                            events += self._render(job, item.outputs)
+                        if events:
+                            await self._body(b"".join(events))
                 finally:
                     # Cancel the pumps while the channel is still open: one that sends
                     # into a closed channel would raise BrokenResourceError, not stop.
                     nursery.cancel_scope.cancel()
         return False
 
-    async def _emit(self, job: Job, outputs: Sequence[CompletionOutput]) -> None:
-        for o in outputs:
-            chunk = self.renderer.add(job, o)
-            if chunk is not None:
-                await self._body(sse.event(chunk))
+    def _render(self, job: Job, outputs: Sequence[CompletionOutput]) -> list[bytes]:
+        """The SSE events of ``outputs`` (one take of ``job``'s collector). Its time is the
+        step's ``http_render`` phase."""
+        t0 = time.perf_counter()
+        add = self.renderer.add_event
+        events = [e for o in outputs if (e := add(job, o)) is not None]
+        self.state.engine.metrics.phase["http_render"].inc(time.perf_counter() - t0)
+        return events

@@ -1,7 +1,9 @@
 """OpenAI's response shapes, built from engine outputs: pure functions of what arrived.
 
 A renderer knows nothing of ASGI, sockets or the engine; ``generation.py`` feeds it each
-``CompletionOutput`` as it comes and sends what it returns. Each choice's outputs are
+``CompletionOutput`` as it comes and sends what it returns. A streamed chunk comes out
+as SSE bytes (``add_event``): its envelope was encoded once for the response, so a chunk
+costs its choice's encoding only. Each choice's outputs are
 folded with the one merge of ``actorllm.wire.outputs``; what a renderer adds is the shape:
 roles, chunks, logprobs in the chat or the legacy completions layout, usage.
 """
@@ -12,6 +14,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from actorllm.server import sse
 from actorllm.server.logprobs import (
     PromptOffsets,
     TokenTexts,
@@ -72,6 +75,8 @@ class Renderer(Protocol):
 
     def add(self, job: JobView, out: CompletionOutput) -> dict[str, Any] | None: ...
 
+    def add_event(self, job: JobView, out: CompletionOutput) -> bytes | None: ...
+
     def final(self, usage: dict[str, int]) -> dict[str, Any]: ...
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]: ...
@@ -80,6 +85,8 @@ class Renderer(Protocol):
 
 
 class _RendererBase:
+    chunk_object = ""  # the "object" of a streamed chunk
+
     def __init__(self, *, response_id: str, created: int, model: str, num_choices: int,
                  texts: TokenTexts, logprobs: bool, prompt_logprobs: int | None = None,
                  echo_logprobs: int | None = None) -> None:
@@ -89,6 +96,23 @@ class _RendererBase:
         self.texts, self.want_logprobs = texts, logprobs
         self.prompt_k, self.echo_k = prompt_logprobs, echo_logprobs
         self.choices = {i: ChoiceState() for i in range(num_choices)}
+        self._head, self._tail = sse.chunk_framing(
+            {"id": self.id, "object": self.chunk_object, "created": self.created,
+             "model": self.model})
+
+    def _choice(self, job: JobView, out: CompletionOutput) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def add(self, job: JobView, out: CompletionOutput) -> dict[str, Any] | None:
+        """Fold ``out`` in; the chunk that tells the client of it (None: nothing yet)."""
+        choice = self._choice(job, out)
+        return None if choice is None else self._envelope(self.chunk_object, [choice])
+
+    def add_event(self, job: JobView, out: CompletionOutput) -> bytes | None:
+        """As :meth:`add`, the chunk as one SSE event (the same JSON as
+        ``sse.event(add(...))``)."""
+        choice = self._choice(job, out)
+        return None if choice is None else self._head + sse.dumps(choice) + self._tail
 
     def completion_tokens(self) -> int:
         return sum(len(c.merged.token_ids) for c in self.choices.values())
@@ -113,6 +137,8 @@ class ChatRenderer(_RendererBase):
     """``chat.completion`` and ``chat.completion.chunk``; with ``tools`` (a plan whose
     mode is not ``none``) the text is read for tool calls (``server/tools.py``)."""
 
+    chunk_object = "chat.completion.chunk"
+
     def __init__(self, *, tools: ToolPlan | None = None, **kw: Any) -> None:
         super().__init__(**kw)
         self.tools = tools
@@ -124,7 +150,7 @@ class ChatRenderer(_RendererBase):
             "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
             "finish_reason": None}]) for i in self.choices]
 
-    def add(self, job: JobView, out: CompletionOutput) -> dict[str, Any] | None:
+    def _choice(self, job: JobView, out: CompletionOutput) -> dict[str, Any] | None:
         index = job.index_base + out.index
         st = self.choices[index]
         self._fold(st, out, out.text)
@@ -144,7 +170,7 @@ class ChatRenderer(_RendererBase):
         }
         if out.finish_reason is not None:
             choice["stop_reason"] = out.stop_reason
-        return self._envelope("chat.completion.chunk", [choice])
+        return choice
 
     def _tool_delta(self, index: int, out: CompletionOutput) -> tuple[dict[str, Any], str | None]:
         assert self.tools is not None
@@ -202,6 +228,8 @@ class CompletionRenderer(_RendererBase):
     choices are candidates, and the whole answer keeps the ``n`` with the highest
     cumulative logprob (vLLM's ``best_of``; never streamed)."""
 
+    chunk_object = "text_completion"
+
     def __init__(self, *, best_of: tuple[int, int] | None = None, **kw: Any) -> None:
         super().__init__(**kw)
         self.best_of = best_of
@@ -209,7 +237,7 @@ class CompletionRenderer(_RendererBase):
     def prelude(self) -> list[dict[str, Any]]:
         return []
 
-    def add(self, job: JobView, out: CompletionOutput) -> dict[str, Any] | None:
+    def _choice(self, job: JobView, out: CompletionOutput) -> dict[str, Any] | None:
         index = job.index_base + out.index
         st = self.choices[index]
         text = out.text
@@ -245,7 +273,7 @@ class CompletionRenderer(_RendererBase):
             choice["prompt_logprobs"] = prompt_field
         if out.finish_reason is not None:
             choice["stop_reason"] = out.stop_reason
-        return self._envelope("text_completion", [choice])
+        return choice
 
     def _kept(self) -> list[tuple[int, ChoiceState]]:
         """The choices the answer shows, in order (with best_of, the best of each prompt's)."""

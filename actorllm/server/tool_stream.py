@@ -273,4 +273,7 @@ class ToolStream:
         for k in range(len(self.out), len(calls)):
             deltas.append({"index": k, **calls[k].as_dict()})
         self.found = True
-        return "", deltas
+        # Text outside the calls is content, as in the whole answer (sent at the end: it
+        # is known to be outside only once every block has closed).
+        self.sent = len(self.text)
+        return self.plan.call_parser().after_calls(self.text).rstrip(), deltas

@@ -75,6 +75,10 @@ class ToolParser(Protocol):
         """Streaming: the spans of ``text`` (all the output so far) that hold the calls'
         JSON, in order; the last may still be growing (its end is how far it is sure)."""
 
+    def after_calls(self, text: str) -> str:
+        """Text after the first call that is in no call (content that ``parse`` keeps, and
+        a stream sends at its end)."""
+
 
 class JsonListParser:
     """The answer is a JSON list of calls (a lone call object too), and nothing else."""
@@ -103,9 +107,17 @@ class JsonListParser:
     def regions(self, text: str) -> list[tuple[int, int]]:
         return [(0, len(text))]
 
+    def after_calls(self, text: str) -> str:
+        return ""  # the answer is the list and nothing else
+
 
 class HermesParser:
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, after optional text."""
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, after optional text.
+
+    Text outside the blocks (before the first, between them, after the last) is the
+    answer's content: a model may say something after its calls, and dropping that
+    without a word would lose it.
+    """
 
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -124,8 +136,12 @@ class HermesParser:
             if not found:
                 return text, []  # a malformed call: the text stays the answer
             calls += found
-        content = text[:start].strip()
+        content = (text[:start] + self.after_calls(text)).strip()
         return (content or None), calls
+
+    def after_calls(self, text: str) -> str:
+        start = text.find(self.OPEN)
+        return "" if start < 0 else self._BLOCK.sub("", text[start:])
 
     def split(self, text: str) -> tuple[int, bool]:
         start = text.find(self.OPEN)

@@ -13,4 +13,6 @@ def load_hf_tokenizer(model_dir: str) -> Any:
     try:
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except Exception as exc:  # transformers raises many kinds for a bad directory
-        raise ValueError(f"cannot load a tokenizer from {model_dir}: {exc}") from None
+        # Its messages run over several lines; the CLI prints one.
+        reason = " ".join(str(exc).split())
+        raise ValueError(f"cannot load a tokenizer from {model_dir}: {reason}") from None

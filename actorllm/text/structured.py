@@ -8,7 +8,13 @@ has the allowed-token bitmasks of the constrained rows filled in a thread while 
 forward pass runs (:class:`MaskFiller`), then sets those rows' disallowed logits to
 ``-inf``; ``SamplingState.append`` advances the matcher with the sampled token. A
 grammar that is complete and admits nothing more allows only the EOS tokens, so the
-sequence ends with ``stop`` through the ordinary EOS path.
+sequence ends with ``stop`` through the ordinary EOS path. A sampled token the grammar
+refuses (the mask and the draw disagreed) raises :class:`GrammarRefused`: the step fails
+with that error rather than the sequence going on unconstrained.
+
+A JSON schema's numbers must be ones the grammar compiler holds exactly: integers within
++-(2**53 - 1), finite floats (:func:`check_schema_numbers`); others are a 400 naming the
+field.
 
 The backend is llguidance: a self-contained Rust wheel (no torch, triton or compiler
 at run time), with a fast mask on the CPU and lazy compilation, so a schema costs
@@ -41,6 +47,41 @@ if TYPE_CHECKING:  # torch is imported where masks are applied: the Tokenizer ne
 log = logging.getLogger(__name__)
 
 _CACHE_SIZE = 256  # distinct grammars kept compiled per backend
+# llguidance reads a schema's numbers as serde_json values and writes some through an f64:
+# an integer beyond 2**53 would be generated as another number, so only the integers an
+# f64 holds exactly (I-JSON's interoperable range, RFC 7493) are taken.
+_INT_MAX = 2**53 - 1
+_INT_MIN = -_INT_MAX
+
+
+class GrammarRefused(ValueError):
+    """A sampled token that the sequence's grammar does not allow."""
+
+
+def check_schema_numbers(schema: Any, param: str, path: str = "$") -> None:
+    """Raise InvalidRequest naming ``param`` (and where in the schema) for a number the
+    grammar compiler cannot hold exactly: an integer beyond +-(2**53 - 1) (past 2**64
+    llguidance refuses it; past 2**53 it generates a neighbour) or a non-finite float
+    (JSON text such as ``1e999`` parses as infinity, and would become ``null``)."""
+    # An explicit stack, not recursion: a schema nested thousands deep must not overflow.
+    stack: list[tuple[Any, str]] = [(schema, path)]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int):
+            if not _INT_MIN <= value <= _INT_MAX:
+                raise InvalidRequest(f"{param}: the integer at {where} is beyond "
+                                     f"+-(2**53 - 1), the integers JSON numbers hold exactly",
+                                     param)
+        elif isinstance(value, float):
+            if value != value or value in (float("inf"), float("-inf")):
+                raise InvalidRequest(f"{param}: the number at {where} is not finite "
+                                     f"(JSON numbers such as 1e999 overflow)", param)
+        elif isinstance(value, dict):
+            stack.extend((v, f"{where}.{k}") for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(value))
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -51,7 +92,7 @@ class Grammar(Protocol):
         """Write the allowed next tokens into ``row``, an ``int32[words]`` bitmask on the CPU."""
 
     def accept(self, token_id: int) -> None:
-        """Advance past ``token_id`` (a token the mask did not allow puts it in error)."""
+        """Advance past ``token_id``; raises :class:`GrammarRefused` for one it does not allow."""
 
     @property
     def words(self) -> int:
@@ -80,8 +121,12 @@ def _grammar_text(spec: StructuredOutput) -> str:
             raise bad(f"{spec.param}: the schema is not JSON: {exc}", spec.param) from None
         if not isinstance(schema, dict | bool):
             raise bad(f"{spec.param}: a JSON schema must be an object", spec.param)
-        return LLMatcher.grammar_from_json_schema(schema if isinstance(schema, dict) else {},
-                                                  defaults=_JSON_OPTIONS)  # type: ignore
+        check_schema_numbers(schema, spec.param)
+        try:
+            return LLMatcher.grammar_from_json_schema(  # type: ignore[no-any-return]
+                schema if isinstance(schema, dict) else {}, defaults=_JSON_OPTIONS)
+        except (ValueError, TypeError) as exc:  # whatever else serde refuses: the client's
+            raise bad(f"{spec.param}: {exc}", spec.param) from None
     if spec.kind == "regex":
         return LLMatcher.grammar_from_regex(spec.spec)
     if spec.kind == "choice":
@@ -118,7 +163,9 @@ class _LLGuidanceGrammar:
 
     def accept(self, token_id: int) -> None:
         if not self._m.consume_token(token_id):
-            log.warning("grammar refused token %d: %s", token_id, self._m.get_error())
+            # Going on would generate unconstrained output and call it constrained.
+            raise GrammarRefused(f"the output constraint refused sampled token {token_id} "
+                                 f"({self._m.get_error().strip()})")
 
     @property
     def matcher(self) -> Any:

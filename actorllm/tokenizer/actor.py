@@ -116,12 +116,20 @@ class PromptEncoder:
             max_tokens = min(room, int(default)) if isinstance(default, int) else room
         # A prompt that fills the context fits only when nothing is to be generated
         # (max_tokens 0: scoring the prompt).
-        if room < (0 if req.params.max_tokens == 0 else 1) or max_tokens > room:
+        if room < (0 if req.params.max_tokens == 0 else 1):
+            # The prompt alone fills the context: a completion budget would be negative.
+            over = "more than the context holds" if room < 0 else \
+                "which leaves no room for a completion"
+            raise InvalidRequest(
+                f"This model's maximum context length is {limit} tokens. However, the "
+                f"prompt alone has {len(ids)} tokens, {over}. Please reduce the prompt.",
+                "prompt")
+        if max_tokens > room:
             raise InvalidRequest(
                 f"This model's maximum context length is {limit} tokens. However, you "
                 f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, "
                 f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
-                "max_tokens" if room >= 1 else "prompt",
+                "max_tokens",
             )
         return SequenceRequest(
             rid=req.rid,

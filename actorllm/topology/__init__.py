@@ -31,8 +31,10 @@ The modules, in import order (each imports only those before it):
 - :mod:`~actorllm.topology.remote`: data-parallel replicas on other hosts (``actorllm
   replica``) and the main host's side of their rendezvous; imports torch.distributed,
   so the Supervisor imports it only when some replicas are remote.
-- :mod:`~actorllm.topology.supervisor`: the parent's side: starting, watching and
-  stopping the children.
+- :mod:`~actorllm.topology.children`: the parent's record of each child process, and
+  how it spawns and stops them.
+- :mod:`~actorllm.topology.supervisor`: the parent's side: when to start, watch and
+  stop the children.
 """
 
 from actorllm.topology.placement import EDGES, MAIN, PLACEMENTS, Wiring, child_roles

@@ -47,8 +47,7 @@ from actorllm.topology.placement import (
     set_hop_hooks,
     split_role,
 )
-from actorllm.wire.messages import (
-    ControlMessage,
+from actorllm.wire.control import (
     DrainQuery,
     DrainReport,
     Heartbeat,
@@ -57,15 +56,9 @@ from actorllm.wire.messages import (
     Shutdown,
     StartFailed,
 )
-from actorllm.wire.transport import (
-    HandshakeError,
-    IpcDir,
-    ZmqInbox,
-    ZmqOutbox,
-    check_hello,
-    context,
-    make_hello,
-)
+from actorllm.wire.handshake import HandshakeError, check_hello, make_hello
+from actorllm.wire.messages import ControlMessage
+from actorllm.wire.transport import IpcDir, ZmqInbox, ZmqOutbox, context
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +107,7 @@ def load_parts(role: str, config: EngineConfig, ipc: IpcDir) -> Parts:
     if role == "detokenizer":
         import tokenizers
 
-        from actorllm.detokenizer.actor import TokenizerDecode
+        from actorllm.detokenizer.decoding import TokenizerDecode
 
         path = ipc.file(TOKENIZER_FILE)
         try:

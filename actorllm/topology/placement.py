@@ -205,7 +205,7 @@ class Parts:
 
     info: ModelInfo | None = None
     hf_tokenizer: Any = None
-    runner: Any = None  # actorllm.worker.actor.ModelRunner
+    runner: Any = None  # actorllm.worker.runner.ModelRunner
     decode: Any = None  # actorllm.detokenizer.actor.DecodeFn
 
 
@@ -213,7 +213,7 @@ class Parts:
 def build_runner(config: EngineConfig, info: ModelInfo) -> Any:
     """The ModelRunner for ``config``; ValueError if its KV cache cannot hold one sequence."""
     from actorllm.wire.rendezvous import Rendezvous  # torch: only where a Worker lives
-    from actorllm.worker.actor import ModelRunner
+    from actorllm.worker.runner import ModelRunner
 
     runner = ModelRunner(
         config.model,

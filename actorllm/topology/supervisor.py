@@ -21,14 +21,9 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
-import signal
-import subprocess
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import attrs
 import trio
 
 from actorllm.config import EngineConfig
@@ -38,31 +33,13 @@ from actorllm.topology.child import (
     HEARTBEAT_INTERVAL,
     PARENT_CTL,
     REMOTE_TIMEOUT,
-    SHUTDOWN_GRACE,
     child_argv,
 )
+from actorllm.topology.children import Child, spawn, stop_children
 from actorllm.topology.placement import child_roles, split_role
-from actorllm.wire import codec
-from actorllm.wire.messages import (
-    ControlMessage,
-    DrainQuery,
-    DrainReport,
-    Heartbeat,
-    Hello,
-    MailboxStat,
-    Ready,
-    Shutdown,
-    StartFailed,
-)
-from actorllm.wire.transport import (
-    HandshakeError,
-    IpcDir,
-    ZmqInbox,
-    ZmqOutbox,
-    check_hello,
-    frame_version,
-    make_hello,
-)
+from actorllm.wire import codec, control, handshake
+from actorllm.wire import transport as wire
+from actorllm.wire.messages import ControlMessage
 
 log = logging.getLogger(__name__)
 
@@ -73,30 +50,6 @@ READY_TIMEOUT = 300.0  # loading a large model can take minutes; failures report
 
 class EngineStartError(RuntimeError):
     """A child process could not start; the message says which and why."""
-
-
-
-@attrs.define(eq=False)
-class Child:
-    """One child process as its supervisor sees it."""
-
-    role: str
-    proc: subprocess.Popen[bytes] | None  # None: a replica on another host
-    pidfd: int | None
-    exited: trio.Event = attrs.Factory(trio.Event)
-    hello: Hello | None = None
-    ready: bool = False
-    ctl: ZmqOutbox[Any] | None = None
-    last_heard: float = 0.0
-    mailboxes: tuple[MailboxStat, ...] = ()
-    report: DrainReport | None = None
-    kill_reason: str | None = None
-    crash: str | None = None  # what a crashing child said before it exited
-
-    @property
-    def running(self) -> bool:
-        """The child has not exited yet (it may still be unreaped)."""
-        return self.proc.poll() is None if self.proc is not None else not self.exited.is_set()
 
 
 class Supervisor:
@@ -110,7 +63,7 @@ class Supervisor:
     process's, needed when some replicas are remote (``config.local_replicas`` < N).
     """
 
-    def __init__(self, config: EngineConfig, ipc: IpcDir, *,
+    def __init__(self, config: EngineConfig, ipc: wire.IpcDir, *,
                  on_death: Callable[[str], None],
                  argv: Callable[[str], list[str]] | None = None,
                  ready_timeout: float = READY_TIMEOUT,
@@ -132,15 +85,15 @@ class Supervisor:
         self._settled = trio.Event()  # all ready, or a start error
         self._reports = trio.Event()
         self._tokens = itertools.count(1)
-        self._ctl_in: ZmqInbox[Any] | None = None
+        self._ctl_in: wire.ZmqInbox[Any] | None = None
         self.ticked = -float("inf")  # when _heartbeats last ran: this loop keeps time
 
     # --- start ---
 
     async def start(self, nursery: trio.Nursery) -> None:
         """Spawn every child and wait until all are ready; raises EngineStartError."""
-        self._ctl_in = ZmqInbox(PARENT_CTL, ControlMessage, CONTROL_CAPACITY,
-                                self.ipc.endpoint(PARENT_CTL), on_reject=self._on_reject)
+        self._ctl_in = wire.ZmqInbox(PARENT_CTL, ControlMessage, CONTROL_CAPACITY,
+                                     self.ipc.endpoint(PARENT_CTL), on_reject=self._on_reject)
         remote = [r for r in self.roles
                   if (split_role(r)[1] or 0) >= self.config.local_replicas]
         timeout = self.config.data_parallel_timeout if remote else self.ready_timeout
@@ -158,7 +111,7 @@ class Supervisor:
                 child = self.children[role] = Child(role, None, None)
                 nursery.start_soon(self._watch_remote, child, name=f"watch:{role}")
                 continue
-            child = self._spawn(role)
+            child = self.children[role] = spawn(role, self.argv(role))
             nursery.start_soon(self._watch, child, name=f"watch:{role}")
         with trio.move_on_after(timeout):
             await self._settled.wait()
@@ -170,33 +123,13 @@ class Supervisor:
         if self._start_error is not None:
             raise EngineStartError(self._start_error)
 
-    def _spawn(self, role: str) -> Child:
-        env = dict(os.environ)
-        # The child must import this very actorllm, installed or not: put the directory
-        # that holds the actorllm package (this file is actorllm/topology/supervisor.py)
-        # first on its path.
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        # Popen here, in the trio thread, not trio.lowlevel.open_process: that forks from a
-        # worker thread, and PR_SET_PDEATHSIG fires when the forking *thread* exits.
-        proc = subprocess.Popen(self.argv(role), stdin=subprocess.DEVNULL, env=env)
-        pidfd: int | None = None
-        try:
-            pidfd = os.pidfd_open(proc.pid)
-        except (AttributeError, OSError):
-            pass  # no pidfd (old kernel): _watch polls instead
-        child = Child(role, proc, pidfd, last_heard=trio.current_time())
-        self.children[role] = child
-        log.info("started the %s process (pid %d)", role, proc.pid)
-        return child
-
     def _fail_start(self, message: str) -> None:
         if self._start_error is None:
             self._start_error = message
         self._settled.set()
 
     def _on_reject(self, data: bytes, why: str) -> None:
-        version = frame_version(data)
+        version = handshake.frame_version(data)
         if version is not None and version != codec.VERSION and not self._settled.is_set():
             self._fail_start(f"a child process speaks codec version {version}, this process "
                              f"speaks {codec.VERSION}: mismatched actorllm installations")
@@ -290,29 +223,29 @@ class Supervisor:
                             getattr(msg, "role", None))
                 continue
             child.last_heard = trio.current_time()
-            if isinstance(msg, Hello):
+            if isinstance(msg, control.Hello):
                 await self._on_hello(child, msg)
-            elif isinstance(msg, Ready):
+            elif isinstance(msg, control.Ready):
                 child.ready = True
                 log.info("the %s process (pid %d) is ready", child.role, msg.pid)
                 if all(c.ready for c in self.children.values()) and \
                         len(self.children) == len(self.roles):
                     self._settled.set()
-            elif isinstance(msg, StartFailed):
+            elif isinstance(msg, control.StartFailed):
                 if child.ready:
                     child.crash = msg.message  # it is about to exit: say why
                 else:
                     self._fail_start(f"{child.role} process failed to start: {msg.message}")
-            elif isinstance(msg, Heartbeat):
+            elif isinstance(msg, control.Heartbeat):
                 child.mailboxes = msg.mailboxes
-            elif isinstance(msg, DrainReport):
+            elif isinstance(msg, control.DrainReport):
                 child.report = msg
                 self._reports.set()
 
-    async def _on_hello(self, child: Child, hello: Hello) -> None:
+    async def _on_hello(self, child: Child, hello: control.Hello) -> None:
         try:
-            check_hello(hello, expect_role=child.role)
-        except HandshakeError as exc:
+            handshake.check_hello(hello, expect_role=child.role)
+        except handshake.HandshakeError as exc:
             log.error("refusing the %s process: %s", child.role, exc)
             self._fail_start(str(exc))
         else:
@@ -321,9 +254,9 @@ class Supervisor:
         if child.proc is None and self.remote.joined(split_role(child.role)[1]):
             endpoint = self.remote.ctl[split_role(child.role)[1]]  # (published before Hello)
         # Answer either way: a mismatched child then refuses us too, with its own words.
-        child.ctl = ZmqOutbox(endpoint, ControlMessage, name=f"parent->{child.role}",
-                              hwm=CONTROL_CAPACITY)
-        await child.ctl.send(make_hello("parent"))
+        child.ctl = wire.ZmqOutbox(endpoint, ControlMessage, name=f"parent->{child.role}",
+                                   hwm=CONTROL_CAPACITY)
+        await child.ctl.send(handshake.make_hello("parent"))
 
     async def _heartbeats(self) -> None:
         for seq in itertools.count(1):
@@ -333,7 +266,7 @@ class Supervisor:
                 if child.exited.is_set() or child.ctl is None:
                     continue
                 try:
-                    child.ctl.send_nowait(Heartbeat("parent", seq))
+                    child.ctl.send_nowait(control.Heartbeat("parent", seq))
                 except trio.WouldBlock:
                     pass
                 silent = now - child.last_heard
@@ -354,7 +287,7 @@ class Supervisor:
                 if c.ready and c.ctl is not None and not c.exited.is_set()]
         for child in live:
             try:
-                child.ctl.send_nowait(DrainQuery(token))  # type: ignore[union-attr]
+                child.ctl.send_nowait(control.DrainQuery(token))  # type: ignore[union-attr]
             except trio.WouldBlock:
                 pass
         with trio.move_on_after(timeout):
@@ -388,46 +321,7 @@ class Supervisor:
     async def shutdown(self, reason: str = "engine stopping") -> None:
         """Stop every child: Shutdown, then SIGTERM, then SIGKILL; reap them all."""
         self.stopping = True
-
-        def running(c: Child) -> bool:
-            return c.running if c.proc is not None else not self._left(c)
-
-        for child in self.children.values():
-            if not child.running:
-                continue
-            try:
-                if not child.ready or child.ctl is None:
-                    # Still loading (it reads no control messages then) or refused: SIGTERM
-                    # ends it as cleanly, and at once.
-                    raise trio.WouldBlock
-                child.ctl.send_nowait(Shutdown(reason))
-            except trio.WouldBlock:
-                if child.proc is not None:  # (a remote one leaves when the store closes)
-                    child.proc.terminate()
-        for sig in (None, signal.SIGTERM, signal.SIGKILL):
-            live = [c for c in self.children.values() if running(c)]
-            if not live:
-                break
-            for child in live:
-                if sig is not None and child.proc is not None:
-                    log.warning("%s process did not stop; sending %s", child.role, sig.name)
-                    child.proc.send_signal(sig)
-            with trio.move_on_after(SHUTDOWN_GRACE if sig is None else 2.0):
-                while any(running(c) for c in live):
-                    await trio.sleep(0.02)
-        for child in self.children.values():
-            if child.proc is not None:
-                child.proc.wait()
-            child.exited.set()
-            if child.ctl is not None:
-                child.ctl.close()
-            if child.pidfd is not None:
-                try:
-                    trio.lowlevel.notify_closing(child.pidfd)
-                except RuntimeError:
-                    pass
-                os.close(child.pidfd)
-                child.pidfd = None
+        await stop_children(self.children.values(), reason, self._left)
         if self._ctl_in is not None:
             self._ctl_in.close()
         if self.remote is not None:

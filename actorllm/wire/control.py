@@ -14,7 +14,7 @@ import attrs
 class Hello:
     """First words on a control channel, each way: a peer built from other code is refused."""
 
-    protocol: int  # actorllm.wire.transport.PROTOCOL_VERSION
+    protocol: int  # actorllm.wire.handshake.PROTOCOL_VERSION
     codec: int  # actorllm.wire.codec.VERSION
     schema: str  # fingerprint of every message class and its fields
     role: str  # "parent", "engine" (or "engine0".. with data parallelism), "detokenizer"

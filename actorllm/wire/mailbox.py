@@ -9,9 +9,10 @@ share the small interface below: ``send`` blocks while the box is full
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import typing
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
 import trio
@@ -83,25 +84,27 @@ class Mailbox(Generic[T]):
 
     async def send(self, msg: T) -> None:
         """Deliver ``msg``, waiting while the box is full."""
+        self._check(msg)
+        try:
+            await self._send.send(msg)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise MailboxClosed(self.name) from None
+        self._sent(msg)
+
+    def send_nowait(self, msg: T) -> None:
+        """Deliver without waiting; raises trio.WouldBlock when full."""
+        self._check(msg)
+        self._send.send_nowait(msg)
+        self._sent(msg)
+
+    def _check(self, msg: T) -> None:
         if not isinstance(msg, self.types):
             raise MailboxTypeError(
                 f"mailbox {self.name!r} takes {[t.__name__ for t in self.types]}, "
                 f"not {type(msg).__name__}"
             )
-        try:
-            await self._send.send(msg)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise MailboxClosed(self.name) from None
-        self.sent += 1
-        self.high_water = max(self.high_water, self.depth)
-        if self.hop_hook is not None:
-            self.hop_hook(self.name, "send", msg)
 
-    def send_nowait(self, msg: T) -> None:
-        """Deliver without waiting; raises trio.WouldBlock when full."""
-        if not isinstance(msg, self.types):
-            raise MailboxTypeError(f"mailbox {self.name!r} does not take {type(msg).__name__}")
-        self._send.send_nowait(msg)
+    def _sent(self, msg: T) -> None:
         self.sent += 1
         self.high_water = max(self.high_water, self.depth)
         if self.hop_hook is not None:
@@ -109,21 +112,26 @@ class Mailbox(Generic[T]):
 
     async def receive(self) -> T:
         """The next message, waiting for one if the box is empty."""
-        try:
+        with self._receiving():
             msg = await self._recv.receive()
-        except (trio.EndOfChannel, trio.ClosedResourceError):
-            raise MailboxClosed(self.name) from None
-        if self.hop_hook is not None:
-            self.hop_hook(self.name, "recv", msg)
-        return msg
+        return self._received(msg)
 
     def receive_nowait(self) -> T:
         """The next message; raises trio.WouldBlock when empty, MailboxClosed when closed
         and drained (as :meth:`receive` does)."""
-        try:
+        with self._receiving():
             msg = self._recv.receive_nowait()
+        return self._received(msg)
+
+    @contextlib.contextmanager
+    def _receiving(self) -> Iterator[None]:
+        """A closed and drained box raises MailboxClosed, whichever way it is read."""
+        try:
+            yield
         except (trio.EndOfChannel, trio.ClosedResourceError):
             raise MailboxClosed(self.name) from None
+
+    def _received(self, msg: T) -> T:
         if self.hop_hook is not None:
             self.hop_hook(self.name, "recv", msg)
         return msg
@@ -133,11 +141,9 @@ class Mailbox(Generic[T]):
         self._send.close()
 
     async def __aiter__(self) -> AsyncIterator[T]:
-        while True:
-            try:
+        with contextlib.suppress(MailboxClosed):  # closed and drained: the iteration ends
+            while True:
                 yield await self.receive()
-            except MailboxClosed:
-                return
 
     def __repr__(self) -> str:
         return f"Mailbox({self.name!r}, depth={self.depth}/{self.capacity})"

@@ -37,6 +37,16 @@ from actorllm.wire.control import (  # parent <-> child; re-exported here
 from actorllm.wire.sampling import STRUCTURED_KINDS as STRUCTURED_KINDS  # re-exported
 from actorllm.wire.sampling import InvalidRequest as InvalidRequest
 from actorllm.wire.sampling import SamplingParams, StructuredOutput
+from actorllm.wire.steps import FEED_LAST_SAMPLE as FEED_LAST_SAMPLE  # re-exported
+from actorllm.wire.steps import (  # the Scheduler <-> Worker edge; re-exported here
+    NewSeqData,
+    PromptLogprobs,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+)
+from actorllm.wire.steps import SampledToken as SampledToken  # (a view, not a message)
+from actorllm.wire.steps import ScheduledSeq as ScheduledSeq  # (a view, not a message)
 
 
 class FinishReason(enum.StrEnum):
@@ -137,82 +147,6 @@ class RequestFailed:
     param: str | None = None
 
 
-# --- Scheduler <-> Worker ------------------------------------------------------------
-
-
-@attrs.frozen
-class NewSeqData:
-    """What the Worker needs to sample a sequence it has not seen (or lost to preemption)."""
-
-    params: SamplingParams
-    prompt_token_ids: tuple[int, ...]
-    output_token_ids: tuple[int, ...] = ()
-
-
-#: In ``ScheduledSeq.token_ids``: the token the Worker sampled for this rid last.
-FEED_LAST_SAMPLE = -1
-
-
-@attrs.frozen
-class ScheduledSeq:
-    """One sequence's share of one step; ``FEED_LAST_SAMPLE`` in a step planned ahead
-    (overlap scheduling) stands for the token the Worker sampled for the rid last."""
-
-    rid: str
-    token_ids: tuple[int, ...]  # the tokens to run now (a prefill chunk, or the last token)
-    start_pos: int  # tokens already in the KV cache
-    block_table: tuple[int, ...]
-    sample: bool  # False for a prefill chunk that does not reach the prompt's end
-    new: NewSeqData | None = None
-    # Report prompt logprobs from this position (>= 1) to the last one this chunk predicts
-    # (p by the row of p - 1). None: none (not asked, or all reported already).
-    prompt_logprobs_from: int | None = None
-
-
-@attrs.frozen
-class StepPlan:
-    """Scheduler -> Worker: one iteration. ``forget`` lists rids whose sampling state may go."""
-
-    step_id: int
-    seqs: tuple[ScheduledSeq, ...]
-    drop: tuple[str, ...] = ()
-
-
-@attrs.frozen
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@attrs.frozen
-class SampledToken:
-    rid: str
-    token_id: int
-    logprob: TokenLogprob | None = None
-
-
-@attrs.frozen
-class PromptLogprobs:
-    """The logprobs of one rid's prompt positions ``start, start + 1, ...`` from one step."""
-
-    rid: str
-    start: int
-    logprobs: tuple[TokenLogprob, ...]
-
-
-@attrs.frozen
-class StepResult:
-    """Worker -> Scheduler. ``error`` set means the step failed and sampled nothing."""
-
-    step_id: int
-    tokens: tuple[SampledToken, ...] = ()
-    error: str | None = None
-    forward_s: float = 0.0
-    sample_s: float = 0.0
-    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
-
-
 # --- Scheduler -> Detokenizer -> Frontend ---------------------------------------------
 
 
@@ -248,6 +182,13 @@ class TokenOut:
 
 @attrs.frozen
 class SchedulerStats:
+    """The Scheduler's figures, sent with every ``TokenBatch``. Counters are running
+    totals, so a lost or merged batch loses nothing. The ``*_s`` fields are a step's
+    phases, summed over steps (one ``perf_counter`` pair per step per actor, never per
+    token): the Worker's (``pack_s``, ``forward_s``, ``sample_s``) come in its
+    ``StepResult``, and the Detokenizer writes ``detokenize_s`` (its time on this
+    replica's batches) on the way to the Frontend."""
+
     num_running: int = 0
     num_waiting: int = 0
     kv_blocks_used: int = 0
@@ -256,8 +197,13 @@ class SchedulerStats:
     late_results_dropped: int = 0
     num_paused: int = 0  # sequences paused because their reader is behind
     steps: int = 0
+    seq_steps: int = 0  # sequences in those steps, summed (the divisor of a per-seq figure)
     forward_s: float = 0.0  # Worker time in forward passes, summed over steps
     sample_s: float = 0.0  # ... and in sampling
+    pack_s: float = 0.0  # ... and packing plans into tensors
+    plan_s: float = 0.0  # Scheduler time planning steps (schedule())
+    commit_s: float = 0.0  # ... and taking their results (on_result)
+    detokenize_s: float = 0.0  # Detokenizer time on this replica's batches
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache, at admissions
     prefix_cache_hits: int = 0  # ... and found there
     replica: int = 0  # which data-parallel replica's Scheduler (0 without data parallelism)
@@ -334,8 +280,8 @@ ControlMessage = Union[  # noqa: UP007
 
 MESSAGE_TYPES: tuple[type, ...] = (
     StructuredOutput, SamplingParams, ChatMessage, GenerateRequest, AbortRequest, FlowControl,
-    SequenceRequest, RequestFailed, NewSeqData, ScheduledSeq, StepPlan, TokenLogprob,
-    SampledToken, PromptLogprobs, StepResult, DetokSetup, TokenOut, SchedulerStats, TokenBatch,
-    StopMatched, TextDelta, RequestFinished, OutputBatch, ReplicaLost, Hello, Ready, StartFailed,
-    MailboxStat, Heartbeat, DrainQuery, DrainReport, Shutdown,
+    SequenceRequest, RequestFailed, NewSeqData, StepPlan, TokenLogprob, PromptLogprobs,
+    StepResult, DetokSetup, TokenOut, SchedulerStats, TokenBatch, StopMatched, TextDelta,
+    RequestFinished, OutputBatch, ReplicaLost, Hello, Ready, StartFailed, MailboxStat,
+    Heartbeat, DrainQuery, DrainReport, Shutdown,
 )

@@ -34,40 +34,28 @@ Theory of operation (trio, no threads):
   another codec version, a wrong type) is counted in ``rejected`` and dropped; it
   never crashes the process.
 
-The handshake (:func:`make_hello`, :func:`check_hello`) runs on the control
-channel between a parent and each child (:mod:`actorllm.topology`): both sides
-send a :class:`~actorllm.wire.messages.Hello` with the transport protocol version, the
-codec version and a fingerprint of every message class, and each refuses a peer
-whose Hello differs, with an error that says which.
+The handshake between processes is :mod:`actorllm.wire.handshake`.
 """
 
 from __future__ import annotations
 
 import atexit
-import hashlib
 import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from functools import cache
 from typing import Any, Generic, TypeVar
 
-import attrs
-import msgpack
 import trio
 import zmq
 
 from actorllm.wire import codec
 from actorllm.wire.mailbox import Mailbox, MailboxTypeError, accepted_types
-from actorllm.wire.messages import MESSAGE_TYPES, Hello
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
-
-PROTOCOL_VERSION = 1
-"""Bump when the transport's framing, endpoints or control protocol change."""
 
 MAX_FRAME_BYTES = 64 << 20  # a peer that sends more is disconnected by ZeroMQ itself
 READ_BATCH = 256  # frames read from a socket per look, before other tasks run
@@ -87,53 +75,8 @@ def context() -> zmq.Context[Any]:
     return _context
 
 
-class HandshakeError(Exception):
-    """A peer process runs different actorllm code; the two refuse each other."""
-
-
-@cache
-def schema_fingerprint() -> str:
-    """A short hash of every message class, field name and field annotation, in order."""
-    parts = []
-    for cls in MESSAGE_TYPES:
-        fields = ",".join(f"{f.name}:{f.type}" for f in attrs.fields(cls))
-        parts.append(f"{cls.__name__}({fields})")
-    return hashlib.sha256(";".join(parts).encode()).hexdigest()[:16]
-
-
-def make_hello(role: str) -> Hello:
-    """This process's Hello."""
-    return Hello(PROTOCOL_VERSION, codec.VERSION, schema_fingerprint(), role, os.getpid())
-
-
-def check_hello(peer: Hello, expect_role: str | None = None) -> None:
-    """Raise :class:`HandshakeError` unless ``peer`` runs the same protocol, codec and schema."""
-    who = f"{peer.role} process (pid {peer.pid})"
-    if peer.protocol != PROTOCOL_VERSION:
-        raise HandshakeError(f"{who} speaks transport protocol {peer.protocol}, this process "
-                             f"speaks {PROTOCOL_VERSION}: mismatched actorllm installations")
-    if peer.codec != codec.VERSION:
-        raise HandshakeError(f"{who} speaks codec version {peer.codec}, this process speaks "
-                             f"{codec.VERSION}: mismatched actorllm installations")
-    if peer.schema != schema_fingerprint():
-        raise HandshakeError(f"{who} has message schema {peer.schema}, this process has "
-                             f"{schema_fingerprint()}: mismatched actorllm installations")
-    if expect_role is not None and peer.role != expect_role:
-        raise HandshakeError(f"expected the {expect_role} process, got the {who}")
-
-
-def frame_version(data: bytes) -> int | None:
-    """The codec version a frame claims (``[version, message]``), or None if it claims none.
-
-    Lets a receiver tell "a peer of another version" from plain garbage.
-    """
-    try:
-        frame = msgpack.unpackb(data, raw=False)
-    except Exception:  # msgpack raises many types for garbage
-        return None
-    if isinstance(frame, list) and len(frame) == 2 and type(frame[0]) is int:
-        return frame[0]
-    return None
+class FrameTooLarge(ValueError):
+    """A message whose frame is over :data:`MAX_FRAME_BYTES`: it was not sent."""
 
 
 class IpcDir:
@@ -220,7 +163,14 @@ class ZmqOutbox(Generic[T]):
                 f"mailbox {self.name!r} takes {[t.__name__ for t in self.types]}, "
                 f"not {type(msg).__name__}"
             )
-        return codec.encode(msg)
+        data = codec.encode(msg)
+        if len(data) > MAX_FRAME_BYTES:
+            # The peer's ZeroMQ would drop it and the connection without a word; say so
+            # here, where the sender can fail the one message rather than lose it.
+            raise FrameTooLarge(f"mailbox {self.name!r}: a {type(msg).__name__} of "
+                                f"{len(data)} bytes is over the {MAX_FRAME_BYTES}-byte frame "
+                                "limit")
+        return data
 
     async def send(self, msg: T) -> None:
         """Deliver ``msg``, waiting while the peer's queue is full (backpressure)."""
@@ -252,12 +202,10 @@ class ZmqOutbox(Generic[T]):
             raise
 
     def send_nowait(self, msg: T) -> None:
-        """Deliver without waiting; raises trio.WouldBlock when the peer is full."""
-        data = self._check(msg)
-        try:
-            self._sock.send(data, zmq.NOBLOCK)
-        except zmq.Again:
-            raise trio.WouldBlock from None
+        """Deliver without waiting; raises trio.WouldBlock when the peer is full, and
+        trio.ClosedResourceError after :meth:`close` (as :meth:`send` does)."""
+        if not self._try_send(self._sock, self._check(msg)):
+            raise trio.WouldBlock
         self.sent += 1
 
     def close(self) -> None:
@@ -349,10 +297,7 @@ class ZmqInbox(Mailbox[T]):
             return super().receive_nowait()
         except trio.WouldBlock:
             pass
-        msg = self._read_socket()
-        if self.hop_hook is not None:
-            self.hop_hook(self.name, "recv", msg)
-        return msg
+        return self._received(self._read_socket())
 
     def _read_socket(self) -> T:
         """The next valid message waiting in the socket (reading at most a batch of

@@ -1,93 +1,164 @@
-"""A StepPlan packed into the ForwardBatch the model runs: host tuples to device tensors.
+"""The Worker's persistent batch, and a StepPlan packed from it into the ForwardBatch the
+model runs.
 
-This is where a step changes shape on its way to the device: the Scheduler's
-per-sequence token ids, start positions and block tables become flat int arrays (ids,
-positions, KV slots, lengths, cumulative query lengths, sampled rows) and a padded
-block table, one tensor each. Per-token work is one list comprehension per sequence
-(the slots of its new tokens); every tensor is made from a flat ``array`` without
-per-element Python objects. Called by ``ModelRunner._prepare`` (worker/actor.py).
+A StepPlan carries per row only the block ids appended since the Worker last saw the
+rid. :class:`BlockTables` keeps every known rid's table in one preallocated array,
+one row per slot (a slot is the Worker's number for a rid while it holds it): a plan's
+``new_blocks`` are written into the slots, a ``NewSeqData`` row (first sight, or back
+after preemption by recompute) starts its slot afresh, ``StepPlan.drop`` frees it. So a
+step never rebuilds what did not change, and :func:`pack_plan` builds every tensor with a
+handful of vector operations over the plan's columns, not a Python loop per token.
+Called by ``ModelRunner`` (worker/runner.py).
 """
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from actorllm.model import ForwardBatch
 from actorllm.wire.messages import FEED_LAST_SAMPLE, StepPlan
 
+_FIRST_SLOTS = 64  # the array doubles when more rids are held at once
 
-def pack_plan(plan: StepPlan, block_size: int, num_blocks: int, max_model_len: int,
+
+class BlockTables:
+    """Every held rid's block table, in slot rows of one int32 array."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        # One block more than max_model_len needs: a step planned ahead may reserve it.
+        self.width = -(-max_model_len // block_size) + 1
+        self.tables = np.zeros((_FIRST_SLOTS, self.width), dtype=np.int32)
+        self.lens = np.zeros(_FIRST_SLOTS, dtype=np.int64)  # entries held per slot
+        self.slot_of: dict[str, int] = {}
+        self._free = list(range(_FIRST_SLOTS - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+    def table(self, rid: str) -> list[int]:
+        """``rid``'s block table as held (for tests and checks)."""
+        slot = self.slot_of.get(rid)
+        return [] if slot is None else self.tables[slot, : self.lens[slot]].tolist()
+
+    def reset(self, rid: str) -> None:
+        """``rid`` starts afresh (a NewSeqData row): its table is empty."""
+        self.drop(rid)
+        self._take(rid)
+
+    def drop(self, rid: str) -> None:
+        """Forget ``rid``'s table; its slot is free for another rid."""
+        slot = self.slot_of.pop(rid, None)
+        if slot is not None:
+            self.tables[slot, : self.lens[slot]] = 0
+            self.lens[slot] = 0
+            self._free.append(slot)
+
+    def clear(self) -> None:
+        for rid in list(self.slot_of):
+            self.drop(rid)
+
+    def _take(self, rid: str) -> int:
+        if not self._free:
+            n = len(self.lens)
+            self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
+            self.lens = np.concatenate([self.lens, np.zeros_like(self.lens)])
+            self._free = list(range(2 * n - 1, n - 1, -1))
+        slot = self.slot_of[rid] = self._free.pop()
+        return slot
+
+    def apply(self, plan: StepPlan) -> np.ndarray:
+        """Append the plan's new block ids to its rows' tables (a rid seen for the first
+        time gets a slot); returns the rows' slots. Checks every new id before writing any:
+        ValueError on one outside ``[0, num_blocks)`` or a table past its width, and then
+        nothing changed."""
+        slot_of = self.slot_of
+        try:
+            slots = [slot_of[rid] for rid in plan.rids]
+        except KeyError:
+            slots = [slot_of[rid] if rid in slot_of else self._take(rid) for rid in plan.rids]
+        rows = np.asarray(slots, dtype=np.int64)
+        if not plan.new_blocks:
+            return rows
+        blocks = np.asarray(plan.new_blocks, dtype=np.int64)
+        if blocks.min() < 0 or blocks.max() >= self.num_blocks:
+            raise ValueError(f"block table entry out of range [0, {self.num_blocks})")
+        counts = np.asarray(plan.num_new_blocks, dtype=np.int64)
+        grown = self.lens[rows] + counts
+        if grown.max() > self.width:
+            i = int(np.argmax(grown))
+            raise ValueError(f"rid {plan.rids[i]!r}: a block table of {int(grown[i])} "
+                             f"entries, past {self.width}")
+        # Every new id's (slot, column): rows repeated by their counts, columns counting on
+        # from each table's end.
+        has = np.flatnonzero(counts)
+        row_of = np.repeat(rows[has], counts[has])
+        first = np.repeat(np.cumsum(counts[has]) - counts[has], counts[has])
+        cols = np.repeat(self.lens[rows[has]], counts[has]) + np.arange(len(blocks)) - first
+        self.tables[row_of, cols] = blocks
+        self.lens[rows[has]] = grown[has]
+        return rows
+
+
+def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_len: int,
               device: torch.device, last_sample: Callable[[str, int], int]) -> ForwardBatch:
-    """Pack ``plan`` into device tensors, checking every sequence's length and table.
+    """Pack ``plan`` (its rows in ``tables`` at slots ``rows``, see ``BlockTables.apply``)
+    into device tensors, checking every row's length and table.
 
-    ``last_sample(rid, position)`` gives the token a sequence scheduled with
-    ``FEED_LAST_SAMPLE`` was sampled last (overlap scheduling). ValueError on a
-    sequence with no tokens, over ``max_model_len``, or a block table too short or
-    with an entry outside ``[0, num_blocks)``: so the batch promises ``slots_valid``.
+    ``last_sample(rid, position)`` gives the token a row scheduled with
+    ``FEED_LAST_SAMPLE`` was sampled last (overlap scheduling). ValueError on a row with
+    no tokens, over ``max_model_len``, or whose table is too short for its tokens: so the
+    batch promises ``slots_valid`` (every held entry was range-checked on its way in).
     """
-    bs = block_size
-    seqs = plan.seqs
-    input_ids, positions, slots = array("q"), array("q"), array("q")
-    seq_lens, cu, sample_indices = array("i"), array("i", [0]), array("q")
-    tables: list[tuple[int, ...]] = []
-    max_q = 0
-    for s in seqs:
-        q_len, start = len(s.token_ids), s.start_pos
-        seq_len = start + q_len
-        if q_len == 0:
-            raise ValueError(f"rid {s.rid!r}: scheduled with no tokens")
-        if seq_len > max_model_len:
-            raise ValueError(
-                f"rid {s.rid!r}: {seq_len} tokens exceed max_model_len {max_model_len}"
-            )
-        needed = -(-seq_len // bs)
-        table = s.block_table
-        if len(table) < needed:
-            raise ValueError(
-                f"rid {s.rid!r}: {seq_len} tokens need {needed} blocks, "
-                f"block table has {len(table)}"
-            )
-        if needed and (min(table[:needed]) < 0 or max(table[:needed]) >= num_blocks):
-            raise ValueError(f"block table entry out of range [0, {num_blocks})")
-        tables.append(table[:needed])
-        if s.token_ids[0] == FEED_LAST_SAMPLE:
-            input_ids.append(last_sample(s.rid, s.start_pos))
-        else:
-            input_ids.extend(s.token_ids)
-        if q_len == 1:
-            positions.append(start)
-            slots.append(table[start // bs] * bs + start % bs)
-        else:
-            span = range(start, seq_len)
-            positions.extend(span)
-            slots.extend([table[p // bs] * bs + p % bs for p in span])
-        seq_lens.append(seq_len)
-        cu.append(cu[-1] + q_len)
-        if s.sample:
-            sample_indices.append(cu[-1] - 1)
-        max_q = max(max_q, q_len)
-    width = max(len(t) for t in tables)
-    flat = array("i")
-    for t in tables:
-        flat.extend(t)
-        if len(t) < width:
-            flat.extend((0,) * (width - len(t)))
+    bs = tables.block_size
+    q = np.asarray(plan.num_tokens, dtype=np.int64)
+    start = np.asarray(plan.start_pos, dtype=np.int64)
+    seq_lens = start + q
+    if q.min() <= 0:
+        raise ValueError(f"rid {plan.rids[int(np.argmin(q))]!r}: scheduled with no tokens")
+    if seq_lens.max() > max_model_len:
+        i = int(np.argmax(seq_lens))
+        raise ValueError(
+            f"rid {plan.rids[i]!r}: {int(seq_lens[i])} tokens exceed max_model_len "
+            f"{max_model_len}")
+    needed = -(-seq_lens // bs)
+    held = tables.lens[rows]
+    short = np.flatnonzero(held < needed)
+    if len(short):
+        i = int(short[0])
+        raise ValueError(f"rid {plan.rids[i]!r}: {int(seq_lens[i])} tokens need "
+                         f"{int(needed[i])} blocks, block table has {int(held[i])}")
+    ids = np.asarray(plan.token_ids, dtype=np.int64)
+    cu = np.zeros(len(q) + 1, dtype=np.int64)
+    np.cumsum(q, out=cu[1:])
+    if len(ids) == len(q):  # all decode rows: one token each
+        positions, token_rows = start, rows
+    else:
+        row_of = np.repeat(np.arange(len(q)), q)
+        positions = np.arange(len(ids)) - cu[row_of] + start[row_of]
+        token_rows = rows[row_of]
+    for t in np.flatnonzero(ids == FEED_LAST_SAMPLE).tolist():
+        i = int(np.searchsorted(cu, t, side="right")) - 1
+        ids[t] = last_sample(plan.rids[i], int(start[i]))
+    slots = tables.tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+    width = int(needed.max())
+    block_tables = np.ascontiguousarray(tables.tables[rows, :width])
+    sample_indices = (cu[1:] - 1)[np.asarray(plan.sample, dtype=bool)]
 
-    def dev(a: array, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        kind = torch.int64 if a.typecode == "q" else torch.int32
-        t = torch.frombuffer(a, dtype=kind) if len(a) else torch.empty(0, dtype=kind)
-        return t.to(device=device, dtype=dtype, non_blocking=True)
+    def dev(a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(
+            device=device, dtype=dtype, non_blocking=True)
 
     return ForwardBatch(
-        input_ids=dev(input_ids), positions=dev(positions), slot_mapping=dev(slots),
-        block_tables=dev(flat, torch.int32).view(len(seqs), width),
+        input_ids=dev(ids), positions=dev(positions), slot_mapping=dev(slots),
+        block_tables=dev(block_tables, torch.int32),
         seq_lens=dev(seq_lens, torch.int32),
         cu_seqlens_q=dev(cu, torch.int32),
         sample_indices=dev(sample_indices),
-        max_seqlen_q=max_q,
-        max_seqlen_k=max(seq_lens),
-        slots_valid=True,  # every block-table entry was range-checked above
+        max_seqlen_q=int(q.max()),
+        max_seqlen_k=int(seq_lens.max()),
+        slots_valid=True,  # every block-table entry was range-checked on its way in
     )

@@ -1,6 +1,6 @@
 """Tensor-parallel ranks: the driver's side (:class:`RankGroup`) and a rank's process.
 
-With ``--tensor-parallel-size N`` the Worker's :class:`~actorllm.worker.actor.ModelRunner` is
+With ``--tensor-parallel-size N`` the Worker's :class:`~actorllm.worker.runner.ModelRunner` is
 rank 0, the *driver*; ranks 1..N-1 are processes (``actorllm rank``, started by the
 driver or on other hosts) that each hold their shard of the weights
 (:mod:`actorllm.model.parallel`) and of the KV cache, and do nothing but run the model
@@ -177,7 +177,9 @@ class RankGroup:
         self.port = self.store.port
         self.store.set(SPEC, json.dumps(dataclasses.asdict(spec)))
         env = dict(os.environ)
-        # The rank must import this very actorllm, installed or not.
+        # The rank must import this very actorllm, installed or not: put the directory
+        # that holds the actorllm package (this file is actorllm/worker/ranks.py) first
+        # on its path (not actorllm/ itself, whose kernels/ would shadow a library's).
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port),

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sim.profiles import examples
 
 from actorllm.ops import TorchBackend
 
@@ -91,15 +92,17 @@ def build_case(
     )
 
 
-def check_against_reference(cuda, case: dict, hints: bool = True) -> None:
+def check_against_reference(cuda, case: dict, hints: bool = True, **features) -> None:
+    """The kernels against the fp32 torch reference; ``features`` are ``sliding_window``
+    and ``softcap``, passed to both."""
     kwargs = {}
     if hints and case["seq_lens"].numel():
         q_lens = case["cu_seqlens_q"][1:] - case["cu_seqlens_q"][:-1]
         kwargs = dict(max_seqlen_q=int(q_lens.max()), max_seqlen_k=int(case["seq_lens"].max()))
-    got = cuda.paged_attention(**case, **kwargs)
+    got = cuda.paged_attention(**case, **kwargs, **features)
     fp32 = dict(case, q=case["q"].float(), k_cache=case["k_cache"].float(),
                 v_cache=case["v_cache"].float())  # fmt: skip
-    want = reference.paged_attention(**fp32)
+    want = reference.paged_attention(**fp32, **features)
     assert got.shape == case["q"].shape and got.dtype == case["q"].dtype
     assert not got.isnan().any(), "NaN in the cuda output"
     tol = TOLERANCE[case["q"].dtype]
@@ -204,7 +207,42 @@ def batches(draw):
     )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(params=batches())
 def test_hypothesis_batches(cuda, params):
     check_against_reference(cuda, build_case(cuda, **params))
+
+
+# ---------------------------------------------------------------------------- window, soft-cap
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "window, cap",
+    [(1, None), (100, None), (4096, None), (None, 50.0), (None, 2.0), (700, 30.0)],
+)
+def test_window_and_softcap_fixed_batches(cuda, dtype, window, cap):
+    """Windows of one key, mid-tile, and wider than some contexts; caps loose and binding;
+    decode rows (split-K included), whole prompts and chunks over a cached prefix."""
+    specs = [(20000, 1), (300, 1), (1, 1), (64, 64), (1030, 250), (100, 37), (5000, 1)]
+    for head_dim, block_size, heads in [(128, 16, (32, 8)), (256, 32, (8, 1)), (64, 16, (4, 4))]:
+        case = build_case(cuda, specs, *heads, head_dim, block_size, dtype, seed=7)
+        check_against_reference(cuda, case, sliding_window=window, softcap=cap)
+        check_against_reference(cuda, case, hints=False, sliding_window=window, softcap=cap)
+
+
+@st.composite
+def featured_batches(draw):
+    params = draw(batches())
+    window = draw(st.one_of(st.none(), st.integers(1, 3200),
+                            st.sampled_from([1, 15, 16, 17, 63, 64, 65])))
+    cap = draw(st.one_of(st.none(), st.sampled_from([1.0, 10.0, 30.0, 50.0])))
+    return params, window, cap
+
+
+@settings(max_examples=60, deadline=None)
+@given(example=featured_batches())
+def test_hypothesis_window_and_softcap(cuda, example):
+    params, window, cap = example
+    check_against_reference(cuda, build_case(cuda, **params), sliding_window=window,
+                            softcap=cap)

@@ -80,10 +80,11 @@ class FenceOneStep(Scheduler):
     """Invariant 3 with two steps in flight: a fenced sequence freed when the first of the
     steps that name it returns, while the step planned ahead still reads its blocks."""
 
-    def _pass_fence(self) -> None:
+    def _pass_fence(self) -> bool:
         fenced, self.fenced = self.fenced, []
         for seq in fenced:
             self._free(seq)
+        return bool(fenced)
 
 
 def _planted_batch(base: Scheduler, batch_class: type[Batch]) -> None:
@@ -214,6 +215,16 @@ class IgnoreForget(ScriptedWorker):
         pass
 
 
+class StaleBlockRow(ScriptedWorker):
+    """Invariant 9: a block-table row let go (the rid dropped after an abort, a finish or a
+    preemption) is handed to the next rid without being emptied: it reads stale blocks."""
+
+    def _forget_table(self, rid: str) -> None:
+        row = self.tables.pop(rid, None)
+        if row is not None:
+            self._free_rows.append(row)  # the bug: not cleared
+
+
 PLANTED: dict[str, type[Any]] = {
     "frontend.bug_register_after_dispatch": RegisterAfterDispatch,
     "frontend.bug_reuse_live_rid": ReuseLiveRid,
@@ -227,6 +238,7 @@ PLANTED: dict[str, type[Any]] = {
     "scheduler.bug_share_without_reference": ShareWithoutReference,
     "detokenizer.bug_emit_after_stop": EmitAfterStop,
     "worker.bug_ignore_forget": IgnoreForget,
+    "worker.bug_stale_block_row": StaleBlockRow,
     # flow control (SimConfig.flow)
     "scheduler.bug_pause_keeps_slot": PauseKeepsSlot,
     "frontend.bug_never_resume": NeverResume,

@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from actorllm.detokenizer.actor import hf_decode_fn
+from actorllm.detokenizer.decoding import hf_decode_fn
 from actorllm.lifecycle.table import load_spec
 from actorllm.wire.messages import (
     AbortRequest,
@@ -123,7 +123,7 @@ def message_rids(msg: Any) -> list[str]:
     if isinstance(msg, StepPlan):
         return [s.rid for s in msg.seqs] + list(msg.drop)
     if isinstance(msg, StepResult):
-        return [t.rid for t in msg.tokens]
+        return []  # its tokens are a column: the rids are its plan's
     if isinstance(msg, TokenBatch):
         return [o.rid for o in msg.outputs] + list(msg.freed)
     if isinstance(msg, OutputBatch):

@@ -6,7 +6,12 @@
 - ``ci`` (what a run without the option gets): the stateful simulation tests explore
   at least 2,000 examples in total, in a few minutes on two cores;
 - ``long``: deep runs, 10x the examples and longer rule sequences, for a night or a
-  release; every other property test gets 10x its examples too.
+  release; every other property test gets 10x its examples too (``.ci/run`` runs it
+  with ``CI_LONG=1``).
+
+A property test names its CI budget through :func:`examples` (``@settings(max_examples=
+examples(60))``), never a bare number: an explicit ``max_examples`` overrides any
+profile, so a bare one would pin the test to its CI budget under ``long`` as well.
 
 A failure prints the shortest rule sequence hypothesis could shrink it to, ready to
 paste, and a ``@reproduce_failure`` blob.
@@ -22,9 +27,10 @@ _COMMON = {
     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
 }
 
-# The simulation's budget: (examples per test, rules per example) for each profile.
+# Each profile's multiple of a test's CI budget of examples (1 where not named).
+SCALE = {"long": 10}
+# The simulation's rules per example, for each profile (its examples scale by SCALE).
 SIM_STEPS = {"long": 100}
-SIM_SCALE = {"long": 10}
 
 
 def register_profiles() -> None:
@@ -35,11 +41,21 @@ def register_profiles() -> None:
     settings.register_profile("long", max_examples=1000, **_COMMON)
 
 
+def examples(n: int) -> int:
+    """A property test's examples: ``n`` (its CI budget) times the active profile's scale.
+
+    Call it where the test is defined: test modules are imported after the profile is
+    loaded, so ``--hypothesis-profile=long`` reaches every test that spells its budget
+    this way.
+    """
+    return n * SCALE.get(settings.get_current_profile_name(), 1)
+
+
 def sim_settings(examples: int, steps: int = 30) -> settings:
     """Settings for one stateful simulation test: ``examples`` is its CI share."""
     profile = settings.get_current_profile_name()
     return settings(
-        max_examples=examples * SIM_SCALE.get(profile, 1),
+        max_examples=examples * SCALE.get(profile, 1),
         stateful_step_count=SIM_STEPS.get(profile, steps),
         **_COMMON,
     )

@@ -166,6 +166,8 @@ class WorldFields:
     clients: list[Client]
     violations: list[InvariantViolation]
     outstanding: dict[int, StepPlan]
+    table_mirror: Any
+    plan_tables: dict[int, dict[str, tuple[int, ...]]]
     recompute_skipped_reported: bool
     shared_seen: bool
     worker: Any

@@ -8,6 +8,12 @@ a small vocabulary of ordinary tokens, so the test can steer outputs into stop
 strings and end-of-sequence without a model. Asked for prompt logprobs, it reports
 exactly the positions the plan asks for, each as ``-position`` (see ``prompt_score``).
 
+It keeps each rid's block table as the real one does (the persistent batch of
+worker/packing.py): a plan's ``new_blocks`` are appended to its rows' tables, a
+``NewSeqData`` row starts its table afresh, ``drop`` forgets it. Every read and write of a
+step goes through those tables, so a diff the Scheduler gets wrong (or a table the Worker
+keeps when it must not) lands on the wrong slots and is caught below.
+
 It also keeps a reference KV cache, the oracle of invariant 9: each slot holds the prefix
 (token ids up to and including its position) whose K/V a real model would have written
 there. Before a step runs, every slot the step reads (the positions before each
@@ -30,7 +36,6 @@ from actorllm.wire.mailbox import Inbox, Outbox
 from actorllm.wire.messages import (
     FEED_LAST_SAMPLE,
     PromptLogprobs,
-    SampledToken,
     StepPlan,
     StepResult,
     TokenLogprob,
@@ -59,7 +64,10 @@ class ScriptedWorker:
         self.contexts: dict[str, list[int]] = {}  # rid -> its tokens, as the plans told
         self.kv_errors: list[str] = []  # invariant 9; the World reports them
         self.vocab, self.eos_id = tuple(vocab), eos_id
-        self.pending: deque[StepPlan] = deque()  # received, not yet answered
+        # Received, not yet answered; with each row's whole block table as of that step.
+        self.pending: deque[tuple[StepPlan, dict[str, tuple[int, ...]]]] = deque()
+        self.tables: dict[str, list[int]] = {}  # rid -> its block table, from the diffs
+        self._free_rows: list[list[int]] = []  # rows let go, for the next rids (slots)
         self.known: set[str] = set()  # rids whose sampling state it holds (like the real one)
         self.prompts: dict[str, tuple[int, ...]] = {}  # from NewSeqData, for prompt logprobs
         self.sent: list[StepResult] = []  # every result, duplicates and stale ones included
@@ -86,42 +94,61 @@ class ScriptedWorker:
             self._wake = trio.Event()
 
     def on_plan(self, plan: StepPlan) -> None:
-        """Apply ``new``/``forget`` as ``worker.actor.ModelRunner`` does; queue the step."""
+        """Apply ``new``/``forget`` and the block-table diffs as ``worker.runner.ModelRunner``
+        does; queue the step."""
         self._drop(plan, last_step=False)
-        for s in plan.seqs:
+        rows = plan.seqs
+        tables = {}
+        for s in rows:
             if s.new is not None:
                 self.known.add(s.rid)
                 self.prompts[s.rid] = s.new.prompt_token_ids
                 self.contexts[s.rid] = [*s.new.prompt_token_ids, *s.new.output_token_ids]
+                self._forget_table(s.rid)  # back after preemption: its table starts afresh
             elif s.rid not in self.known:
                 self.protocol_errors.append(
                     f"step {plan.step_id} schedules {s.rid!r} without NewSeqData, "
                     "but the Worker holds no state for it")
+            table = self.tables.get(s.rid)
+            if table is None:  # a rid it has not seen: the next free row (a slot)
+                table = self.tables[s.rid] = self._free_rows.pop() if self._free_rows else []
+            table.extend(s.new_blocks)
+            tables[s.rid] = tuple(table)
         self._drop(plan, last_step=True)
-        self.pending.append(plan)
+        self.pending.append((plan, tables))
 
     def _drop(self, plan: StepPlan, last_step: bool) -> None:
         """Let go of the rids in ``plan.drop``: before the step those it does not run,
         after it those it runs one last time (as ModelRunner does)."""
         runs = {s.rid for s in plan.seqs if s.new is None}
-        self.known.difference_update(r for r in plan.drop if (r in runs) == last_step)
+        for rid in plan.drop:
+            if (rid in runs) == last_step:
+                self.known.discard(rid)
+                self._forget_table(rid)
+
+    def _forget_table(self, rid: str) -> None:
+        """``rid``'s row is emptied and free for another rid (as a Worker slot is)."""
+        row = self.tables.pop(rid, None)
+        if row is not None:
+            row.clear()
+            self._free_rows.append(row)
 
     # --- what the test calls (inside the trio run); results leave in call order ---------
 
     def answer(self, salt: int = 0, eos_mask: int = 0) -> StepResult:
         """Take the oldest plan and build its result; bit i of ``eos_mask``: seq i samples eos."""
-        plan = self.pending.popleft()
+        plan, tables = self.pending.popleft()
         for s in plan.seqs:
             if s.new is not None:
                 self.last_sample.pop(s.rid, None)  # a fresh state: nothing sampled yet
             if FEED_LAST_SAMPLE in s.token_ids:
                 self._check_fed(plan.step_id, s.rid, s.start_pos, s.token_ids)
-        self._run_kv(plan)
+        self._run_kv(plan, tables)
         tokens = []
         for i, s in enumerate(x for x in plan.seqs if x.sample):
             pos = s.start_pos + len(s.token_ids)
             tid = self.eos_id if eos_mask >> i & 1 else scripted_token(self.vocab, s.rid, pos, salt)
-            tokens.append(SampledToken(s.rid, tid))
+            tokens.append(tid)
             self.last_sample[s.rid] = (pos, tid)
         reports = []
         for s in plan.seqs:
@@ -149,11 +176,19 @@ class ScriptedWorker:
     def _slot(self, table: Sequence[int], position: int) -> int:
         return table[position // self.block_size] * self.block_size + position % self.block_size
 
-    def _run_kv(self, plan: StepPlan, failed: bool = False) -> None:
+    def _run_kv(self, plan: StepPlan, tables: dict[str, tuple[int, ...]],
+                failed: bool = False) -> None:
         """Check what the step reads against the reference KV cache, then write its new
-        tokens' prefixes (garbage if it failed)."""
+        tokens' prefixes (garbage if it failed). A row reads and writes through its block
+        table as the diffs built it."""
         writes: list[tuple[int, tuple[int, ...] | None]] = []
         for s in plan.seqs:
+            table = tables[s.rid]
+            end = s.start_pos + len(s.token_ids)
+            if len(table) * self.block_size < end:
+                self.kv_errors.append(f"step {plan.step_id}: {s.rid!r} runs to position "
+                                      f"{end - 1}, its block table {table} ends before")
+                continue
             ctx = self.contexts.setdefault(s.rid, [])
             for i, tok in enumerate(s.token_ids):
                 if tok == FEED_LAST_SAMPLE:  # checked by _check_fed; -1 after a failed step
@@ -168,23 +203,23 @@ class ScriptedWorker:
             # step planned ahead still runs it on whatever the cache holds (dropped unread).
             failed = self.last_sample.get(s.rid, (0, 0))[1] == -1
             for p in range(0 if failed else s.start_pos):
-                got = self.kv.get(self._slot(s.block_table, p))
+                got = self.kv.get(self._slot(table, p))
                 if got != tuple(ctx[: p + 1]):
                     self.kv_errors.append(
                         f"step {plan.step_id}: {s.rid!r} reads position {p} from block "
-                        f"{s.block_table[p // self.block_size]}, which holds the K/V of "
+                        f"{table[p // self.block_size]}, which holds the K/V of "
                         f"{got} instead of {tuple(ctx[: p + 1])}")
                     break
             for i in range(len(s.token_ids)):
                 p = s.start_pos + i
-                writes.append((self._slot(s.block_table, p),
+                writes.append((self._slot(table, p),
                                None if failed else tuple(ctx[: p + 1])))
         self.kv.update(writes)
 
     def fail(self) -> StepResult:
         """Take the oldest plan; its step failed (sampled nothing)."""
-        plan = self.pending.popleft()
-        self._run_kv(plan, failed=True)
+        plan, tables = self.pending.popleft()
+        self._run_kv(plan, tables, failed=True)
         for s in plan.seqs:  # sampled nothing: a later step may feed these a stand-in
             self.last_sample[s.rid] = (s.start_pos + len(s.token_ids), -1)
         return self._record(StepResult(plan.step_id, error="scripted step failure"))
@@ -196,7 +231,7 @@ class ScriptedWorker:
     def late(self, back: int) -> StepResult:
         """A result for a step answered ``back`` results ago, with tokens it never had."""
         old = self.sent[-1 - back % len(self.sent)]
-        tokens = tuple(SampledToken(t.rid, self.vocab[0]) for t in old.tokens)
+        tokens = tuple(self.vocab[0] for _ in old.token_ids)
         return self._record(StepResult(old.step_id, tokens))
 
     def _record(self, result: StepResult) -> StepResult:
@@ -210,7 +245,10 @@ class ScriptedWorker:
         if self.outgoing:
             problems.append(f"worker has {len(self.outgoing)} results not yet sent")
         if self.pending:
-            problems.append(f"worker holds unanswered steps {[p.step_id for p in self.pending]}")
+            problems.append(
+                f"worker holds unanswered steps {[p.step_id for p, _ in self.pending]}")
         if self.known:
             problems.append(f"worker holds sampling state for {sorted(self.known)}")
+        if self.tables:
+            problems.append(f"worker holds block tables for {sorted(self.tables)}")
         return problems

@@ -43,11 +43,14 @@ class Watches(WorldFields):
                 self.rec.current[msg.rid].aborts_sent += 1
         elif edge == "scheduler->worker":
             self.outstanding[msg.step_id] = msg
+            # Each row's whole block table, from the diffs (as the Worker holds it).
+            tables = self.plan_tables[msg.step_id] = self.table_mirror.apply(msg)
             bs, hashed = self.config.block_size, self.scheduler.pool.hash_of
             for s in msg.seqs:  # invariant 9: a cached block's contents never change
-                written = {s.block_table[p // bs]  # (a short table is the Worker's error)
+                table = tables[s.rid]
+                written = {table[p // bs]  # (a short table is the Worker's error)
                            for p in range(s.start_pos, s.start_pos + len(s.token_ids))
-                           if p // bs < len(s.block_table)}
+                           if p // bs < len(table)}
                 if written & hashed.keys():
                     self.report("9", f"step {msg.step_id} writes {s.rid!r}'s tokens into "
                                 f"cached blocks {sorted(written & hashed.keys())}")
@@ -95,11 +98,11 @@ class Watches(WorldFields):
             for b in blocks:
                 if b in s.pool.refs:
                     continue  # another sequence still holds it: only a reference went
-                for step, plan in self.outstanding.items():
-                    for seq in plan.seqs:
-                        if b in seq.block_table:
+                for step in self.outstanding:
+                    for rid, table in self.plan_tables[step].items():
+                        if b in table:
                             self.report("3", f"block {b} freed while step {step} (which "
-                                        f"uses it for {seq.rid!r}) is in flight")
+                                        f"uses it for {rid!r}) is in flight")
 
         s.handle = checked_handle  # type: ignore[method-assign]
         s.pool.free = checked_free  # type: ignore[method-assign]

@@ -9,6 +9,7 @@ from typing import Any
 
 import trio
 import trio.testing
+from steps import Tables
 
 from actorllm.config import ModelInfo
 from actorllm.detokenizer.actor import Detokenizer
@@ -55,6 +56,8 @@ class World(Watches, Checks):
         self.clients: list[Client] = []
         self.live_client: dict[str, Client] = {}
         self.outstanding: dict[int, StepPlan] = {}  # steps sent, result not yet received
+        self.table_mirror = Tables()  # the plans' block-table diffs, applied in send order
+        self.plan_tables: dict[int, dict[str, tuple[int, ...]]] = {}  # step -> rid -> table
         self._sched_tag: Any = None
         self._running = 0  # harness tasks (submit, abort) not yet finished
         self._closing = False

@@ -1,0 +1,34 @@
+"""The Scheduler's running totals of its steps, sent in every ``SchedulerStats``: how many
+steps and sequence-steps ran, and the seconds each phase of them took (the per-step
+breakdown of issue 28: one ``perf_counter`` pair per step and phase, never per token)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from actorllm.wire.steps import StepResult
+
+
+@attrs.define
+class StepTotals:
+    steps: int = 0
+    seq_steps: int = 0  # the rows of every step: a sequence in one step is one
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    pack_s: float = 0.0  # the Worker's three, from each StepResult
+    plan_s: float = 0.0
+    commit_s: float = 0.0  # the Scheduler's own two
+
+    def add_result(self, result: StepResult, rows: int) -> None:
+        """A step of ``rows`` sequences came back."""
+        self.steps += 1
+        self.seq_steps += rows
+        self.forward_s += result.forward_s
+        self.sample_s += result.sample_s
+        self.pack_s += result.pack_s
+
+    def fields(self) -> dict[str, Any]:
+        """As ``SchedulerStats`` keyword arguments."""
+        return attrs.asdict(self)

@@ -1,0 +1,368 @@
+"""The Worker's ModelRunner: one StepPlan in, one StepResult out, synchronously.
+
+The runner owns the model weights, the paged KV cache tensors (one k/v pair per
+layer, ``[num_blocks, block_size, num_kv_heads, head_dim]``) and each rid's
+sampling state (params plus token history, for penalties and seeded draws). It
+never decides anything: the Scheduler says which tokens to run, where their K/V
+go, which rows to sample and which prompt positions to score; the runner packs that
+into a :class:`ForwardBatch`, runs the model, scores and samples. A failing step
+becomes ``StepResult(error=...)``. The actor around it is :mod:`actorllm.worker.actor`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import PretrainedConfig
+
+from actorllm.config import ModelInfo, read_model_info
+from actorllm.model import ForwardBatch, KVCache, load_config, load_model, model_impl_of
+from actorllm.model.llama import allocate_kv_caches, head_dim_of
+from actorllm.model.loader import check_device_dtype
+from actorllm.model.parallel import TensorParallel, check_tensor_parallel
+from actorllm.ops import select_backend
+from actorllm.ops.cpu_linear import pack_linears
+from actorllm.ops.cpu_step import load_decode_step
+from actorllm.ops.threads import StepThreads, single_threaded
+from actorllm.text.structured import (
+    Grammar,
+    GrammarBackend,
+    GrammarRefused,
+    LLGuidanceBackend,
+    MaskFiller,
+)
+from actorllm.wire.messages import (
+    NewSeqData,
+    PromptLogprobs,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+)
+from actorllm.wire.rendezvous import Rendezvous
+from actorllm.worker.packing import BlockTables, pack_plan
+from actorllm.worker.ranks import RankGroup, RankSpec
+from actorllm.worker.sampler import SamplingState, prompt_logprobs, sample
+
+log = logging.getLogger(__name__)
+
+_CPU_KV_BYTES = 256 << 20  # default CPU cache budget
+_CPU_KV_FULL_SEQS = 16  # ... but never more than this many full-length sequences need
+_GPU_KV_FRACTION = 0.8  # default share of free GPU memory (after weights) for the cache
+
+
+class ModelRunner:
+    """Weights, KV cache and per-rid sampling state of one model; runs one step at a time.
+
+    ``num_blocks`` or ``kv_cache_bytes`` sizes the cache (neither: a default budget).
+    ``dtype`` defaults to fp32 on CPU and bf16 on CUDA. ``num_threads`` sets torch's
+    intra-op threads for the process (None: leave torch's default, one per core);
+    ``large_step_threads`` those of a prefill-sized step (None: the same; ops/threads.py).
+    ``execute`` is synchronous and must be called from one thread at a time. ``info`` is
+    the engine's one :class:`ModelInfo` (read from ``model_dir`` when not given), so the
+    Worker refuses and stops on exactly what the Tokenizer and the Scheduler do.
+    ``tensor_parallel_size`` > 1 makes this runner the driver of that many ranks
+    (:mod:`actorllm.worker.ranks`), meeting at ``rendezvous`` (default: all on this host);
+    :meth:`close` stops them.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        kv_cache_bytes: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: str = "cpu",
+        attention_backend: str = "auto",
+        num_threads: int | None = None,
+        large_step_threads: int | None = None,
+        info: ModelInfo | None = None,
+        tensor_parallel_size: int = 1,
+        rendezvous: Rendezvous | None = None,
+        model_impl: str = "auto",
+    ) -> None:
+        if num_blocks is not None and kv_cache_bytes is not None:
+            raise ValueError("give num_blocks or kv_cache_bytes, not both")
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.device = torch.device(device)
+        config = load_config(model_dir, model_impl)  # model_impl: auto, native or transformers
+        check_tensor_parallel(config, tensor_parallel_size)
+        tp = TensorParallel(0, tensor_parallel_size)  # this runner is rank 0, the driver
+        num_threads = _torch_threads(tp, self.device, num_threads)
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        with single_threaded():  # the probe's ops start no OpenMP team in this thread
+            check_device_dtype(self.device, self.dtype)  # one line, not a failure mid-load
+        # The shape lets `auto` fall back to torch where no kernel fits, and compiles the
+        # kernels now rather than inside the first step.
+        self.backend = select_backend(attention_backend, self.device, dtype=self.dtype,
+                                      head_dim=head_dim_of(config), block_size=block_size)
+        self.backend_name: str = self.backend.name
+        self.vocab_size: int = config.vocab_size
+        info = info if info is not None else read_model_info(model_dir)
+        self.max_model_len: int = info.max_model_len
+        self.eos_token_ids: tuple[int, ...] = info.eos_token_ids
+        self.block_size = block_size
+        self._model_dir = str(model_dir)
+        self._grammars: GrammarBackend | None = None  # built on the first grammar
+        self._constrained: set[str] = set()  # rids whose state has a grammar
+        self.masks = MaskFiller(self.vocab_size, self.device)  # its thread: on first use
+
+        # Per rank: its share of the KV heads, in the same block layout on every rank.
+        num_kv_heads, head_dim = tp.kv_heads(config.num_key_value_heads), head_dim_of(config)
+        num_layers = config.num_hidden_layers
+        block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * self.dtype.itemsize
+        if num_blocks is None:
+            num_blocks = self._default_num_blocks(kv_cache_bytes, block_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks: int = num_blocks
+        # Ranks 1..N-1 load their shards while this process loads its own (actorllm.worker.ranks).
+        self.ranks: RankGroup | None = RankGroup(RankSpec(
+            str(model_dir), tp.world, num_blocks, block_size,
+            str(self.dtype).removeprefix("torch."), device, self.backend_name, num_threads,
+        ), rendezvous) if tp.enabled else None
+        # The step thread's team, per step.
+        self.threads = StepThreads(self.device.type, large=large_step_threads)
+        self._load(model_dir, config, tp)
+        self._states: dict[str, SamplingState] = {}
+        # The persistent batch: each held rid's block table, updated by the plans' diffs.
+        self.tables = BlockTables(num_blocks, block_size, self.max_model_len)
+        # Rids of the last step if it failed: it sampled nothing for them, so a step
+        # planned ahead that feeds them their last sample gets a stand-in (see
+        # _last_sample).
+        self._failed_rids: frozenset[str] = frozenset()
+        self.fed_forward = 0  # rows that fed a sampled token forward (overlap scheduling)
+        self.one_op_steps = 0  # steps run by decode_step
+        log.info("model runner: %s (%s) on %s x%d (%s, %s attention, %s%s), %d KV blocks "
+                 "of %d tokens (%.1f MiB per rank)", config.architectures[0],
+                 model_impl_of(config), self.device, tp.world,
+                 self.dtype, self.backend_name,
+                 "oneDNN packed linears" if self.packed_linears else "torch linears",
+                 ", decode steps in one op" if self.decode_step is not None else "",
+                 num_blocks, block_size, num_blocks * block_bytes / 2**20)
+
+    def _load(self, model_dir: str | Path, config: PretrainedConfig, tp: TensorParallel) -> None:
+        """Weights and KV cache here, and the ranks connected; on failure the ranks stop."""
+        try:
+            with single_threaded():  # no OpenMP team in this thread: see ops/threads.py
+                self.model = load_model(model_dir, dtype=self.dtype, device=self.device,
+                                        config=config, tp=tp)
+                self.packed_linears = pack_linears(self.model) \
+                    if self.device.type == "cpu" and model_impl_of(config) == "native" else 0
+                self.kv_caches: list[KVCache] = allocate_kv_caches(
+                    config, self.num_blocks, self.block_size, self.dtype, self.device, tp)
+            # A busy server's steps are mostly decode: on the CPU they run as one op call
+            # (ops/cpu_step.py), which releases the GIL once instead of once per op.
+            self.decode_step = load_decode_step(self.model, self.backend) \
+                if self.device.type == "cpu" and not tp.enabled else None
+            if self.ranks is not None:
+                self.ranks.connect()
+                weakref.finalize(self, self.ranks.close)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
+
+    def _default_num_blocks(self, kv_cache_bytes: int | None, block_bytes: int) -> int:
+        if kv_cache_bytes is not None:
+            return kv_cache_bytes // block_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * _GPU_KV_FRACTION) // block_bytes
+        full_seqs = _CPU_KV_FULL_SEQS * math.ceil(self.max_model_len / self.block_size)
+        return min(_CPU_KV_BYTES // block_bytes, full_seqs)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (also done when the runner is collected)."""
+        if self.ranks is not None:
+            self.ranks.close()
+
+    def drop_all(self) -> None:
+        """Drop every rid's sampling state (a new Scheduler starts from nothing)."""
+        self._states.clear()
+        self._constrained.clear()
+        self.tables.clear()
+
+    @property
+    def num_states(self) -> int:
+        """How many rids have sampling state here (for tests and leak checks)."""
+        return len(self._states)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step: forward every scheduled token, sample the ``sample=True`` rows.
+
+        Never raises: a failure is logged and returned as ``StepResult(error=...)``.
+        """
+        try:
+            with torch.inference_mode():
+                result = self._execute(plan)
+        except Exception as exc:
+            log.exception("step %d failed", plan.step_id)
+            self._failed_rids = frozenset(plan.rids)
+            return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
+        self._failed_rids = frozenset()
+        return result
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        last_step = self._take_news_and_drops(plan)
+        states = self._states
+        sampled = [rid for rid, s in zip(plan.rids, plan.sample, strict=True) if s]
+        asked = [rid for rid in sampled if rid not in states]
+        asked += [plan.rids[i] for i in plan.lp_rows if plan.rids[i] not in states]
+        if asked:
+            raise ValueError(f"rid {asked[0]!r}: sampled or scored before its NewSeqData "
+                             "was sent")
+
+        token_ids: tuple[int, ...] = ()
+        lp_rows: tuple[int, ...] = ()
+        lps: tuple[TokenLogprob, ...] = ()
+        prompt_lps: tuple[PromptLogprobs, ...] = ()
+        sample_s = pack_s = 0.0
+        refused_rows: tuple[int, ...] = ()
+        refused: tuple[str, ...] = ()
+        if plan.rids:
+            rows = self.tables.apply(plan)  # before any check: the diffs are always kept
+            sampling = [states[rid] for rid in sampled]
+            # The constrained rows' masks are computed in a thread during the forward pass
+            # (their matchers are past every token sampled so far); free batches skip it.
+            masks = self.masks.start([s.grammar for s in sampling]) if self._constrained \
+                else None
+            try:
+                tp = time.perf_counter()
+                batch = self._pack(plan, rows)
+                pack_s = time.perf_counter() - tp
+                self.threads.use_for(batch.input_ids.shape[0])
+                if self.decode_step is not None and self.decode_step.applies(batch):
+                    hidden = self.decode_step(batch, self.kv_caches)
+                    self.one_op_steps += 1
+                elif self.ranks is None:
+                    hidden = self.model(batch, self.kv_caches, self.backend)
+                else:
+                    hidden = self.ranks.forward(self.model, batch, self.kv_caches,
+                                                self.backend)
+                logits = self.model.compute_logits(hidden[batch.sample_indices])
+            finally:
+                if masks is not None:
+                    masks.wait()  # no thread may touch a matcher after the step
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # so forward_s measures the forward
+            t1 = time.perf_counter()
+            if plan.lp_rows:
+                prompt_lps = prompt_logprobs(hidden, plan.seqs, states,
+                                             self.model.compute_logits)
+            if masks is not None:
+                masks.apply(logits)
+            results = sample(logits, sampling, self.eos_token_ids)
+            for j, (state, (token_id, _)) in enumerate(zip(sampling, results, strict=True)):
+                try:
+                    state.append(token_id)
+                except GrammarRefused as exc:  # fails that request alone, not the step
+                    refused_rows, refused = (*refused_rows, j), (*refused, str(exc))
+            token_ids = tuple(token_id for token_id, _ in results)
+            lp_rows = tuple(j for j, (_, lp) in enumerate(results) if lp is not None)
+            if lp_rows:
+                lps = tuple(results[j][1] for j in lp_rows)  # type: ignore[misc]
+            sample_s = time.perf_counter() - t1
+        for rid in plan.drop:
+            if rid in last_step:
+                self._drop(rid)
+        forward_s = time.perf_counter() - t0 - sample_s - pack_s
+        return StepResult(
+            step_id=plan.step_id, token_ids=token_ids, forward_s=forward_s,
+            sample_s=sample_s, prompt_logprobs=prompt_lps, logprob_rows=lp_rows, logprobs=lps,
+            pack_s=pack_s, refused_rows=refused_rows, refused=refused,
+        )
+
+    def _take_news_and_drops(self, plan: StepPlan) -> set[str]:
+        """Apply the plan's drops and ``NewSeqData``; returns the rids running their last
+        step. A rid both dropped and scheduled without ``new`` is running its last step: it
+        is dropped afterwards. Every other drop (incl. one re-sent with ``new``) happens first."""
+        last_step: set[str] = set()
+        if plan.drop:
+            news = {plan.rids[i] for i in plan.new_rows}
+            last_step = {rid for rid in plan.rids if rid not in news}
+            for rid in plan.drop:
+                if rid not in last_step:
+                    self._drop(rid)
+        for i, new in zip(plan.new_rows, plan.new, strict=True):
+            rid = plan.rids[i]
+            self.tables.reset(rid)  # back after preemption: its old table is gone
+            self._states[rid] = SamplingState(
+                new.params, new.prompt_token_ids, new.output_token_ids,
+                self._grammar(rid, new),
+            )
+        return last_step
+
+    def _last_sample(self, rid: str, position: int) -> int:
+        """The token this runner sampled for ``rid`` last, fed forward to ``position``.
+
+        If the step that was to sample it failed, the Scheduler has failed the sequence
+        and drops what this step makes for it: any token will do (its blocks are still
+        fenced, so writing its K/V harms nobody).
+        """
+        if rid in self._failed_rids:
+            return 0
+        state = self._states.get(rid)
+        if state is None or not state.output_token_ids:
+            raise ValueError(f"rid {rid!r}: fed its last sample, but none was sampled")
+        expected = len(state.prompt_token_ids) + len(state.output_token_ids) - 1
+        if position != expected:
+            raise ValueError(f"rid {rid!r}: its last sample is at position {expected}, "
+                             f"fed to {position}")
+        self.fed_forward += 1
+        return state.output_token_ids[-1]
+
+    def _drop(self, rid: str) -> None:
+        self._states.pop(rid, None)
+        self.tables.drop(rid)
+        self._constrained.discard(rid)
+
+    def _grammar(self, rid: str, new: NewSeqData) -> Grammar | None:
+        """A fresh matcher for a structured-output sequence, advanced past what it has made
+        (a preempted sequence comes back with its output tokens). The Tokenizer checked the
+        spec, so a failure here is a bug and fails the step."""
+        self._constrained.discard(rid)
+        spec = new.params.structured
+        if spec is None:
+            return None
+        if self._grammars is None:
+            from actorllm.text.hf import load_hf_tokenizer
+
+            self._grammars = LLGuidanceBackend(load_hf_tokenizer(self._model_dir),
+                                               self.vocab_size, self.eos_token_ids)
+        grammar = self._grammars.grammar(spec, new.output_token_ids)
+        self._constrained.add(rid)
+        return grammar
+
+    def _prepare(self, plan: StepPlan) -> ForwardBatch:
+        """The plan's block-table diffs applied and the plan packed into device tensors
+        (:mod:`actorllm.worker.packing`)."""
+        return self._pack(plan, self.tables.apply(plan))
+
+    def _pack(self, plan: StepPlan, rows: np.ndarray) -> ForwardBatch:
+        return pack_plan(plan, self.tables, rows, self.max_model_len, self.device,
+                         self._last_sample)
+
+
+def _torch_threads(tp: TensorParallel, device: torch.device,
+                   num_threads: int | None) -> int | None:
+    """Set torch's intra-op threads for this process; the count the ranks get too."""
+    if tp.enabled and num_threads is None and device.type == "cpu":
+        # The ranks share this process's cores (its affinity: taskset counts).
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else os.cpu_count() or 1
+        num_threads = max(1, cores // tp.world)
+    if num_threads is not None:
+        # Process-wide: the Worker's is the only torch work in its process.
+        torch.set_num_threads(num_threads)
+    return num_threads
