@@ -27,8 +27,7 @@ import trio.testing
 from helpers import build_tiny_model, sse_events
 from test_server import ServerProcess, http, metrics
 
-from actorllm.engine.async_engine import AsyncEngine
-from actorllm.topology.supervisor import LATE_AFTER
+from actorllm.topology.supervisor import LATE_AFTER, Supervisor
 
 CONTEXT = 1024
 GUARD = 60.0  # seconds: only ever a guard against a hang
@@ -313,45 +312,37 @@ class _Child:
         self.exited = trio.Event()
 
 
-class _Supervisor:
-    def __init__(self, children: list[_Child]) -> None:
-        self.children = {c.role: c for c in children}
-        self.stopping, self.ticked = False, trio.current_time()
-
-
-class _Engine:
-    alive = True
-
-    def __init__(self, supervisor: _Supervisor) -> None:
-        self.supervisor = supervisor
+def _supervisor(children: list[_Child]) -> Supervisor:
+    """A Supervisor with these children (as late() sees them), started by nobody."""
+    sup = Supervisor.__new__(Supervisor)
+    sup.children = {c.role: c for c in children}  # type: ignore[misc]
+    sup.stopping, sup.ticked = False, trio.current_time()
+    return sup
 
 
 async def test_late_heartbeats_are_judged_on_trios_clock(mock_clock: trio.testing.MockClock,
                                                          ) -> None:
-    unresponsive = AsyncEngine.unresponsive.fget
-    assert unresponsive is not None
     engine_child = _Child("engine", trio.current_time())
-    sup = _Supervisor([engine_child, _Child("detokenizer", trio.current_time())])
-    eng = _Engine(sup)
+    sup = _supervisor([engine_child, _Child("detokenizer", trio.current_time())])
     mock_clock.jump(LATE_AFTER * 0.9)
     sup.ticked = trio.current_time()
-    assert unresponsive(eng) is None  # a beat or so late: not yet
+    assert sup.late() is None  # a beat or so late: not yet
     mock_clock.jump(LATE_AFTER * 0.2)
     sup.ticked = trio.current_time()
     sup.children["detokenizer"].last_heard = trio.current_time()
-    late = unresponsive(eng)
+    late = sup.late()
     assert late is not None and "engine process" in late  # names the silent one
     # This loop itself stalled (its own tick is old): the beats may wait unread.
     mock_clock.jump(LATE_AFTER * 2)
-    assert unresponsive(eng) is None
+    assert sup.late() is None
     sup.ticked = trio.current_time()
-    assert unresponsive(eng) is not None
+    assert sup.late() is not None
     # It beats again: healthy.
     engine_child.last_heard = sup.children["detokenizer"].last_heard = trio.current_time()
-    assert unresponsive(eng) is None
+    assert sup.late() is None
     # A child that exited is the supervisor's death path, not lateness.
     mock_clock.jump(LATE_AFTER * 2)
     sup.ticked = trio.current_time()
     for child in sup.children.values():
         child.exited.set()
-    assert unresponsive(eng) is None
+    assert sup.late() is None

@@ -46,7 +46,7 @@ from actorllm.topology.placement import (
     set_hop_hooks,
     split_role,
 )
-from actorllm.topology.supervisor import LATE_AFTER, EngineStartError, Supervisor
+from actorllm.topology.supervisor import EngineStartError, Supervisor
 from actorllm.wire.mailbox import Mailbox
 from actorllm.wire.messages import FailureCode, GenerateRequest, InvalidRequest, ReplicaLost
 from actorllm.wire.outputs import RequestError, RequestOutput
@@ -127,26 +127,12 @@ class AsyncEngine:
 
     @property
     def unresponsive(self) -> str | None:
-        """Why the engine looks frozen, or None: a ready local child whose heartbeats are
-        late by more than two intervals (``LATE_AFTER``), e.g. a stopped process.
-
-        Health reports it (``/health`` 503) long before the supervisor would kill the
-        child; new work is still admitted (a late child may only be slow) and the answer
-        turns back to None if its heartbeats resume.
-        """
-        sup = self.supervisor
-        now = trio.current_time()
-        # Judged only while this loop keeps time: after a stall of its own, the children's
-        # heartbeats may wait unread in the socket.
-        if sup is None or not self.alive or sup.stopping or now - sup.ticked > LATE_AFTER:
+        """Why the engine looks frozen (``Supervisor.late``: a child's heartbeats are
+        late), or None. ``/health`` says 503 long before the child would be killed; new
+        work is still admitted (a late child may only be slow)."""
+        if self.supervisor is None or not self.alive:
             return None
-        silent = {c.role: now - c.last_heard for c in sup.children.values()
-                  if c.proc is not None and c.ready and not c.exited.is_set()}
-        late = [(s, role) for role, s in silent.items() if s > LATE_AFTER]
-        if not late:
-            return None
-        s, role = max(late)
-        return f"the {role} process sent no heartbeat for {s:.1f} s"
+        return self.supervisor.late()
 
     async def submit(self, request: GenerateRequest, *, reserved: bool = False,
                      final_only: bool = False) -> OutputCollector:
