@@ -125,6 +125,15 @@ class AsyncEngine:
     def died(self) -> trio.Event:
         return self.admission.died
 
+    @property
+    def unresponsive(self) -> str | None:
+        """Why the engine looks frozen (``Supervisor.late``: a child's heartbeats are
+        late), or None. ``/health`` says 503 long before the child would be killed; new
+        work is still admitted (a late child may only be slow)."""
+        if self.supervisor is None or not self.alive:
+            return None
+        return self.supervisor.late()
+
     async def submit(self, request: GenerateRequest, *, reserved: bool = False,
                      final_only: bool = False) -> OutputCollector:
         """Register and dispatch; read the returned collector for outputs.

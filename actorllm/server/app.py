@@ -28,6 +28,7 @@ from actorllm.server.edge import EdgeMiddleware
 from actorllm.server.errors import install_handlers
 from actorllm.server.features import Features
 from actorllm.server.routes import chat, completions, embeddings, meta, responses, tokens
+from actorllm.server.schemas import TOKEN_ID_MARK
 from actorllm.server.state import DEFAULT_MAX_PENDING, ServerState
 from actorllm.server.tools import PARSERS
 
@@ -77,6 +78,20 @@ def _document_400_not_422(app: FastAPI) -> None:
                                             "$ref": "#/components/schemas/ErrorResponse"}}}}
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
+        _bound_token_ids(schema, app.state.server.engine.info.vocab_size)
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _bound_token_ids(node: Any, vocab_size: int) -> None:
+    """Give every token id in the schema its real bound: the vocabulary's size (the
+    models in ``schemas.py`` only know it is a non-negative integer)."""
+    if isinstance(node, dict):
+        if node.pop(TOKEN_ID_MARK, False):
+            node["maximum"] = vocab_size - 1
+        for value in node.values():
+            _bound_token_ids(value, vocab_size)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_token_ids(value, vocab_size)

@@ -180,7 +180,10 @@ def chat_messages(messages: list[ChatMessageIn]) -> tuple[ChatMessage, ...]:
         if m.role == "tool" and m.tool_call_id is None:
             raise InvalidRequest("a tool message needs tool_call_id",
                                  f"messages[{i}].tool_call_id")
-        out.append(ChatMessage(m.role, text, _extra(m)))
+        # "developer" is OpenAI's newer name for system instructions; chat templates
+        # know "system".
+        role = "system" if m.role == "developer" else m.role
+        out.append(ChatMessage(role, text, _extra(m)))
     return tuple(out)
 
 

@@ -6,6 +6,7 @@ import hmac
 
 import trio
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actorllm.server.errors import APIError
@@ -58,7 +59,8 @@ class EdgeMiddleware:
             await send(message)
 
         path = scope["path"]
-        if (path.startswith(_PROTECTED) or path == "/v1") and not self._authorized(headers):
+        if ((path.startswith(_PROTECTED) or path == "/v1") and not self._authorized(headers)
+                and not _wrong_method(scope)):
             await APIError(401, "invalid or missing API key (use Authorization: Bearer KEY)",
                            code="invalid_api_key", headers=CLOSE).send(send, echo)
             return
@@ -103,3 +105,12 @@ class EdgeMiddleware:
         scheme, _, token = given.partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
                                                                   key.encode())
+
+
+def _wrong_method(scope: Scope) -> bool:
+    """The path is a route's, the method none of its: routing answers 405 (Allow: ...),
+    key or not (whether a method exists is public, in /openapi.json)."""
+    app = scope.get("app")
+    routes = getattr(getattr(app, "router", None), "routes", ())
+    matches = [route.matches(scope)[0] for route in routes]
+    return Match.PARTIAL in matches and Match.FULL not in matches

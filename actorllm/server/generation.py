@@ -21,11 +21,11 @@ requests finish; the first by precedence wins, and is the abort reason the engin
 
 Slow clients. A job's admission reservation is given back as soon as the engine is done
 with it (``OutputCollector.engine_done``), not when its client has read everything: what
-the client has not read counts against ``--max-pending-bytes`` instead. A send that the
-client does not take for ``--stream-timeout`` seconds closes the connection (hypercorn's
-write is made to time out by ``server/timeouts.py``); the engine requests are then
-aborted with reason ``stream_timeout``. The time each send waits is counted in
-``actorllm:socket_blocked_seconds``.
+the client has not read counts against ``--max-pending-bytes`` instead. A client that
+takes nothing for ``--stream-timeout`` s while a send waits is cut (``server/timeouts.py``
+says so through a ``WriteWatch``; the engine requests are aborted with ``stream_timeout``);
+one that reads, however slowly, is not, and its reads count for the Frontend's stall rule
+too (``Job.client_took``). A gone client, however it surfaces, is one log line.
 """
 
 from __future__ import annotations
@@ -40,9 +40,11 @@ import trio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from actorllm.server import sse
+from actorllm.clock import now
+from actorllm.server import sse, timeouts
 from actorllm.server.errors import APIError, from_request_error, invalid
-from actorllm.server.job import PRECEDENCE, Ending, Job, Phase
+from actorllm.server.job import PRECEDENCE, ClientGone, Ending, Job, Phase, client_gone
+from actorllm.server.outgoing import Outgoing
 from actorllm.server.render import Renderer, usage
 from actorllm.server.state import ServerState
 from actorllm.wire.messages import InvalidRequest
@@ -51,21 +53,10 @@ from actorllm.wire.outputs import CompletionOutput, RequestError, RequestOutput
 log = logging.getLogger(__name__)
 
 
-class _ClientGone(Exception):
-    """The client disconnected; stop quietly."""
-
-
 def drain_cut_error() -> APIError:
     """What a request still running when --drain-timeout runs out is told."""
     return APIError(503, "the server shut down before this request finished "
                     "(--drain-timeout ran out)", code="shutting_down")
-
-
-def _client_gone(exc: BaseException) -> bool:
-    """``exc`` is _ClientGone, or a group made only of them (trio groups task errors)."""
-    if isinstance(exc, BaseExceptionGroup):
-        return exc.split(_ClientGone)[1] is None
-    return isinstance(exc, _ClientGone)
 
 
 class GenerationResponse(Response):
@@ -79,8 +70,8 @@ class GenerationResponse(Response):
         self.param_names = param_names or {}
         self.state, self.jobs, self.renderer = state, list(jobs), renderer
         self.stream, self.include_usage = stream, include_usage
-        self.extra_headers = [(b"x-request-id", request_id.encode())]
-        self._send: Send | None = None
+        self.out = Outgoing(state, [(b"x-request-id", request_id.encode())],
+                            on_stalled=lambda: self._end(Ending.STREAM_TIMEOUT))
         self.phase = Phase.NEW
         self.ending: Ending | None = None
         self._error: RequestError | None = None  # with Ending.FAILED: the first failure
@@ -112,7 +103,24 @@ class GenerationResponse(Response):
         return self._api_error(self._error)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._send = send
+        self.out.send = send
+        self.state.responding += 1
+        try:
+            with timeouts.watch_writes(scope.get("client"), self._client_took) as watch:
+                self.out.watch = watch
+                await self._run(receive)
+        except* ClientGone:
+            # Every way a gone client surfaces (a task group may hold several): one line.
+            log.info("client gone (%s): %s", (self.ending or Ending.CLIENT_GONE).value,
+                     [j.request.rid for j in self.jobs])
+        finally:
+            self.state.responding -= 1
+
+    def _client_took(self) -> None:
+        for job in self.jobs:
+            job.client_took(now())
+
+    async def _run(self, receive: Receive) -> None:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -121,7 +129,7 @@ class GenerationResponse(Response):
                 try:
                     await self._respond()
                 except Exception as exc:  # a bug must not leak the request; finally aborts
-                    if not _client_gone(exc):
+                    if not client_gone(exc):
                         log.exception("generation request failed")
                         if self.phase is not Phase.SENT:
                             await self._send_error(APIError(500, "internal error",
@@ -147,35 +155,13 @@ class GenerationResponse(Response):
         self._end(Ending.CLIENT_GONE)
         scope.cancel()
 
-    async def _raw_send(self, message: dict[str, Any]) -> None:
-        assert self._send is not None
-        start = time.monotonic()
-        try:
-            await self._send(message)
-        except OSError as exc:
-            raise _ClientGone() from exc
-        finally:
-            waited = time.monotonic() - start
-            self.state.engine.metrics.socket_blocked_seconds.inc(waited)
-            self.state.engine.metrics.phase["http_write"].inc(waited)
-        timeout = self.state.engine.config.stream_timeout
-        if timeout is not None and waited >= timeout:
-            # hypercorn gave up on this write (server/timeouts.py) and closed the connection
-            self._end(Ending.STREAM_TIMEOUT)
-            raise _ClientGone()
-
     async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.phase = Phase.SENT
-        await self._raw_send({"type": "http.response.start", "status": status,
-                              "headers": headers + self.extra_headers})
-
-    async def _body(self, data: bytes, more: bool = True) -> None:
-        await self._raw_send({"type": "http.response.body", "body": data, "more_body": more})
+        await self.out.start(status, headers)
 
     async def _send_error(self, err: APIError) -> None:
         self.phase = Phase.SENT
-        assert self._send is not None
-        await err.send(self._send, self.extra_headers)
+        await self.out.error(err)
 
     def _release_job(self, job: Job) -> None:
         if job in self._held:
@@ -269,7 +255,7 @@ class GenerationResponse(Response):
         payload = json.dumps(self.renderer.final(self._usage()), ensure_ascii=False).encode()
         await self._start(200, [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(payload)).encode())])
-        await self._body(payload, more=False)
+        await self.out.body(payload, more=False)
 
     async def _first_outputs(self) -> list[RequestOutput | None] | None:
         """Each job's first output; None if one failed or the drain cut them."""
@@ -302,7 +288,7 @@ class GenerationResponse(Response):
             if out is not None:
                 events += self._render(job, out.outputs)
         if events:
-            await self._body(b"".join(events))
+            await self.out.body(b"".join(events))
         failed = await self._stream_rest()
         tail = []
         if self._cut and not failed:
@@ -311,7 +297,7 @@ class GenerationResponse(Response):
         if self.include_usage and not failed:
             tail.append(sse.events(self.renderer.usage_chunk(self._usage())))
         tail.append(sse.DONE)
-        await self._body(b"".join(tail), more=False)
+        await self.out.body(b"".join(tail), more=False)
 
     async def _stream_rest(self) -> bool:
         """Send every job's outputs as they come, until all end, one fails (its error is
@@ -375,11 +361,11 @@ class GenerationResponse(Response):
                                 # Headers are gone: the error travels as an event, then
                                 # [DONE].
                                 events.append(sse.event(self._api_error(item).body()))
-                                await self._body(b"".join(events))
+                                await self.out.body(b"".join(events))
                                 return True
                             events += self._render(job, item.outputs)
                         if events:
-                            await self._body(b"".join(events))
+                            await self.out.body(b"".join(events))
                 finally:
                     # Cancel the pumps while the channel is still open: one that sends
                     # into a closed channel would raise BrokenResourceError, not stop.

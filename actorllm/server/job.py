@@ -14,6 +14,17 @@ from actorllm.wire.messages import GenerateRequest
 from actorllm.wire.outputs import EndOfOutput, RequestError, RequestOutput
 
 
+class ClientGone(Exception):
+    """The client disconnected (or was cut); stop quietly."""
+
+
+def client_gone(exc: BaseException) -> bool:
+    """``exc`` is ClientGone, or a group made only of them (trio groups task errors)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(ClientGone)[1] is None
+    return isinstance(exc, ClientGone)
+
+
 class Phase(enum.Enum):
     """How far the response has come; it only moves forward."""
 
@@ -46,6 +57,13 @@ class Job:
     # The echo is a text prompt as given (its special tokens, like <|bos|>, not shown),
     # or the decoding of token ids with them: text_offset must know which.
     echo_skips_special: bool = True
+
+    def client_took(self, t: float) -> None:
+        """The client took bytes at ``t`` while a write waited: it reads, if slowly, so
+        the Frontend's --stream-timeout rule (time since the last take from the collector;
+        nothing is taken while a write waits) must not call it stalled."""
+        if self.collector is not None:
+            self.collector.last_read = max(self.collector.last_read, t)
 
     @property
     def cost(self) -> int:

@@ -9,7 +9,10 @@ answers 503 ``shutting_down`` to new requests (a client told so can go elsewhere
 refused connection says nothing), lets in-flight requests finish for up to
 ``--drain-timeout`` seconds, then ends the rest with an error (an SSE error event and
 ``[DONE]``, or a 503 body; their engine requests are aborted through the Frontend),
-and only then stops hypercorn and exits 0. A second signal stops at once.
+and only then stops hypercorn and exits 0. A second signal stops at once. The drain waits
+for responses still sending too (a slow reader's backlog), and at its deadline cuts every
+write that waits on a client (``timeouts.py``): ``--drain-timeout`` bounds the whole
+shutdown, not the clients' ``--stream-timeout``.
 
 Engine death (a child process exits, an actor raises): every live request has already
 failed with ``engine_dead`` (``AsyncEngine.mark_dead``). With ``--on-engine-death exit``
@@ -159,7 +162,7 @@ class _Options:
         self.keep_alive_timeout = keep_alive_timeout
 
 
-def _hypercorn_config(opts: _Options) -> Any:
+def _hypercorn_config(opts: _Options, writes_cut: trio.Event | None = None) -> Any:
     from hypercorn.config import Config
 
     from actorllm.server import timeouts
@@ -173,7 +176,9 @@ def _hypercorn_config(opts: _Options) -> Any:
     # are complete. (hypercorn's read_timeout is not used: it would cut every response
     # longer than it, the client sending nothing meanwhile.)
     hc.keep_alive_timeout = opts.keep_alive_timeout
-    timeouts.set_write_timeout(hc, opts.write_timeout)
+    timeouts.set_write_timeout(hc, opts.write_timeout, cut=writes_cut)
+    # Only HTTP/1.1 (server/protocol_errors.py says why): never offer h2 in ALPN.
+    hc.alpn_protocols = ["http/1.1"]
     hc.accesslog = None
     # Through `logging`, so --log-level decides (hypercorn would print to stderr itself).
     hc.errorlog = logging.getLogger("hypercorn.error")
@@ -199,6 +204,9 @@ async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
                             features=opts.features)
             state = app.state.server
             shutdown = trio.Event()  # tells hypercorn to stop accepting and close
+            # Set at the end of the drain: from then on a write the client does not take
+            # is cut at once, so stalled readers cannot outlast --drain-timeout.
+            writes_cut = trio.Event()
 
             async def on_signals(nursery: trio.Nursery) -> None:
                 async for signum in signals:
@@ -206,9 +214,11 @@ async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
                         log.warning("%s: draining (up to %.1f s)",
                                     signal.Signals(signum).name, opts.drain_timeout)
                         state.admission.drain()
-                        nursery.start_soon(_drain, state, opts.drain_timeout, shutdown)
+                        nursery.start_soon(_drain, state, opts.drain_timeout, shutdown,
+                                           writes_cut)
                     else:
                         log.warning("second signal: stopping now")
+                        writes_cut.set()
                         nursery.cancel_scope.cancel()
                         return
 
@@ -224,6 +234,7 @@ async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
                           "requests are answered (--on-engine-death exit)", EXIT_ENGINE_DEAD)
                 with trio.move_on_after(_DEATH_GRACE):
                     await _until_idle(state)
+                writes_cut.set()
                 shutdown.set()
 
             started = False
@@ -231,14 +242,14 @@ async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
             try:
                 async with trio.open_nursery() as nursery:
                     async def run_http(task_status: trio.TaskStatus[list[str]]) -> None:
-                        await serve(app, _hypercorn_config(opts), shutdown_trigger=shutdown.wait,
-                                    task_status=task_status)
+                        await serve(app, _hypercorn_config(opts, writes_cut),
+                                    shutdown_trigger=shutdown.wait, task_status=task_status)
                         # hypercorn returns once drained: stop the signal watcher too.
                         nursery.cancel_scope.cancel()
 
                     nursery.start_soon(on_signals, nursery)
                     nursery.start_soon(on_death)
-                    nursery.start_soon(_watchdog, shutdown, nursery.cancel_scope)
+                    nursery.start_soon(_watchdog, shutdown, writes_cut, nursery.cancel_scope)
                     binds = await nursery.start(run_http)
                     started = True
                     url = binds[0] if binds else f"http://{_bind_address(opts.host, opts.port)}"
@@ -257,18 +268,25 @@ async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
 
 
 async def _until_idle(state: Any) -> None:
-    """Until no HTTP request holds an engine sequence."""
-    while state.admission.held > 0:
+    """Until no HTTP request holds an engine sequence or still sends its answer."""
+    while state.admission.held > 0 or state.responding > 0:
         await trio.sleep(0.02)
 
 
-async def _drain(state: Any, drain_timeout: float, shutdown: trio.Event) -> None:
-    """Let in-flight requests finish for ``drain_timeout`` s, end the rest, then stop."""
+async def _drain(state: Any, drain_timeout: float, shutdown: trio.Event,
+                 writes_cut: trio.Event | None = None) -> None:
+    """Let in-flight requests finish for ``drain_timeout`` s, end the rest, then stop.
+
+    At the deadline, writes that wait on clients that do not read are cut too
+    (``writes_cut``): otherwise each would hold the process until its --stream-timeout.
+    """
     with trio.move_on_after(max(drain_timeout, 0.0)):
         await _until_idle(state)
-    if state.admission.held > 0:
-        log.warning("drain timeout: ending %d sequences with an error",
-                    state.admission.held)
+    if writes_cut is not None:
+        writes_cut.set()
+    if state.admission.held > 0 or state.responding > 0:
+        log.warning("drain timeout: ending %d responses (%d sequences) with an error",
+                    state.responding, state.admission.held)
         state.drain_expired.set()
         # Each one sends its error and aborts its engine requests; that takes a moment.
         with trio.move_on_after(_CLOSE_TIMEOUT):
@@ -276,9 +294,11 @@ async def _drain(state: Any, drain_timeout: float, shutdown: trio.Event) -> None
     shutdown.set()
 
 
-async def _watchdog(shutdown: trio.Event, cancel: trio.CancelScope) -> None:
+async def _watchdog(shutdown: trio.Event, writes_cut: trio.Event,
+                    cancel: trio.CancelScope) -> None:
     """Once hypercorn is told to stop, give it its close time (plus a margin), then stop."""
     await shutdown.wait()
+    writes_cut.set()  # whatever way shutdown came, no write may hold it up
     await trio.sleep(_CLOSE_TIMEOUT + 5.0)
     log.warning("the server had not stopped %.0f s after shutdown; stopping now",
                 _CLOSE_TIMEOUT + 5.0)

@@ -12,7 +12,9 @@ each with its reason. Every optional field accepts an explicit ``null``.
 
 The bounds declared here are the ones the server enforces (``SamplingParams.validate``
 checks the same ones again for the Python API), so ``/openapi.json`` tells a client
-what it may send. Integers and floats are strict: ``true`` is not a token id. Every
+what it may send (the token-id bound, the vocabulary size, is filled in by ``app.py``).
+Integers and floats are strict: ``true`` is not a token id. A float with an integral
+value (``2.0``) is the integer, as JSON Schema says (``"type": "integer"`` includes it). Every
 string, wherever it sits in a request, must be encodable as UTF-8: JSON can carry a lone
 surrogate (``"\\ud800"``) that Python accepts but no tokenizer or encoder does.
 """
@@ -21,13 +23,28 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# Marks a token id in the JSON schema; app.py replaces it with the vocabulary's bound.
+TOKEN_ID_MARK = "x-actorllm-token-id"
 
-Int = Annotated[int, Strict()]
+
+def _integral(value: Any) -> Any:
+    """A float with an integral value is that integer (JSON Schema's "integer")."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _int(ge: int, le: int, **extra: Any) -> Any:
+    """A strict integer in [ge, le] that also takes an integral float. (The validator goes
+    last: before the bounds, pydantic would write them as "ge"/"le" in the JSON schema.)"""
+    return Annotated[int, Strict(), Field(ge=ge, le=le, **extra), BeforeValidator(_integral)]
+
+
 Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
-TokenId = Annotated[int, Strict(), Field(ge=0, le=_INT64_MAX)]
+TokenId = _int(0, _INT64_MAX, json_schema_extra={TOKEN_ID_MARK: True})
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 StopString = Annotated[str, Field(min_length=1)]
 
@@ -91,7 +108,8 @@ class ToolCallIn(_Request):
 
 
 class ChatMessageIn(_Request):
-    role: str = Field(description="system, user, assistant or tool")
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="developer is taken as system; a tool message needs tool_call_id")
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = Field(None, description="assistant messages")
@@ -154,18 +172,18 @@ class _SamplingFields(_Request):
     """Parameters shared by chat and completions (OpenAI names, vLLM extensions)."""
 
     model: str | None = Field(None, description="must name the served model when given")
-    n: Annotated[Int, Field(ge=1, le=128)] | None = Field(
+    n: _int(1, 128) | None = Field(
         1, description="choices per prompt (prompts x n is also capped by --max-pending)")
     temperature: Annotated[Float, Field(ge=0.0, le=100.0)] | None = None
     top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[Int, Field(ge=-1, le=_INT64_MAX)] | None = Field(
+    top_k: _int(-1, _INT64_MAX) | None = Field(
         None, description="vLLM extension; 0 or -1: off")
     min_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = Field(
         None, description="vLLM extension")
-    seed: Annotated[Int, Field(ge=_INT64_MIN, le=_INT64_MAX)] | None = None
+    seed: _int(_INT64_MIN, _INT64_MAX) | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=16)] | None = None
     stop_token_ids: list[TokenId] | None = Field(None, description="vLLM extension")
-    min_tokens: Annotated[Int, Field(ge=0, le=_INT64_MAX)] | None = Field(
+    min_tokens: _int(0, _INT64_MAX) | None = Field(
         0, description="vLLM extension; at most max_tokens")
     ignore_eos: bool | None = Field(False, description="vLLM extension")
     presence_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = 0.0
@@ -198,15 +216,15 @@ class _SamplingFields(_Request):
     store: Literal[False] | None = Field(None, description="storing answers is not offered")
     service_tier: Literal["auto", "default"] | None = Field(
         None, description="one tier only")
-    priority: Annotated[Int, Field(ge=_INT64_MIN, le=_INT64_MAX)] | None = Field(
+    priority: _int(_INT64_MIN, _INT64_MAX) | None = Field(
         None, description="vLLM extension: lower runs first; only with "
         "--scheduling-policy priority (otherwise a non-zero value is refused)")
 
 
-_MaxTokens = Annotated[Int, Field(ge=1, le=_INT64_MAX)]
+_MaxTokens = _int(1, _INT64_MAX)
 # Completions may ask for 0 tokens together with echo (the prompt's logprobs only);
 # convert.sampling_params refuses 0 without echo, naming max_tokens.
-_CompletionMaxTokens = Annotated[Int, Field(ge=0, le=_INT64_MAX)]
+_CompletionMaxTokens = _int(0, _INT64_MAX)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -217,7 +235,7 @@ class ChatCompletionRequest(_SamplingFields):
         None, description="deprecated alias of max_completion_tokens")
     max_completion_tokens: _MaxTokens | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = Field(
+    top_logprobs: _int(0, 20) | None = Field(
         None, description="needs logprobs: true")
     add_generation_prompt: bool | None = Field(True, description="vLLM extension")
     tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
@@ -238,15 +256,24 @@ class CompletionRequest(_SamplingFields):
              | TokenIds
              | Annotated[list[TokenIds], Field(min_length=1)])
     max_tokens: _CompletionMaxTokens | None = Field(16, description="0 only with echo")
-    logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
+    logprobs: _int(0, 20) | None = None
     echo: bool | None = Field(False, description="with logprobs: the prompt's logprobs too")
-    best_of: Annotated[Int, Field(ge=1, le=128)] | None = Field(
+    best_of: _int(1, 128) | None = Field(
         None, description="candidates per prompt (at least n); the n with the highest "
         "cumulative logprob are returned; not with stream")
 
 
 class TokenizeRequest(_Request):
     """``POST /tokenize``: a ``prompt`` or chat ``messages`` (vLLM's shape), not both."""
+
+    # Exactly one of prompt and messages (tools only with messages), in the schema too.
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {
+            "prompt": {"type": "string"}, "messages": {"type": "null"},
+            "tools": {"type": "null"}}},
+        {"required": ["messages"], "properties": {
+            "messages": {"type": "array"}, "prompt": {"type": "null"}}},
+    ]})
 
     model: str | None = None
     prompt: str | None = None

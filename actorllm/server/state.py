@@ -69,6 +69,9 @@ class ServerState:
         self.admission.capacity = max_pending
         # Set when --drain-timeout runs out: requests still running end with an error.
         self.drain_expired = trio.Event()
+        # Generation responses still sending (their engine work may be done, their client
+        # still reading): the drain waits for these too.
+        self.responding = 0
         self.created = int(time.time())
         self.texts = TokenTexts(engine.tokenizer)
         # /tokenize refuses and templates exactly as the Tokenizer actor does.
@@ -80,6 +83,18 @@ class ServerState:
         """Why a new request would be refused now (503), or None while serving."""
         refused = self.admission.refusal()
         return None if refused is None else refusal_error(refused)
+
+    def health(self) -> APIError | None:
+        """What ``/health`` answers besides 200: a refusal (draining, dead), or a 503
+        ``engine_unresponsive`` while a child process's heartbeats are late."""
+        refusal = self.refusal()
+        if refusal is not None:
+            return refusal
+        late = self.engine.unresponsive
+        if late is not None:
+            return APIError(503, f"the engine is not responding: {late}",
+                            code="engine_unresponsive")
+        return None
 
     def reserve(self, cost: int) -> None:
         """Hold ``cost`` engine sequences for a request; raises the API error if refused."""

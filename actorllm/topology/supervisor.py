@@ -44,6 +44,7 @@ from actorllm.wire.messages import ControlMessage
 log = logging.getLogger(__name__)
 
 CHILD_TIMEOUT = 10.0  # a child silent this long is killed
+LATE_AFTER = 3 * HEARTBEAT_INTERVAL  # two beats missed: late (/health 503 until it beats)
 READY_TIMEOUT = 300.0  # loading a large model can take minutes; failures report at once
 
 
@@ -85,6 +86,7 @@ class Supervisor:
         self._reports = trio.Event()
         self._tokens = itertools.count(1)
         self._ctl_in: wire.ZmqInbox[Any] | None = None
+        self.ticked = -float("inf")  # when _heartbeats last ran: this loop keeps time
 
     # --- start ---
 
@@ -256,10 +258,27 @@ class Supervisor:
                                    hwm=CONTROL_CAPACITY)
         await child.ctl.send(handshake.make_hello("parent"))
 
+    def late(self) -> str | None:
+        """Why the engine looks frozen: a ready local child whose heartbeats are late by
+        more than two intervals (``LATE_AFTER``), e.g. a stopped process; else None.
+
+        Judged only while this loop keeps time (its own heartbeat tick is recent): after a
+        stall here, the children's heartbeats may wait unread in the socket.
+        """
+        now = trio.current_time()
+        if self.stopping or now - self.ticked > LATE_AFTER:
+            return None
+        silent = [(now - c.last_heard, c.role) for c in self.children.values()
+                  if c.proc is not None and c.ready and not c.exited.is_set()]
+        worst = max(silent, default=None)
+        if worst is None or worst[0] <= LATE_AFTER:
+            return None
+        return f"the {worst[1]} process sent no heartbeat for {worst[0]:.1f} s"
+
     async def _heartbeats(self) -> None:
         for seq in itertools.count(1):
             await trio.sleep(HEARTBEAT_INTERVAL)
-            now = trio.current_time()
+            now = self.ticked = trio.current_time()
             for child in self.children.values():
                 if child.exited.is_set() or child.ctl is None:
                     continue

@@ -18,13 +18,14 @@ router = APIRouter()
 
 @router.get("/health", response_class=Response, responses={
     200: {"description": "serving (an empty body)", "content": {}},
-    503: {"model": ErrorResponse, "description": "shutting down (`shutting_down`) or "
-          "the engine is dead (`engine_dead`)"}})
+    503: {"model": ErrorResponse, "description": "shutting down (`shutting_down`), "
+          "the engine is dead (`engine_dead`), or an engine process's heartbeats are "
+          "late (`engine_unresponsive`: it may recover, or be killed)"}})
 async def health(request: Request) -> Response:
-    """200 (empty) while the engine serves; 503 when it is draining or dead."""
-    refusal = state_of(request).refusal()
-    if refusal is not None:
-        raise refusal
+    """200 (empty) while the engine serves; 503 when it is draining, dead or frozen."""
+    problem = state_of(request).health()
+    if problem is not None:
+        raise problem
     return Response(status_code=200)
 
 
