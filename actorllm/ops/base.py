@@ -26,18 +26,9 @@ class AttentionBackend(Protocol):
         ...
 
     def paged_attention(
-        self,
-        q: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        block_tables: Tensor,
-        seq_lens: Tensor,
-        cu_seqlens_q: Tensor,
-        scale: float,
-        max_seqlen_q: int | None = None,
-        max_seqlen_k: int | None = None,
-        *,
-        sliding_window: int | None = None,
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+        cu_seqlens_q: Tensor, scale: float, max_seqlen_q: int | None = None,
+        max_seqlen_k: int | None = None, *, sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> Tensor:
         """Causal attention of packed queries over paged K/V; returns ``[total_q, H, D]``.

@@ -99,11 +99,7 @@ def check_write_kv_args(
 
 
 def check_paged_attention_args(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
     cu_seqlens_q: Tensor,
 ) -> None:
     """Check ``paged_attention`` arguments against the contract.
@@ -174,12 +170,7 @@ def _check_rows(name: str, t: Tensor) -> None:
 
 
 def check_cuda_write_kv_args(
-    key: Tensor,
-    value: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    slot_mapping: Tensor,
-    *,
+    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, *,
     device_type: str = "cuda",
 ) -> None:
     """``check_write_kv_args`` plus what the CUDA ``reshape_and_cache`` kernel needs.
@@ -195,14 +186,8 @@ def check_cuda_write_kv_args(
 
 
 def check_cuda_paged_attention_args(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    cu_seqlens_q: Tensor,
-    *,
-    device_type: str = "cuda",
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+    cu_seqlens_q: Tensor, *, device_type: str = "cuda",
 ) -> None:
     """``check_paged_attention_args`` plus what the CUDA attention kernels need.
 

@@ -136,15 +136,8 @@ class CpuBackend(TorchBackend):
         self.kernel_address: int = ctypes.cast(plain, ctypes.c_void_p).value or 0
 
     def decode(
-        self,
-        q: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        block_tables: Tensor,
-        seq_lens: Tensor,
-        max_len: int,
-        scale: float,
-        extra: Features = NO_FEATURES,
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+        max_len: int, scale: float, extra: Features = NO_FEATURES,
     ) -> Tensor:
         """Decode attention by the kernel (sliding window and soft-cap included); the
         torch reference where it does not apply."""

@@ -259,21 +259,13 @@ class CudaBackend:
         self._launch(self._write_kv, (key.shape[0],), CACHE_THREADS, args)
 
     def paged_attention(
-        self,
-        q: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        block_tables: Tensor,
-        seq_lens: Tensor,
-        cu_seqlens_q: Tensor,
-        scale: float,
-        max_seqlen_q: int | None = None,
-        max_seqlen_k: int | None = None,
-        *,
-        sliding_window: int | None = None,
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+        cu_seqlens_q: Tensor, scale: float, max_seqlen_q: int | None = None,
+        max_seqlen_k: int | None = None, *, sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> Tensor:
-        """Causal attention of packed queries over paged K/V; returns ``[total_q, H, D]``.
+        """The protocol's paged attention (ops/base.py) through the CUDA kernels:
+        ``[total_q, H, D]``.
 
         ``sliding_window`` and ``softcap`` are the kernels' own work (see ``TorchBackend``
         for their meaning): decode partitions only the window's keys, prefill skips the

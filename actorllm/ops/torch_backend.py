@@ -95,20 +95,10 @@ class TorchBackend:
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
     def paged_attention(
-        self,
-        q: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        block_tables: Tensor,
-        seq_lens: Tensor,
-        cu_seqlens_q: Tensor,
-        scale: float,
-        max_seqlen_q: int | None = None,
-        max_seqlen_k: int | None = None,
-        *,
-        seq_lens_host: Sequence[int] | None = None,
-        cu_seqlens_q_host: Sequence[int] | None = None,
-        sliding_window: int | None = None,
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+        cu_seqlens_q: Tensor, scale: float, max_seqlen_q: int | None = None,
+        max_seqlen_k: int | None = None, *, seq_lens_host: Sequence[int] | None = None,
+        cu_seqlens_q_host: Sequence[int] | None = None, sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> Tensor:
         """Causal attention of packed queries over paged K/V; returns ``[total_q, num_heads, D]``.
@@ -174,15 +164,8 @@ class TorchBackend:
         return out
 
     def decode(
-        self,
-        q: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        block_tables: Tensor,
-        seq_lens: Tensor,
-        max_len: int,
-        scale: float,
-        extra: Features = NO_FEATURES,
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+        max_len: int, scale: float, extra: Features = NO_FEATURES,
     ) -> Tensor:
         """The decode rows: one query ``[num_seqs, H, D]`` per sequence; ``max_len`` bounds
         ``seq_lens``. A subclass may replace this path alone (``CpuBackend`` does)."""
@@ -190,14 +173,8 @@ class TorchBackend:
 
 
 def _decode(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    max_len: int,
-    scale: float,
-    extra: Features = NO_FEATURES,
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+    max_len: int, scale: float, extra: Features = NO_FEATURES,
 ) -> Tensor:
     """One query token per sequence: gather padded K/V for all sequences, one masked SDPA."""
     num_seqs, num_heads, head_dim = q.shape

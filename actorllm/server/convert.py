@@ -13,7 +13,7 @@ from typing import Any
 
 from actorllm.server.constraints import structured_output
 from actorllm.server.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest
-from actorllm.wire.messages import ChatMessage, InvalidRequest, SamplingParams
+from actorllm.wire.messages import ChatMessage, GenerateRequest, InvalidRequest, SamplingParams
 from actorllm.wire.sampling import resolve_sampling
 
 _INT64 = 2**63
@@ -185,6 +185,16 @@ def chat_messages(messages: list[ChatMessageIn]) -> tuple[ChatMessage, ...]:
         role = "system" if m.role == "developer" else m.role
         out.append(ChatMessage(role, text, _extra(m)))
     return tuple(out)
+
+
+def prompt_request(base: str, i: int, count: int, params: SamplingParams,
+                   prompt: str | tuple[int, ...], now: float) -> GenerateRequest:
+    """The engine request for prompt ``i`` of ``count`` (its rid: ``base`` when alone, else
+    ``base-i``), from text or token ids."""
+    rid = base if count == 1 else f"{base}-{i}"
+    if isinstance(prompt, str):
+        return GenerateRequest(rid, params, prompt=prompt, arrival_time=now)
+    return GenerateRequest(rid, params, prompt_token_ids=prompt, arrival_time=now)
 
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from actorllm.server.schemas import Float, Int, _Request
+from actorllm.server.schemas import Float, _int, _Request
 
 _INT64_MAX = 2**63 - 1
 
@@ -65,7 +65,7 @@ class ResponsesRequest(_Request):
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    max_output_tokens: Annotated[Int, Field(ge=1, le=_INT64_MAX)] | None = None
+    max_output_tokens: _int(1, _INT64_MAX) | None = None  # type: ignore[valid-type]
     temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = None
     stream: bool | None = False

@@ -38,15 +38,9 @@ from actorllm.text.structured import (
     LLGuidanceBackend,
     MaskFiller,
 )
-from actorllm.wire.messages import (
-    NewSeqData,
-    PooledHidden,
-    PromptLogprobs,
-    StepPlan,
-    StepResult,
-    TokenLogprob,
-)
+from actorllm.wire.messages import TokenLogprob
 from actorllm.wire.rendezvous import Rendezvous
+from actorllm.wire.steps import NewSeqData, PooledHidden, PromptLogprobs, StepPlan, StepResult
 from actorllm.worker.packing import BlockTables, pack_plan
 from actorllm.worker.pooling import Pooler, pooled_norm
 from actorllm.worker.ranks import RankGroup, RankSpec

@@ -7,7 +7,12 @@ import time
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from actorllm.server.convert import completion_prompts, include_usage, sampling_params
+from actorllm.server.convert import (
+    completion_prompts,
+    include_usage,
+    prompt_request,
+    sampling_params,
+)
 from actorllm.server.errors import STREAM_RESPONSES
 from actorllm.server.generation import GenerationResponse
 from actorllm.server.job import Job
@@ -15,7 +20,6 @@ from actorllm.server.render import CompletionRenderer
 from actorllm.server.response_models import CompletionResponse
 from actorllm.server.schemas import CompletionRequest
 from actorllm.server.state import request_id, state_of
-from actorllm.wire.messages import GenerateRequest
 
 router = APIRouter()
 
@@ -32,17 +36,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     now = time.monotonic()
     jobs = []
     for i, prompt in enumerate(prompts):
-        rid = base if len(prompts) == 1 else f"{base}-{i}"
-        if isinstance(prompt, str):
-            req = GenerateRequest(rid, params, prompt=prompt, arrival_time=now)
+        req = prompt_request(base, i, len(prompts), params, prompt, now)
+        echo = ""
+        if body.echo and isinstance(prompt, str):
             echo = prompt
-        else:
-            req = GenerateRequest(rid, params, prompt_token_ids=prompt, arrival_time=now)
-            echo = ""
-            if body.echo:
-                state.check_vocab(prompt, "prompt")
-                echo = await state.decode(prompt)
-        jobs.append(Job(req, index_base=i * params.n, echo=echo if body.echo else "",
+        elif body.echo:
+            state.check_vocab(prompt, "prompt")
+            echo = await state.decode(prompt)
+        jobs.append(Job(req, index_base=i * params.n, echo=echo,
                         echo_skips_special=isinstance(prompt, str)))
     n = body.n or 1
     renderer = CompletionRenderer(response_id=f"cmpl-{base}", created=int(time.time()),

@@ -8,13 +8,13 @@ import time
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from actorllm.server.convert import completion_prompts
+from actorllm.server.convert import completion_prompts, prompt_request
 from actorllm.server.embeddings import EmbeddingRenderer, EmbeddingRequest
 from actorllm.server.errors import ERROR_RESPONSES
 from actorllm.server.generation import GenerationResponse
 from actorllm.server.job import Job
 from actorllm.server.state import request_id, state_of
-from actorllm.wire.messages import GenerateRequest, InvalidRequest, SamplingParams
+from actorllm.wire.messages import InvalidRequest, SamplingParams
 
 router = APIRouter()
 
@@ -33,12 +33,8 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     now = time.monotonic()
     jobs = []
     for i, prompt in enumerate(prompts):
-        rid = base if len(prompts) == 1 else f"{base}-{i}"
-        if isinstance(prompt, str):
-            req = GenerateRequest(rid, params, prompt=prompt, arrival_time=now)
-        else:
-            req = GenerateRequest(rid, params, prompt_token_ids=prompt, arrival_time=now)
-        jobs.append(Job(req, index_base=i))
+        jobs.append(Job(prompt_request(base, i, len(prompts), params, prompt, now),
+                        index_base=i))
     renderer = EmbeddingRenderer(jobs, model=state.model_name,
                                  encoding=body.encoding_format or "float")
     return GenerationResponse(state, jobs, renderer, stream=False, include_usage=False,
