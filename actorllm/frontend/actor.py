@@ -128,8 +128,13 @@ class Frontend:
                            replica=replica, cost=cost)
         # Shielded: once registered, a request is always dispatched, even if the caller
         # is cancelled while the Tokenizer's mailbox is full; otherwise it would leak.
+        states = {rid: self.registry.get(rid) for rid, _, _ in leaves}
         with trio.CancelScope(shield=True):
             for rid, params, _ in leaves:
+                st = states[rid]
+                if st is not None and self.registry.get(rid) is not st:
+                    # Lost while a sibling waited for room (the engine died): never sent.
+                    continue
                 await self._send_request(attrs.evolve(req, rid=rid, params=params,
                                                       arrival_time=now, replica=replica))
         self.metrics.on_arrival()
