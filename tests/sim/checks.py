@@ -117,8 +117,8 @@ class Checks(WorldFields):
     def _check_lost(self, client: Client) -> None:
         """After the engine died: a request live then ended with an error (``engine_dead``
         unless another came first); one answered before kept its answer (invariant 2)."""
-        if client.outcome != "accepted" or client.inc is None:
-            return
+        if client.outcome != "accepted" or client.inc is None or client.disconnected:
+            return  # (a client that left reads nothing)
         if client.error is not None and client.error.code == "engine_dead":
             if client.inc.events[0][0] >= (self.death_mark or 0):
                 self.report("2", f"{client.rid!r} came after the death, yet was accepted")

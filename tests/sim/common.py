@@ -79,6 +79,7 @@ class SimConfig:
     # finishes when it chooses (the actor's default, 1024, is longer than any prompt here).
     inline_chars: int | None = None
     engine_death: bool = False  # the engine_dies rule may run
+    readers_start_paused: bool = False  # each client reads only once slow_reader resumes it
 
 # --- text: the reference for invariant 7 ---------------------------------------------------
 

@@ -13,6 +13,7 @@ from actorllm.lifecycle.table import State
 from actorllm.scheduler.policy import order
 from actorllm.wire.messages import (
     AbortRequest,
+    FlowControl,
     StepResult,
     StopMatched,
 )
@@ -20,7 +21,7 @@ from actorllm.wire.outputs import EndOfOutput, RequestError
 
 from .bugs import COLLECTOR_BUGS
 from .common import message_rids
-from .recorder import Client, WorldFields
+from .recorder import Client, Incarnation, WorldFields
 
 
 class Watches(WorldFields):
@@ -65,6 +66,12 @@ class Watches(WorldFields):
     def _on_recv(self, box: str, msg: Any, tag: Any) -> None:
         if box == "scheduler":
             self._sched_tag = tag
+            # Invariant 5 rests on the FIFO edge: an abort (or a pause) for a request the
+            # Scheduler has not received would be dropped, and the request run anyway.
+            if isinstance(msg, AbortRequest | FlowControl) and isinstance(tag, Incarnation) \
+                    and tag.index_of("enqueue") is None and tag.index_of("reject") is None:
+                self.report("5", f"{type(msg).__name__} for {msg.rid!r} reached the Scheduler "
+                            f"before its request: {tag.describe()}")
 
     def _watch_scheduler(self) -> None:
         """Wrap the Scheduler's ``handle`` and its pool's ``free`` (invariants 3 and 5)."""

@@ -227,6 +227,8 @@ class World(Watches, Checks):
         """An API caller submits a request (the call may wait on backpressure)."""
         client = Client(rid, params, stream, self.rec.count)
         client.eager = self.config.flow is not None
+        client.paused = self.config.readers_start_paused  # (paused_at: now, in mock time)
+        client.paused_at = self.loop.clock.current_time()
         client.prompt_ids = list(self.hf_tokenizer(prompt).input_ids)
         self.clients.append(client)
         if self.dead:  # AsyncEngine.submit: a dead engine refuses at the door
@@ -324,8 +326,7 @@ class World(Watches, Checks):
             for name in ENGINE_SIDE:
                 self._scopes[name].cancel()
                 self.boxes[name].kill()
-            self.worker.pending.clear()
-            self.worker.outgoing.clear()
+            self.worker.pending.clear()  # (its outgoing results stay with its dead sender)
             self.tokenizer.jobs.clear()
             self.outstanding.clear()
             self.frontend.lose_all(DEATH)
@@ -362,8 +363,9 @@ class World(Watches, Checks):
     # --- drain --------------------------------------------------------------------------------
 
     def quiet(self) -> bool:
-        return not (self._running or self.worker.pending or self.worker.outgoing
-                    or self.tokenizer.jobs or any(b.depth for b in self.boxes.values()))
+        engine = not self.dead and (self.worker.pending or self.worker.outgoing
+                                    or self.tokenizer.jobs)
+        return not (self._running or engine or any(b.depth for b in self.boxes.values()))
 
     def drain(self, max_rounds: int = 2000) -> None:
         """Resume every reader, then deliver everything and answer every step until nothing
