@@ -179,6 +179,7 @@ class WorldFields:
     death_mark: int | None
     scheduler: Any
     _sched_tag: Any
+    _tok_tag: Any
 
     def report(self, invariant: str, message: str) -> None:
         raise NotImplementedError

@@ -61,9 +61,15 @@ class Watches(WorldFields):
             for out in msg.outputs:
                 if out.rid in self.rec.current:
                     self.rec.current[out.rid].committed.extend(out.token_ids)
+        if edge == "tokenizer->scheduler" and isinstance(msg, AbortRequest | FlowControl):
+            # Forwarded as it came: tagged with the incarnation the Frontend sent it for
+            # (by now the rid may name a newer one).
+            return self._tok_tag
         return self.rec.current.get(rids[0]) if len(rids) == 1 else None
 
     def _on_recv(self, box: str, msg: Any, tag: Any) -> None:
+        if box == "tokenizer":
+            self._tok_tag = tag
         if box == "scheduler":
             self._sched_tag = tag
             # Invariant 5 rests on the FIFO edge: an abort (or a pause) for a request the

@@ -79,6 +79,7 @@ class World(Watches, Checks):
         self.live_client: dict[str, Client] = {}
         self.outstanding: dict[int, StepPlan] = {}  # steps sent, result not yet received
         self._sched_tag: Any = None
+        self._tok_tag: Any = None  # the tag of what the Tokenizer took last
         self._running = 0  # harness tasks (submit, abort) not yet finished
         self._closing = False
         self._idle = False
@@ -370,7 +371,13 @@ class World(Watches, Checks):
     def drain(self, max_rounds: int = 2000) -> None:
         """Resume every reader, then deliver everything and answer every step until nothing
         moves; then check invariant 4. (A step takes a few rounds to travel the whole loop,
-        and a tight pool can make a few dozen requests take a few hundred steps.)"""
+        and a tight pool can make a few dozen requests take a few hundred steps.)
+
+        With a stream timeout, the readers still stopped first stay stopped past it (what
+        a client that never comes back does): their requests must be cancelled."""
+        flow = self.config.flow
+        if flow is not None and flow.stream_timeout is not None and not self.dead:
+            self.tick(flow.stream_timeout + 1.0)
         for client in self.clients:
             client.paused = False
 
