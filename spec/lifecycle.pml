@@ -17,6 +17,10 @@
  *   -DREUSE_A  rid 3 = A, a request with n = 1 whose client may reuse the rid once the
  *              Frontend has forgotten it: stale aborts and stop strings must not hit it.
  *   -DBOTH     both at once (exhaustive too, but minutes and gigabytes: not for CI).
+ *   -DDEATH    with either: the engine's process may die at any moment (EngineDeath):
+ *              its actors stop where they are, what was on their edges is lost, and the
+ *              Frontend fails every live request at once (Frontend.lose_all, the table's
+ *              `lose`); a client is refused from then on.
  * Every mailbox holds CAP = 2 messages, so sends block (backpressure).
  * Two steps may be in flight (overlap scheduling, --async-scheduling): the Scheduler plans
  * ahead while one runs, never preempting then, and the Worker runs plans in order.
@@ -63,6 +67,13 @@
  *   BUG_LAZY_CHILD_REGISTER      each n > 1 child is registered just before its own
  *                                dispatch, so the parent can gather before its last child
  *                                exists
+ *   BUG_SEND_LOST_CHILD          (-DDEATH) a child lost while a sibling waited for room is
+ *                                sent anyway, after the Frontend forgot it
+ *   BUG_TWO_ENDS                 an abort or StopMatched for a leaf that has ended counts as
+ *                                a second end: breaks the LTL formula `invariants` (checked
+ *                                with pan -A, which ignores the assertions)
+ *   BUG_SPIN_AHEAD               planning ahead that finds nothing is tried again at once,
+ *                                forever: breaks the LTL formula `drains` (a busy loop)
  */
 
 #define NR      4      /* rids 0..3 */
@@ -179,6 +190,15 @@ byte clients_done;
 /* The table of spec/lifecycle.toml, generated: fire(r, E_...) at each event of it. */
 #include "lifecycle_table.pml"
 
+#ifdef DEATH
+bool dead;             /* the engine's process died: only the Frontend and clients go on */
+#define LIVE(c) (!dead && nempty(c))
+#define ALIVE   !dead &&
+#else
+#define LIVE(c) nempty(c)
+#define ALIVE
+#endif
+
 /* Scratch for loops inside atomic sequences: not part of the state. */
 hidden byte i, j, v, stuck;
 
@@ -208,11 +228,22 @@ inline submit_leaf(r) {
    if any, right behind it (an abort must never overtake its request). */
 inline dispatch(r) {
     atomic {
-        nfull(tok_in) -> tok_in ! TOKENIZE, r, life[r]; dispatched[r] = 1;
-        fire(r, E_DISPATCH);
+#if defined(DEATH) && !defined(BUG_SEND_LOST_CHILD)
+        (nfull(tok_in) || !reg[r]) ->
         if
-        :: abort_sent[r] -> ABORT_EDGE ! ABORT, r, life[r]
-        :: else -> skip
+        :: !reg[r] -> skip      /* lost (the engine died) while a sibling waited: not sent */
+        :: else ->
+#else
+        nfull(tok_in) ->
+        if
+        :: true ->
+#endif
+            tok_in ! TOKENIZE, r, life[r]; dispatched[r] = 1;
+            fire(r, E_DISPATCH);
+            if
+            :: abort_sent[r] -> ABORT_EDGE ! ABORT, r, life[r]
+            :: else -> skip
+            fi
         fi
     }
 }
@@ -298,7 +329,7 @@ active proctype ClientA() {
     atomic {
         if
         :: reg[A] -> skip       /* still live: DuplicateRequestId */
-        :: !reg[A] && nfull(tok_in) ->
+        :: ALIVE !reg[A] && nfull(tok_in) ->   /* (a dead engine refuses at the door) */
             register(A); tok_in ! TOKENIZE, A, life[A]; dispatched[A] = 1;
             fire(A, E_DISPATCH)
         :: skip                 /* or it does not come back */
@@ -324,7 +355,11 @@ inline maybe_forget(r) {
     :: resp[r] && freed[r] ->
 #endif
         reg[r] = 0; fire(r, E_FORGET);
+#ifdef DEATH
+        released[r] = (ss[r] == S_NONE) || dead;    /* (its blocks died with the engine) */
+#else
         released[r] = (ss[r] == S_NONE);
+#endif
         if
 #ifdef BUG_GATHER_EARLY
         :: (r == C0 || r == C1) && reg[P] && (!reg[C0] || !reg[C1]) ->
@@ -384,7 +419,7 @@ active proctype Tokenizer() {
 end:
     do
     :: atomic {
-        tok_in ? m, r, l;
+        LIVE(tok_in) -> tok_in ? m, r, l;
         if
         :: m == ABORT -> sch_in ! ABORT, r, l    /* forwarded on the request's own edge */
         :: m == PAUSE || m == RESUME -> sch_in ! m, r, l   /* the same edge */
@@ -454,6 +489,9 @@ inline finish_early(r, l, e) {
     :: ss[r] == S_WAIT || ss[r] == S_RUN || ss[r] == S_PRE || ss[r] == S_PAUSE ->
         assert(slife[r] == l);  /* a stale abort or stop never hits a reused rid */
         finish(r, e)
+#ifdef BUG_TWO_ENDS
+    :: ss[r] == S_FIN || ss[r] == S_NONE -> term[r]++  /* the bug: a late one ends it again */
+#endif
     :: else -> skip             /* already finished or freed, or rejected */
     fi
 }
@@ -508,7 +546,7 @@ active proctype SchedRecv() {
 end:
     do
     :: d_step {
-        sch_in ? m, a, x;
+        LIVE(sch_in) -> sch_in ? m, a, x;
         if
         :: m == SEQ ->
             assert(ss[a] == S_NONE);            /* a rid is unique while live */
@@ -644,7 +682,11 @@ inline plan() {
     :: else ->
         assert(nflight > 0);    /* the pool holds one leaf's needs: with no step in flight
                                    something always fits */
+#ifndef BUG_SPIN_AHEAD
         tried_ahead = 1
+#else
+        skip                    /* the bug: it will try again at once, and again */
+#endif
     fi;
     i = 0; j = 0; v = 0; stuck = 0
 }
@@ -660,13 +702,13 @@ active proctype SchedSend() {
 end:
     do
     :: atomic {
-        (pend_tok | pend_fin | pend_freed) != 0 ->
+        ALIVE (pend_tok | pend_fin | pend_freed) != 0 ->
         toks = pend_tok; fins = pend_fin; frees = pend_freed; errs = pend_err;
         pend_tok = 0; pend_fin = 0; pend_freed = 0; pend_err = 0;
         det_in ! toks, fins, frees, errs;
         toks = 0; fins = 0; frees = 0; errs = 0
        }
-    :: atomic { (nflight == 0 || (nflight < MAXFLIGHT && !tried_ahead)) && RUNNABLE ->
+    :: atomic { ALIVE (nflight == 0 || (nflight < MAXFLIGHT && !tried_ahead)) && RUNNABLE ->
                 apply_pauses();
                 if
                 :: RUNNABLE -> plan();
@@ -687,7 +729,7 @@ active proctype Worker() {
 end:
     do
     :: atomic {
-        wk_in ? mask;
+        LIVE(wk_in) -> wk_in ? mask;
         /* the KV this step writes is still allocated to the leaves it plans */
         for (i : FIRST .. LAST) { assert(!(mask & BIT(i)) || nblk[i] > 0) }
         if
@@ -716,7 +758,7 @@ active proctype Detokenizer() {
 end:
     do
     :: atomic {
-        det_in ? toks, fins, frees, errs;
+        LIVE(det_in) -> det_in ? toks, fins, frees, errs;
         for (r : FIRST .. LAST) {
             if
             :: toks & BIT(r) && !dstop[r] ->
@@ -743,12 +785,51 @@ end:
     od
 }
 
+#ifdef DEATH
+/* ---------------------------------------------------------------- the engine dies */
+
+/* AsyncEngine.mark_dead -> Frontend.lose_all, in one step of the Frontend's process: every
+   live leaf is lost (`lose`, unless the Scheduler had freed it), answered with the error if
+   it was not answered yet, and forgotten; the parent is gathered with its last child. */
+active proctype EngineDeath() {
+end:                            /* (or it never dies) */
+    atomic {
+        reg[FIRST] || reg[LAST] ->              /* something is live */
+        dead = 1;
+        for (i : FIRST .. LAST) {
+            if
+            :: reg[i] && !freed[i] -> fire(i, E_LOSE); freed[i] = 1;
+                if
+                :: !resp[i] -> resp[i] = 1; fire(i, E_RESPOND)    /* engine_dead */
+                :: else -> skip
+                fi;
+                maybe_forget(i)
+            :: reg[i] && freed[i] -> resp[i] = 1; fire(i, E_RESPOND); maybe_forget(i)
+            :: else -> skip
+            fi
+        }
+        i = 0
+    }
+}
+#endif
+
 /* ---------------------------------------------------------------- after drain (invariant 4) */
 
 active proctype Drain() {
     timeout ->                  /* nothing can move: the engine is idle */
     d_step {
         assert(clients_done == CLIENTS);
+#ifdef DEATH
+        if
+        :: dead ->              /* the engine's state died with it: the Frontend holds none */
+            for (i : FIRST .. LAST) { assert(!reg[i] && released[i] && term[i] <= 1) };
+#ifdef HAVE_P
+            assert(!reg[P] && gathered);
+#endif
+            i = 0; drained = 1; goto done
+        :: else -> skip
+        fi;
+#endif
         assert(len(tok_in) == 0 && len(sch_in) == 0 && len(wk_in) == 0 && len(det_in) == 0
                && len(fe_in) == 0);             /* every mailbox empty */
         assert(nflight == 0 && nfree == NB);    /* every block free */
@@ -761,7 +842,8 @@ active proctype Drain() {
             assert(term[i] == 1)                /* every leaf ended exactly once */
         }
         i = 0;
-        drained = 1
+        drained = 1;
+done:   skip
     }
 }
 

@@ -51,8 +51,9 @@ inline fire(r, e) {
     :: e == E_FINISH && (ls[r] == L_RUNNING || ls[r] == L_PREEMPTED || ls[r] == L_PAUSED) -> ls[r] = L_FINISHED
     :: e == E_ABORT && (ls[r] == L_WAITING || ls[r] == L_RUNNING || ls[r] == L_PREEMPTED || ls[r] == L_PAUSED) -> ls[r] = L_FINISHED
     :: e == E_FAIL && (ls[r] == L_WAITING || ls[r] == L_RUNNING || ls[r] == L_PREEMPTED || ls[r] == L_PAUSED) -> ls[r] = L_FINISHED
-    :: e == E_LOSE && (ls[r] == L_TOKENIZING || ls[r] == L_WAITING || ls[r] == L_RUNNING || ls[r] == L_PREEMPTED || ls[r] == L_PAUSED || ls[r] == L_FINISHED) -> ls[r] = L_FREED
-    :: e == E_LOSE && (ls[r] == L_RESPONDED) -> ls[r] = L_RELEASED
+    :: e == E_LOSE && (ls[r] == L_CREATED || ls[r] == L_TOKENIZING || ls[r] == L_WAITING || ls[r] == L_RUNNING || ls[r] == L_PREEMPTED || ls[r] == L_PAUSED || ls[r] == L_FINISHED) -> ls[r] = L_FREED
+    :: e == E_LOSE && (ls[r] == L_FREED) -> ls[r] = L_FREED
+    :: e == E_LOSE && (ls[r] == L_RESPONDED || ls[r] == L_RELEASED) -> ls[r] = L_RELEASED
     :: e == E_FREE && (ls[r] == L_FINISHED) -> ls[r] = L_FREED
     :: e == E_FREE && (ls[r] == L_RESPONDED) -> ls[r] = L_RELEASED
     :: e == E_RESPOND && (ls[r] == L_FINISHED) -> ls[r] = L_RESPONDED

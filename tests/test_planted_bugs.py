@@ -33,9 +33,20 @@ scheduler.bug_share_without_reference       10     a prefix-cache hit on a block
 scheduler.bug_pause_keeps_slot              11      a paused sequence keeps its running slot
 frontend.bug_never_resume                   11      a reader that catches up is never resumed
 frontend.bug_drop_on_pause                  7      a pause drops what the reader had not read
+tokenizer.bug_tokenize_big_aside            5      a big prompt tokenized aside: the abort that
+                                                   came behind it reaches the Scheduler first
+frontend.bug_lose_skips_answered            4      after the engine died, an answered request
+                                                   not yet freed stays registered for ever
+frontend.bug_timeout_without_abort          5      a stream timeout fails the reader but never
+                                                   aborts the request
+scheduler.bug_preempt_ahead                 3      priority, two steps in flight: an urgent
+                                                   arrival preempts a sequence a step still reads
 ==========================================  =====  ==============================================
 
-The last three run with flow control on (``SimConfig.flow``, tests/test_simulation.py's FLOW).
+The three after bug_pause_keeps_slot run with flow control on (``SimConfig.flow``,
+tests/test_simulation.py's FLOW); the last four each in the configuration that enables
+what they break (``EXTRA`` below: big prompts through the Tokenizer's thread hop, engine
+death, a stream timeout, the priority policy).
 
 Each run stops at the first counterexample (no shrinking: only finding it matters here).
 """
@@ -73,10 +84,23 @@ PLANTED = [
     ("scheduler.bug_pause_keeps_slot", "11"),
     ("frontend.bug_never_resume", "11"),
     ("frontend.bug_drop_on_pause", "7"),
+    ("tokenizer.bug_tokenize_big_aside", "5"),
+    ("frontend.bug_lose_skips_answered", "4"),
+    ("frontend.bug_timeout_without_abort", "5"),
+    ("scheduler.bug_preempt_ahead", "3"),
 ]
 FLOW_BUGS = {"scheduler.bug_pause_keeps_slot", "frontend.bug_never_resume",
              "frontend.bug_drop_on_pause"}
 FLOW = FlowLimits(max_bytes_per_request=12, max_bytes=None, stream_timeout=None)
+# What each newer bug needs switched on to be reachable at all.
+EXTRA: dict[str, dict[str, Any]] = {
+    "tokenizer.bug_tokenize_big_aside": {"inline_chars": 14},
+    "frontend.bug_lose_skips_answered": {"engine_death": True},
+    # (No byte marks: a paused request left paused would be found as 11 first.)
+    "frontend.bug_timeout_without_abort": {"flow": FlowLimits(
+        max_bytes_per_request=None, max_bytes=None, stream_timeout=5.0)},
+    "scheduler.bug_preempt_ahead": {"scheduling_policy": "priority", "max_num_seqs": 2},
+}
 
 FIND = settings(
     max_examples=3000,  # a ceiling: each is found in well under a few hundred
@@ -92,8 +116,8 @@ FIND = settings(
 @pytest.mark.parametrize(("seam", "invariant"), PLANTED, ids=[s for s, _ in PLANTED])
 def test_planted_bug_is_caught(tiny_tokenizer: Any, seam: str, invariant: str) -> None:
     flow = FLOW if seam in FLOW_BUGS else None
-    machine = make_machine(tiny_tokenizer, SimConfig(bugs=frozenset({seam}), flow=flow),
-                           name=f"Planted_{seam.replace('.', '_')}")
+    config = SimConfig(bugs=frozenset({seam}), **{"flow": flow, **EXTRA.get(seam, {})})
+    machine = make_machine(tiny_tokenizer, config, name=f"Planted_{seam.replace('.', '_')}")
     with pytest.raises(InvariantViolation) as found:
         run_state_machine_as_test(machine, settings=FIND)
     assert found.value.invariant == invariant, str(found.value)

@@ -1,10 +1,14 @@
 """The deterministic simulation: the real actors under every interleaving hypothesis can
 find, with every invariant of DESIGN.md §3 checked after every step (see tests/sim/).
 
-The three stateful configurations differ in what they stress: ``default`` (preemption,
+The stateful configurations differ in what they stress: ``default`` (preemption,
 chunked prefill, some backpressure), ``tight`` (one-message mailboxes, a pool that holds
 barely one full sequence, two running sequences at most), ``roomy`` (no pressure, big
-batches). Their CI shares add up to 2,000 examples, the same ones every run;
+batches), the slow readers' two (flow control), and five small ones for what the others
+never do: the engine's process dying (``engine_dies``), the priority policy with one and
+with two steps in flight, a stream timeout on the mock clock (``tick``), and big prompts
+through the Tokenizer's thread hop (``finish_thread``). Their CI shares add up to 2,500
+examples, the same ones every run;
 ``--hypothesis-profile=long`` runs 10x more, new ones each time, with longer rule
 sequences. A failure prints the shortest rule sequence that reproduces it.
 
@@ -50,6 +54,24 @@ SLOW_CORNERS = {"preempted", "aborted", "n>1 gathered", "paused", "resumed"}
 # resume and pause/resume pairs race with everything else (aborts, rid reuse, failures).
 TINY_MARK = attrs.evolve(FLOW, flow=attrs.evolve(FLOW.flow, max_bytes_per_request=2))
 
+# The engine's process may die at any moment while something is live (Frontend.lose_all).
+DEATH = SimConfig(engine_death=True)
+DEATH_CORNERS = {"engine died", "lost a live request", "n>1 gathered", "aborted"}
+# Requests draw priorities -1..1; one (then two) running at most, so arrivals wait for a
+# seat. One step in flight, then two (an urgent arrival preempts only once the pipeline
+# drained).
+PRIORITY = SimConfig(scheduling_policy="priority", max_num_seqs=1, num_blocks=6,
+                     max_steps_in_flight=1)
+PRIORITY_OVERLAP = SimConfig(scheduling_policy="priority", max_num_seqs=2, num_blocks=6)
+# A stream timeout on the mock clock, every token over the mark (so pauses are common);
+# readers start stopped (slow_reader starts them), so stalls are common; the drain first
+# lets time run past the timeout.
+TIMEOUT = attrs.evolve(TINY_MARK, readers_start_paused=True,
+                       flow=attrs.evolve(TINY_MARK.flow, stream_timeout=5.0))
+# Prompts over 14 characters go through the Tokenizer's thread hop (its default limit,
+# 1024, is longer than any prompt that fits max_model_len here).
+THREADS = SimConfig(inline_chars=14)
+
 # --- the stateful tests -------------------------------------------------------------------
 
 
@@ -63,8 +85,9 @@ OVERLAP = {"token fed forward", "planned past the end"}
 
 
 def explore(tokenizer: Any, config: SimConfig | None, examples: int,
-            corners: set[str] = CORNERS) -> None:
-    machine = make_machine(tokenizer, config)
+            corners: set[str] = CORNERS, name: str = "LifecycleMachine") -> None:
+    """``name``: the machine's, which seeds CI's fixed examples (one per configuration)."""
+    machine = make_machine(tokenizer, config, name=name)
     chosen = sim_settings(examples)
     run_state_machine_as_test(machine, settings=chosen)
     # The CI budget is a promise (>= 2,000 examples in all): hold hypothesis to it.
@@ -74,11 +97,44 @@ def explore(tokenizer: Any, config: SimConfig | None, examples: int,
 
 
 def test_lifecycle_default(tiny_tokenizer: Any) -> None:
-    explore(tiny_tokenizer, None, 900)
+    explore(tiny_tokenizer, None, 500)
 
 
 def test_lifecycle_tight(tiny_tokenizer: Any) -> None:
-    explore(tiny_tokenizer, TIGHT, 700, CORNERS - OVERLAP)
+    explore(tiny_tokenizer, TIGHT, 500, CORNERS - OVERLAP)
+
+
+def test_lifecycle_engine_death(tiny_tokenizer: Any) -> None:
+    """Every request live when the engine dies ends once, with ``engine_dead`` (unless an
+    error came first); nothing stays in the Frontend; later submits are refused."""
+    explore(tiny_tokenizer, DEATH, 120, DEATH_CORNERS, "EngineDeath")
+
+
+def test_lifecycle_priority(tiny_tokenizer: Any) -> None:
+    """The priority policy: a victim is always the last running sequence in (priority,
+    arrival) order, and urgent arrivals do preempt."""
+    explore(tiny_tokenizer, PRIORITY, 120, {"urgent arrival preempted", "preempted"},
+            "Priority")
+
+
+def test_lifecycle_priority_with_overlap(tiny_tokenizer: Any) -> None:
+    explore(tiny_tokenizer, PRIORITY_OVERLAP, 120, {"urgent arrival preempted", *OVERLAP},
+            "PriorityOverlap")
+
+
+def test_lifecycle_stream_timeout(tiny_tokenizer: Any) -> None:
+    """A reader stopped past the timeout gets what it had not read, then the
+    ``stream_timeout`` error; its request is aborted and frees everything; a reader that
+    reads is never cancelled (invariant 11 both ways)."""
+    explore(tiny_tokenizer, TIMEOUT, 120, {"stream timeout", "paused", "resumed"},
+            "StreamTimeout")
+
+
+def test_lifecycle_tokenizer_thread(tiny_tokenizer: Any) -> None:
+    """Big prompts wait in the Tokenizer's thread while everything else moves; what comes
+    behind them (aborts, pauses, small prompts) never overtakes them."""
+    explore(tiny_tokenizer, THREADS, 120, {"tokenized in a thread", "aborted", "rejected"},
+            "TokenizerThread")
 
 
 def test_lifecycle_slow_readers(tiny_tokenizer: Any) -> None:

@@ -127,12 +127,14 @@ class Frontend:
         for rid, _, index in leaves:
             self._register(rid, collector, parent=parent, index=index, arrival=now,
                            replica=replica, cost=cost)
-        # Shielded: once registered, a request is always dispatched, even if the caller
-        # is cancelled while the Tokenizer's mailbox is full; otherwise it would leak.
+        # Shielded: once registered, a request is always dispatched (else it would leak),
+        # even if the caller is cancelled meanwhile; unless it was lost (the engine died).
+        states = [self.registry.get(rid) for rid, _, _ in leaves]
         with trio.CancelScope(shield=True):
-            for rid, params, _ in leaves:
-                await self._send_request(attrs.evolve(req, rid=rid, params=params,
-                                                      arrival_time=now, replica=replica))
+            for (rid, params, _), st in zip(leaves, states, strict=True):
+                if st is None or self.registry.get(rid) is st:
+                    await self._send_request(attrs.evolve(req, rid=rid, params=params,
+                                                          arrival_time=now, replica=replica))
         self.metrics.on_arrival()
         return collector
 
@@ -371,14 +373,11 @@ class Frontend:
             self.stats = self.router.total()
         lost = 0
         for rid, st in list(self.registry.items()):
-            if st.children or rid not in self.registry:
+            if st.children or rid not in self.registry or (
+                    replica is not None and st.replica != replica):
                 continue
-            if replica is not None and st.replica != replica:
-                continue
-            answered = st.responded
-            if st.view.may("lose"):  # (not when the engine had already freed it)
-                self.ledger.fire(rid, "lose")
-            if not answered:
+            self.ledger.fire(rid, "lose")  # (from any state a live leaf is in; keeps responded)
+            if not st.responded:
                 self.ledger.fire(rid, "respond", reason="error")
                 st.collector.put_error(RequestError(message, FailureCode.ENGINE_DEAD))
                 self.metrics.on_finished("error", 0, time.monotonic() - st.arrival)

@@ -202,8 +202,11 @@ class Tokenizer:
         tracer: Tracer | None = None,
         *,
         schedulers: Sequence[Outbox[SchedulerInput]] | None = None,
+        inline_chars: int = INLINE_CHARS,
     ) -> None:
+        """``inline_chars``: longer inputs are tokenized in a worker thread."""
         self.encoder = encoder
+        self.inline_chars = inline_chars
         self.inbox, self.scheduler, self.frontend = inbox, scheduler, frontend
         # With data parallelism, one outbox per replica: each message goes to the replica
         # the Frontend chose for its rid (its ``replica`` field).
@@ -212,29 +215,39 @@ class Tokenizer:
 
     async def run(self) -> None:
         async for msg in self.inbox:
-            if isinstance(msg, (AbortRequest, FlowControl)):
-                await self.schedulers[msg.replica].send(msg)
-                continue
-            try:
-                # A grammar's first compile may take milliseconds: never on the loop.
-                if input_chars(msg) <= INLINE_CHARS and msg.params.structured is None:
-                    seq = self.encoder.encode(msg)
-                else:
-                    seq = await trio.to_thread.run_sync(self.encoder.encode, msg)
-            except InvalidRequest as exc:
-                self.ledger.fire(msg.rid, "reject", reason=str(exc))
-                self.ledger.drop(msg.rid)
-                await self.frontend.send(RequestFailed(
-                    msg.rid, str(exc), FailureCode.INVALID_REQUEST, exc.param))
-                continue
-            except Exception as exc:  # a tokenizer bug must not take the server down
-                log.exception("tokenizing %s failed", msg.rid)
-                self.ledger.fire(msg.rid, "reject", reason="internal")
-                self.ledger.drop(msg.rid)
-                await self.frontend.send(RequestFailed(msg.rid, f"tokenizer error: {exc}",
-                                                       FailureCode.INTERNAL))
-                continue
-            await self.schedulers[msg.replica].send(seq)
+            await self.handle(msg)
+
+    async def handle(self, msg: TokenizerInput) -> None:
+        """One message, in arrival order: the next waits until this one has left (an
+        abort must never overtake the request it cancels, even one tokenized in a thread)."""
+        if isinstance(msg, (AbortRequest, FlowControl)):
+            await self.schedulers[msg.replica].send(msg)
+            return
+        try:
+            # A grammar's first compile may take milliseconds: never on the loop.
+            if input_chars(msg) <= self.inline_chars and msg.params.structured is None:
+                seq = self.encoder.encode(msg)
+            else:
+                seq = await self.off_loop(msg)
+        except InvalidRequest as exc:
+            self.ledger.fire(msg.rid, "reject", reason=str(exc))
+            self.ledger.drop(msg.rid)
+            await self.frontend.send(RequestFailed(
+                msg.rid, str(exc), FailureCode.INVALID_REQUEST, exc.param))
+            return
+        except Exception as exc:  # a tokenizer bug must not take the server down
+            log.exception("tokenizing %s failed", msg.rid)
+            self.ledger.fire(msg.rid, "reject", reason="internal")
+            self.ledger.drop(msg.rid)
+            await self.frontend.send(RequestFailed(msg.rid, f"tokenizer error: {exc}",
+                                                   FailureCode.INTERNAL))
+            return
+        await self.schedulers[msg.replica].send(seq)
+
+    async def off_loop(self, msg: GenerateRequest) -> SequenceRequest:
+        """Encode ``msg`` in a worker thread (the simulation replaces this hop with one
+        whose return it schedules)."""
+        return await trio.to_thread.run_sync(self.encoder.encode, msg)
 
     def drain_problems(self) -> list[str]:
         return [f"tokenizer ledger holds {sorted(self.ledger.views)}"] if len(self.ledger) else []

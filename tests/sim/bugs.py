@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import trio
+
 from actorllm.detokenizer.actor import DecodeState, Detokenizer
 from actorllm.frontend.actor import Frontend
 from actorllm.frontend.collector import OutputCollector
@@ -21,7 +23,9 @@ from actorllm.frontend.state import RequestState
 from actorllm.scheduler.actor import Scheduler
 from actorllm.scheduler.batch import Batch
 from actorllm.scheduler.kv_pool import BlockPool
+from actorllm.scheduler.policy import arrival_victim
 from actorllm.scheduler.sequence import Sequence
+from actorllm.tokenizer.actor import Tokenizer, input_chars
 from actorllm.wire.messages import GenerateRequest, StepPlan
 from actorllm.wire.outputs import Merged
 
@@ -280,3 +284,78 @@ def actor_class(actor: str, base: type[Any], bugs: frozenset[str]) -> type[Any]:
     if not mixins:
         return base
     return type(f"Buggy{base.__name__}", (*mixins, base), {})
+
+
+# --- the bugs of tests/test_simulation.py's newer configurations ---------------------------
+
+
+class TokenizeBigAside(Tokenizer):
+    """Invariant 5 (an abort never overtakes its request): big inputs are tokenized in a
+    task of their own so the loop goes on with the next message, and an abort that came
+    behind the request leaves before it. (SimConfig.inline_chars sends prompts there.)"""
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            async for msg in self.inbox:
+                if isinstance(msg, GenerateRequest) and input_chars(msg) > self.inline_chars:
+                    nursery.start_soon(self.handle, msg)
+                else:
+                    await self.handle(msg)
+
+
+class LoseSkipsAnswered(Frontend):
+    """Invariant 4 after the engine died: a request whose client was answered but whose
+    blocks the Scheduler had not freed yet is left registered, waiting for a free that
+    will never come (so is its rid, for ever)."""
+
+    def lose_all(self, message: str, replica: int | None = None) -> int:
+        kept = {rid: st for rid, st in self.registry.items()
+                if st.responded and st.parent is None}
+        for rid in kept:
+            del self.registry[rid]
+        try:
+            return super().lose_all(message, replica)
+        finally:
+            self.registry.update(kept)
+
+
+class TimeoutWithoutAbort(Frontend):
+    """Invariant 5 with a stream timeout: the stalled reader gets its error, but the engine
+    is never told, and generates for nobody until the request ends by itself."""
+
+    def _abort_for_lag(self, leaves: list[RequestState]) -> None:
+        pass
+
+
+class _PreemptAheadBatch(Batch):
+    def plan(self, ahead: bool) -> Any:
+        # The bug: an urgent arrival preempts even while a step that names the victim runs
+        # (the real plan() leaves that to the plain path, once the pipeline has drained).
+        while self.priority and ahead and (
+                v := arrival_victim(self.waiting, self.running, self.can_start)):
+            self.running.remove(v)
+            self.drop_kv(v)
+            self.waiting.add(v, preempted=True)
+            self.ledger.fire(v.rid, "preempt")
+        return super().plan(ahead)
+
+
+class PreemptAhead(Scheduler):
+    """Invariant 3 with the priority policy and two steps in flight: an urgent arrival
+    preempts a sequence whose blocks the step in flight still reads."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _planted_batch(self, _PreemptAheadBatch)
+
+
+PLANTED.update({
+    # the Tokenizer's thread hop (SimConfig.inline_chars)
+    "tokenizer.bug_tokenize_big_aside": TokenizeBigAside,
+    # engine death (SimConfig.engine_death)
+    "frontend.bug_lose_skips_answered": LoseSkipsAnswered,
+    # stream timeout (SimConfig.flow with a stream_timeout)
+    "frontend.bug_timeout_without_abort": TimeoutWithoutAbort,
+    # priority with two steps in flight (SimConfig.scheduling_policy)
+    "scheduler.bug_preempt_ahead": PreemptAhead,
+})

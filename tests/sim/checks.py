@@ -92,6 +92,11 @@ class Checks(WorldFields):
         inc = client.inc
         assert inc is not None
         choices = [inc] if client.n == 1 else Recorder.children_of(inc)
+        code = None if client.error is None else client.error.code
+        # A lost request may have no terminal event; a timed-out reader may read its error
+        # before the abort reaches the Scheduler.
+        excused = (code == "engine_dead" and self.dead) or \
+            (code == "stream_timeout" and client.timed_out)
         if client.n > 1:
             unended = [c.describe() for c in choices if not c.terminal]
             unended += [f"{client.rid}-{i}" for i in range(client.n) if i not in inc.child_incs]
@@ -100,12 +105,30 @@ class Checks(WorldFields):
             if unended and client.error is None:
                 self.report("6", f"the client of {client.rid!r} read the final output while "
                             f"children have not ended: {unended}")
-        elif not inc.terminal:
+        elif not inc.terminal and not excused:
             self.report("2", f"{client.rid!r}: final output before any terminal event")
+        if excused:
+            return  # (_on_timeout and _check_lost judge these)
         if client.error is not None and not any(
                 t[0] in ("fail", "reject") for c in choices for t in c.terminal):
             self.report("2", f"{client.rid!r}: the client got an error ({client.error}) but no "
                         "choice failed")
+
+    def _check_lost(self, client: Client) -> None:
+        """After the engine died: a request live then ended with an error (``engine_dead``
+        unless another came first); one answered before kept its answer (invariant 2)."""
+        if client.outcome != "accepted" or client.inc is None or client.disconnected:
+            return  # (a client that left reads nothing)
+        if client.error is not None and client.error.code == "engine_dead":
+            if client.inc.events[0][0] >= (self.death_mark or 0):
+                self.report("2", f"{client.rid!r} came after the death, yet was accepted")
+            return
+        choices = [client.inc] if client.n == 1 else Recorder.children_of(client.inc)
+        late = [c.describe() for c in choices
+                if (r := c.index_of("respond")) is None or r >= (self.death_mark or 0)]
+        if late and client.error is None:  # (an earlier error, a child's, stands)
+            self.report("2", f"{client.rid!r} was live when the engine died, yet its client "
+                        f"read {client.error or client.reason}: {late}")
 
     def _check_abort_reached(self, client: Client, mark: list[int | None],
                              drained: bool) -> None:

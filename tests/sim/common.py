@@ -71,8 +71,15 @@ class SimConfig:
     roundtrip: bool = True  # send every delivered message through the codec
     bugs: frozenset[str] = frozenset()  # planted bugs (sim/bugs.py): "frontend.bug_...", ...
     # The Frontend's FlowLimits (None: flow control off). With them, every client reads as
-    # it goes (as the server does), unless the test makes it a slow reader.
+    # it goes (as the server does), unless the test makes it a slow reader. With a
+    # stream_timeout, mock time passes only by the tick rule.
     flow: Any = None
+    scheduling_policy: str = "fcfs"  # "priority": requests draw a priority in -1..1
+    # Inputs longer than this go through the Tokenizer's thread hop, which the test
+    # finishes when it chooses (the actor's default, 1024, is longer than any prompt here).
+    inline_chars: int | None = None
+    engine_death: bool = False  # the engine_dies rule may run
+    readers_start_paused: bool = False  # each client reads only once slow_reader resumes it
 
 # --- text: the reference for invariant 7 ---------------------------------------------------
 

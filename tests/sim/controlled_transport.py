@@ -53,6 +53,7 @@ class ControlledMailbox:
         self.wires: dict[str, deque[tuple[Any, Any]]] = {}  # edge -> (message, tag), FIFO
         self._ready: deque[tuple[Any, Any]] = deque()  # delivered, not yet received
         self._closed = False
+        self._dead = False
         self._lot = trio.lowlevel.ParkingLot()  # receivers waiting for a delivery
         # Senders waiting for room, in order: task -> (edge, message, tag).
         self._blocked: OrderedDict[Any, tuple[str, Any, Any]] = OrderedDict()
@@ -123,6 +124,9 @@ class ControlledMailbox:
         self._check(msg)
         await trio.lowlevel.checkpoint_if_cancelled()
         tag = self._tag(edge, msg)
+        if self._dead:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
         if self.depth < self.capacity and not self._blocked:
             self._put(edge, msg, tag)
             await trio.lowlevel.cancel_shielded_checkpoint()
@@ -138,6 +142,8 @@ class ControlledMailbox:
 
     def send_nowait(self, edge: str, msg: Any) -> None:
         self._check(msg)
+        if self._dead:
+            return
         if self.depth >= self.capacity or self._blocked:
             raise trio.WouldBlock
         self._put(edge, msg, self._tag(edge, msg))
@@ -163,6 +169,17 @@ class ControlledMailbox:
         if self.on_recv is not None:
             self.on_recv(self.name, msg, tag)
         return msg
+
+    def kill(self) -> None:
+        """Its actor's process died: what waits for it is lost, and what is sent to it from
+        now on vanishes (a transport to a dead peer drops it; nobody reads it)."""
+        self._dead = True
+        for wire in self.wires.values():
+            wire.clear()
+        self._ready.clear()
+        while self._blocked:
+            task, _ = self._blocked.popitem(last=False)
+            trio.lowlevel.reschedule(task)
 
     def close(self) -> None:
         """No more sends; receivers stop once everything sent has been delivered and taken."""

@@ -71,13 +71,18 @@ class LifecycleMachine(RuleBasedStateMachine):
         include_stop=st.booleans(),
         stream=st.booleans(),
         prompt_logprobs=st.sampled_from([None, None, 1]),
+        priority=st.integers(-1, 1),
     )
     @_guarded
     def submit(self, rid: str, n: int, max_tokens: int, prompt: str, stop: tuple[str, ...],
-               include_stop: bool, stream: bool, prompt_logprobs: int | None = None) -> None:
+               include_stop: bool, stream: bool, prompt_logprobs: int | None = None,
+               priority: int = 0) -> None:
+        # (AsyncEngine refuses a priority unless the policy is "priority")
         params = SamplingParams(n=n, max_tokens=max_tokens, stop=stop,
                                 include_stop_str_in_output=include_stop,
-                                prompt_logprobs=prompt_logprobs)
+                                prompt_logprobs=prompt_logprobs,
+                                priority=priority if self.config.scheduling_policy
+                                == "priority" else 0)
         self.world.submit(rid, params, prompt, stream)
 
     @rule(rid=st.sampled_from(RIDS))
@@ -94,6 +99,31 @@ class LifecycleMachine(RuleBasedStateMachine):
     @_guarded
     def slow_reader(self, rid: str, paused: bool) -> None:
         self.world.set_paused(rid, paused)
+
+    @precondition(lambda self: self.config.flow is not None
+                  and self.config.flow.stream_timeout is not None)
+    @rule(seconds=st.sampled_from((1.0, 3.0, 6.0)))
+    @_guarded
+    def tick(self, seconds: float) -> None:
+        """Time passes: a reader stopped long enough runs past its stream timeout."""
+        self.world.tick(seconds)
+
+    # --- the engine's process -----------------------------------------------------------------
+
+    # (Only while something is live: a death in an empty engine shows nothing.)
+    @precondition(lambda self: self.config.engine_death and not self.world.dead
+                  and self.world.frontend.registry)
+    @rule()
+    @_guarded
+    def engine_dies(self) -> None:
+        self.world.engine_dies()
+
+    @precondition(lambda self: self.world.tokenizer.jobs)
+    @rule()
+    @_guarded
+    def finish_thread(self) -> None:
+        """The Tokenizer's worker thread returns (a big prompt is tokenized)."""
+        self.world.finish_thread()
 
     # --- the network ------------------------------------------------------------------------
 

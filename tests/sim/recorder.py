@@ -128,6 +128,9 @@ class Client:
     collector: Any = None
     submit_returned: bool = False
     paused: bool = False
+    paused_at: float = 0.0  # mock time when it last stopped reading
+    unread_since: float | None = None  # mock time since output waits for it (None: none)
+    timed_out: bool = False  # the Frontend cancelled it for its stalled reader
     eager: bool = False  # reads whatever has arrived, finished or not (flow control on)
     disconnected: bool = False
     # Recorder.count when each abort call started and when it returned (None: still waiting)
@@ -172,8 +175,16 @@ class WorldFields:
     shared_seen: bool
     worker: Any
     frontend: Any
+    loop: Any
+    dead: bool
+    urgent_preemptions: int
+    death_mark: int | None
     scheduler: Any
     _sched_tag: Any
+    _tok_tag: Any
 
     def report(self, invariant: str, message: str) -> None:
+        raise NotImplementedError
+
+    def check(self) -> None:
         raise NotImplementedError

@@ -10,8 +10,10 @@ import trio
 import trio.testing
 
 from actorllm.lifecycle.table import State
+from actorllm.scheduler.policy import order
 from actorllm.wire.messages import (
     AbortRequest,
+    FlowControl,
     StepResult,
     StopMatched,
 )
@@ -19,7 +21,7 @@ from actorllm.wire.outputs import EndOfOutput, RequestError
 
 from .bugs import COLLECTOR_BUGS
 from .common import message_rids
-from .recorder import Client, WorldFields
+from .recorder import Client, Incarnation, WorldFields
 
 
 class Watches(WorldFields):
@@ -62,11 +64,23 @@ class Watches(WorldFields):
             for out in msg.outputs:
                 if out.rid in self.rec.current:
                     self.rec.current[out.rid].committed.extend(out.token_ids)
+        if edge == "tokenizer->scheduler" and isinstance(msg, AbortRequest | FlowControl):
+            # Forwarded as it came: tagged with the incarnation the Frontend sent it for
+            # (by now the rid may name a newer one).
+            return self._tok_tag
         return self.rec.current.get(rids[0]) if len(rids) == 1 else None
 
     def _on_recv(self, box: str, msg: Any, tag: Any) -> None:
+        if box == "tokenizer":
+            self._tok_tag = tag
         if box == "scheduler":
             self._sched_tag = tag
+            # Invariant 5 rests on the FIFO edge: an abort (or a pause) for a request the
+            # Scheduler has not received would be dropped, and the request run anyway.
+            if isinstance(msg, AbortRequest | FlowControl) and isinstance(tag, Incarnation) \
+                    and tag.index_of("enqueue") is None and tag.index_of("reject") is None:
+                self.report("5", f"{type(msg).__name__} for {msg.rid!r} reached the Scheduler "
+                            f"before its request: {tag.describe()}")
 
     def _watch_scheduler(self) -> None:
         """Wrap the Scheduler's ``handle`` and its pool's ``free`` (invariants 3 and 5)."""
@@ -104,8 +118,24 @@ class Watches(WorldFields):
                             self.report("3", f"block {b} freed while step {step} (which "
                                         f"uses it for {rid!r}) is in flight")
 
+        batch = s.batch
+        preempt = batch.preempt
+
+        def checked_preempt(seq: Any) -> None:
+            """The priority policy: the victim is always the last running sequence in
+            (priority, arrival) order; count the preemptions an urgent arrival caused."""
+            if batch.priority and batch.running:
+                last = max(batch.running, key=order)
+                if last is not seq:
+                    self.report("policy", f"{seq.rid!r} (priority {seq.priority}) preempted "
+                                f"while {last.rid!r} (priority {last.priority}) runs")
+                if batch.waiting and batch.waiting[0].priority < seq.priority:
+                    self.urgent_preemptions += 1
+            preempt(seq)
+
         s.handle = checked_handle  # type: ignore[method-assign]
         s.pool.free = checked_free  # type: ignore[method-assign]
+        batch.preempt = checked_preempt  # type: ignore[method-assign]
 
     def _scheduler_snapshot(self) -> tuple[object, ...]:
         s = self.scheduler
@@ -143,6 +173,8 @@ class Watches(WorldFields):
         def delta(index: int, *args: Any) -> None:
             if index in done:
                 self.report("2", f"{client.rid!r}: output for choice {index} after its finish")
+            if client.unread_since is None:
+                client.unread_since = trio.current_time()
             put_delta(index, *args)
 
         def finish(index: int, *args: Any) -> None:
@@ -154,9 +186,43 @@ class Watches(WorldFields):
         def error(exc: RequestError) -> None:
             if len(done) == client.n:
                 self.report("2", f"{client.rid!r}: an error after the final output")
+            if exc.code == "stream_timeout" and not client.timed_out:
+                self._on_timeout(client)
             put_error(exc)
 
         col.put_delta, col.put_finish, col.put_error = delta, finish, error
+
+    def _on_timeout(self, client: Client) -> None:
+        """Invariant 11: only a reader that took nothing for ``stream_timeout`` while
+        output waited is cancelled; its request is then aborted (checked at drain, as for
+        the client's own abort, from this moment)."""
+        client.timed_out = True
+        timeout = self.config.flow.stream_timeout
+        t = trio.current_time()
+        if not (client.paused or client.disconnected) or client.unread_since is None \
+                or t - max(client.unread_since, client.paused_at) < timeout:
+            self.report("11", f"{client.rid!r} was cancelled for a stalled reader at t={t:g}, "
+                        f"yet it reads (paused {client.paused}, output waits since "
+                        f"{client.unread_since}, stopped reading at {client.paused_at:g})")
+        client.abort_marks.append([self.rec.count, self.rec.count])
+
+    def _check_stalls(self) -> None:
+        """Invariant 11, the other way: a paused reader with output waiting longer than the
+        stream timeout has had its request cancelled (unless the engine is done with it)."""
+        if self.config.flow is None or self.config.flow.stream_timeout is None:
+            return
+        t = self.loop.clock.current_time()
+        for client in self.clients:
+            col = client.collector
+            if (client.paused and not client.disconnected and not client.timed_out
+                    and client.unread_since is not None and col is not None
+                    and not col.engine_done.is_set()
+                    and t - max(client.unread_since, client.paused_at)
+                    > self.config.flow.stream_timeout):
+                self.report("11", f"{client.rid!r}'s reader took nothing from "
+                            f"t={max(client.unread_since, client.paused_at):g} to {t:g}, past "
+                            f"the stream timeout, yet its request was not cancelled")
+        self.check()
 
     async def _read(self, client: Client) -> None:
         """Read everything the collector has now, through its public ``get``.
@@ -178,6 +244,7 @@ class Watches(WorldFields):
                     self.report("2", f"{client.rid!r}: output ended without a final output")
                     return
             if scope.cancelled_caught:
+                client.unread_since = None  # it has read all there is
                 return
             for c in out.outputs:
                 if c.index in client.reason:

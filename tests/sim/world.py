@@ -4,6 +4,8 @@ steps a test may take (see tests/sim/harness.py for the theory of operation)."""
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,7 +20,7 @@ from actorllm.frontend.readers import UNLIMITED
 from actorllm.lifecycle.table import IllegalTransition
 from actorllm.metrics import EngineMetrics
 from actorllm.scheduler.actor import Scheduler
-from actorllm.tokenizer.actor import PromptEncoder, Tokenizer
+from actorllm.tokenizer.actor import INLINE_CHARS, PromptEncoder, Tokenizer
 from actorllm.wire.mailbox import MailboxClosed
 from actorllm.wire.messages import (
     DetokenizerInput,
@@ -26,10 +28,12 @@ from actorllm.wire.messages import (
     GenerateRequest,
     SamplingParams,
     SchedulerInput,
+    SequenceRequest,
     StepPlan,
     TokenizerInput,
     WorkerInput,
 )
+from actorllm.wire.outputs import RequestError
 
 from .bugs import actor_class
 from .checks import Checks
@@ -39,6 +43,25 @@ from .guest import GuestLoop
 from .recorder import Client, Recorder
 from .scripted_worker import ScriptedWorker
 from .watch import Watches
+
+ENGINE_SIDE = ("tokenizer", "scheduler", "worker", "detokenizer")  # what engine_dies kills
+DEATH = "the engine died (simulated)"
+
+
+class ThreadHop(Tokenizer):
+    """The Tokenizer with a thread hop the test controls: a big input waits in ``jobs``
+    until :meth:`World.finish_thread` lets it return (a real thread would return whenever
+    the OS says, which no test can replay)."""
+
+    jobs: deque[trio.Event]
+    hops = 0
+
+    async def off_loop(self, msg: GenerateRequest) -> SequenceRequest:
+        done = trio.Event()
+        self.jobs.append(done)
+        self.hops += 1
+        await done.wait()
+        return self.encoder.encode(msg)
 
 
 class World(Watches, Checks):
@@ -59,9 +82,14 @@ class World(Watches, Checks):
         self.table_mirror = Tables()  # the plans' block-table diffs, applied in send order
         self.plan_tables: dict[int, dict[str, tuple[int, ...]]] = {}  # step -> rid -> table
         self._sched_tag: Any = None
+        self._tok_tag: Any = None  # the tag of what the Tokenizer took last
         self._running = 0  # harness tasks (submit, abort) not yet finished
         self._closing = False
         self._idle = False
+        self.dead = False  # engine_dies ran: only the Frontend is left
+        self.death_mark: int | None = None  # Recorder.count when the engine died
+        self._scopes: dict[str, trio.CancelScope] = {}
+        self.urgent_preemptions = 0  # priority: a running sequence preempted for an arrival
 
         def box(name: str, kind: Any, capacity: int = cfg.capacity) -> ControlledMailbox:
             b = ControlledMailbox(name, kind, capacity, roundtrip=cfg.roundtrip)
@@ -86,16 +114,18 @@ class World(Watches, Checks):
         info = ModelInfo(path="sim", vocab_size=len(hf_tokenizer),
                          max_model_len=cfg.max_model_len, eos_token_ids=(text.eos_id,),
                          generation_defaults={})
-        self.tokenizer = Tokenizer(PromptEncoder(hf_tokenizer, info), b["tokenizer"],
-                                   b["scheduler"].edge("tokenizer"),
-                                   b["frontend"].edge("tokenizer"),
-                                   tracer=self.rec)  # type: ignore[arg-type]
+        self.tokenizer = cls("tokenizer", ThreadHop)(
+            PromptEncoder(hf_tokenizer, info), b["tokenizer"], b["scheduler"].edge("tokenizer"),
+            b["frontend"].edge("tokenizer"), tracer=self.rec,
+            inline_chars=cfg.inline_chars or INLINE_CHARS)  # type: ignore[arg-type]
+        self.tokenizer.jobs = deque()
         self.scheduler = cls("scheduler", Scheduler)(b["scheduler"], b["worker"].edge("scheduler"),
                                    b["detokenizer"].edge("scheduler"),
                                    num_blocks=cfg.num_blocks, block_size=cfg.block_size,
                                    max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    max_steps_in_flight=cfg.max_steps_in_flight,
+                                   scheduling_policy=cfg.scheduling_policy,
                                    tracer=self.rec)  # type: ignore[arg-type]
         self.worker = cls("worker", ScriptedWorker)(b["worker"], b["scheduler"].edge("worker"),
                                                     text.vocab, text.eos_id, cfg.block_size)
@@ -118,11 +148,20 @@ class World(Watches, Checks):
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self._token = trio.lowlevel.current_trio_token()
+            # Mock time passes only when the test ticks (a stream timeout is the test's to
+            # choose); the stepper keeps trio from sleeping on I/O while everything waits.
+            self.loop.clock.autojump_threshold = math.inf
+            nursery.start_soon(_stepper, name="stepper")
             for name, actor in self.actors.items():
-                nursery.start_soon(actor.run, name=f"actor:{name}")
+                nursery.start_soon(self._run_actor, name, actor, name=f"actor:{name}")
             await trio.testing.wait_all_tasks_blocked()
             self._idle = True
             await trio.sleep_forever()
+
+    async def _run_actor(self, name: str, actor: Any) -> None:
+        with trio.CancelScope() as scope:  # engine_dies cancels the engine's actors
+            self._scopes[name] = scope
+            await actor.run()
 
     def call(self, action: Callable[[], object]) -> None:
         """Run ``action()`` inside trio, let everything settle, let clients read."""
@@ -192,8 +231,15 @@ class World(Watches, Checks):
         """An API caller submits a request (the call may wait on backpressure)."""
         client = Client(rid, params, stream, self.rec.count)
         client.eager = self.config.flow is not None
+        client.paused = self.config.readers_start_paused  # (paused_at: now, in mock time)
+        client.paused_at = self.loop.clock.current_time()
         client.prompt_ids = list(self.hf_tokenizer(prompt).input_ids)
         self.clients.append(client)
+        if self.dead:  # AsyncEngine.submit: a dead engine refuses at the door
+            client.outcome = "refused"
+            client.error = RequestError(DEATH, "engine_dead")
+            client.final = client.submit_returned = True
+            return client
         req = GenerateRequest(rid, params, prompt=prompt)
         self.call(lambda: self._spawn(self._submit, client, req))
         return client
@@ -212,12 +258,15 @@ class World(Watches, Checks):
             client.outcome = f"raised {exc!r}"
         else:
             client.outcome = "accepted"
+        if self.dead:  # AsyncEngine.submit: it died while we dispatched
+            self.frontend.lose_all(DEATH)
         client.submit_returned = True
-        if client.disconnected and client.outcome == "accepted" \
-                and self.config.flow is not None:
+        if client.disconnected and client.outcome == "accepted":
             # Gone while its submit was still waiting: the server's response still ends
-            # with its clean-up, which aborts what has not finished (with flow control on,
-            # a request nobody reads is paused, so it would otherwise wait for a timeout).
+            # with its clean-up (AsyncEngine.generate's), which discards what is unread and
+            # aborts what has not finished (with flow control on, a request nobody reads is
+            # paused, so it would otherwise wait for a timeout; without it, its output
+            # would wait in the pacing for a reader that never comes).
             client.collector.discard()
             if not client.collector.finished:
                 self._spawn(self._abort, req.rid)
@@ -248,16 +297,45 @@ class World(Watches, Checks):
         if client is None or client.disconnected:
             return
         client.disconnected = True
-        if client.submit_returned and client.collector is not None \
-                and not client.collector.finished:
-            self.abort(rid)
+        if client.submit_returned and client.collector is not None:
+            self.call(client.collector.discard)  # unread output no longer counts
+            if not client.collector.finished:
+                self.abort(rid)
 
     def set_paused(self, rid: str, paused: bool) -> None:
         """A slow reader stops (or resumes) reading; outputs merge in its collector."""
         client = self.live_client.get(rid)
         if client is not None:
+            if paused and not client.paused:
+                client.paused_at = self.loop.clock.current_time()
             client.paused = paused
             self.call(lambda: None)
+
+    def tick(self, seconds: float) -> None:
+        """Mock time passes (a stalled reader may run past its stream timeout)."""
+        self.call(lambda: self.loop.clock.jump(seconds))
+        self._check_stalls()
+
+    def finish_thread(self) -> None:
+        """The Tokenizer's oldest thread job returns."""
+        self.call(lambda: self.tokenizer.jobs.popleft().set())
+
+    def engine_dies(self) -> None:
+        """The engine's process dies (AsyncEngine.mark_dead): its actors stop, what was on
+        its way to or inside it is gone, and the Frontend fails every live request."""
+
+        def kill() -> None:
+            self.dead = True
+            self.death_mark = self.rec.count
+            for name in ENGINE_SIDE:
+                self._scopes[name].cancel()
+                self.boxes[name].kill()
+            self.worker.pending.clear()  # (its outgoing results stay with its dead sender)
+            self.tokenizer.jobs.clear()
+            self.outstanding.clear()
+            self.frontend.lose_all(DEATH)
+
+        self.call(kill)
 
     def pending_edges(self) -> list[str]:
         return [e for e in EDGES if self._edges[e].wires.get(e)]
@@ -289,13 +367,20 @@ class World(Watches, Checks):
     # --- drain --------------------------------------------------------------------------------
 
     def quiet(self) -> bool:
-        return not (self._running or self.worker.pending or self.worker.outgoing
-                    or any(b.depth for b in self.boxes.values()))
+        engine = not self.dead and (self.worker.pending or self.worker.outgoing
+                                    or self.tokenizer.jobs)
+        return not (self._running or engine or any(b.depth for b in self.boxes.values()))
 
     def drain(self, max_rounds: int = 2000) -> None:
         """Resume every reader, then deliver everything and answer every step until nothing
         moves; then check invariant 4. (A step takes a few rounds to travel the whole loop,
-        and a tight pool can make a few dozen requests take a few hundred steps.)"""
+        and a tight pool can make a few dozen requests take a few hundred steps.)
+
+        With a stream timeout, the readers still stopped first stay stopped past it (what
+        a client that never comes back does): their requests must be cancelled."""
+        flow = self.config.flow
+        if flow is not None and flow.stream_timeout is not None and not self.dead:
+            self.tick(flow.stream_timeout + 1.0)
         for client in self.clients:
             client.paused = False
 
@@ -305,6 +390,8 @@ class World(Watches, Checks):
                     self._edges[edge].deliver(edge)
             while self.worker.pending:
                 self.worker.answer()
+            while self.tokenizer.jobs:
+                self.tokenizer.jobs.popleft().set()
 
         # A round first, even in a world that looks quiet: the readers resumed above read
         # in it (call() lets them), and their reads send FlowControl(resume) that the
@@ -317,7 +404,7 @@ class World(Watches, Checks):
                 break
         if not self.quiet():
             self.report("4", f"no drain after {max_rounds} rounds: {self.drain_problems()}")
-        if self.scheduler.paused:  # every reader reads now: nothing may stay paused
+        if self.scheduler.paused and not self.dead:  # every reader reads now: none paused
             self.report("11", f"still paused after every reader caught up: "
                         f"{sorted(self.scheduler.paused)}")
         problems = self.drain_problems()
@@ -333,6 +420,8 @@ class World(Watches, Checks):
                 self._check_abort_reached(client, mark, drained=True)
             if client.n > 1 and client.inc is not None:
                 self._check_siblings_aborted(client)
+            if self.dead:
+                self._check_lost(client)
         self.check()
 
     def coverage(self) -> list[str]:
@@ -364,12 +453,28 @@ class World(Watches, Checks):
             "resumed": "resume" in events,
             "preempted while paused": any(_preempted_while_paused(inc.events)
                                           for inc in self.rec.all),
+            "engine died": self.dead,
+            "lost a live request": any(c.error is not None and c.error.code == "engine_dead"
+                                       and c.outcome == "accepted" for c in self.clients),
+            "stream timeout": any(c.timed_out for c in self.clients),
+            "tokenized in a thread": self.tokenizer.hops > 0,
+            "urgent arrival preempted": self.urgent_preemptions > 0,
         }
         return [name for name, hit in reached.items() if hit]
 
     def drain_problems(self) -> list[str]:
         s = self.scheduler
         problems: list[str] = []
+        pacing = self.frontend.pacing
+        if pacing.flows or pacing.pending_bytes:
+            problems.append(f"reader pacing holds {len(pacing.flows)} collectors, "
+                            f"{pacing.pending_bytes} bytes")
+        if self.dead:  # the engine's actors died with their state: only the Frontend is left
+            problems += self.frontend.drain_problems()
+            problems += [f"mailbox {b!r} holds {b.depth}" for b in self.boxes.values()
+                         if b.depth]
+            return problems + ([f"{self._running} API calls still waiting"]
+                               if self._running else [])
         for actor in self.actors.values():
             problems += actor.drain_problems()
         if s.waiting or s.running or s.fenced or s.worker_drops:
@@ -380,6 +485,14 @@ class World(Watches, Checks):
         if self._running:
             problems.append(f"{self._running} API calls still waiting")
         return problems
+
+
+async def _stepper() -> None:
+    """Wake whenever every other task waits, so trio's loop never sleeps on I/O (what
+    MockClock's autojump does, without moving the clock)."""
+    while True:
+        await trio.testing.wait_all_tasks_blocked()
+        await trio.lowlevel.checkpoint()
 
 
 def _preempted_while_paused(events: list[tuple[int, str, str]]) -> bool:
