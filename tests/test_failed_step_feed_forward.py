@@ -67,15 +67,15 @@ def test_a_step_planned_ahead_of_a_failed_one_feeds_a_stand_in(
     first = s.schedule()  # the prefill, which samples a's first token
     assert first is not None
     r0 = runner.execute(first)
-    assert r0.error is None and [t.rid for t in r0.tokens] == ["a"]
+    assert r0.error is None and [t.rid for t in r0.sampled(first)] == ["a"]
     s.handle(r0)
     committed, _ = outputs(s.take_batch(), "a")
-    assert committed == [r0.tokens[0].token_id]
+    assert committed == [r0.sampled(first)[0].token_id]
 
     step_n = s.schedule()  # decodes the first token
     ahead = s.schedule()  # planned before step N is back: feeds N's sample forward
     assert step_n is not None and ahead is not None
-    assert [q.token_ids for q in step_n.seqs] == [(r0.tokens[0].token_id,)]
+    assert [q.token_ids for q in step_n.seqs] == [(r0.sampled(first)[0].token_id,)]
     assert [q.token_ids for q in ahead.seqs] == [(FEED_LAST_SAMPLE,)]
 
     # Step N fails after its forward pass (its K/V written, nothing sampled).
@@ -105,7 +105,7 @@ def test_a_step_planned_ahead_of_a_failed_one_feeds_a_stand_in(
     assert later.error is None, later.error
     assert fed == [("a", len(PROMPT) + 1, 0)]
     assert runner.fed_forward == fed_before  # (a stand-in is not a token fed forward)
-    assert [t.rid for t in later.tokens] == ["a"]  # it sampled something from the stand-in
+    assert [t.rid for t in later.sampled(ahead)] == ["a"]  # it sampled something from the stand-in
 
     # The Scheduler fails "a" on step N's error and keeps its blocks for the step ahead...
     s.handle(failed)
