@@ -205,13 +205,15 @@ class Checks(WorldFields):
     def _check_paused(self) -> None:
         """Invariant 11: a paused sequence holds no running slot (and is in no queue)."""
         s = self.scheduler
+        # view.local, not status: a sequence left in a queue by a bug may be freed already
+        # (local None), which is the same violation, not a crash of the check.
         for seq in s.running:
-            if seq.status is not State.RUNNING:
-                self.report("11", f"{seq.rid!r} is {seq.status} but holds a running slot")
+            if seq.view.local is not State.RUNNING:
+                self.report("11", f"{seq.rid!r} is {seq.view} but holds a running slot")
         queued = {q.rid for q in s.waiting}
         for rid, seq in s.paused.items():
-            if seq.status is not State.PAUSED or rid in queued:
-                self.report("11", f"{rid!r} is paused as {seq.status}, waiting: {rid in queued}")
+            if seq.view.local is not State.PAUSED or rid in queued:
+                self.report("11", f"{rid!r} is paused as {seq.view}, waiting: {rid in queued}")
 
     def _check_pool(self) -> None:
         """Invariants 3, 8 and 10 on the Scheduler's pool; 9 from the Worker's reference."""
