@@ -212,7 +212,9 @@ def run_bench_serve_breakdown(server: serving.Server, scenario: serving.Scenario
     raw = serving.run_bench_serve(server, scenario, settings, result_dir, tag)
     after = serving.scrape_metrics(server)
     if before or after:
-        moved = {k: after[k] - before.get(k, 0.0) for k in after if k.endswith("_total")}
+        # Counters only; a labelled one reads `name_total{label="..."}`.
+        moved = {k: after[k] - before.get(k, 0.0) for k in after
+                 if k.split("{", 1)[0].endswith("_total")}
         SERVED_TIMERS[tag] = {"server": server.spec.name, "scenario": scenario.name,
                               "moved": moved, "duration_s": raw.get("duration")}
     return raw
