@@ -360,3 +360,33 @@ def other_host(command: str, port: int, log: Path, model: Path, *, rank: int = 1
             [sys.executable, "-m", "actorllm", command, "--model", str(model),
              "--cpu-threads", "1", "--timeout", str(timeout), "--log-level", "INFO"],
             env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)
+
+
+def stream_chat(plan: Any, pieces: list[str]) -> tuple[Any, list[dict[str, Any]]]:
+    """Render ``pieces`` of one chat choice with the tool ``plan`` as SSE chunks, and the
+    message the openai SDK's own stream state rebuilds from them: (message, chunks)."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    from actorllm.server.render import ChatRenderer
+    from actorllm.wire.outputs import CompletionOutput
+
+    renderer = ChatRenderer(response_id="chatcmpl-x", created=0, model="m", num_choices=1,
+                            texts=None, logprobs=False, tools=plan)  # type: ignore[arg-type]
+
+    class Job:
+        index_base = 0
+        echo = ""
+        echo_skips_special = True
+
+    state = ChatCompletionStreamState()
+    chunks = renderer.prelude()
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        out = CompletionOutput(0, piece, (1,), finish_reason="stop" if last else None)
+        chunk = renderer.add(Job(), out)  # type: ignore[arg-type]
+        if chunk is not None:
+            chunks.append(chunk)
+    for chunk in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    return state.get_final_completion(), chunks

@@ -16,14 +16,11 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from openai.lib.streaming.chat import ChatCompletionStreamState
-from openai.types.chat import ChatCompletionChunk
+from helpers import stream_chat
 from pydantic import BaseModel
 
-from actorllm.server.render import ChatRenderer
 from actorllm.server.schemas import ChatCompletionRequest
 from actorllm.server.tools import PARSERS, hoist_refs, plan_tools
-from actorllm.wire.outputs import CompletionOutput
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}}}}},
@@ -65,28 +62,6 @@ def _plan(parser: str, **kw: Any) -> Any:
     return plan_tools(body, parser)
 
 
-def _stream(plan: Any, pieces: list[str]) -> tuple[Any, list[dict[str, Any]]]:
-    renderer = ChatRenderer(response_id="chatcmpl-x", created=0, model="m", num_choices=1,
-                            texts=None, logprobs=False, tools=plan)  # type: ignore[arg-type]
-
-    class Job:
-        index_base = 0
-        echo = ""
-        echo_skips_special = True
-
-    state = ChatCompletionStreamState()
-    chunks = renderer.prelude()
-    for i, piece in enumerate(pieces):
-        out = CompletionOutput(0, piece, (1,),
-                               finish_reason="stop" if i == len(pieces) - 1 else None)
-        chunk = renderer.add(Job(), out)  # type: ignore[arg-type]
-        if chunk is not None:
-            chunks.append(chunk)
-    for chunk in chunks:
-        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
-    return state.get_final_completion(), chunks
-
-
 @pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
 def test_whole_answer(parser: str, text: str, content: str | None,
                       calls: list[tuple[str, Any]]) -> None:
@@ -100,7 +75,7 @@ def test_text_that_is_not_calls_stays_content(parser: str, text: str) -> None:
     assert PARSERS[parser].parse(text) == (text, [])
     if parser == "llama3_json" and text.startswith('{"name"'):
         return  # a whole call object went out before the trailing text: it stays
-    completion, _ = _stream(_plan(parser), list(text))
+    completion, _ = stream_chat(_plan(parser), list(text))
     message = completion.choices[0].message
     assert not message.tool_calls and message.content == text
 
@@ -111,7 +86,7 @@ def test_streamed_calls_reassemble(parser: str, text: str, content: str | None,
     plan = _plan(parser)
     cuts = [[text[:cut], text[cut:]] for cut in range(len(text) + 1)] + [list(text)]
     for pieces in cuts:
-        completion, _ = _stream(plan, pieces)
+        completion, _ = stream_chat(plan, pieces)
         choice = completion.choices[0]
         got = choice.message.tool_calls or []
         assert [(c.function.name, json.loads(c.function.arguments)) for c in got] == calls
@@ -124,7 +99,7 @@ def test_streamed_calls_reassemble(parser: str, text: str, content: str | None,
 @pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
 def test_json_families_stream_arguments_in_pieces(parser: str) -> None:
     text = next(t for p, t, _, c in CASES if p == parser and len(c) == 2)
-    _, chunks = _stream(_plan(parser), list(text))
+    _, chunks = stream_chat(_plan(parser), list(text))
     deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls") or []]
     first = [d for d in deltas if d["index"] == 0]
     assert first[0]["function"]["name"] == "f" and len(first) > 3

@@ -12,8 +12,8 @@ import json
 from typing import Any
 
 import pytest
-from openai.lib.streaming.chat import ChatCompletionStreamState
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from helpers import stream_chat
+from openai.types.chat import ChatCompletion
 
 from actorllm.server.render import ChatRenderer
 from actorllm.server.schemas import ChatCompletionRequest
@@ -52,28 +52,6 @@ def test_text_that_is_not_a_call_stays_content(parser: str, text: str) -> None:
     assert PARSERS[parser].parse(text) == (text, [])
 
 
-def _stream(plan: Any, pieces: list[str]) -> tuple[Any, list[dict[str, Any]]]:
-    renderer = ChatRenderer(response_id="chatcmpl-x", created=0, model="m", num_choices=1,
-                            texts=None, logprobs=False, tools=plan)  # type: ignore[arg-type]
-
-    class Job:
-        index_base = 0
-        echo = ""
-        echo_skips_special = True
-
-    state = ChatCompletionStreamState()
-    chunks = renderer.prelude()
-    for i, piece in enumerate(pieces):
-        last = i == len(pieces) - 1
-        out = CompletionOutput(0, piece, (1,), finish_reason="stop" if last else None)
-        chunk = renderer.add(Job(), out)  # type: ignore[arg-type]
-        if chunk is not None:
-            chunks.append(chunk)
-    for chunk in chunks:
-        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
-    return state.get_final_completion(), chunks
-
-
 # Calls the scanner follows in other shapes, and JSON that turns out not to be calls.
 ODD = [
     ("json", '[ { "name" : "f" , "arguments" : { "s": "a\\"}b", "l": [1, {"z": null}] } } ]'),
@@ -94,7 +72,7 @@ def test_streamed_calls_reassemble_to_the_whole_answer(parser: str, text: str) -
     for cut in range(len(text) + 1):
         for pieces in ([text[:cut], text[cut:]], list(text)) if cut == 0 else \
                 ([text[:cut], text[cut:]],):
-            completion, _ = _stream(plan, pieces)
+            completion, _ = stream_chat(plan, pieces)
             message = completion.choices[0].message
             calls = message.tool_calls or []
             assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == \
@@ -112,7 +90,7 @@ def test_arguments_stream_in_pieces_after_the_name(parser: str, text: str,
     # later ones only append to its arguments; and they come as the model writes them,
     # not all at the end.
     plan = _plan(parser, tool_choice=choice)
-    completion, chunks = _stream(plan, list(text))
+    completion, chunks = stream_chat(plan, list(text))
     seen: dict[int, list[dict[str, Any]]] = {}
     first_at: dict[int, int] = {}
     for at, chunk in enumerate(chunks):
@@ -136,7 +114,8 @@ def test_arguments_stream_in_pieces_after_the_name(parser: str, text: str,
 
 def test_content_before_a_call_streams_before_the_end() -> None:
     plan = _plan("hermes")
-    _, chunks = _stream(plan, ["Let me ", "look. <tool", "_call>{", '"name": "g"', "}</tool_call>"])
+    _, chunks = stream_chat(plan, ["Let me ", "look. <tool", "_call>{", '"name": "g"',
+                                   "}</tool_call>"])
     contents = [c["choices"][0]["delta"].get("content") for c in chunks[1:]]
     assert contents[:2] == ["Let me ", "look. "]  # "<tool" was held back, then never sent
 
@@ -146,7 +125,7 @@ def test_a_call_that_went_out_stays() -> None:
     # went out leaves that call (the whole answer, read at once, finds none), as in vLLM.
     text = '<tool_call>{"name": "f", "arguments": {"x": 1}} trailing</tool_call>'
     assert _plan("hermes").message(text) == (text, [])
-    completion, _ = _stream(_plan("hermes"), list(text))
+    completion, _ = stream_chat(_plan("hermes"), list(text))
     calls = completion.choices[0].message.tool_calls
     assert calls is not None and [(c.function.name, c.function.arguments) for c in calls] == \
         [("f", '{"x": 1}')]
@@ -155,7 +134,7 @@ def test_a_call_that_went_out_stays() -> None:
 
 def test_parallel_off_streams_only_the_first_call() -> None:
     plan = _plan("json", parallel_tool_calls=False)
-    completion, _ = _stream(plan, list(JSON))
+    completion, _ = stream_chat(plan, list(JSON))
     calls = completion.choices[0].message.tool_calls
     assert calls is not None and [c.function.name for c in calls] == ["f"]
 
@@ -198,7 +177,7 @@ def test_hermes_text_after_a_call_block_is_kept_as_content(text: str, content: s
     assert got == content
     assert [c.name for c in calls] == (["f"] if text.count("<tool_call>") == 1 else ["f", "g"])
     for cut in (list(text), [text]):
-        completion, _ = _stream(plan, cut)
+        completion, _ = stream_chat(plan, cut)
         message = completion.choices[0].message
         assert [c.function.name for c in message.tool_calls or []] == [c.name for c in calls]
         assert (message.content or "").strip().split() == content.split()
