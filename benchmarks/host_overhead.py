@@ -112,18 +112,8 @@ def build_model(path: Path, seed: int) -> Path:
 
 def offline_actorllm(settings: serving.Settings, args: argparse.Namespace) -> dict[str, Any]:
     """The child below, pinned and threaded as serving.py runs actorllm."""
-    outp = settings.log_dir / "actorllm-offline.json"
-    spec = {"model": str(settings.model), "num_prompts": args.num_prompts,
-            "input_len": args.input_len, "output_len": args.output_len,
-            "seed": settings.seed, "max_num_seqs": settings.max_num_seqs,
-            "max_num_batched_tokens": settings.max_num_batched_tokens,
-            "dtype": settings.dtype, "num_warmups": settings.num_warmups, "out": str(outp)}
-    serving.run_logged(
-        settings.pinned([sys.executable, str(Path(__file__).resolve()), "--offline-child",
-                         json.dumps(spec)]),
-        env=settings.actorllm_env(), log_path=settings.log_dir / "actorllm-offline.log",
-        timeout=1800, what="actorllm offline generate")
-    return json.loads(outp.read_text())  # type: ignore[no-any-return]
+    return serving.offline_actorllm(settings, args, script=Path(__file__).resolve(),
+                                    flag="--offline-child", timeout=1800)
 
 
 def offline_child(spec: dict[str, Any]) -> None:

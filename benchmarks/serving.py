@@ -1052,18 +1052,21 @@ def parse_after(text: str, marker: str) -> int | None:
     return None
 
 
-def offline_actorllm(settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
-    """actorllm's ``LLM.generate`` in a child pinned and threaded like the servers."""
+def offline_actorllm(settings: Settings, args: argparse.Namespace, *,
+                     script: Path | None = None, flag: str = "--offline-actorllm",
+                     timeout: float = 900) -> dict[str, Any]:
+    """actorllm's ``LLM.generate`` in a child pinned and threaded like the servers: this
+    file's child, or ``script``'s (run with ``flag`` and the same spec)."""
     outp = settings.log_dir / "actorllm-offline.json"
     spec = {"model": str(settings.model), "num_prompts": args.num_prompts,
             "input_len": args.input_len, "output_len": args.output_len,
             "seed": settings.seed, "max_num_seqs": settings.max_num_seqs,
             "max_num_batched_tokens": settings.max_num_batched_tokens,
             "dtype": settings.dtype, "num_warmups": settings.num_warmups, "out": str(outp)}
-    run_logged(settings.pinned([sys.executable, str(Path(__file__).resolve()),
-                                "--offline-actorllm", json.dumps(spec)]),
+    run_logged(settings.pinned([sys.executable, str(script or Path(__file__).resolve()),
+                                flag, json.dumps(spec)]),
                env=settings.actorllm_env(), log_path=settings.log_dir / "actorllm-offline.log",
-               timeout=900, what="actorllm LLM.generate")
+               timeout=timeout, what="actorllm LLM.generate")
     return json.loads(outp.read_text())  # type: ignore[no-any-return]
 
 
