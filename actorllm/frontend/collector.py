@@ -195,6 +195,11 @@ class OutputCollector:
         self._read()
         return RequestOutput(self.rid, outs, finished, self.num_prompt_tokens)
 
+    def reader_progressed(self, t: float) -> None:
+        """The reader made progress at ``t`` without taking (its socket took bytes of an
+        earlier take): for the stall rule that is a read."""
+        self.last_read = max(self.last_read, t)
+
     def _read(self) -> None:
         cost, tokens = self.pending_bytes, self.pending_tokens
         self.tokens_read += tokens

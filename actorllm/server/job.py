@@ -63,7 +63,7 @@ class Job:
         the Frontend's --stream-timeout rule (time since the last take from the collector;
         nothing is taken while a write waits) must not call it stalled."""
         if self.collector is not None:
-            self.collector.last_read = max(self.collector.last_read, t)
+            self.collector.reader_progressed(t)
 
     @property
     def cost(self) -> int:
