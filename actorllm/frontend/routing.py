@@ -30,6 +30,8 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
+import attrs
+
 from actorllm.wire.messages import GenerateRequest, SchedulerStats
 
 AFFINITY_CHARS = 256  # about 4 blocks of 16 tokens of English text
@@ -143,9 +145,6 @@ class Router:
         """``replica`` died: route nothing more to it; its gauges read zero from now."""
         self.dead.add(replica)
         self.load[replica] = 0
-        s = self.stats[replica]
-        self.stats[replica] = SchedulerStats(
-            replica=replica, kv_blocks_total=s.kv_blocks_total, num_preemptions=s.num_preemptions,
-            late_results_dropped=s.late_results_dropped, steps=s.steps, forward_s=s.forward_s,
-            sample_s=s.sample_s, prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits)
+        # Its gauges read zero; its running totals stay (every total, whatever is added).
+        self.stats[replica] = attrs.evolve(self.stats[replica], num_running=0, num_waiting=0,
+                                           kv_blocks_used=0, num_paused=0)
