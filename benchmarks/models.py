@@ -1,38 +1,78 @@
-"""Offline tok/s of each model family, native against transformers-backed, and against
-transformers' own ``generate`` (issue 30; docs/architecture.md, "Bring your own model").
+"""What each model path costs: native against transformers-backed, per family (issue 30).
 
-Every family is built at one small shape (random weights, the tests' tiny tokenizer, no
-download) and runs the same batch of prompts greedily for ``--max-tokens`` tokens:
+    python benchmarks/models.py [--families llama qwen3 ...] [--hidden 256] [--layers 4]
+                                [--head-dim 64] [--prompts 16] [--prompt-len 64]
+                                [--max-tokens 64] [--rounds 3] [--threads N]
+                                [--results DIR] [--no-save]
 
-* ``native``: ``LLM(model_impl="native")`` where the native model has the family;
-* ``transformers``: ``LLM(model_impl="transformers")``, its modules with paged attention;
-* ``hf-generate``: transformers' ``generate`` on the same batch, left-padded, sdpa (eager
-  for Gemma 2, whose soft-cap sdpa lacks).
+Every family is built on the spot at one shape (random weights, the tests' tiny
+tokenizer, nothing downloaded; ``tests/test_models_families.py`` builds them) and runs
+the same batch of distinct random prompts greedily for ``--max-tokens`` tokens
+(``ignore_eos``), in float32 on the CPU:
 
-Prints one JSON line per (family, path) with output tok/s, and whether the path's tokens
-equal the first path's. Needs a quiet machine: it is CPU-bound.
+* ``native``: ``LLM(model_impl="native")``, for the families the native model has
+  (Llama, Qwen2, Qwen3, Mistral);
+* ``transformers``: ``LLM(model_impl="transformers")``, the model's own transformers
+  modules with the paged attention op plugged in;
+* ``generate``: transformers' own batched ``generate`` on the same weights (sdpa; eager
+  for Gemma 2, whose soft-cap sdpa lacks), the baseline.
 
-    python benchmarks/models.py                       # every family, 16 prompts
-    python benchmarks/models.py --families llama qwen3 --hidden 256 --layers 4
+Reported per family: output tok/s of each path (the median over ``--rounds``), the
+ratios native / transformers (what the native path buys), transformers / generate and
+native / generate (target >= 3, issue 30), and parity: for how many prompts each engine
+path's greedy tokens equal transformers' ``generate`` run one prompt at a time in float32
+with eager attention (the tests' oracle). Results go to ``--results``/models.json and
+models.md. CPU-bound and long at the default size: run it on a quiet machine; the
+smallest setting (``--hidden 64 --layers 1 --prompts 2 --max-tokens 4 --rounds 1``)
+only checks that it runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+RESULTS = Path(__file__).parent / "results"
 
-FAMILIES = ["llama", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "olmo2", "mixtral",
-            "qwen3_moe"]
-NATIVE = {"llama", "qwen3", "mistral"}
+NATIVE = ["llama", "qwen2", "qwen3", "mistral"]
+TRANSFORMERS_ONLY = ["gemma2", "gemma3", "phi3", "olmo2", "mixtral", "qwen3_moe"]
+FAMILIES = NATIVE + TRANSFORMERS_ONLY
+WINDOWED = {"mistral", "gemma2", "gemma3"}  # their test configs have a sliding window
+TARGET = 3.0  # engine / transformers generate (issue 30, as offline_throughput's)
+PATHS = ("native", "transformers", "generate")
+
+
+def shape_of(family: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The config sizes every family shares. Mixtral's experts are as wide as the dense
+    MLP (two active: twice its compute, as in Mixtral); Qwen3-MoE's half as wide (two
+    active: the dense MLP's compute)."""
+    heads = max(1, args.hidden // args.head_dim)
+    shape: dict[str, Any] = dict(
+        hidden_size=heads * args.head_dim, intermediate_size=4 * heads * args.head_dim,
+        num_hidden_layers=args.layers, num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2), head_dim=args.head_dim,
+        max_position_embeddings=4096, initializer_range=0.05)
+    if family == "qwen3_moe":
+        shape["moe_intermediate_size"] = 2 * heads * args.head_dim
+    if family in WINDOWED:  # shorter than the context, so that the window matters
+        shape["sliding_window"] = args.window
+    return shape
 
 
 def build(root: Path, family: str, args: argparse.Namespace) -> Path:
@@ -43,82 +83,255 @@ def build(root: Path, family: str, args: argparse.Namespace) -> Path:
     tok_dir = root / "tokenizer"
     if not tok_dir.is_dir():
         build_tokenizer(tok_dir)
-    heads = max(2, args.hidden // 64)
-    fam._COMMON.update(hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                       num_hidden_layers=args.layers, num_attention_heads=heads,
-                       num_key_value_heads=max(1, heads // 2), head_dim=64,
-                       max_position_embeddings=4096, initializer_range=0.05)
-    return fam.build_family(root / family, family, tok_dir)
+    return fam.build_family(root / family, family, tok_dir, **shape_of(family, args))
 
 
-def prompts(model_dir: Path, n: int, length: int) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    words = "the farmer walks to the market in the morning and buys bread for the children"
-    ids = tok(" ".join([words] * (length // 8 + 1))).input_ids
-    return [ids[i % 7: i % 7 + length] for i in range(n)]
+def make_prompts(vocab: int, n: int, length: int) -> list[list[int]]:
+    """``n`` distinct prompts of ``length`` random ids (no shared prefix to cache, no
+    padding for ``generate``)."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(3, vocab, (n, length), generator=gen).tolist()
 
 
-def run_engine(model_dir: Path, impl: str, batch: list[list[int]],
-               args: argparse.Namespace) -> tuple[float, list[list[int]]]:
-    from actorllm.llm import LLM
-    from actorllm.wire.messages import SamplingParams
+def parameters(model_dir: Path) -> int:
+    """The checkpoint's parameter count, from its safetensors headers."""
+    from safetensors import safe_open
 
-    llm = LLM(str(model_dir), model_impl=impl, max_model_len=1024)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate(batch[:2], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
-    t0 = time.perf_counter()
-    results = llm.generate(batch, params)
-    elapsed = time.perf_counter() - t0
-    return elapsed, [list(r.outputs[0].token_ids) for r in results]
+    total = 0
+    for f in model_dir.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            total += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    return total
 
 
-def run_generate(model_dir: Path, family: str, batch: list[list[int]],
-                 args: argparse.Namespace) -> tuple[float, list[list[int]]]:
+class EnginePath:
+    """One ``LLM`` of a family on one path, built once and timed round after round."""
+
+    def __init__(self, model_dir: Path, impl: str, args: argparse.Namespace) -> None:
+        from actorllm.llm import LLM
+        from actorllm.wire.messages import SamplingParams
+
+        self.llm = LLM(str(model_dir), model_impl=impl, max_num_seqs=args.prompts,
+                       max_model_len=args.prompt_len + args.max_tokens + 16,
+                       cpu_threads=args.threads)
+        self.params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                     ignore_eos=True)
+        self.tokens: list[list[int]] = []
+
+    def run(self, batch: list[list[int]]) -> float:
+        t0 = time.perf_counter()
+        results = self.llm.generate(batch, self.params)
+        elapsed = time.perf_counter() - t0
+        errors = [r.error for r in results if r.error]
+        if errors:
+            raise SystemExit(f"a request failed: {errors[0]}")
+        self.tokens = [list(r.outputs[0].token_ids) for r in results]
+        return elapsed
+
+
+class GeneratePath:
+    """transformers' own batched greedy ``generate`` (the baseline)."""
+
+    def __init__(self, model_dir: Path, family: str, args: argparse.Namespace) -> None:
+        from transformers import AutoModelForCausalLM
+
+        attn = "eager" if family == "gemma2" else "sdpa"
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32, attn_implementation=attn).eval()
+        self.max_tokens, self.threads = args.max_tokens, args.threads
+        self.tokens: list[list[int]] = []
+
+    def run(self, batch: list[list[int]]) -> float:
+        from helpers import EOS_ID
+
+        torch.set_num_threads(self.threads)  # the engine's Worker may have changed it
+        ids = torch.tensor(batch)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
+                                      do_sample=False, max_new_tokens=self.max_tokens,
+                                      eos_token_id=None, pad_token_id=EOS_ID)
+        elapsed = time.perf_counter() - t0
+        self.tokens = out[:, ids.shape[1]:].tolist()
+        return elapsed
+
+
+def oracle(model_dir: Path, batch: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The tests' oracle: greedy ``generate`` one prompt at a time, float32, eager."""
+    from helpers import hf_greedy
     from transformers import AutoModelForCausalLM
 
-    attn = "eager" if family == "gemma2" else "sdpa"
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
-                                                 attn_implementation=attn).eval()
-    width = max(len(p) for p in batch)
-    ids = torch.tensor([[1] * (width - len(p)) + p for p in batch])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=1,
-                             max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens)
-    elapsed = time.perf_counter() - t0
-    return elapsed, out[:, width:].tolist()
+                                                 attn_implementation="eager").eval()
+    return [hf_greedy(model, p, max_tokens)[0] for p in batch]
+
+
+def measure_family(root: Path, family: str, args: argparse.Namespace) -> dict[str, Any]:
+    """tok/s of each path (median of the rounds), ratios and parity for one family."""
+    model_dir = build(root, family, args)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    batch = make_prompts(vocab, args.prompts, args.prompt_len)
+    paths: dict[str, Any] = {}
+    if family in NATIVE:
+        paths["native"] = EnginePath(model_dir, "native", args)
+    paths["transformers"] = EnginePath(model_dir, "transformers", args)
+    paths["generate"] = GeneratePath(model_dir, family, args)
+    for path in paths.values():  # warm-up: first-call allocations, oneDNN packing
+        path.run(batch[:2])
+    seconds: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(args.rounds):  # alternate, so that a noisy spell hits every path
+        for name, path in paths.items():
+            seconds[name].append(path.run(batch))
+    want = oracle(model_dir, batch, args.max_tokens)
+    made = args.prompts * args.max_tokens
+    tok_s = {name: made / statistics.median(s) for name, s in seconds.items()}
+    row: dict[str, Any] = {
+        "family": family, "architecture": json.loads(
+            (model_dir / "config.json").read_text())["architectures"][0],
+        "parameters": parameters(model_dir), "tok_s": tok_s,
+        "seconds": seconds, "parity": {}, "ratios": {},
+    }
+    for name in ("native", "transformers"):
+        if name in paths:
+            equal = sum(a == b for a, b in zip(paths[name].tokens, want, strict=True))
+            row["parity"][name] = {"equal": equal, "of": len(want)}
+    for a, b in (("native", "transformers"), ("transformers", "generate"),
+                 ("native", "generate")):
+        if a in tok_s and b in tok_s:
+            row["ratios"][f"{a}/{b}"] = tok_s[a] / tok_s[b]
+    return row
+
+
+def environment(args: argparse.Namespace) -> dict[str, Any]:
+    """Commit and machine facts for the report's header."""
+    import transformers
+
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip()
+
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) \
+        if Path("/proc/cpuinfo").exists() else platform.processor()
+    return {
+        "command": "python benchmarks/models.py " + shlex.join(sys.argv[1:]),
+        "git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain")),
+        "cpu": cpu, "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
+        "threads": args.threads, "platform": platform.platform(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "load_average_before": list(os.getloadavg()),
+    }
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _parity(row: dict[str, Any], name: str) -> str:
+    p = row["parity"].get(name)
+    if p is None:
+        return "-"
+    return f"{'yes' if p['equal'] == p['of'] else 'no'} ({p['equal']}/{p['of']})"
+
+
+def render(report: dict[str, Any]) -> str:
+    """The markdown report: command, commit, machine, the table, the targets."""
+    env, cfg = report["environment"], report["config"]
+    lines = [
+        "# Model paths: native against transformers-backed (issue 30)", "",
+        f"`{env['command']}`", "",
+        f"Commit {env['git_commit'][:12]}{' (dirty)' if env['git_dirty'] else ''}; "
+        f"{env['cpu']}, {env['usable_cpus']} of {env['logical_cpus']} CPUs usable, "
+        f"{env['threads']} torch threads; Python {env['python']}, torch {env['torch']}, "
+        f"transformers {env['transformers']}; load average before "
+        f"{[round(x, 2) for x in env['load_average_before']]}, after "
+        f"{[round(x, 2) for x in env['load_average_after']]}.", "",
+        f"Random weights, float32, hidden {cfg['hidden']} ({cfg['head_dim']}-wide heads), "
+        f"{cfg['layers']} layers, sliding window {cfg['window']} where the family has one; "
+        f"{cfg['prompts']} distinct prompts of {cfg['prompt_len']} random ids, "
+        f"{cfg['max_tokens']} new tokens each, greedy; output tok/s, median of "
+        f"{cfg['rounds']} rounds. Parity: prompts whose greedy tokens equal transformers' "
+        "`generate` run one prompt at a time (float32, eager attention).", "",
+        "| family | parameters | native tok/s | transformers tok/s | generate tok/s "
+        "| native / transformers | transformers / generate | native / generate "
+        "| parity native | parity transformers |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for row in report["families"]:
+        t, r = row["tok_s"], row["ratios"]
+        lines.append(
+            f"| {row['family']} | {row['parameters']:,} | {_fmt(t.get('native'))} "
+            f"| {_fmt(t['transformers'])} | {_fmt(t['generate'])} "
+            f"| {_fmt(r.get('native/transformers'), 2)} "
+            f"| {_fmt(r['transformers/generate'], 2)} | {_fmt(r.get('native/generate'), 2)} "
+            f"| {_parity(row, 'native')} | {_parity(row, 'transformers')} |")
+    lines += ["", "## Targets", "", *targets(report["families"])]
+    return "\n".join(lines) + "\n"
+
+
+def targets(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per target: which families meet it."""
+    out = []
+    for key in ("transformers/generate", "native/generate"):
+        have = [r for r in rows if key in r["ratios"]]
+        miss = [r["family"] for r in have if r["ratios"][key] < TARGET]
+        out.append(f"- {key.replace('/', ' / ')} >= {TARGET:g}: "
+                   + ("met by every family" if not miss else f"not met by {', '.join(miss)}")
+                   + f" ({len(have)} measured)")
+    off = [f"{r['family']} {name}" for r in rows for name, p in r["parity"].items()
+           if p["equal"] != p["of"]]
+    out.append("- parity with transformers `generate`: "
+               + ("every prompt, every path" if not off else f"not for {', '.join(off)}"))
+    return out
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families", nargs="+", default=FAMILIES, choices=FAMILIES)
+    ap.add_argument("--hidden", type=int, default=256, help="hidden size (whole heads)")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--window", type=int, default=32,
+                    help="sliding window of the windowed families (Mistral, Gemma 2/3)")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                    help="torch threads for every path (the engine's --cpu-threads)")
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="where models.json and models.md go")
+    ap.add_argument("--no-save", action="store_true", help="print only (for smoke runs)")
+    return ap.parse_args()
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--families", nargs="+", default=FAMILIES, choices=FAMILIES)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=64)
-    args = p.parse_args()
+    import transformers
+
+    args = parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    transformers.utils.logging.disable_progress_bar()  # one bar per checkpoint write/load
+    env = environment(args)
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families:
-            model_dir = build(Path(tmp), family, args)
-            batch = prompts(model_dir, args.prompts, args.prompt_len)
-            paths = (["native"] if family in NATIVE else []) + ["transformers", "hf-generate"]
-            first: list[list[int]] | None = None
-            for name in paths:
-                elapsed, tokens = run_generate(model_dir, family, batch, args) \
-                    if name == "hf-generate" else run_engine(model_dir, name, batch, args)
-                first = tokens if first is None else first
-                print(json.dumps({
-                    "family": family, "path": name, "hidden": args.hidden,
-                    "layers": args.layers, "prompts": args.prompts,
-                    "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-                    "seconds": round(elapsed, 3),
-                    "output_tok_s": round(args.prompts * args.max_tokens / elapsed, 1),
-                    "same_tokens_as_first": tokens == first,
-                }), flush=True)
+            rows.append(measure_family(Path(tmp), family, args))
+            print(json.dumps({k: rows[-1][k] for k in ("family", "tok_s", "ratios",
+                                                       "parity")}), flush=True)
+    env["load_average_after"] = list(os.getloadavg())
+    config = {k: getattr(args, k) for k in ("hidden", "head_dim", "layers", "window",
+                                             "prompts", "prompt_len", "max_tokens", "rounds")}
+    report = {"environment": env, "config": config, "target": TARGET, "families": rows}
+    text = render(report)
+    print(text)
+    if not args.no_save:
+        args.results.mkdir(parents=True, exist_ok=True)
+        (args.results / "models.json").write_text(json.dumps(report, indent=2) + "\n")
+        (args.results / "models.md").write_text(text)
+        print(f"wrote {args.results / 'models.json'} and {args.results / 'models.md'}")
 
 
 if __name__ == "__main__":

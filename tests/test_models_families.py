@@ -38,6 +38,7 @@ def _family(name: str) -> tuple[Any, Any, dict[str, Any]]:
 
     return {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {}),
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, dict(
             query_pre_attn_scalar=16, sliding_window=WINDOW, attn_logit_softcapping=4.0,
@@ -56,15 +57,17 @@ def _family(name: str) -> tuple[Any, Any, dict[str, Any]]:
     }[name]
 
 
-def build_family(save_dir: Path, name: str, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """A random-weight checkpoint of family ``name`` with the shared tiny tokenizer."""
+def build_family(save_dir: Path, name: str, tokenizer_dir: Path, seed: int = 0,
+                 **shape: Any) -> Path:
+    """A random-weight checkpoint of family ``name`` with the shared tiny tokenizer;
+    ``shape`` overrides the config (sizes, for benchmarks/models.py)."""
     from transformers import AutoTokenizer, GenerationConfig
 
     config_cls, model_cls, overrides = _family(name)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     save_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(save_dir))
-    kwargs = {**_COMMON, "vocab_size": len(tokenizer), **overrides}
+    kwargs = {**_COMMON, "vocab_size": len(tokenizer), **overrides, **shape}
     if "layer_types" in kwargs:  # the pattern repeats over however many layers there are
         pattern = kwargs["layer_types"]
         kwargs["layer_types"] = [pattern[i % len(pattern)]
@@ -131,11 +134,12 @@ def test_transformers_path_matches_generate(family: str, tmp_path: Path,
     check_generate(model_dir, prompts(tokenizer_dir), "auto")  # auto: transformers here
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("impl", ["native", "transformers"])
 def test_both_paths_match_generate(family: str, impl: str, tmp_path: Path,
                                    tokenizer_dir: Path) -> None:
-    """Llama, Qwen3 and windowed Mistral (prompts past the window) on either path."""
+    """Llama, Qwen2 (qkv biases), Qwen3 and windowed Mistral (prompts past the window) on
+    either path."""
     model_dir = build_family(tmp_path / family, family, tokenizer_dir, seed=3)
     check_generate(model_dir, prompts(tokenizer_dir), impl)
 
