@@ -7,8 +7,16 @@
 #      an index when that is set, for machines without network (such as the device
 #      machines, whose image has torch and CuPy but not trio or pyzmq); then check that
 #      NVRTC compiles a trivial kernel;
-#   2. the GPU tests (tests/gpu) and the CPU tests of the ops, with skip reasons shown;
-#   3. benchmarks/cuda_kernels.py (writes benchmarks/results/kernels.{json,md}).
+#   2. the sliding-window and soft-cap additions to the kernels (issue 30), as a step of
+#      their own so the log says how they fared: the decode and prefill kernels against
+#      the torch reference with windows and caps (fixed and hypothesis cases,
+#      tests/gpu/test_cuda_attention.py), whole windowed and soft-capped models (Gemma 2,
+#      Gemma 3, windowed Mistral) on the cuda backend against the torch backend
+#      (tests/gpu/test_engine_cuda.py), and the torch reference itself against a naive
+#      oracle (tests/test_models_attention.py);
+#   3. the rest of the GPU tests (tests/gpu) and the CPU tests of the ops, with skip
+#      reasons shown;
+#   4. benchmarks/cuda_kernels.py (writes benchmarks/results/kernels.{json,md}).
 # Everything printed is also written to benchmarks/results/gpu_check.log.
 # Usage: scripts/gpu_check.sh [extra args for benchmarks/cuda_kernels.py, e.g. --quick]
 # Exit status: 0 when tests and benchmark pass, 2 without a GPU, else the first failure's.
@@ -70,9 +78,13 @@ assert float(x.sum()) == 32.0
 print(f"gpu_check: cupy {cupy.__version__} compiles and runs kernels")
 EOF
 
-  local status=0
-  "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/gpu tests/test_ops_reference.py \
-    tests/test_ops_cuda_host.py || status=$?
+  local status=0 features="window or softcap or test_models_attention"
+  echo "gpu_check: sliding-window and soft-cap attention (issue 30) against the torch reference"
+  "$PYTHON" -m pytest -q -rs -p no:cacheprovider -k "$features" tests/gpu \
+    tests/test_models_attention.py || status=$?
+  echo "gpu_check: the other GPU tests and the ops' CPU tests"
+  "$PYTHON" -m pytest -q -rs -p no:cacheprovider -k "not ($features)" tests/gpu \
+    tests/test_ops_reference.py tests/test_ops_cuda_host.py || { [ "$status" -ne 0 ] || status=$?; }
   "$PYTHON" benchmarks/cuda_kernels.py "$@" || { [ "$status" -ne 0 ] || status=$?; }
   return "$status"
 }

@@ -201,11 +201,14 @@ def build_tiny_model(
     return save_dir
 
 
-def hf_model(model_dir: str | Path) -> Any:
-    """The checkpoint loaded by transformers in fp32 eval mode (the oracle)."""
+def hf_model(model_dir: str | Path, attn_implementation: str | None = None) -> Any:
+    """The checkpoint loaded by transformers in fp32 eval mode (the oracle); attention as
+    transformers picks it unless ``attn_implementation`` says."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation=attn_implementation
+    ).eval()
 
 
 def hf_greedy(
