@@ -48,6 +48,10 @@ def _family(name: str) -> tuple[Any, Any, dict[str, Any]]:
             layer_types=["sliding_attention", "full_attention"])),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(sliding_window=None)),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, {}),
+        # Every multiplier away from 1, logits_scaling included (HFCausalLM applies it).
+        "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, dict(
+            embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1,
+            logits_scaling=4.0)),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, dict(
             num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM, dict(sliding_window=WINDOW)),
@@ -124,7 +128,7 @@ def check_generate(model_dir: Path, prompt_ids: list[list[int]], model_impl: str
         assert max(abs(a - b) for a, b in zip(got, lps, strict=True)) < 1e-4
 
 
-TRANSFORMERS_ONLY = ["gemma2", "gemma3", "phi3", "olmo2", "mixtral", "qwen3_moe"]
+TRANSFORMERS_ONLY = ["gemma2", "gemma3", "phi3", "olmo2", "granite", "mixtral", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("family", TRANSFORMERS_ONLY)
@@ -156,6 +160,21 @@ def test_the_two_paths_agree(tmp_path: Path, tokenizer_dir: Path) -> None:
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert abs(x.logprob - y.logprob) < 1e-4
+
+
+@pytest.mark.parametrize(("family", "impl", "chosen"), [
+    ("llama", "auto", "native"), ("qwen3", "auto", "native"), ("olmo2", "auto", "transformers"),
+    ("llama", "transformers", "transformers"), ("qwen2", "native", "native")])
+def test_model_impl_chooses(family: str, impl: str, chosen: str, tmp_path: Path,
+                            tokenizer_dir: Path) -> None:
+    """auto is the native model where it has the architecture, else transformers'."""
+    from actorllm.model.hf_backend import HFCausalLM
+    from actorllm.model.llama import LlamaForCausalLM
+
+    model_dir = build_family(tmp_path / family, family, tokenizer_dir)
+    llm = LLM(str(model_dir), model_impl=impl, num_kv_blocks=16)
+    want = LlamaForCausalLM if chosen == "native" else HFCausalLM
+    assert isinstance(llm.resources.runner.model, want)
 
 
 def test_native_refuses_what_it_lacks(tmp_path: Path, tokenizer_dir: Path) -> None:
