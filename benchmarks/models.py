@@ -12,7 +12,8 @@ the same batch of distinct random prompts greedily for ``--max-tokens`` tokens
 
 * ``native``: ``LLM(model_impl="native")``, for the families the native model has
   (Llama, Qwen2, Qwen3, Mistral);
-* ``transformers``: ``LLM(model_impl="transformers")``, the model's own transformers
+* ``transformers``: ``LLM(model_impl="transformers")`` for every family (also Gemma 2
+  and 3, Phi-3, OLMo 2, Granite, Mixtral, Qwen3-MoE), the model's own transformers
   modules with the paged attention op plugged in;
 * ``generate``: transformers' own batched ``generate`` on the same weights (sdpa; eager
   for Gemma 2, whose soft-cap sdpa lacks), the baseline.
@@ -51,7 +52,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 RESULTS = Path(__file__).parent / "results"
 
 NATIVE = ["llama", "qwen2", "qwen3", "mistral"]
-TRANSFORMERS_ONLY = ["gemma2", "gemma3", "phi3", "olmo2", "mixtral", "qwen3_moe"]
+TRANSFORMERS_ONLY = ["gemma2", "gemma3", "phi3", "olmo2", "granite", "mixtral", "qwen3_moe"]
 FAMILIES = NATIVE + TRANSFORMERS_ONLY
 WINDOWED = {"mistral", "gemma2", "gemma3"}  # their test configs have a sliding window
 TARGET = 3.0  # engine / transformers generate (issue 30, as offline_throughput's)
