@@ -181,3 +181,45 @@ def test_native_refuses_what_it_lacks(tmp_path: Path, tokenizer_dir: Path) -> No
     model_dir = build_family(tmp_path / "olmo2", "olmo2", tokenizer_dir)
     with pytest.raises(ValueError, match="architecture 'Olmo2ForCausalLM' for the native"):
         LLM(str(model_dir), model_impl="native", num_kv_blocks=64)
+
+
+def _edit_config(model_dir: Path, **changes: Any) -> None:
+    import json
+
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+def test_auto_falls_back_to_transformers_where_native_lacks_a_feature(
+        tmp_path: Path, tokenizer_dir: Path) -> None:
+    """A Llama with an activation the native model lacks: native refuses, auto runs
+    transformers' own code (and it still matches transformers' generate)."""
+    from actorllm.model.hf_backend import HFCausalLM
+
+    model_dir = build_family(tmp_path / "llama", "llama", tokenizer_dir)
+    _edit_config(model_dir, hidden_act="gelu")
+    with pytest.raises(ValueError, match="unsupported hidden_act 'gelu'"):
+        LLM(str(model_dir), model_impl="native", num_kv_blocks=16)
+    llm = LLM(str(model_dir), model_impl="auto", num_kv_blocks=16)
+    assert isinstance(llm.resources.runner.model, HFCausalLM)
+    check_generate(model_dir, prompts(tokenizer_dir)[:2], "auto")
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_length_dependent_rope_is_refused_on_every_path(
+        rope_type: str, tmp_path: Path, tokenizer_dir: Path) -> None:
+    """transformers recomputes these frequencies from the batch's longest position, which
+    in a packed batch is another sequence's: refused with one line, never served wrong."""
+    model_dir = build_family(tmp_path / "llama", "llama", tokenizer_dir)
+    extra: dict[str, Any] = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0}
+    if rope_type == "longrope":
+        half = _COMMON["head_dim"] // 2
+        extra = {"rope_type": "longrope", "short_factor": [1.0] * half,
+                 "long_factor": [2.0] * half, "rope_theta": 10000.0,
+                 "original_max_position_embeddings": 64}
+    _edit_config(model_dir, rope_parameters=extra)
+    for impl in ("auto", "transformers"):
+        with pytest.raises(ValueError, match=f"rope type '{rope_type}'"):
+            LLM(str(model_dir), model_impl=impl, num_kv_blocks=16)

@@ -63,6 +63,7 @@ def load_hf_config(model_dir: str | Path, arch: str | None) -> PretrainedConfig:
         raise ValueError(f"{str(path)!r}: {name} is not a causal language model "
                          "architecture transformers knows")
     _check_layers(config, path, arch)
+    _check_rope(config, path, arch)
     config.architectures = [arch]
     if getattr(config, "num_key_value_heads", None) is None:
         config.num_key_value_heads = config.num_attention_heads
@@ -79,6 +80,24 @@ def _check_layers(config: PretrainedConfig, path: Path, arch: str) -> None:
             getattr(config, "is_causal", True) is False:
         raise ValueError(f"{str(path)!r}: {arch} attends bidirectionally; only causal "
                          "models are supported")
+
+
+# transformers recomputes these frequencies from the longest position in the forward
+# (``dynamic_rope_update``); in a packed batch that is another sequence's length, and the
+# paged cache keeps keys rotated with the frequencies of the step that wrote them.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _check_rope(config: PretrainedConfig, path: Path, arch: str) -> None:
+    rope = getattr(config, "rope_parameters", None) or {}
+    # One dict, or one per layer type (Gemma 3: sliding_attention / full_attention).
+    params = list(rope.values()) if all(isinstance(v, dict) for v in rope.values()) and rope \
+        else [rope]
+    for p in params:
+        rope_type = p.get("rope_type", "default")
+        if rope_type in _LENGTH_DEPENDENT_ROPE:
+            raise ValueError(f"{str(path)!r}: {arch} uses rope type {rope_type!r}, whose "
+                             "frequencies change with the sequence's length; not supported")
 
 
 @contextlib.contextmanager

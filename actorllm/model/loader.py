@@ -92,7 +92,15 @@ def load_config(model_dir: str | Path, model_impl: str = "native") -> Pretrained
         raise ValueError(f"{path / 'config.json'}: cannot be read as {arch}: {first_line}") \
             from None
     config.architectures = [arch]
-    _check_config(config, path)
+    try:
+        _check_config(config, path)
+    except ValueError as exc:
+        if model_impl != "auto":
+            raise
+        # A native architecture with a feature the native model lacks (an activation,
+        # partial rotary): the model's own transformers code may still run it.
+        log.info("%s; using the transformers implementation", exc)
+        return load_config(path, "transformers")
     return config
 
 
