@@ -32,11 +32,14 @@ class StructuredOutput:
 
     ``kind``: "json" (``spec`` a JSON schema), "regex", "choice" (a JSON list of strings)
     or "grammar" (Lark or GBNF). ``param``: the request field it came from, for errors.
+    ``frame``: a Lark grammar the output follows instead, which names this constraint
+    ``@body`` (a reasoning parser's: the thinking first, then the constraint).
     """
 
     kind: str
     spec: str
     param: str = "structured_outputs"
+    frame: str | None = None
 
 
 @attrs.frozen
