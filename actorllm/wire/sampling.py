@@ -93,7 +93,8 @@ class SamplingParams:
              "must be in [0, 20]"),
             (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
             (len(self.stop) <= 16, "stop", "at most 16 stop strings"),
-            (self.pooling in (None, "last", "mean"), "pooling", "must be last or mean"),
+            (self.pooling in (None, "last", "mean", "cls"), "pooling",
+             "must be last, mean or cls"),
             (self.pooling is None or self.max_tokens == 0, "max_tokens",
              "must be 0 with pooling"),
         ]
