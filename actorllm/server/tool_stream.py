@@ -6,7 +6,10 @@ goes out as soon as its name is known and its arguments object has begun, then i
 arguments follow as the raw text the model writes. :class:`CallScanner` follows the JSON
 of the calls character by character to know where each call's name and arguments are;
 the parser of the format says where that JSON lies in the text (``ToolParser.regions``:
-all of it for the ``json`` list, each block for ``hermes``).
+all of it for the ``json`` list, each block for ``hermes``). Formats whose calls are not
+JSON call objects (``mistral``'s ``name[ARGS]{...}``, ``pythonic``) say instead what each
+call is so far (``ToolParser.partial_calls``); both come to :class:`PartialCall` lists,
+which :class:`ToolStream` turns into deltas.
 
 A call that goes out is committed: if the text later turns out not to be calls after
 all (a model that breaks off mid-call), what went out stays, as in vLLM. A call whose
