@@ -144,8 +144,10 @@ def _feature_flags(p: argparse.ArgumentParser) -> None:
                    help="responses kept for previous_response_id (oldest dropped first)")
     p.add_argument("--responses-store-ttl", type=float, default=3600.0,
                    help="seconds a stored response is kept")
-    p.add_argument("--pooling", choices=["last", "mean"], default="last",
-                   help="/v1/embeddings: the last token's or the mean final hidden state")
+    p.add_argument("--pooling", choices=["last", "mean", "cls"], default=None,
+                   help="/v1/embeddings: the last token's, the mean or the first token's "
+                        "final hidden state (default: the model's sentence-transformers "
+                        "config, else last)")
 
 
 def _slow_client_flags(p: argparse.ArgumentParser) -> None:

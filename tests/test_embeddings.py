@@ -47,13 +47,14 @@ def oracle() -> Any:
     return hf_model(MODEL), load_hf_tokenizer(str(MODEL))
 
 
-def _expected(oracle: Any, ids: list[int], pooling: str) -> torch.Tensor:
+def _expected(oracle: Any, ids: list[int], pooling: str,
+              normalize: bool = True) -> torch.Tensor:
     model, _ = oracle
     with torch.no_grad():
         out = model(torch.tensor([ids]), output_hidden_states=True)
     last = out.hidden_states[-1][0]
-    vec = last[-1] if pooling == "last" else last.mean(dim=0)
-    return torch.nn.functional.normalize(vec, dim=0)
+    vec = {"last": last[-1], "mean": last.mean(dim=0), "cls": last[0]}[pooling]
+    return torch.nn.functional.normalize(vec, dim=0) if normalize else vec
 
 
 def _cos(a: list[float], b: torch.Tensor) -> float:
@@ -117,7 +118,7 @@ def test_runner_pools_both_model_impls(oracle: Any, impl: str) -> None:
     try:
         table = tuple(range(-(-len(ids) // 16)))
         half = len(ids) // 2
-        for step, pooling in enumerate(("last", "mean")):
+        for step, pooling in enumerate(("last", "mean", "cls")):
             rid = f"r-{pooling}"
             new = NewSeqData(SamplingParams(max_tokens=0, pooling=pooling), tuple(ids))
             first = runner.execute(StepPlan.of_rows(2 * step, (
@@ -131,3 +132,64 @@ def test_runner_pools_both_model_impls(oracle: Any, impl: str) -> None:
             assert _cos(list(got.values), _expected(oracle, ids, pooling)) > 0.9999
     finally:
         runner.close()
+
+
+def _sentence_transformers_dir(root: Path, pooling: dict[str, Any], normalize: bool) -> Path:
+    """The embedded model laid out as sentence-transformers lays a model out."""
+    root.mkdir(exist_ok=True)
+    for file in MODEL.iterdir():
+        (root / file.name).symlink_to(file)
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (root / "modules.json").write_text(json.dumps(modules))
+    (root / "1_Pooling").mkdir()
+    modes = {"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
+             "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False,
+             "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": False}
+    (root / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 256, **modes, **pooling, "include_prompt": True}))
+    return root
+
+
+# (the Pooling module's modes, a Normalize module, flags, the pooling and normalizing expected)
+ST_LAYOUTS = [({"pooling_mode_cls_token": True}, True, (), "cls", True),
+              ({"pooling_mode_mean_tokens": True}, False, (), "mean", False),
+              ({"pooling_mode_cls_token": True}, False, ("--pooling", "last"), "last", False)]
+
+
+@pytest.mark.parametrize(("modes", "normalize", "flags", "pooling", "normed"), ST_LAYOUTS)
+def test_sentence_transformers_config_chooses_the_pooling(
+        tmp_path: Path, oracle: Any, modes: dict[str, Any], normalize: bool,
+        flags: tuple[str, ...], pooling: str, normed: bool) -> None:
+    model_dir = _sentence_transformers_dir(tmp_path / "st", modes, normalize)
+    srv = ServerProcess(model_dir, *flags, "--dtype", "float32",
+                        "--max-num-batched-tokens", "32", "--enable-prefix-caching",
+                        "--served-model-name", "m", log_dir=tmp_path)
+    _, tok = oracle
+    for ready in srv.serve_module():
+        client = openai.OpenAI(base_url=ready.url + "/v1", api_key="x", max_retries=0,
+                               timeout=120)
+        resp = client.embeddings.create(model="m", input=TEXTS[:2])
+        # Again: the prompt's blocks are cached now, and its first position still pooled.
+        again = client.embeddings.create(model="m", input=TEXTS[1])
+        for d, text in zip([*resp.data, *again.data], [*TEXTS[:2], TEXTS[1]], strict=True):
+            want = _expected(oracle, tok(text).input_ids, pooling, normalize=normed)
+            assert _cos(d.embedding, want) >= 0.9999
+            norm = sum(v * v for v in d.embedding) ** 0.5
+            assert abs(norm - float(want.norm())) <= 1e-3 * float(want.norm())
+
+
+def test_unsupported_sentence_transformers_pooling_is_named(tmp_path: Path) -> None:
+    from actorllm.server.features import Features, sentence_transformers_pooling
+
+    model_dir = _sentence_transformers_dir(tmp_path, {"pooling_mode_max_tokens": True}, True)
+    found = sentence_transformers_pooling(model_dir)
+    with pytest.raises(ValueError, match=r"max_tokens.*--pooling"):
+        Features.build(model_pooling=found)
+    assert Features.build(pooling="mean", model_pooling=found).pooling == "mean"
+    assert sentence_transformers_pooling(MODEL) is None  # no modules.json: the flag's default

@@ -71,24 +71,51 @@ def test_any_chunking_gives_the_whole_split(atoms: list[str], cuts: list[int],
     assert _streamed(name, pieces) == (reasoning or "", content or "")
 
 
-def test_a_json_constraint_holds_after_the_reasoning() -> None:
+# (parser, constraint kind, spec, [(output, matches)]): every kind holds after the thinking.
+AFTER = [
+    ("qwen3", "json", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                                  "required": ["a"], "additionalProperties": False}),
+     [('<think>maybe {"a": "x"}</think>\n{"a": 1}', True), ('{"a": 2}', True),
+      ("<think>x</think>not json", False), ('{"a": "x"}', False)]),
+    ("qwen3", "regex", "(yes|no)/[0-9]+",
+     [("<think>maybe no</think>\n\nyes/12", True), ("no/3", True),
+      ("<think>x</think>maybe", False), ("<think>x</think>", False), ("yes", False)]),
+    ("qwen3", "choice", json.dumps(["yes", "no"]),
+     [("<think>hm</think>\n\nno", True), ("yes", True), ("<think>hm</think>\nmaybe", False)]),
+    # A Lark grammar whose rule names are the frame's own: the two do not clash.
+    ("qwen3", "grammar", 'start: think body\nthink: "a"\nbody: "b"+',
+     [("<think>t</think>\nabb", True), ("ab", True), ("<think>t</think>\nb", False),
+      ("<think>a</think>", False)]),
+    ("qwen3", "grammar", 'root ::= "x" [0-9]',
+     [("<think>why</think>x1", True), ("x2", True), ("<think>why</think>y1", False)]),
+    ("deepseek_r1", "choice", json.dumps(["yes", "no"]),
+     [("hm</think>no", True), ("<think>hm</think> yes", True), ("no", True),
+      ("hm</think>maybe", False)]),
+]
+
+
+@pytest.mark.parametrize(("name", "kind", "spec", "cases"), AFTER)
+def test_every_constraint_holds_after_the_reasoning(
+        name: str, kind: str, spec: str, cases: list[tuple[str, bool]]) -> None:
     import llguidance
 
     from actorllm.text.structured import LLGuidanceBackend, _grammar_text
 
     tok = load_hf_tokenizer(str(default_model_dir()))
     backend = LLGuidanceBackend(tok, len(tok), [tok.eos_token_id])
-    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
-                         "required": ["a"], "additionalProperties": False})
-    spec = REASONING_PARSERS["qwen3"].wrap(StructuredOutput("json", schema, "response_format"))
-    backend.check(spec)
-    for text, ok in (('<think>maybe {"a": "x"}</think>\n{"a": 1}', True), ('{"a": 2}', True),
-                     ("<think>x</think>not json", False), ('{"a": "x"}', False)):
-        matcher = llguidance.LLMatcher(backend._tokenizer(), _grammar_text(spec), log_level=0)
+    wrapped = REASONING_PARSERS[name].wrap(StructuredOutput(kind, spec, "structured_outputs"))
+    backend.check(wrapped)
+    for text, ok in cases:
+        matcher = llguidance.LLMatcher(backend._tokenizer(), _grammar_text(wrapped),
+                                       log_level=0)
         consumed = matcher.consume_tokens(tok.encode(text, add_special_tokens=False))
         assert bool(consumed and matcher.is_accepting()) == ok, text
-    regex = StructuredOutput("regex", "a+", "structured_outputs")
-    assert REASONING_PARSERS["qwen3"].wrap(regex) == regex  # the client's own pattern
+
+
+def test_a_pattern_that_spells_out_the_reasoning_covers_the_whole_output() -> None:
+    for pattern in (FORCED, "^" + FORCED):
+        regex = StructuredOutput("regex", pattern, "structured_outputs")
+        assert REASONING_PARSERS["qwen3"].wrap(regex) == regex
 
 
 TEMPLATE = ("{%- for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
@@ -128,6 +155,25 @@ def test_reasoning_comes_apart_whole_and_streamed(server: ServerProcess) -> None
             thought += (choice.delta.model_extra or {}).get("reasoning_content") or ""
             answer += choice.delta.content or ""
     assert (thought, answer) == (reasoning, message.content)
+
+
+@pytest.mark.parametrize("constraint", [
+    {"regex": "(yes|no)"}, {"choice": ["yes", "no"]}, {"grammar": 'start: "yes" | "no"'}])
+def test_the_reasoning_may_come_before_any_constraint(server: ServerProcess,
+                                                      constraint: dict[str, Any]) -> None:
+    client = _client(server)
+    kw: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Sure?"}],
+                          "temperature": 0, "extra_body": {"structured_outputs": constraint}}
+    plain = client.chat.completions.create(max_tokens=10, **kw)
+    assert plain.choices[0].message.content in ("yes", "no")
+    # Pushed hard towards "<", the first token of "<think>": the constraint lets the
+    # thinking open (before, it covered the whole output and "<" was masked).
+    lt = load_hf_tokenizer(str(default_model_dir())).encode("<", add_special_tokens=False)
+    assert len(lt) == 1
+    forced = client.chat.completions.create(max_tokens=6, logit_bias={str(lt[0]): 100}, **kw)
+    message = forced.choices[0].message
+    assert (message.model_extra or {}).get("reasoning_content")
+    assert message.content is None and forced.choices[0].finish_reason == "length"
 
 
 def test_template_file_and_its_kwargs(server: ServerProcess) -> None:

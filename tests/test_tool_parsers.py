@@ -20,6 +20,7 @@ from helpers import stream_chat
 from pydantic import BaseModel
 
 from actorllm.server.schemas import ChatCompletionRequest
+from actorllm.server.tool_stream import ToolStream
 from actorllm.server.tools import PARSERS, hoist_refs, plan_tools
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
@@ -40,6 +41,10 @@ CASES = [
      None, [("f", {"x": 1}), ("get_weather", {"city": "Paris"})]),
     ("mistral", 'Sure. [TOOL_CALLS][{"name": "f", "arguments": {"x": 2}}]', "Sure.",
      [("f", {"x": 2})]),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"x": 1}', None, [("f", {"x": 1})]),
+    ("mistral", 'Sure.[TOOL_CALLS]f[ARGS]{"x": 2}[TOOL_CALLS]get_weather[ARGS]'
+                '{"city": "a[ARGS]}[TOOL_CALLS]"}', "Sure.",
+     [("f", {"x": 2}), ("get_weather", {"city": "a[ARGS]}[TOOL_CALLS]"})]),
     ("pythonic", '[f(x=1), get_weather(city="San Francisco")]', None,
      [("f", {"x": 1}), ("get_weather", {"city": "San Francisco"})]),
     ("pythonic", "<|python_start|>[get_weather(city='Paris, \"FR\"')]<|python_end|>", None,
@@ -51,7 +56,9 @@ CASES = [
 NOT_CALLS = [
     ("llama3_json", "The answer is {x}."), ("llama3_json", '{"name": "f"} trailing'),
     ("llama3_json", "{not json"), ("mistral", "[TOOL_CALLS] nope"),
-    ("mistral", "plain [words]"), ("pythonic", "[1, 2]"), ("pythonic", "[f(1)]"),
+    ("mistral", "plain [words]"), ("mistral", '[TOOL_CALLS]f{"x": 1}'),
+    ("mistral", "[TOOL_CALLS]f[ARGS][1]"), ("mistral", "[TOOL_CALLS]f [ARGS] nope"),
+    ("pythonic", "[1, 2]"), ("pythonic", "[f(1)]"),
     ("pythonic", "[f(x=y)]"), ("pythonic", "Some words [f(x=1)]"), ("pythonic", "[f(x=1"),
 ]
 
@@ -73,10 +80,16 @@ def test_whole_answer(parser: str, text: str, content: str | None,
 @pytest.mark.parametrize(("parser", "text"), NOT_CALLS)
 def test_text_that_is_not_calls_stays_content(parser: str, text: str) -> None:
     assert PARSERS[parser].parse(text) == (text, [])
-    if parser == "llama3_json" and text.startswith('{"name"'):
-        return  # a whole call object went out before the trailing text: it stays
     completion, _ = stream_chat(_plan(parser), list(text))
     message = completion.choices[0].message
+    if parser == "llama3_json" and text.startswith('{"name"'):
+        return  # a whole call object went out before the trailing text: it stays
+    if parser == "pythonic" and text.startswith("[f(x="):
+        # The name went out when the keyword began; what went out stays (as in vLLM),
+        # and the arguments that never parsed do not follow.
+        assert [(c.function.name, c.function.arguments) for c in message.tool_calls or []] \
+            == [("f", "")]
+        return
     assert not message.tool_calls and message.content == text
 
 
@@ -96,13 +109,43 @@ def test_streamed_calls_reassemble(parser: str, text: str, content: str | None,
             assert choice.message.content is None  # the opening delta's content is null
 
 
-@pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
-def test_json_families_stream_arguments_in_pieces(parser: str) -> None:
-    text = next(t for p, t, _, c in CASES if p == parser and len(c) == 2)
+@pytest.mark.parametrize(("parser", "text"), [
+    (p, t) for p, t, _, c in CASES if p in ("llama3_json", "mistral") and len(c) == 2])
+def test_json_families_stream_arguments_in_pieces(parser: str, text: str) -> None:
     _, chunks = stream_chat(_plan(parser), list(text))
     deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls") or []]
     first = [d for d in deltas if d["index"] == 0]
     assert first[0]["function"]["name"] == "f" and len(first) > 3
+
+
+def _when(parser: str, text: str) -> tuple[dict[int, int], dict[int, int]]:
+    """Fed a character at a time: after how many characters each call's header went out,
+    and each call's last piece of arguments."""
+    stream = ToolStream(_plan(parser))
+    heads: dict[int, int] = {}
+    args: dict[int, int] = {}
+    for n in range(1, len(text) + 1):
+        for delta in stream.feed(text[n - 1])[1]:
+            if "id" in delta:
+                heads[delta["index"]] = n
+            if delta["function"].get("arguments"):
+                args[delta["index"]] = n
+    return heads, args
+
+
+def test_pythonic_calls_go_out_as_they_form() -> None:
+    text = '[f(x=1), get_weather(city="San (Francisco)")]'
+    heads, args = _when("pythonic", text)
+    assert heads == {0: len("[f(x="), 1: len("[f(x=1), get_weather(city=")}
+    assert args == {0: len("[f(x=1)"), 1: len(text) - 1}  # each at its ")", not the "]"
+
+
+def test_mistral_named_calls_go_out_as_they_form() -> None:
+    text = '[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]get_weather[ARGS]{"city": "P"}'
+    heads, args = _when("mistral", text)
+    assert heads == {0: len("[TOOL_CALLS]f[ARGS]{"),
+                     1: len('[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]get_weather[ARGS]{')}
+    assert args == {0: len('[TOOL_CALLS]f[ARGS]{"x": 1}'), 1: len(text)}
 
 
 class Color(StrEnum):

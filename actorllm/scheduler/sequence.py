@@ -93,8 +93,8 @@ class Sequence:
         """
         if self.owes_prompt_logprobs:
             return max(self.prompt_lps_next - 1, 0)
-        if self.params.pooling == "mean":
-            return 0  # every position's hidden state is pooled: all must be computed
+        if self.params.pooling in ("mean", "cls"):
+            return 0  # the first position's hidden state is pooled: it must be computed
         return self.num_tokens
 
     @property

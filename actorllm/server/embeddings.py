@@ -1,12 +1,17 @@
 """``POST /v1/embeddings``: pooled, normalized final hidden states of the prompts.
 
 Each input is one engine request with nothing to generate (``max_tokens`` 0) and
-``SamplingParams.pooling`` set (``--pooling``: the last token's hidden state, or the
-mean over the prompt): it goes through the same actors and state machine as a
+``SamplingParams.pooling`` set (the last token's hidden state, the mean over the prompt,
+or the first token's): it goes through the same actors and state machine as a
 completion, so admission, batching, abort and metrics apply. The Worker pools the
 final hidden states of the prefill (``worker/pooling.py``) and the request's finish
 carries the vector to the collector; here it is L2-normalized and encoded. The route is
 in ``server/routes/embeddings.py``.
+
+The pooling is ``--pooling``, else what the model's sentence-transformers config says
+(``modules.json`` and its ``Pooling`` module's ``config.json``: ``server/features.py``),
+else the last token; with such a config, vectors are normalized only if it has a
+``Normalize`` module (as sentence-transformers itself does).
 """
 
 from __future__ import annotations
@@ -53,8 +58,10 @@ def encode(vector: list[float], encoding: str) -> list[float] | str:
 class EmbeddingRenderer:
     """The ``list`` of embeddings of ``jobs`` (read from their collectors at the end)."""
 
-    def __init__(self, jobs: list[Job], *, model: str, encoding: str) -> None:
+    def __init__(self, jobs: list[Job], *, model: str, encoding: str,
+                 normalize: bool = True) -> None:
         self.jobs, self.model, self.encoding = jobs, model, encoding
+        self.normalize = normalize
 
     def prelude(self) -> list[dict[str, Any]]:
         return []
@@ -72,7 +79,8 @@ class EmbeddingRenderer:
         data = []
         for i, job in enumerate(self.jobs):
             assert job.collector is not None
-            vector = normalized(job.collector.pooled)
+            pooled = job.collector.pooled
+            vector = normalized(pooled) if self.normalize else list(pooled)
             data.append({"object": "embedding", "index": i,
                          "embedding": encode(vector, self.encoding)})
         return {"object": "list", "data": data, "model": self.model,

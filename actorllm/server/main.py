@@ -39,7 +39,7 @@ import trio
 
 from actorllm.config import EngineConfig, check_tensor_parallel_size
 from actorllm.server.app import build_app
-from actorllm.server.features import Features
+from actorllm.server.features import Features, sentence_transformers_pooling
 from actorllm.server.state import DEFAULT_MAX_PENDING
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def serve_main(config: EngineConfig, args: argparse.Namespace) -> int:
         # Before any weights load, in this process whatever the topology.
         check_tensor_parallel_size(config.model, config.tensor_parallel_size)
         resources = Resources(config)
-        features = _features(args, resources)
+        features = _features(args, resources, config)
     except Exception as exc:  # torch, transformers and safetensors raise many kinds
         log.debug("loading %s failed", config.model, exc_info=True)
         _error(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
@@ -133,7 +133,7 @@ def serve_main(config: EngineConfig, args: argparse.Namespace) -> int:
     return trio.run(_serve, config, resources, options)
 
 
-def _features(args: argparse.Namespace, resources: Any) -> Features:
+def _features(args: argparse.Namespace, resources: Any, config: EngineConfig) -> Features:
     """The issue-31 settings; ``--chat-template`` replaces the loaded tokenizer's template
     (the Tokenizer actor and /tokenize render with that one tokenizer)."""
     template = getattr(args, "chat_template", None)
@@ -142,7 +142,8 @@ def _features(args: argparse.Namespace, resources: Any) -> Features:
     return Features.build(reasoning_parser=getattr(args, "reasoning_parser", None),
                           store_size=int(getattr(args, "responses_store_size", 1000)),
                           store_ttl=float(getattr(args, "responses_store_ttl", 3600.0)),
-                          pooling=str(getattr(args, "pooling", None) or "last"))
+                          pooling=getattr(args, "pooling", None),
+                          model_pooling=sentence_transformers_pooling(config.model))
 
 
 class _Options:

@@ -11,10 +11,12 @@ The ``<think>...</think>`` family ships in two flavours:
   inside the reasoning (an opening tag the model writes anyway is dropped); an output that
   never closes it is all reasoning.
 
-Whitespace right after ``</think>`` is not part of the content. A JSON constraint
-(``response_format``, forced tool calls) is wrapped so that it holds after the reasoning
-(:meth:`ThinkParser.wrap`); a regex, choice or grammar the client wrote covers the whole
-output as written. More parsers are added to :data:`REASONING_PARSERS`.
+Whitespace right after ``</think>`` is not part of the content. Structured output of
+every kind (JSON, a regex, choices, a grammar, forced tool calls) holds after the
+reasoning: the constraint is framed by a grammar that lets the thinking come first
+(:meth:`ThinkParser.wrap`). A regex that itself opens with ``<think>`` spells the
+reasoning out, so it covers the whole output as written. More parsers are added to
+:data:`REASONING_PARSERS`.
 """
 
 from __future__ import annotations
@@ -80,16 +82,16 @@ class ThinkParser:
         return _ThinkStream(self)
 
     def wrap(self, spec: StructuredOutput) -> StructuredOutput:
-        if spec.kind != "json":
-            return spec
+        if spec.frame is not None or (
+                spec.kind == "regex" and spec.spec.removeprefix("^").startswith(self.start_tag)):
+            return spec  # a pattern that spells the reasoning out covers the whole output
         opener = f'"{self.start_tag}"?' if self.opened else f'"{self.start_tag}"'
-        # A Lark grammar for llguidance: the thought runs up to the closing tag (`stop`),
-        # then the JSON of the original constraint.
-        lark = (f"start: think? body\n"
-                f"think: {opener} thought /[ \\t\\r\\n]*/\n"
-                f"thought[stop={json.dumps(self.end_tag)}]: /(?s:.*)/\n"
-                f"body: %json {spec.spec}\n")
-        return StructuredOutput("grammar", lark, spec.param)
+        # A Lark frame for llguidance: the thought runs up to the closing tag (`stop`),
+        # then the client's constraint, whatever its kind (text/structured.py).
+        frame = (f"start: think? @body\n"
+                 f"think: {opener} thought /[ \\t\\r\\n]*/\n"
+                 f"thought[stop={json.dumps(self.end_tag)}]: /(?s:.*)/\n")
+        return attrs.evolve(spec, frame=frame)
 
 
 @attrs.define

@@ -9,71 +9,34 @@ text grows (``split``, ``regions``). The formats:
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` after optional text.
 - ``llama3_json``: Llama 3.x, ``{"name": ..., "parameters": {...}}`` (several separated by
   ``;``), optionally after ``<|python_tag|>``.
-- ``mistral``: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` after optional
-  text (``[TOOL_CALLS]`` is a special token: serve with ``skip_special_tokens: false``).
+- ``mistral``: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (older models) or
+  ``[TOOL_CALLS]name[ARGS]{...}`` once per call (v11+ tokenizers), after optional text
+  (``[TOOL_CALLS]`` is a special token: serve with ``skip_special_tokens: false``).
 - ``pythonic``: Llama 3.2 / 4 style, ``[f(a=1), g(b="x")]`` (Python literals as
-  arguments). Its calls are not JSON, so a stream sends them whole at the end.
+  arguments, ``server/tool_pythonic.py``). Its arguments are not JSON: a stream sends
+  each call's name as soon as it is written, its arguments when the call closes.
+
+Formats whose calls are JSON call objects tell the stream where that JSON lies
+(``regions``); the others say what each call is so far (``partial_calls``).
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import re
-import uuid
-from typing import Any, Protocol
 
-import attrs
+from actorllm.server.tool_call import (
+    PartialCall,
+    ToolCall,
+    ToolParser,
+    calls_from,
+    json_spans,
+    loads,
+    partial_tail,
+)
+from actorllm.server.tool_pythonic import PythonicParser
 
-
-@attrs.frozen
-class ToolCall:
-    name: str
-    arguments: str  # a JSON object, as text
-    id: str = attrs.field(factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
-
-
-def calls_from(items: Any) -> list[ToolCall] | None:
-    """``[{"name": str, "arguments": object}, ...]`` -> calls; None for anything else."""
-    if isinstance(items, dict):
-        items = [items]
-    if not isinstance(items, list) or not items:
-        return None
-    calls = []
-    for item in items:
-        if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
-            return None
-        args = item.get("arguments", item.get("parameters", {}))
-        if not isinstance(args, dict):
-            return None
-        calls.append(ToolCall(item["name"], json.dumps(args, ensure_ascii=False)))
-    return calls
-
-
-class ToolParser(Protocol):
-    """Reads tool calls out of a model's text, whole or as it streams."""
-
-    name: str
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The content left and the calls found (none: the whole text is content)."""
-
-    def split(self, text: str) -> tuple[int, bool]:
-        """Streaming: how much of ``text`` (all the output so far) is surely content, and
-        whether a call may have begun (then the rest is read as calls, never content,
-        unless it turns out at the end that there were none)."""
-
-    def regions(self, text: str) -> list[tuple[int, int]]:
-        """Streaming: the spans of ``text`` (all the output so far) that hold the calls'
-        JSON, in order; the last may still be growing (its end is how far it is sure)."""
-
-    def after_calls(self, text: str) -> str:
-        """Text after the first call that is in no call (content that ``parse`` keeps, and
-        a stream sends at its end)."""
+__all__ = ["PARSERS", "PartialCall", "ToolCall", "ToolParser", "calls_from"]
 
 
 class JsonListParser:
@@ -105,6 +68,9 @@ class JsonListParser:
 
     def after_calls(self, text: str) -> str:
         return ""  # the answer is the list and nothing else
+
+    def partial_calls(self, text: str) -> list[PartialCall] | None:
+        return None  # JSON call objects: the call scanner follows them
 
 
 class HermesParser:
@@ -139,12 +105,15 @@ class HermesParser:
         start = text.find(self.OPEN)
         return "" if start < 0 else self._BLOCK.sub("", text[start:])
 
+    def partial_calls(self, text: str) -> list[PartialCall] | None:
+        return None  # JSON call objects: the call scanner follows them
+
     def split(self, text: str) -> tuple[int, bool]:
         start = text.find(self.OPEN)
         if start >= 0:
             return start, True
         # Hold back a tail that may be the beginning of "<tool_call>".
-        return len(text) - _partial_tail(text, self.OPEN), False
+        return len(text) - partial_tail(text, self.OPEN), False
 
     def regions(self, text: str) -> list[tuple[int, int]]:
         # The blocks ``parse`` reads: each from "<tool_call>" to the next "</tool_call>".
@@ -154,55 +123,11 @@ class HermesParser:
             start = at + len(self.OPEN)
             close = text.find(self.CLOSE, start)
             if close < 0:  # still open: its end may be the beginning of "</tool_call>"
-                out.append((start, len(text) - _partial_tail(text, self.CLOSE)))
+                out.append((start, len(text) - partial_tail(text, self.CLOSE)))
                 break
             out.append((start, close))
             at = text.find(self.OPEN, close + len(self.CLOSE))
         return out
-
-
-def _partial_tail(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that ``tag`` begins with (not all of it)."""
-    for keep in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-keep:]):
-            return keep
-    return 0
-
-
-def _json_spans(text: str, at: int, sep: str) -> list[tuple[int, int]]:
-    """The JSON objects or arrays from ``at`` on, separated by ``sep`` and whitespace; the
-    last may still be open (its span then runs to the end of ``text``)."""
-    spans: list[tuple[int, int]] = []
-    i, n = at, len(text)
-    while True:
-        while i < n and text[i] in " \t\r\n":
-            i += 1
-        if i >= n or text[i] not in "{[":
-            return spans
-        start, depth, in_str, esc = i, 0, False, False
-        while i < n:
-            c = text[i]
-            if in_str:
-                esc, in_str = (False, in_str) if esc else (c == "\\", c != '"')
-            elif c == '"':
-                in_str = True
-            elif c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    break
-            i += 1
-        if i >= n:
-            spans.append((start, n))
-            return spans
-        i += 1
-        spans.append((start, i))
-        while i < n and text[i] in " \t\r\n":
-            i += 1
-        if i >= n or text[i] != sep:
-            return spans
-        i += 1
 
 
 class Llama3JsonParser:
@@ -224,12 +149,12 @@ class Llama3JsonParser:
         where = self._start(text)
         if where is None:
             return text, []
-        spans = _json_spans(text, where[1], ";")
+        spans = json_spans(text, where[1], ";")
         if not spans or text[spans[-1][1]:].strip():
             return text, []
         calls: list[ToolCall] = []
         for start, end in spans:
-            found = calls_from(_loads(text[start:end]))
+            found = calls_from(loads(text[start:end]))
             if not found:
                 return text, []
             calls += found
@@ -242,27 +167,66 @@ class Llama3JsonParser:
             return where[0], True
         if not text.strip():
             return 0, False
-        return len(text) - _partial_tail(text, self.TAG), False
+        return len(text) - partial_tail(text, self.TAG), False
 
     def regions(self, text: str) -> list[tuple[int, int]]:
         where = self._start(text)
-        return [] if where is None else _json_spans(text, where[1], ";")
+        return [] if where is None else json_spans(text, where[1], ";")
 
     def after_calls(self, text: str) -> str:
         return ""  # the calls end the answer (else parse keeps it all as content)
+    def partial_calls(self, text: str) -> list[PartialCall] | None:
+        return None  # JSON call objects: the call scanner follows them
 
 
 class MistralParser:
-    """Mistral: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}]`` after optional text."""
+    """Mistral, after optional text, in either of its formats: the JSON list of older
+    models, ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``, or that of the
+    v11+ tokenizers, ``[TOOL_CALLS]name[ARGS]{...}`` once per call."""
 
     name = "mistral"
-    TAG = "[TOOL_CALLS]"
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    _NAME = re.compile(r"\s*([\w.\-]+)\s*\[ARGS\]")
+
+    def _listed(self, text: str, at: int) -> bool | None:
+        """Whether the calls after the tag at ``at`` are the JSON list (None: not known yet)."""
+        body = text[at:].lstrip()
+        return None if not body else body[0] in "[{"
+
+    def _named(self, text: str, at: int) -> tuple[list[tuple[str, int, int]], bool]:
+        """The ``name[ARGS]{...}`` calls from ``at`` (just past a tag): (name, where its
+        arguments begin, how far they reach) each, the last maybe still open; and whether
+        the text is all calls so far (False: something else follows one)."""
+        found: list[tuple[str, int, int]] = []
+        while True:
+            match = self._NAME.match(text, at)
+            if match is None:
+                return found, False
+            spans = json_spans(text, match.end(), "\0")
+            if not spans or text[spans[0][0]] != "{":  # (a call goes out once its
+                return found, False  # arguments object has begun, as in the JSON formats)
+            start, end = spans[0]
+            found.append((match.group(1), start, end))
+            if not isinstance(loads(text[start:end]), dict):
+                return found, False  # still open (or not an object)
+            at = end + len(text[end:]) - len(text[end:].lstrip())
+            if at == len(text):
+                return found, True
+            if not text.startswith(self.TAG, at):
+                return found, False
+            at += len(self.TAG)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         start = text.find(self.TAG)
         if start < 0:
             return text, []
-        calls = calls_from(_loads(text[start + len(self.TAG):].strip()))
+        at = start + len(self.TAG)
+        if self._listed(text, at):
+            calls = calls_from(loads(text[at:].strip())) or []
+        else:
+            named, whole = self._named(text, at)
+            calls = [ToolCall(name, json.dumps(loads(text[a:b]), ensure_ascii=False))
+                     for name, a, b in named] if whole else []
         if not calls:
             return text, []
         content = text[:start].strip()
@@ -272,83 +236,28 @@ class MistralParser:
         start = text.find(self.TAG)
         if start >= 0:
             return start, True
-        return len(text) - _partial_tail(text, self.TAG), False
+        return len(text) - partial_tail(text, self.TAG), False
 
     def regions(self, text: str) -> list[tuple[int, int]]:
         start = text.find(self.TAG)
         return [] if start < 0 else [(start + len(self.TAG), len(text))]
 
     def after_calls(self, text: str) -> str:
-        return ""  # the list ends the answer (else parse keeps it all as content)
+        return ""  # the calls end the answer (else parse keeps it all as content)
 
-
-class PythonicParser:
-    """``[f(a=1), g(b="x")]``: a Python list of calls with literal keyword arguments,
-    the whole answer (Llama 4 may wrap it in ``<|python_start|>...<|python_end|>``)."""
-
-    name = "pythonic"
-    _WRAP = re.compile(r"^\s*(?:<\|python_start\|>)?(.*?)(?:<\|python_end\|>)?\s*$", re.DOTALL)
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        match = self._WRAP.match(text)
-        body = match.group(1).strip() if match else ""
-        if not body.startswith("["):
-            return text, []
-        try:
-            tree = ast.parse(body, mode="eval").body
-        except (SyntaxError, ValueError):
-            return text, []
-        if not isinstance(tree, ast.List) or not tree.elts:
-            return text, []
-        calls = []
-        for node in tree.elts:
-            call = _python_call(node)
-            if call is None:
-                return text, []
-            calls.append(call)
-        return None, calls
-
-    def split(self, text: str) -> tuple[int, bool]:
-        body = text.lstrip()
-        if not body:
-            return 0, False
-        if body.startswith("[") or body.startswith("<|python_start|>"):
-            return 0, True
-        if "<|python_start|>".startswith(body):
-            return 0, False  # may still be the tag
-        return len(text), False
-
-    def regions(self, text: str) -> list[tuple[int, int]]:
-        return []  # not JSON: the calls go out whole when the answer ends
-
-    def after_calls(self, text: str) -> str:
-        return ""  # the list is the whole answer
-
-
-def _python_call(node: ast.expr) -> ToolCall | None:
-    """``f(a=1, b="x")`` -> a call; None for anything else (positional arguments, names)."""
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
-        return None
-    args: dict[str, Any] = {}
-    for kw in node.keywords:
-        if kw.arg is None:
-            return None
-        try:
-            args[kw.arg] = ast.literal_eval(kw.value)
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            return None
-    try:
-        arguments = json.dumps(args, ensure_ascii=False)
-    except (TypeError, ValueError):  # a set, bytes or complex number: not JSON
-        return None
-    return ToolCall(node.func.id, arguments)
-
-
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
+    def partial_calls(self, text: str) -> list[PartialCall] | None:
+        start = text.find(self.TAG)
+        if start < 0:
+            return []
+        at = start + len(self.TAG)
+        listed = self._listed(text, at)
+        if listed:
+            return None  # the JSON list: the call scanner follows it
+        if listed is None:
+            return []
+        named, _ = self._named(text, at)
+        return [PartialCall(name, text[a:b], isinstance(loads(text[a:b]), dict))
+                for name, a, b in named]
 
 
 PARSERS: dict[str, ToolParser] = {p.name: p for p in (

@@ -6,7 +6,10 @@ goes out as soon as its name is known and its arguments object has begun, then i
 arguments follow as the raw text the model writes. :class:`CallScanner` follows the JSON
 of the calls character by character to know where each call's name and arguments are;
 the parser of the format says where that JSON lies in the text (``ToolParser.regions``:
-all of it for the ``json`` list, each block for ``hermes``).
+all of it for the ``json`` list, each block for ``hermes``). Formats whose calls are not
+JSON call objects (``mistral``'s ``name[ARGS]{...}``, ``pythonic``) say instead what each
+call is so far (``ToolParser.partial_calls``); both come to :class:`PartialCall` lists,
+which :class:`ToolStream` turns into deltas.
 
 A call that goes out is committed: if the text later turns out not to be calls after
 all (a model that breaks off mid-call), what went out stays, as in vLLM. A call whose
@@ -20,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from actorllm.server.tool_parsers import ToolCall, calls_from
+from actorllm.server.tool_call import PartialCall, ToolCall, calls_from
 from actorllm.server.tools import ToolPlan
 
 _WS = " \t\r\n"
@@ -174,14 +177,6 @@ def _loads(text: str) -> Any:
 
 
 @attrs.define
-class _Sent:
-    """What went out of one call: its header, and its arguments up to ``upto``."""
-
-    upto: int  # arguments text sent up to here (raw) ...
-    whole: bool = False  # ... or the call went out whole (normalized arguments)
-
-
-@attrs.define
 class ToolStream:
     """One streamed choice of a request with tools: its content and ``delta.tool_calls``."""
 
@@ -191,7 +186,7 @@ class ToolStream:
     holding: bool = False  # a call may have begun: the text is read as calls
     found: bool = False  # a call went out
     scanners: dict[int, CallScanner] = attrs.Factory(dict)  # by the start of their region
-    out: list[_Sent] = attrs.Factory(list)  # per call that went out, in order
+    out: list[int] = attrs.Factory(list)  # per call that went out: its arguments sent
     _opened: bool = False  # named: the call's header went out
 
     def feed(self, piece: str) -> tuple[str, list[dict[str, Any]]]:
@@ -226,33 +221,39 @@ class ToolStream:
                 break  # nothing after text that is not calls goes out as calls
         return found
 
-    def _calls(self) -> list[dict[str, Any]]:
-        deltas: list[dict[str, Any]] = []
-        limit = None if self.plan.parallel else 1
-        for k, (scanner, call) in enumerate(self._scanned()[:limit]):
-            if k < len(self.out):
-                sent = self.out[k]
-                if not sent.whole and call.args_start is not None:
-                    upto = call.args_end if call.args_end is not None else scanner.pos
-                    if upto > sent.upto:
-                        deltas.append({"index": k, "function": {
-                            "arguments": self.text[sent.upto:upto]}})
-                        sent.upto = upto
-            elif call.name is not None and call.args_start is not None:
+    def _progress(self) -> list[PartialCall]:
+        """The calls as far as they are known, in order (``PartialCall``)."""
+        partial = self.plan.call_parser().partial_calls(self.text)
+        if partial is not None:
+            return partial
+        found = []
+        for scanner, call in self._scanned():
+            if call.name is not None and call.args_start is not None:
                 upto = call.args_end if call.args_end is not None else scanner.pos
-                head = ToolCall(call.name, self.text[call.args_start:upto])
-                deltas.append({"index": k, **head.as_dict()})
-                self.out.append(_Sent(upto))
+                found.append(PartialCall(call.name, self.text[call.args_start:upto],
+                                         call.end is not None))
             elif call.end is not None:  # closed without streaming: whole, if it is a call
                 whole = calls_from(_loads(self.text[call.start:call.end]))
                 if not whole:
                     break
-                deltas.append({"index": k, **whole[0].as_dict()})
-                self.out.append(_Sent(0, whole=True))
+                found.append(PartialCall(whole[0].name, whole[0].arguments, True))
             else:
-                break  # calls go out in order
-            if call.end is None:
                 break
+        return found
+
+    def _calls(self) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        limit = None if self.plan.parallel else 1
+        for k, call in enumerate(self._progress()[:limit]):
+            if k == len(self.out):  # its header (the arguments sure so far with it)
+                deltas.append({"index": k, **ToolCall(call.name, call.arguments).as_dict()})
+                self.out.append(len(call.arguments))
+            elif len(call.arguments) > self.out[k]:
+                deltas.append({"index": k, "function": {
+                    "arguments": call.arguments[self.out[k]:]}})
+                self.out[k] = len(call.arguments)
+            if not call.done:
+                break  # calls go out in order
         self.found = self.found or bool(self.out)
         return deltas
 
@@ -270,8 +271,12 @@ class ToolStream:
         if not self.out and not calls:
             self.sent = len(self.text)
             return rest, []
-        # Calls the scanner could not follow go out whole (the content before them went
+        # Arguments that never went out (a pythonic call the stream could not read), and
+        # calls the scanner could not follow, go out whole (the content before them went
         # out already: all the parsers keep it first).
+        for k in range(min(len(self.out), len(calls))):
+            if not self.out[k]:
+                deltas.append({"index": k, "function": {"arguments": calls[k].arguments}})
         for k in range(len(self.out), len(calls)):
             deltas.append({"index": k, **calls[k].as_dict()})
         self.found = True

@@ -111,6 +111,21 @@ class GrammarBackend(Protocol):
 
 def _grammar_text(spec: StructuredOutput) -> str:
     """llguidance's grammar text for a spec; InvalidRequest for one that is not well formed."""
+    body = _body_text(spec)
+    if spec.frame is None:
+        return body
+    # The frame and the constraint as separate grammars of one top-level grammar: the
+    # frame refers to the constraint as @body, and their rule names cannot clash.
+    if body.lstrip().startswith("{"):  # already a top-level grammar (JSON, regex)
+        inner = json.loads(body)["grammars"]
+        inner[0] = {**inner[0], "name": "body"}
+    else:  # Lark text
+        inner = [{"name": "body", "lark_grammar": body}]
+    return json.dumps({"grammars": [{"lark_grammar": spec.frame}, *inner]})
+
+
+def _body_text(spec: StructuredOutput) -> str:
+    """The grammar text of the constraint itself (without its frame)."""
     from llguidance import LLMatcher, grammar_from
 
     bad = InvalidRequest  # short alias for the raises below
@@ -196,7 +211,7 @@ class LLGuidanceBackend:
         return self._tok
 
     def _template(self, spec: StructuredOutput) -> Any:
-        key = StructuredOutput(spec.kind, spec.spec)  # the param does not change the grammar
+        key = StructuredOutput(spec.kind, spec.spec, frame=spec.frame)  # (not the param)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:

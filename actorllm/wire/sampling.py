@@ -32,11 +32,14 @@ class StructuredOutput:
 
     ``kind``: "json" (``spec`` a JSON schema), "regex", "choice" (a JSON list of strings)
     or "grammar" (Lark or GBNF). ``param``: the request field it came from, for errors.
+    ``frame``: a Lark grammar the output follows instead, which names this constraint
+    ``@body`` (a reasoning parser's: the thinking first, then the constraint).
     """
 
     kind: str
     spec: str
     param: str = "structured_outputs"
+    frame: str | None = None
 
 
 @attrs.frozen
@@ -90,7 +93,8 @@ class SamplingParams:
              "must be in [0, 20]"),
             (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
             (len(self.stop) <= 16, "stop", "at most 16 stop strings"),
-            (self.pooling in (None, "last", "mean"), "pooling", "must be last or mean"),
+            (self.pooling in (None, "last", "mean", "cls"), "pooling",
+             "must be last, mean or cls"),
             (self.pooling is None or self.max_tokens == 0, "max_tokens",
              "must be 0 with pooling"),
         ]

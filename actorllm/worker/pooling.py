@@ -4,7 +4,8 @@ An embedding request is a prefill with nothing to sample (``max_tokens`` 0); its
 may take several chunks. Each step the :class:`Pooler` takes the rows of the pooling
 sequences out of the forward pass's output, puts them through the model's final norm
 (what the LM head would see, and what transformers reports as the last hidden state),
-and keeps a running sum per sequence (``mean``) or the last row (``last``). The step that
+and keeps a running sum per sequence (``mean``), the first row (``cls``) or the last row
+(``last``). The step that
 computes a prompt's last position reports the pooled vector; normalizing is the API's.
 A sequence whose state is rebuilt (recompute after preemption) starts over. A step with
 no pooling sequence costs one dict check.
@@ -59,8 +60,11 @@ class Pooler:
                     total = rows.sum(dim=0)
                     prev = self._sums.get(rid)
                     self._sums[rid] = total if prev is None else prev + total
+                elif pooling == "cls" and start == 0:
+                    self._sums[rid] = rows[0]
                 if start + n >= end:
-                    vector = self._sums.pop(rid) / end if pooling == "mean" else rows[-1]
+                    vector = (self._sums.pop(rid) / end if pooling == "mean"
+                              else self._sums.pop(rid) if pooling == "cls" else rows[-1])
                     out.append(PooledHidden(rid, tuple(vector.cpu().tolist())))
             offset += n
         return tuple(out)

@@ -21,7 +21,7 @@ router = APIRouter()
 
 @router.post("/v1/embeddings", responses=ERROR_RESPONSES)
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-    """Normalized pooled final hidden states, one per input (``--pooling``)."""
+    """Pooled final hidden states, one per input, normalized (``server/embeddings.py``)."""
     state = state_of(request)
     state.check_model(body.model)
     params = SamplingParams(max_tokens=0, pooling=state.features.pooling)
@@ -36,6 +36,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         jobs.append(Job(prompt_request(base, i, len(prompts), params, prompt, now),
                         index_base=i))
     renderer = EmbeddingRenderer(jobs, model=state.model_name,
-                                 encoding=body.encoding_format or "float")
+                                 encoding=body.encoding_format or "float",
+                                 normalize=state.features.normalize)
     return GenerationResponse(state, jobs, renderer, stream=False, include_usage=False,
                               request_id=base, param_names={"prompt": "input"})
