@@ -253,8 +253,8 @@ class Settings:
         env = self.common_env()
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH"))
                                             if p)
-        # What the actorllm CLI sets for its own process (cli.openmp_defaults), said here
-        # so that the offline run through the Python API gets it too.
+        # What actorllm sets on import (actorllm/cpus.openmp_defaults), said here so
+        # that the recorded settings show it.
         if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
             env["GOMP_SPINCOUNT"] = "10000"
         env.update(self.actorllm_extra_env)

@@ -33,7 +33,7 @@ MAX_FUNCTION_LINES = 80
 
 ACTORS = frozenset({"frontend", "tokenizer", "scheduler", "worker", "detokenizer"})
 SHARED_GROUND = frozenset({"lifecycle", "wire", "text", "config", "metrics", "clock",
-                           "exit_codes"})
+                           "exit_codes", "cpus"})
 # What an actor may import beyond the shared ground and its own package.
 ACTOR_EXTRAS: dict[str, frozenset[str]] = {"worker": frozenset({"model", "ops", "kernels"})}
 
