@@ -140,24 +140,29 @@ class CpuShare:
         self._busy = busy
         self._own = own
         self.hz = hz if hz is not None else float(os.sysconf("SC_CLK_TCK"))
-        self.available = len(self.cpus)
+        self._taken = 0
         self._last = self._sample()
 
     def _sample(self) -> tuple[float, int, int]:
         return self.clock(), self._busy(self.cpus), sum(self._own(p) for p in self.ours)
 
-    def free(self) -> int:
-        """The CPUs left to this process (at least 1), re-measured if ``interval`` passed."""
+    def taken(self) -> int:
+        """The CPUs other processes occupy, re-measured if ``interval`` has passed."""
         now = self.clock()
         if now - self._last[0] < self.interval:
-            return self.available
+            return self._taken
         sample = self._sample()
         elapsed = (sample[0] - self._last[0]) * self.hz
         others = ((sample[1] - self._last[1]) - (sample[2] - self._last[2])) / elapsed
         self._last = sample
-        taken = math.floor(max(0.0, others) + 0.5)
-        self.available = max(1, len(self.cpus) - taken)
-        return self.available
+        self._taken = min(len(self.cpus), math.floor(max(0.0, others) + 0.5))
+        return self._taken
+
+    def cap(self, wanted: int) -> int:
+        """A team of ``wanted`` threads cut to the CPUs others leave (at least 1); as
+        wanted while others take none, so a quiet host runs what was configured."""
+        taken = self.taken()
+        return wanted if taken == 0 else max(1, min(wanted, len(self.cpus) - taken))
 
 
 def worker_share(environ: Mapping[str, str] = os.environ) -> CpuShare | None:

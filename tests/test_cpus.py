@@ -133,42 +133,53 @@ class Host:
                         own=lambda pid: self.own[pid], hz=100.0)
 
 
-def test_cpu_share_leaves_out_what_other_processes_take() -> None:
+def test_cpu_share_counts_what_other_processes_take() -> None:
     host = Host()
     share = host.share()
-    assert share.free() == 2  # nothing measured yet
+    assert share.taken() == 0  # nothing measured yet
     host.advance(1.0, ours=2.0)  # this process alone, on both cores
-    assert share.free() == 2
+    assert share.taken() == 0
     host.advance(1.0, ours=1.3, others=0.7)  # a busy neighbour pushed in
-    assert share.free() == 1
-    host.advance(0.2, ours=1.0, others=1.0)
-    assert share.free() == 1  # not re-measured within the interval
+    assert share.taken() == 1
+    host.advance(0.2, ours=1.0, others=0.0)
+    assert share.taken() == 1  # not re-measured within the interval
     host.advance(1.0, ours=1.0, others=1.0)  # team cut to one: the neighbour has a core
-    assert share.free() == 1
+    assert share.taken() == 1
     host.advance(1.0, ours=1.0, others=0.0)  # it left
-    assert share.free() == 2
+    assert share.taken() == 0
     host.advance(1.0, ours=0.4, parent=1.6)  # the HTTP process (the parent) is ours
-    assert share.free() == 2
+    assert share.taken() == 0
     host.advance(1.0, ours=0.1, others=0.3)  # light neighbours do not count
-    assert share.free() == 2
-    host.advance(1.0, ours=1.0, others=5.0)  # however many: at least one thread
-    assert share.free() == 1
+    assert share.taken() == 0
+    host.advance(1.0, ours=1.0, others=5.0)  # never more than there are
+    assert share.taken() == 2
 
 
-def test_the_step_team_is_cut_to_the_free_cpus() -> None:
+def test_a_team_is_cut_only_while_others_take_cpus() -> None:
+    host = Host()
+    share = host.share(cpus=4)
+    host.advance(1.0, ours=3.0)
+    assert [share.cap(n) for n in (1, 2, 4, 8)] == [1, 2, 4, 8]  # quiet: as configured
+    host.advance(1.0, ours=2.0, others=1.0)
+    assert [share.cap(n) for n in (1, 2, 4, 8)] == [1, 2, 3, 3]
+    host.advance(1.0, ours=1.0, others=4.0)
+    assert [share.cap(n) for n in (1, 2, 4, 8)] == [1, 1, 1, 1]
+
+
+def test_the_step_team_is_cut_by_the_share() -> None:
     class Fixed:
-        def __init__(self, n: int) -> None:
-            self.n = n
+        def __init__(self, free: int) -> None:
+            self.free = free
 
-        def free(self) -> int:
-            return self.n
+        def cap(self, wanted: int) -> int:
+            return min(wanted, self.free)
 
     share = Fixed(1)
     threads = StepThreads("cpu", full=2, large=4, share=share)
     assert [threads.for_tokens(t) for t in (8, 64, LARGE_STEP_TOKENS)] == [1, 1, 1]
-    share.n = 3
+    share.free = 3
     assert [threads.for_tokens(t) for t in (8, 64, LARGE_STEP_TOKENS)] == [1, 2, 3]
-    share.n = 8
+    share.free = 8
     assert [threads.for_tokens(t) for t in (8, 64, LARGE_STEP_TOKENS)] == [1, 2, 4]
     assert StepThreads("cuda", full=2, share=share).share is None
 

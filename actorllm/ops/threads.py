@@ -47,12 +47,12 @@ LARGE_STEP_TOKENS = 512
 class Share(Protocol):
     """What other processes leave this one (``actorllm.cpus.CpuShare``)."""
 
-    def free(self) -> int: ...
+    def cap(self, wanted: int) -> int: ...
 
 
 class StepThreads:
-    """Sets the step thread's OpenMP team size for each step (a no-op off the CPU), never
-    above the CPUs ``share`` says are free (None: not measured)."""
+    """Sets the step thread's OpenMP team size for each step (a no-op off the CPU), cut by
+    ``share`` while other processes busy some of the CPUs (None: not measured)."""
 
     def __init__(self, device_type: str, full: int | None = None,
                  large: int | None = None, share: Share | None = None) -> None:
@@ -71,7 +71,7 @@ class StepThreads:
         else:
             wanted = 1 if num_tokens < SMALL_STEP_TOKENS else self.full
         if wanted > 1 and self.share is not None:
-            return max(1, min(wanted, self.share.free()))
+            return self.share.cap(wanted)
         return wanted
 
     def use_for(self, num_tokens: int) -> None:
