@@ -123,8 +123,10 @@ class CpuShare:
 
     "Others" is every process but this one and its parent: the parent of a Worker's
     process is the HTTP process of the ``engine`` topology (whose load
-    ``topology/placement.py`` already plans for) or whoever started the program. A CPU
-    counts as taken once others used half of one or more. Readers and the clock are
+    ``topology/placement.py`` already plans for) or whoever started the program. The
+    engine's other children (the ``pipeline`` Detokenizer, other data-parallel replicas)
+    count as others: they are busy on the same cores. A CPU counts as taken once others
+    used half of one or more. Readers and the clock are
     arguments so that a test can drive it without a busy machine.
     """
 
