@@ -1358,7 +1358,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{env['cpu_flags']}), servers pinned to CPUs {cfg['cpus']}, {cfg['threads']} "
         f"OMP threads each (actorllm's Worker, in `engine`'s child or beside `serve`'s loop "
         f"in `single`: one less but for prefill-sized steps, `--cpu-threads`' default; "
-        f"actorllm with GOMP_SPINCOUNT=10000, its CLI's default), dtype {cfg['dtype']}, "
+        f"actorllm with GOMP_SPINCOUNT=10000, its default), dtype {cfg['dtype']}, "
         f"tcmalloc "
         f"{'on' if env['tcmalloc'] else 'off'} (both){extra_env}. vLLM {env['vllm']} (torch "
         f"{env['torch_vllm']}), actorllm {env['actorllm']} at {env['git_commit'][:10]}"

@@ -19,7 +19,7 @@ saves. So:
   cuts every spin to almost nothing ("throttled"), so each region wakes sleeping
   threads. The ModelRunner is built in another thread (the main one) and builds it
   with one thread (:func:`single_threaded`): no pool there. With the CLI's short spin
-  (``cli.openmp_defaults``), a 64-sequence decode step on 2 threads went from 15-17 ms
+  (``cpus.openmp_defaults``), a 64-sequence decode step on 2 threads went from 15-17 ms
   to 10-12 ms.
 
 - Never more than other processes leave free (:class:`actorllm.cpus.CpuShare`, given as
