@@ -6,9 +6,16 @@ pay for torch and transformers.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
+from actorllm.cpus import openmp_defaults
 from actorllm.wire.messages import SamplingParams, StructuredOutput
+
+# Here, before anything of ours imports torch (libgomp reads its spin once, when it
+# loads): every entry point passes through this file, the CLI, ``LLM`` and the engine's
+# child and rank processes, which also inherit the variable (actorllm/cpus.py).
+openmp_defaults(os.environ)
 
 __all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "StructuredOutput",
            "open_engine"]

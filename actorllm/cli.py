@@ -249,31 +249,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return replay_main(args)
 
 
-def openmp_defaults(environ: dict[str, str] | os._Environ[str]) -> None:
-    """OpenMP settings for a process that runs a Worker beside other busy threads; set
-    before torch loads OpenMP, and only where the user has set neither.
-
-    ``GOMP_SPINCOUNT=10000``: a torch thread waiting between parallel regions spins
-    briefly (well under a millisecond), then sleeps. A step's regions come back to back,
-    so the spin catches the next one; between steps the thread sleeps and leaves the
-    core to the event loop (and, across processes, to the HTTP process). Spinning for
-    libgomp's default (300,000) took cores others needed: on 2 cores beside another
-    process busy half the time, a 64-sequence decode step took 200-600 ms. Never
-    spinning (``OMP_WAIT_POLICY=PASSIVE``, the default before) wakes a sleeping thread
-    for every region: the same step alone took 15-17 ms against 10-12 ms with the short
-    spin, and was not slower beside a busy thread or process (``ops/threads.py``).
-    """
-    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
-        environ["GOMP_SPINCOUNT"] = "10000"
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``actorllm`` console script."""
     args = build_parser().parse_args(argv)
     if (problem := flag_error(args)) is not None:  # before logging, and the model, load
         sys.stderr.write(f"actorllm: error: {problem}\n")
         return EXIT_USAGE
-    openmp_defaults(os.environ)  # torch is not imported yet (its modules load lazily)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

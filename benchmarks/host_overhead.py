@@ -87,15 +87,16 @@ BREAKDOWN_CLIENT = "bench-serve-breakdown"
 TARGETS = {"offline": 4.0, "serving": 1.5, "ttft": 1.0, "host_us": 10.0}
 
 
-def build_model(path: Path, seed: int) -> Path:
-    """The near-zero-compute Llama of the module docstring, saved to ``path``."""
+def build_model(path: Path, seed: int, shape: dict[str, int] | None = None) -> Path:
+    """The near-zero-compute Llama of the module docstring (``shape`` replaces some of
+    ``MODEL_SHAPE``), saved to ``path``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     src = serving.MODEL_DIR
     base = json.loads((src / "config.json").read_text())
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**MODEL_SHAPE, tie_word_embeddings=True,
+    cfg = LlamaConfig(**{**MODEL_SHAPE, **(shape or {})}, tie_word_embeddings=True,
                       bos_token_id=base.get("bos_token_id"),
                       eos_token_id=base.get("eos_token_id"),
                       pad_token_id=base.get("pad_token_id"),

@@ -253,8 +253,8 @@ class Settings:
         env = self.common_env()
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH"))
                                             if p)
-        # What the actorllm CLI sets for its own process (cli.openmp_defaults), said here
-        # so that the offline run through the Python API gets it too.
+        # What actorllm sets on import (actorllm/cpus.openmp_defaults), said here so
+        # that the recorded settings show it.
         if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
             env["GOMP_SPINCOUNT"] = "10000"
         env.update(self.actorllm_extra_env)
@@ -1358,7 +1358,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{env['cpu_flags']}), servers pinned to CPUs {cfg['cpus']}, {cfg['threads']} "
         f"OMP threads each (actorllm's Worker, in `engine`'s child or beside `serve`'s loop "
         f"in `single`: one less but for prefill-sized steps, `--cpu-threads`' default; "
-        f"actorllm with GOMP_SPINCOUNT=10000, its CLI's default), dtype {cfg['dtype']}, "
+        f"actorllm with GOMP_SPINCOUNT=10000, its default), dtype {cfg['dtype']}, "
         f"tcmalloc "
         f"{'on' if env['tcmalloc'] else 'off'} (both){extra_env}. vLLM {env['vllm']} (torch "
         f"{env['torch_vllm']}), actorllm {env['actorllm']} at {env['git_commit'][:10]}"

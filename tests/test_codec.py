@@ -179,7 +179,7 @@ _rows = st.lists(st.builds(
 ), max_size=6)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(_rows, st.lists(st.text(max_size=4), max_size=3).map(tuple), st.data())
 def test_a_columnar_plan_and_its_result_round_trip(rows: list[typing.Any],
                                                    drop: tuple[str, ...],

@@ -20,6 +20,7 @@ import trio
 from helpers import CORPUS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sim.profiles import examples
 
 from actorllm.config import default_model_dir
 from actorllm.detokenizer.actor import Detokenizer
@@ -213,7 +214,7 @@ def test_embedded_table_leaves_out_partial_characters() -> None:
         assert (table[t] is None) == ("\ufffd" in alone)
 
 
-@settings(max_examples=150, deadline=None,
+@settings(max_examples=examples(150), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_table_pieces_append_to_plain_text(tiny_tokenizer: Any, data: st.DataObject) -> None:
@@ -232,7 +233,7 @@ def test_table_pieces_append_to_plain_text(tiny_tokenizer: Any, data: st.DataObj
         assert dec([*ctx, t], skip) == text + table[t], (name, ctx, t)
 
 
-@settings(max_examples=100, deadline=None,
+@settings(max_examples=examples(100), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_decoder_with_table_equals_decode_in_any_chunking(
@@ -251,7 +252,7 @@ def test_decoder_with_table_equals_decode_in_any_chunking(
         assert "".join(parts) == dec(ids, skip), (name, ids)
 
 
-@settings(max_examples=60, deadline=None,
+@settings(max_examples=examples(60), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_actor_equals_decode_for_interleaved_streams(

@@ -25,7 +25,7 @@ import pytest
 import trio
 import trio.testing
 from helpers import build_tiny_model, sse_events
-from test_server import ServerProcess, http, metrics
+from test_server import ServerProcess, http, labeled, metrics
 
 from actorllm.topology.supervisor import LATE_AFTER, Supervisor
 
@@ -195,6 +195,89 @@ def test_a_slow_but_steady_reader_is_not_cut(server: Any) -> None:
     events = sse_events(_dechunk(data.split(b"\r\n\r\n", 1)[1]))
     assert events[-1] == "[DONE]", data[-300:]
     assert not any('"error"' in e for e in events), [e for e in events if "error" in e]
+
+
+def test_a_stalled_reader_cut_in_engine_logs_one_line_not_an_error(
+        model_dir: Path, tmp_path: Path) -> None:
+    """A cut used to surface as a group of ClientGone that reached the app's catch-all:
+    ~100 lines of ``ERROR ... unhandled error in a request handler`` per cut, so slow
+    clients could flood the log. Now each cut is at most one INFO line."""
+    cuts = 3
+    srv = ServerProcess(model_dir, "--topology", "engine", "--stream-timeout", "2",
+                        "--log-level", "info", log_dir=tmp_path)
+    socks: list[socket.socket] = []
+    try:
+        base = srv.wait_ready()
+        before = len(srv.stderr().splitlines())
+        for i in range(cuts):  # readers that never read: cut after --stream-timeout
+            sock = _connect(base, SO_RCVBUF=2048, TCP_MAXSEG=536)
+            sock.sendall(_post("/v1/completions", {
+                "prompt": f"stalled {i}", "max_tokens": CONTEXT - 64, "n": 2, "logprobs": 5,
+                "ignore_eos": True, "stream": True}))
+            socks.append(sock)
+        deadline = time.monotonic() + GUARD
+        while labeled(base, "actorllm:aborted_requests_total",
+                      reason="stream_timeout") < 2 * cuts:  # each leaf of n=2 counts
+            assert time.monotonic() < deadline, srv.stderr()[-3000:]
+            time.sleep(0.1)
+        for sock in socks:
+            assert _until_closed(sock)[1]  # the cut closed the connection
+        assert http(base + "/health")[0] == 200
+    finally:
+        for sock in socks:
+            sock.close()
+        rc = srv.stop()
+    assert rc == 0, srv.stderr()[-2000:]
+    during = srv.stderr().splitlines()[before:]
+    bad = [line for line in during if "ERROR" in line or "Traceback" in line]
+    assert not bad, "\n".join(during[:60])
+    gone = [line for line in during if "client gone" in line]
+    assert len(gone) <= cuts, "\n".join(gone)
+
+
+# The race a cut can meet: the disconnect watcher cancels the response's scope while a
+# pump's send raises ClientGone. The group that leaves the pumps' nursery then holds
+# trio's Cancelled too, so ``except Exception`` around ``_respond`` does not see it; the
+# scope strips the Cancelled and a group of ClientGone alone leaves ``_run``.
+_CUT_RACE = """
+import trio
+from actorllm.server import generation
+from actorllm.server.job import ClientGone
+
+async def _respond(self):
+    async with trio.open_nursery() as pumps:
+        pumps.start_soon(trio.sleep_forever)
+        await trio.sleep(0)
+        self._nursery.cancel_scope.cancel()
+        raise ClientGone()
+
+generation.GenerationResponse._respond = _respond
+"""
+
+
+def test_a_cut_that_races_the_disconnect_watcher_is_one_line(model_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """Before the fix the group reached the app's catch-all: ``ERROR ... unhandled error
+    in a request handler`` and a traceback of nested groups for every cut."""
+    cuts = 3
+    srv = ServerProcess(model_dir, "--topology", "engine", "--log-level", "info",
+                        prelude=_CUT_RACE, log_dir=tmp_path)
+    try:
+        base = srv.wait_ready()
+        before = len(srv.stderr().splitlines())
+        for i in range(cuts):
+            with _connect(base) as sock:
+                sock.sendall(_post("/v1/completions", {"prompt": f"raced {i}",
+                                                       "max_tokens": 4, "stream": True}))
+                _until_closed_or_done(sock)
+        assert http(base + "/health")[0] == 200
+    finally:
+        rc = srv.stop()
+    assert rc == 0, srv.stderr()[-2000:]
+    during = srv.stderr().splitlines()[before:]
+    bad = [line for line in during if "ERROR" in line or "Traceback" in line]
+    assert not bad, "\n".join(during[:60])
+    assert sum("client gone" in line for line in during) == cuts, "\n".join(during)
 
 
 def _until_closed_or_done(sock: socket.socket) -> tuple[bytes, bool]:

@@ -21,6 +21,7 @@ The rules:
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +34,7 @@ MAX_FUNCTION_LINES = 80
 
 ACTORS = frozenset({"frontend", "tokenizer", "scheduler", "worker", "detokenizer"})
 SHARED_GROUND = frozenset({"lifecycle", "wire", "text", "config", "metrics", "clock",
-                           "exit_codes"})
+                           "exit_codes", "cpus"})
 # What an actor may import beyond the shared ground and its own package.
 ACTOR_EXTRAS: dict[str, frozenset[str]] = {"worker": frozenset({"model", "ops", "kernels"})}
 
@@ -321,3 +322,22 @@ def test_measures_every_function_from_def_to_its_last_line(tmp_path: Path) -> No
                        "pkg/m.py:C.long.inner": 3}
     over = {k for k, n in lengths.items() if n > MAX_FUNCTION_LINES}
     assert over == {"pkg/m.py:C.long"}
+
+
+# Property tests whose bare max_examples is meant to stay the same under every profile.
+FIXED_BUDGETS: dict[str, str] = {
+    "test_planted_bugs.py": "a ceiling on the search for each planted bug, not a budget",
+    "sim/profiles.py": "the profiles themselves",
+}
+
+
+def test_every_property_test_spells_its_budget_through_examples() -> None:
+    """A bare ``max_examples=N`` overrides every hypothesis profile, so ``--hypothesis-
+    profile=long`` (``CI_LONG=1``) would not reach that test (tests/sim/profiles.py)."""
+    tests = Path(__file__).resolve().parent
+    bare = re.compile(r"max_examples\s*=\s*\d")
+    found = [f"{path.relative_to(tests)}:{n}"
+             for path in sorted(tests.rglob("*.py"))
+             if str(path.relative_to(tests)) not in FIXED_BUDGETS
+             for n, line in enumerate(path.read_text().splitlines(), 1) if bare.search(line)]
+    assert found == [], "use max_examples=examples(N) (sim.profiles): " + ", ".join(found)

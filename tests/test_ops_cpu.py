@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sim.profiles import examples
 
 from actorllm.ops import BackendUnavailable, TorchBackend, select_backend
 from actorllm.ops.cpu_backend import CpuBackend, build_kernel, load_cpu_backend
@@ -122,7 +123,7 @@ def featured_decode_batches(draw):
     return case, window, cap, draw(st.sampled_from([1, 2]))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(featured_decode_batches())
 def test_decode_kernel_window_and_softcap_match_torch(example):
     """The kernel's window and soft-cap against the torch reference (their oracle), over

@@ -21,6 +21,7 @@ import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sim.profiles import examples
 from test_server import ServerProcess, http
 
 from actorllm.config import default_model_dir
@@ -59,7 +60,7 @@ _ATOMS = st.sampled_from(["<think>", "</think>", "<", "</", "think", ">", " ", "
                           "Paris", "<thi", "nk>", "/think>", "{}"])
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(atoms=st.lists(_ATOMS, max_size=12), cuts=st.lists(st.integers(0, 60), max_size=8),
        name=st.sampled_from(sorted(REASONING_PARSERS)))
 def test_any_chunking_gives_the_whole_split(atoms: list[str], cuts: list[int],

@@ -12,6 +12,7 @@ import pytest
 from helpers import Call, app_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sim.profiles import examples
 
 from actorllm.engine.async_engine import AsyncEngine
 from actorllm.metrics import PHASES
@@ -137,7 +138,7 @@ def common(texts: TokenTexts, n: int, logprobs: bool) -> dict[str, Any]:
             "num_choices": n, "logprobs": logprobs}
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(n=st.integers(1, 3), logprobs=st.booleans(), data=st.data())
 def test_chat_chunks_are_the_same_json(texts: TokenTexts, n: int, logprobs: bool,
                                        data: st.DataObject) -> None:
@@ -145,7 +146,7 @@ def test_chat_chunks_are_the_same_json(texts: TokenTexts, n: int, logprobs: bool
     check_same(ChatRenderer, Job(), outs, **common(texts, n, logprobs))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(n=st.integers(1, 3), logprobs=st.booleans(), echo=st.sampled_from(["", "Hi ☃"]),
        data=st.data())
 def test_completion_chunks_are_the_same_json(texts: TokenTexts, n: int, logprobs: bool,

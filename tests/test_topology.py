@@ -27,6 +27,7 @@ import trio
 import zmq
 from helpers import greedy_expectations
 
+from actorllm import cpus
 from actorllm.config import EngineConfig
 from actorllm.engine.async_engine import AsyncEngine, EngineStartError, Resources, open_engine
 from actorllm.llm import LLM, collect, make_request
@@ -590,6 +591,7 @@ def test_worker_threads_leave_a_core_to_the_http_process(monkeypatch: pytest.Mon
     with one rank, gets one thread per core less one (at least one); beside an offline
     engine's loop it keeps torch's default; --cpu-threads wins."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(cpus, "cpu_quota", lambda root=None: None)  # a CI container's
     for topology in ("engine", "pipeline"):
         config = EngineConfig(model="m", topology=topology)
         assert worker_threads(config) == max(1, cores - 1)
@@ -613,6 +615,7 @@ def test_a_prefill_step_gets_the_core_left_to_http(monkeypatch: pytest.MonkeyPat
     """Where the Worker left a core to the HTTP process, a prefill-sized step may use it;
     --cpu-threads, tensor parallelism and a Worker beside an offline loop keep one count."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(cpus, "cpu_quota", lambda root=None: None)  # a CI container's
     for topology in ("engine", "pipeline"):
         config = EngineConfig(model="m", topology=topology)
         assert large_step_threads(config) == cores

@@ -202,12 +202,16 @@ def test_cpu_threads_sets_torch_threads(tiny_llama_dir: Path):
         EngineConfig(cpu_threads=0)
 
 
-def test_a_small_step_runs_on_one_thread_and_a_large_one_on_all(tiny_llama_dir: Path):
+def test_a_small_step_runs_on_one_thread_and_a_large_one_on_all(
+        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch):
     """Sleeping OpenMP threads cost more to wake than a small step saves
     (ops/threads.py): the step thread's team is 1 below SMALL_STEP_TOKENS tokens, the
     configured count from there on, ``large_step_threads`` from LARGE_STEP_TOKENS, and
     each step's outputs do not depend on it."""
+    from actorllm.cpus import ADAPT_ENV
     from actorllm.ops.threads import LARGE_STEP_TOKENS, SMALL_STEP_TOKENS
+
+    monkeypatch.setenv(ADAPT_ENV, "0")  # the counts as configured, whatever else runs here
 
     before = torch.get_num_threads()
     try:
@@ -282,9 +286,12 @@ def test_only_the_step_thread_starts_an_openmp_team(tiny_llama_dir: Path):
     import subprocess
     import sys
 
+    from actorllm.cpus import ADAPT_ENV
+
     out = subprocess.run([sys.executable, "-c", _POOLS, str(tiny_llama_dir)],
                          capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+                         # the team as configured, whatever else runs on this machine
+                         env={**os.environ, "OMP_NUM_THREADS": "2", ADAPT_ENV: "0"})
     assert out.returncode == 0, out.stderr
     before, built, stepped = map(int, out.stdout.split())
     assert built == before

@@ -19,8 +19,13 @@ saves. So:
   cuts every spin to almost nothing ("throttled"), so each region wakes sleeping
   threads. The ModelRunner is built in another thread (the main one) and builds it
   with one thread (:func:`single_threaded`): no pool there. With the CLI's short spin
-  (``cli.openmp_defaults``), a 64-sequence decode step on 2 threads went from 15-17 ms
+  (``cpus.openmp_defaults``), a 64-sequence decode step on 2 threads went from 15-17 ms
   to 10-12 ms.
+
+- Never more than other processes leave free (:class:`actorllm.cpus.CpuShare`, given as
+  ``share``): on 2 cores beside one busy process a team of 2 waits at every barrier for
+  the thread the busy process pushed off its core; ``LLM.generate`` on a
+  near-zero-compute model kept 0.41x of its quiet throughput with 2 threads (issue 33).
 
 The count is the calling thread's own (OpenMP's ``nthreads-var`` is per thread), so
 :meth:`StepThreads.use_for` must be called from the thread that runs the step. oneDNN's
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 
@@ -38,14 +44,22 @@ SMALL_STEP_TOKENS = 32
 LARGE_STEP_TOKENS = 512
 
 
+class Share(Protocol):
+    """What other processes leave this one (``actorllm.cpus.CpuShare``)."""
+
+    def cap(self, wanted: int) -> int: ...
+
+
 class StepThreads:
-    """Sets the step thread's OpenMP team size for each step (a no-op off the CPU)."""
+    """Sets the step thread's OpenMP team size for each step (a no-op off the CPU), cut by
+    ``share`` while other processes busy some of the CPUs (None: not measured)."""
 
     def __init__(self, device_type: str, full: int | None = None,
-                 large: int | None = None) -> None:
+                 large: int | None = None, share: Share | None = None) -> None:
         self.full = full if full is not None else torch.get_num_threads()
         self.large = large if large is not None else self.full
         self.enabled = device_type == "cpu" and max(self.full, self.large) > 1
+        self.share = share if self.enabled else None
         self.current: int | None = None
 
     def for_tokens(self, num_tokens: int) -> int:
@@ -53,8 +67,12 @@ class StepThreads:
         if not self.enabled:
             return self.full
         if num_tokens >= LARGE_STEP_TOKENS:
-            return self.large
-        return 1 if num_tokens < SMALL_STEP_TOKENS else self.full
+            wanted = self.large
+        else:
+            wanted = 1 if num_tokens < SMALL_STEP_TOKENS else self.full
+        if wanted > 1 and self.share is not None:
+            return self.share.cap(wanted)
+        return wanted
 
     def use_for(self, num_tokens: int) -> None:
         """Size the calling thread's team for a step of ``num_tokens`` tokens."""

@@ -23,12 +23,12 @@ that process loaded. So the actors do not know where their peers live.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import attrs
 
 from actorllm.config import EngineConfig, ModelInfo
+from actorllm.cpus import usable_cpus
 from actorllm.lifecycle.table import ACTORS
 from actorllm.lifecycle.trace import Tracer
 from actorllm.wire.mailbox import Mailbox, Outbox
@@ -261,7 +261,7 @@ def worker_threads(config: EngineConfig) -> int | None:
         return config.cpu_threads
     if _leaves_a_core(config):
         # With data parallelism the replicas share the cores: each gets its part.
-        cores = (len(os.sched_getaffinity(0)) - 1) // config.local_replicas
+        cores = (usable_cpus() - 1) // config.local_replicas
         return max(1, cores // config.tensor_parallel_size)
     return None
 
@@ -274,7 +274,7 @@ def large_step_threads(config: EngineConfig) -> int | None:
     if config.cpu_threads is not None or config.tensor_parallel_size > 1:
         return None
     if _leaves_a_core(config):
-        return max(1, len(os.sched_getaffinity(0)) // config.local_replicas)
+        return max(1, usable_cpus() // config.local_replicas)
     return None
 
 

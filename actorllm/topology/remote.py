@@ -47,6 +47,7 @@ from typing import Any
 import attrs
 
 from actorllm.config import EngineConfig
+from actorllm.cpus import usable_cpus
 from actorllm.topology.child import EXIT_ORPHANED, PARENT_CTL, run_child
 from actorllm.topology.placement import REPLICATED, Wiring
 from actorllm.wire.rendezvous import (
@@ -257,7 +258,7 @@ def serve_replica(model: str | None = None, *, timeout: float = 300.0,
     # its heartbeats stop, as for any replica that leaves.
     signal.signal(signal.SIGINT, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     if num_threads is None and config.device == "cpu":
-        num_threads = max(1, len(os.sched_getaffinity(0)) - 1)  # one left to its loop
+        num_threads = max(1, usable_cpus() - 1)  # one left to its loop
     config = attrs.evolve(config, model=model or config.model, cpu_threads=num_threads,
                           trace=None)  # (a trace is the main host's file)
     log.info("replica %d of %d joined %s:%d", rank, world, addr, port)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 import weakref
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from transformers import PretrainedConfig
 
 from actorllm.config import ModelInfo, read_model_info
+from actorllm.cpus import usable_cpus, worker_share
 from actorllm.model import ForwardBatch, KVCache, load_config, load_model, model_impl_of
 from actorllm.model.llama import allocate_kv_caches, head_dim_of
 from actorllm.model.loader import check_device_dtype
@@ -127,7 +127,9 @@ class ModelRunner:
             str(self.dtype).removeprefix("torch."), device, self.backend_name, num_threads,
         ), rendezvous) if tp.enabled else None
         # The step thread's team, per step.
-        self.threads = StepThreads(self.device.type, large=large_step_threads)
+        # No share with tensor parallelism: the ranks are busy processes of this engine.
+        self.threads = StepThreads(self.device.type, large=large_step_threads,
+                                   share=None if tp.enabled else worker_share())
         self._load(model_dir, config, tp)
         self._states: dict[str, SamplingState] = {}
         self.pooler = Pooler()  # embedding requests' pooled hidden states
@@ -359,11 +361,14 @@ class ModelRunner:
 def _torch_threads(tp: TensorParallel, device: torch.device,
                    num_threads: int | None) -> int | None:
     """Set torch's intra-op threads for this process; the count the ranks get too."""
-    if tp.enabled and num_threads is None and device.type == "cpu":
-        # The ranks share this process's cores (its affinity: taskset counts).
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-            else os.cpu_count() or 1
-        num_threads = max(1, cores // tp.world)
+    if num_threads is None and device.type == "cpu":
+        # The CPUs this process may use: its affinity (taskset counts) cut to a cgroup's
+        # quota, which torch's own default does not see; the ranks share them.
+        cores = usable_cpus()
+        if tp.enabled:
+            num_threads = max(1, cores // tp.world)
+        elif cores < torch.get_num_threads():
+            num_threads = cores
     if num_threads is not None:
         # Process-wide: the Worker's is the only torch work in its process.
         torch.set_num_threads(num_threads)

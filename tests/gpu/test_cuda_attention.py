@@ -240,7 +240,7 @@ def featured_batches(draw):
     return params, window, cap
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(example=featured_batches())
 def test_hypothesis_window_and_softcap(cuda, example):
     params, window, cap = example
