@@ -104,14 +104,17 @@ class BlockTables:
 
 
 def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_len: int,
-              device: torch.device, last_sample: Callable[[str, int], int]) -> ForwardBatch:
+              device: torch.device,
+              last_samples: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray],
+              ) -> ForwardBatch:
     """Pack ``plan`` (its rows in ``tables`` at slots ``rows``, see ``BlockTables.apply``)
     into device tensors, checking every row's length and table.
 
-    ``last_sample(rid, position)`` gives the token a row scheduled with
-    ``FEED_LAST_SAMPLE`` was sampled last (overlap scheduling). ValueError on a row with
-    no tokens, over ``max_model_len``, or whose table is too short for its tokens: so the
-    batch promises ``slots_valid`` (every held entry was range-checked on its way in).
+    ``last_samples(plan_rows, slots, positions)`` gives the tokens the rows scheduled
+    with ``FEED_LAST_SAMPLE`` sampled last (overlap scheduling), one array for all of
+    them. ValueError on a row with no tokens, over ``max_model_len``, or whose table is
+    too short for its tokens: so the batch promises ``slots_valid`` (every held entry was
+    range-checked on its way in).
     """
     bs = tables.block_size
     q = np.asarray(plan.num_tokens, dtype=np.int64)
@@ -140,9 +143,10 @@ def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_l
         row_of = np.repeat(np.arange(len(q)), q)
         positions = np.arange(len(ids)) - cu[row_of] + start[row_of]
         token_rows = rows[row_of]
-    for t in np.flatnonzero(ids == FEED_LAST_SAMPLE).tolist():
-        i = int(np.searchsorted(cu, t, side="right")) - 1
-        ids[t] = last_sample(plan.rids[i], int(start[i]))
+    fed = np.flatnonzero(ids == FEED_LAST_SAMPLE)
+    if len(fed):
+        i = np.searchsorted(cu, fed, side="right") - 1
+        ids[fed] = last_samples(i, rows[i], start[i])
     slots = tables.tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
     width = int(needed.max())
     block_tables = np.ascontiguousarray(tables.tables[rows, :width])

@@ -1,8 +1,9 @@
 """The Worker's ModelRunner: one StepPlan in, one StepResult out, synchronously.
 
 The runner owns the model weights, the paged KV cache tensors (one k/v pair per
-layer, ``[num_blocks, block_size, num_kv_heads, head_dim]``) and each rid's
-sampling state (params plus token history, for penalties and seeded draws). It
+layer, ``[num_blocks, block_size, num_kv_heads, head_dim]``) and the persistent batch:
+each held rid's block table (worker/packing.py) and sampling columns (params plus token
+history, for penalties and seeded draws: worker/sampling_batch.py), in one slot. It
 never decides anything: the Scheduler says which tokens to run, where their K/V
 go, which rows to sample and which prompt positions to score; the runner packs that
 into a :class:`ForwardBatch`, runs the model, scores and samples. A failing step
@@ -11,12 +12,14 @@ becomes ``StepResult(error=...)``. The actor around it is :mod:`actorllm.worker.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
 import weakref
 from pathlib import Path
 
+import attrs
 import numpy as np
 import torch
 from transformers import PretrainedConfig
@@ -34,17 +37,16 @@ from actorllm.ops.threads import StepThreads, single_threaded
 from actorllm.text.structured import (
     Grammar,
     GrammarBackend,
-    GrammarRefused,
     LLGuidanceBackend,
     MaskFiller,
 )
-from actorllm.wire.messages import TokenLogprob
 from actorllm.wire.rendezvous import Rendezvous
-from actorllm.wire.steps import NewSeqData, PooledHidden, PromptLogprobs, StepPlan, StepResult
+from actorllm.wire.steps import NewSeqData, PromptLogprobs, StepPlan, StepResult
 from actorllm.worker.packing import BlockTables, pack_plan
 from actorllm.worker.pooling import Pooler, pooled_norm
 from actorllm.worker.ranks import RankGroup, RankSpec
-from actorllm.worker.sampler import SamplingState, prompt_logprobs, sample
+from actorllm.worker.sampler import prompt_logprobs
+from actorllm.worker.sampling_batch import SamplingBatch, SamplingState
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +133,11 @@ class ModelRunner:
         self.threads = StepThreads(self.device.type, large=large_step_threads,
                                    share=None if tp.enabled else worker_share())
         self._load(model_dir, config, tp)
-        self._states: dict[str, SamplingState] = {}
         self.pooler = Pooler()  # embedding requests' pooled hidden states
-        # The persistent batch: each held rid's block table, updated by the plans' diffs.
+        # The persistent batch: each held rid's block table, updated by the plans' diffs,
+        # and its sampling columns, in the same slot.
         self.tables = BlockTables(num_blocks, block_size, self.max_model_len)
+        self.sampling = SamplingBatch(self.vocab_size, self.device, self.eos_token_ids)
         # Rids of the last step if it failed: it sampled nothing for them, so a step
         # planned ahead that feeds them their last sample gets a stand-in (see
         # _last_sample).
@@ -187,7 +190,7 @@ class ModelRunner:
 
     def drop_all(self) -> None:
         """Drop every rid's sampling state (a new Scheduler starts from nothing)."""
-        self._states.clear()
+        self.sampling.clear()
         self._constrained.clear()
         self.tables.clear()
         self.pooler.clear()
@@ -195,7 +198,7 @@ class ModelRunner:
     @property
     def num_states(self) -> int:
         """How many rids have sampling state here (for tests and leak checks)."""
-        return len(self._states)
+        return len(self.sampling)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step: forward every scheduled token, sample the ``sample=True`` rows.
@@ -215,29 +218,16 @@ class ModelRunner:
     def _execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         last_step = self._take_news_and_drops(plan)
-        states = self._states
-        sampled = [rid for rid, s in zip(plan.rids, plan.sample, strict=True) if s]
-        asked = [rid for rid in sampled if rid not in states]
-        asked += [plan.rids[i] for i in plan.lp_rows if plan.rids[i] not in states]
-        if asked:
-            raise ValueError(f"rid {asked[0]!r}: sampled or scored before its NewSeqData "
-                             "was sent")
-
-        token_ids: tuple[int, ...] = ()
-        lp_rows: tuple[int, ...] = ()
-        lps: tuple[TokenLogprob, ...] = ()
-        prompt_lps: tuple[PromptLogprobs, ...] = ()
-        pooled: tuple[PooledHidden, ...] = ()
+        result = StepResult(step_id=plan.step_id)
         sample_s = pack_s = 0.0
-        refused_rows: tuple[int, ...] = ()
-        refused: tuple[str, ...] = ()
         if plan.rids:
             rows = self.tables.apply(plan)  # before any check: the diffs are always kept
-            sampling = [states[rid] for rid in sampled]
+            slots = rows[np.asarray(plan.sample, dtype=bool)]  # the sampling rows' slots
+            self._check_known(plan, rows, slots)
             # The constrained rows' masks are computed in a thread during the forward pass
             # (their matchers are past every token sampled so far); free batches skip it.
-            masks = self.masks.start([s.grammar for s in sampling]) if self._constrained \
-                else None
+            masks = self.masks.start([self.sampling.grammars[s] for s in slots.tolist()]) \
+                if self._constrained else None
             try:
                 tp = time.perf_counter()
                 batch = self._pack(plan, rows)
@@ -258,32 +248,44 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # so forward_s measures the forward
             t1 = time.perf_counter()
+            prompt_lps: tuple[PromptLogprobs, ...] = ()
             if plan.lp_rows:
-                prompt_lps = prompt_logprobs(hidden, plan.seqs, states,
+                joined = {plan.rids[i]: self.sampling.joined[int(rows[i])]
+                          for i in plan.lp_rows}
+                prompt_lps = prompt_logprobs(hidden, plan.seqs, joined,  # type: ignore[arg-type]
                                              self.model.compute_logits)
             pooled = self.pooler.take(hidden, plan, pooled_norm(self.model))
             if masks is not None:
                 masks.apply(logits)
-            results = sample(logits, sampling, self.eos_token_ids)
-            for j, (state, (token_id, _)) in enumerate(zip(sampling, results, strict=True)):
-                try:
-                    state.append(token_id)
-                except GrammarRefused as exc:  # fails that request alone, not the step
-                    refused_rows, refused = (*refused_rows, j), (*refused, str(exc))
-            token_ids = tuple(token_id for token_id, _ in results)
-            lp_rows = tuple(j for j, (_, lp) in enumerate(results) if lp is not None)
-            if lp_rows:
-                lps = tuple(results[j][1] for j in lp_rows)  # type: ignore[misc]
+            result = attrs.evolve(self._sample(plan.step_id, logits, slots),
+                                  prompt_logprobs=prompt_lps, pooled=pooled)
             sample_s = time.perf_counter() - t1
         for rid in plan.drop:
             if rid in last_step:
                 self._drop(rid)
         forward_s = time.perf_counter() - t0 - sample_s - pack_s
+        return attrs.evolve(result, forward_s=forward_s, sample_s=sample_s, pack_s=pack_s)
+
+    def _sample(self, step_id: int, logits: torch.Tensor, slots: np.ndarray) -> StepResult:
+        """Sample the step's sampling rows (slots ``slots``) and record their tokens."""
+        tokens, token_ids, lp_rows, lps = self.sampling.sample(logits, slots, inplace=True)
+        refused = self.sampling.commit(slots, tokens, token_ids)
         return StepResult(
-            step_id=plan.step_id, token_ids=token_ids, forward_s=forward_s,
-            sample_s=sample_s, prompt_logprobs=prompt_lps, logprob_rows=lp_rows, logprobs=lps,
-            pack_s=pack_s, refused_rows=refused_rows, refused=refused, pooled=pooled,
+            step_id=step_id, token_ids=tuple(token_ids), logprob_rows=tuple(lp_rows),
+            logprobs=tuple(lps), refused_rows=tuple(j for j, _ in refused),
+            refused=tuple(why for _, why in refused),
         )
+
+    def _check_known(self, plan: StepPlan, rows: np.ndarray, slots: np.ndarray) -> None:
+        """ValueError on a row sampled or scored whose rid has no sampling state here."""
+        occupied = self.sampling.cols["occupied"]
+        lp_slots = rows[list(plan.lp_rows)] if plan.lp_rows else rows[:0]
+        if occupied[slots].all() and occupied[lp_slots].all():
+            return
+        slot_rid = {int(rows[i]): rid for i, rid in enumerate(plan.rids)}
+        first = next(s for s in (*slots.tolist(), *lp_slots.tolist()) if not occupied[s])
+        raise ValueError(f"rid {slot_rid[first]!r}: sampled or scored before its NewSeqData "
+                         "was sent")
 
     def _take_news_and_drops(self, plan: StepPlan) -> set[str]:
         """Apply the plan's drops and ``NewSeqData``; returns the rids running their last
@@ -298,12 +300,15 @@ class ModelRunner:
                     self._drop(rid)
         for i, new in zip(plan.new_rows, plan.new, strict=True):
             rid = plan.rids[i]
-            self.tables.reset(rid)  # back after preemption: its old table is gone
+            held = self.tables.slot_of.get(rid)
+            if held is not None:  # back after preemption: its old row is gone
+                self.sampling.remove(held)
+            self.tables.reset(rid)  # ... and so is its old table
             self.pooler.start(rid, new)  # a recompute pools from the start again
-            self._states[rid] = SamplingState(
+            self.sampling.add(self.tables.slot_of[rid], SamplingState(
                 new.params, new.prompt_token_ids, new.output_token_ids,
                 self._grammar(rid, new),
-            )
+            ))
         return last_step
 
     def _last_sample(self, rid: str, position: int) -> int:
@@ -315,18 +320,35 @@ class ModelRunner:
         """
         if rid in self._failed_rids:
             return 0
-        state = self._states.get(rid)
-        if state is None or not state.output_token_ids:
+        slot = self.tables.slot_of.get(rid)
+        cols = self.sampling.cols
+        if slot is None or not cols["occupied"][slot] or not cols["num_out"][slot]:
             raise ValueError(f"rid {rid!r}: fed its last sample, but none was sampled")
-        expected = len(state.prompt_token_ids) + len(state.output_token_ids) - 1
+        expected = int(cols["prompt_len"][slot] + cols["num_out"][slot]) - 1
         if position != expected:
             raise ValueError(f"rid {rid!r}: its last sample is at position {expected}, "
                              f"fed to {position}")
         self.fed_forward += 1
-        return state.output_token_ids[-1]
+        return int(cols["last_token"][slot])
+
+    def _last_samples(self, plan: StepPlan, rows: np.ndarray, slots: np.ndarray,
+                      positions: np.ndarray) -> np.ndarray:
+        """``_last_sample`` for plan rows ``rows`` (at ``slots``) at once: a column read
+        when every one of them checks out, else row by row (for the stand-ins and the
+        errors)."""
+        cols = self.sampling.cols
+        num_out = cols["num_out"][slots]
+        if not self._failed_rids and cols["occupied"][slots].all() and num_out.all() \
+                and (cols["prompt_len"][slots] + num_out - 1 == positions).all():
+            self.fed_forward += len(slots)
+            return cols["last_token"][slots]
+        return np.asarray([self._last_sample(plan.rids[i], p) for i, p in zip(
+            rows.tolist(), positions.tolist(), strict=True)], dtype=np.int64)
 
     def _drop(self, rid: str) -> None:
-        self._states.pop(rid, None)
+        slot = self.tables.slot_of.get(rid)
+        if slot is not None:
+            self.sampling.remove(slot)
         self.pooler.drop(rid)
         self.tables.drop(rid)
         self._constrained.discard(rid)
@@ -355,7 +377,7 @@ class ModelRunner:
 
     def _pack(self, plan: StepPlan, rows: np.ndarray) -> ForwardBatch:
         return pack_plan(plan, self.tables, rows, self.max_model_len, self.device,
-                         self._last_sample)
+                         functools.partial(self._last_samples, plan))
 
 
 def _torch_threads(tp: TensorParallel, device: torch.device,
