@@ -118,6 +118,51 @@ def test_preempted_sequence_resumes_identically(runner: ModelRunner, tiny_llama_
     s.step(drop=("p",))
 
 
+SEEDED = SamplingParams(temperature=1.0, top_k=20, repetition_penalty=1.3,
+                        presence_penalty=0.4, seed=5, max_tokens=64)
+OTHERS = {"b": (SamplingParams(temperature=0.8, repetition_penalty=1.2), [0, 7, 8, 7]),
+          "c": (SamplingParams(temperature=0.0, frequency_penalty=0.5), [0, 9]),
+          "d": (SamplingParams(temperature=1.2, top_p=0.8, seed=9), [0, 3, 3])}
+
+
+def _seeded_run(runner: ModelRunner, others: tuple[str, ...], preempt_at: int | None,
+                seed: int) -> list[int]:
+    """Eight tokens of the seeded, penalized "a" beside ``others``; with ``preempt_at``,
+    "a" is preempted by recompute after that many tokens (its slot may change)."""
+    prompt = [0, 5, 300, 301, 9, 17]
+    s = Script(runner, seed=seed)
+    rows = [s.seq("a", prompt, 0, True, NewSeqData(SEEDED, tuple(prompt)))]
+    rows += [s.seq(r, OTHERS[r][1], 0, True, NewSeqData(OTHERS[r][0], tuple(OTHERS[r][1])))
+             for r in others]
+    out: dict[str, list[int]] = {r: [] for r in ("a", *others)}
+    prompts = {"a": prompt, **{r: OTHERS[r][1] for r in others}}
+    while len(out["a"]) < 8:
+        for t in s.step(*rows).tokens:
+            out[t.rid].append(t.token_id)
+        if len(out["a"]) == preempt_at:
+            s.release("a")
+            s.step(drop=("a",))
+            # Another sequence may take its slot before it comes back.
+            s.step(s.seq("z", [0, 1], 0, True, NewSeqData(SEEDED, (0, 1))))
+            new = NewSeqData(SEEDED, tuple(prompt), tuple(out["a"]))
+            rows = [s.seq("a", prompt + out["a"], 0, True, new)]
+        else:
+            rows = [s.seq("a", [out["a"][-1]], len(prompt) + len(out["a"]) - 1, True, None)]
+        rows += [s.seq(r, [out[r][-1]], len(prompts[r]) + len(out[r]) - 1, True, None)
+                 for r in others]
+    s.step(drop=("a", *others, *(("z",) if preempt_at else ())))
+    return out["a"]
+
+
+def test_seeded_penalized_rows_ignore_batch_and_preemption(runner: ModelRunner):
+    """A seeded row's tokens depend on its own logits and (seed, position) only: not on
+    the rows beside it (penalized, greedy, seeded, unseeded), its slot, or a preemption."""
+    alone = _seeded_run(runner, (), None, seed=3)
+    assert _seeded_run(runner, ("b", "c", "d"), None, seed=4) == alone
+    assert _seeded_run(runner, ("d", "b"), 3, seed=5) == alone
+    assert runner.num_states == 0
+
+
 def test_forget_together_with_the_same_rid(runner: ModelRunner):
     s = Script(runner, seed=2)
     # With `new`: the old state goes first, the new one stays (a preempted rid re-sent).
