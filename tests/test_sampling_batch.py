@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sim.profiles import examples
 
 from actorllm.wire.messages import SamplingParams
 from actorllm.worker.sampler import SamplingState, sample
@@ -116,7 +117,7 @@ class Reference:
         return token_list
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rows=st.lists(_row, min_size=1, max_size=20), steps=st.integers(1, 5),
        seed=st.integers(0, 2**31 - 1), data=st.data())
 def test_batch_matches_the_per_row_reference_as_rows_come_and_go(

@@ -134,8 +134,7 @@ class ModelRunner:
                                    share=None if tp.enabled else worker_share())
         self._load(model_dir, config, tp)
         self.pooler = Pooler()  # embedding requests' pooled hidden states
-        # The persistent batch: each held rid's block table, updated by the plans' diffs,
-        # and its sampling columns, in the same slot.
+        # The persistent batch: each held rid's block table and sampling columns, one slot.
         self.tables = BlockTables(num_blocks, block_size, self.max_model_len)
         self.sampling = SamplingBatch(self.vocab_size, self.device, self.eos_token_ids)
         # Rids of the last step if it failed: it sampled nothing for them, so a step
