@@ -45,6 +45,7 @@ from actorllm.worker.packing import BlockTables, pack_plan
 from actorllm.worker.pooling import Pooler, pooled_norm
 from actorllm.worker.ranks import RankGroup, RankSpec
 from actorllm.worker.sampler import SamplingState, prompt_logprobs, sample
+from actorllm.worker.speculative import spliced, verify_drafts
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +232,7 @@ class ModelRunner:
         sample_s = pack_s = 0.0
         refused_rows: tuple[int, ...] = ()
         refused: tuple[str, ...] = ()
+        num_sampled: tuple[int, ...] = ()
         if plan.rids:
             rows = self.tables.apply(plan)  # before any check: the diffs are always kept
             sampling = [states[rid] for rid in sampled]
@@ -262,15 +264,21 @@ class ModelRunner:
                 prompt_lps = prompt_logprobs(hidden, plan.seqs, states,
                                              self.model.compute_logits)
             pooled = self.pooler.take(hidden, plan, pooled_norm(self.model))
+            verified: dict[int, list[int]] = {}
+            if plan.num_drafts:  # speculation: verify drafts, sample the other rows
+                verified, logits = verify_drafts(logits, plan, sampling, self.eos_token_ids)
             if masks is not None:
                 masks.apply(logits)
             results = sample(logits, sampling, self.eos_token_ids)
             for j, (state, (token_id, _)) in enumerate(zip(sampling, results, strict=True)):
                 try:
-                    state.append(token_id)
+                    if j not in verified:  # (verified rows were appended as verified)
+                        state.append(token_id)
                 except GrammarRefused as exc:  # fails that request alone, not the step
                     refused_rows, refused = (*refused_rows, j), (*refused, str(exc))
             token_ids = tuple(token_id for token_id, _ in results)
+            if verified:
+                token_ids, num_sampled = spliced(token_ids, verified)
             lp_rows = tuple(j for j, (_, lp) in enumerate(results) if lp is not None)
             if lp_rows:
                 lps = tuple(results[j][1] for j in lp_rows)  # type: ignore[misc]
@@ -283,6 +291,7 @@ class ModelRunner:
             step_id=plan.step_id, token_ids=token_ids, forward_s=forward_s,
             sample_s=sample_s, prompt_logprobs=prompt_lps, logprob_rows=lp_rows, logprobs=lps,
             pack_s=pack_s, refused_rows=refused_rows, refused=refused, pooled=pooled,
+            num_sampled=num_sampled,
         )
 
     def _take_news_and_drops(self, plan: StepPlan) -> set[str]:
