@@ -344,3 +344,38 @@ async def test_speculation_metrics_on_the_metrics_registry(
     assert (drafts, accepted, rows) == (stats.spec_draft_tokens, stats.spec_accepted_tokens,
                                         stats.spec_num_drafts)
     assert 0 < accepted <= drafts and first == stats.spec_accepted_per_pos[0] > 0
+
+
+async def test_sampled_outputs_follow_the_same_distribution_with_speculation(
+        looping_llama_dir: Path, loop_prompts: list[list[int]]) -> None:
+    """400 seeded requests (seed i: each run is deterministic), top-k 3 at temperature
+    1.5: the joint distribution of the first two tokens (the second is where a draft is
+    verified by rejection) with speculation on against off, a chi-square test of
+    homogeneity over the 3 x 3 pairs. 99.99th percentile at 8 degrees of freedom: 31.8."""
+    n = 400
+    prompt = loop_prompts[2]
+    counts: dict[bool, Counter[tuple[int, ...]]] = {}
+    for spec in (False, True):
+        params = [SamplingParams(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True,
+                                 seed=i) for i in range(n)]
+        async with spec_engine(looping_llama_dir, spec=NGRAM if spec else None,
+                               max_num_seqs=128) as engine:
+            results: list[Any] = [None] * n
+
+            async def one(i: int) -> None:
+                results[i] = await collect(engine, f"d{i}", prompt, params[i])  # noqa: B023
+
+            async with trio.open_nursery() as nursery:
+                for i in range(n):
+                    nursery.start_soon(one, i)
+            stats = engine.frontend.stats
+        counts[spec] = Counter(tuple(r.outputs[0].token_ids[:2]) for r in results)
+        if spec:
+            assert stats.spec_num_drafts > n / 4 and stats.spec_accepted_tokens > 0
+    cells = sorted(set(counts[False]) | set(counts[True]))
+    assert len(cells) <= 9
+    chi = 0.0
+    for cell in cells:
+        a, b = counts[False][cell], counts[True][cell]
+        chi += (a - b) ** 2 / (a + b)  # equal sample sizes: sum (a - b)^2 / (a + b)
+    assert chi < 31.8, (counts[False], counts[True])
