@@ -50,6 +50,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    # vLLM's: no proposals while this many sequences or more run (None: no limit). On the
+    # CPU a step with drafts cannot take the one-op decode path, so every row pays for it.
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, raw: object) -> SpeculativeConfig | None:
@@ -67,8 +70,8 @@ class SpeculativeConfig:
         if method != "ngram":
             raise ValueError(f"--speculative-config: method {method!r} is not supported "
                              "(only 'ngram')")
-        unknown = sorted(set(raw) - {"method", "num_speculative_tokens",
-                                      "prompt_lookup_max", "prompt_lookup_min"})
+        unknown = sorted(set(raw) - {"method", "num_speculative_tokens", "prompt_lookup_max",
+                                      "prompt_lookup_min", "disable_by_batch_size"})
         if unknown:
             raise ValueError(f"--speculative-config: unknown key {unknown[0]!r}")
         if "num_speculative_tokens" not in raw:

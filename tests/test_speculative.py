@@ -68,6 +68,9 @@ def test_proposals_stop_short_of_max_tokens_skip_logprob_rows_and_back_off() -> 
     assert [spec.propose(seq, 10) for _ in range(3)] == [[], [], [3, 1]]
     spec.verdict(seq, 2, 1)
     assert seq.spec_misses == 0 and spec.accepted_per_pos == [2 - 1, 0, 0, 0]
+    assert spec.wanted(100)
+    capped = Speculation(SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=4))
+    assert capped.wanted(3) and not capped.wanted(4)
 
 
 def test_speculative_config_is_checked() -> None:
@@ -379,3 +382,26 @@ async def test_sampled_outputs_follow_the_same_distribution_with_speculation(
         a, b = counts[False][cell], counts[True][cell]
         chi += (a - b) ** 2 / (a + b)  # equal sample sizes: sum (a - b)^2 / (a + b)
     assert chi < 31.8, (counts[False], counts[True])
+
+
+def test_llm_and_the_cli_take_a_speculative_config(looping_llama_dir: Path,
+                                                   loop_prompts: list[list[int]]) -> None:
+    """``LLM(speculative_config=...)`` and ``actorllm run --speculative-config`` generate
+    what transformers does."""
+    from actorllm.llm import LLM
+
+    llm = LLM(str(looping_llama_dir), speculative_config=NGRAM, num_kv_blocks=64,
+              block_size=4, max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    (res,) = llm.generate([loop_prompts[0]], params)
+    want = hf_greedy(looping_llama_dir, loop_prompts[0], 12)[0]
+    assert list(res.outputs[0].token_ids) == want
+    text = llm.tokenizer.decode(loop_prompts[0], skip_special_tokens=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "actorllm", "run", "--model", str(looping_llama_dir),
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+         "--temperature", "0", "--max-tokens", "12", "--ignore-eos", "--output", "jsonl",
+         "--max-model-len", "128", text],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert '"finish_reason": "length"' in out.stdout, out.stdout

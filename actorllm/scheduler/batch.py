@@ -156,7 +156,8 @@ class Batch:
             n = min(seq.num_unscheduled, budget)
             if n <= 0:
                 continue
-            if n == 1 and self.speculation is not None:
+            if n == 1 and self.speculation is not None and self.speculation.wanted(
+                    len(self.running)):
                 n = self._draft(seq, budget)
             while not self.reserve(seq, n):
                 if ahead:

@@ -59,6 +59,11 @@ class Speculation:
         self.num_drafts = 0  # rows that carried proposals (mean accepted length's divisor)
         self.accepted_per_pos = [0] * config.num_speculative_tokens
 
+    def wanted(self, running: int) -> bool:
+        """Whether rows propose at all with ``running`` sequences in the batch."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or running < limit
+
     def propose(self, seq: Sequence, room: int) -> list[int]:
         """Drafts for ``seq``'s next decode row (at most ``room`` tokens); [] for none.
         Never past ``max_tokens``: a step emits at most drafts + 1 tokens."""
