@@ -405,3 +405,59 @@ def test_llm_and_the_cli_take_a_speculative_config(looping_llama_dir: Path,
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert '"finish_reason": "length"' in out.stdout, out.stdout
+
+
+# --- the Scheduler's side, driven by hand ---------------------------------------------------
+
+
+def _scheduler(**kw: Any) -> Any:
+    from actorllm.scheduler.actor import Scheduler
+    from actorllm.wire.mailbox import Mailbox
+    from actorllm.wire.messages import SchedulerInput, StepPlan, TokenBatch
+
+    return Scheduler(Mailbox("s", SchedulerInput, 8), Mailbox("w", StepPlan, 2),
+                     Mailbox("d", TokenBatch, 8), num_blocks=32, block_size=4,
+                     max_num_seqs=4, max_num_batched_tokens=64,
+                     speculative=SpeculativeConfig(num_speculative_tokens=3), **kw)
+
+
+def test_a_partly_accepted_row_rolls_back_to_its_accepted_tokens() -> None:
+    """Prompt 5 6 7 5 6, first output 7: the next row proposes 5 6 7 (what followed the
+    earlier '5 6 7'). The Worker accepts one draft and emits its own token: two outputs,
+    the rejected drafts' positions unscheduled, hashes over accepted tokens only."""
+    from actorllm.scheduler.kv_pool import extend_hashes
+    from actorllm.wire.messages import SequenceRequest, StepResult
+
+    s = _scheduler()
+    s.handle(SequenceRequest("a", (5, 6, 7, 5, 6), SamplingParams(max_tokens=10), 10, (1,)))
+    prefill = s.schedule()
+    assert prefill is not None and not prefill.num_drafts
+    s.handle(StepResult(prefill.step_id, (7,)))  # output 7: history 5 6 7 5 6 7
+    plan = s.schedule()
+    assert plan is not None and plan.num_drafts == (3,)
+    assert plan.token_ids == (7, 5, 6, 7) and plan.start_pos == (5,)
+    seq = s.seqs["a"]
+    assert seq.num_scheduled == 9 and len(seq.block_table) == 3
+    s.handle(StepResult(plan.step_id, (5, 9), num_sampled=(2,)))  # 5 accepted, then 9
+    assert seq.output_ids == [7, 5, 9]
+    assert (seq.num_computed, seq.num_scheduled) == (7, 7)  # positions 0..6; 9 is next
+    tokens = [5, 6, 7, 5, 6, 7, 5, 9]
+    assert seq.block_hashes and \
+        seq.block_hashes == extend_hashes([], tokens, 4, len(tokens))[:len(seq.block_hashes)]
+    assert s.take_batch().outputs[-1].token_ids == (5, 9)  # type: ignore[union-attr]
+    assert s.batch.speculation.accepted_per_pos == [1, 0, 0]  # type: ignore[union-attr]
+
+
+def test_an_abort_while_drafts_are_in_flight_waits_for_the_step() -> None:
+    from actorllm.wire.messages import AbortRequest, SequenceRequest, StepResult
+
+    s = _scheduler()
+    s.handle(SequenceRequest("a", (5, 6, 5, 6, 5), SamplingParams(max_tokens=10), 10, (1,)))
+    s.handle(StepResult(s.schedule().step_id, (6,)))
+    plan = s.schedule()
+    assert plan.num_drafts and plan.num_drafts[0] > 0
+    used = s.pool.num_used
+    s.handle(AbortRequest("a"))
+    assert s.pool.num_used == used, "the draft step still writes its blocks"
+    s.handle(StepResult(plan.step_id, (5, 6, 5, 6), num_sampled=(4,)))
+    assert s.pool.num_used == 0 and not s.seqs

@@ -186,8 +186,14 @@ class StepResult:
     num_sampled: tuple[int, ...] = ()
 
     def sampled(self, plan: StepPlan) -> tuple[SampledToken, ...]:
-        """The tokens as objects with their rids (tests and tools), given the step's plan."""
+        """The tokens as objects with their rids (tests and tools), given the step's plan
+        (a speculating row's several tokens each with its rid)."""
         lps = dict(zip(self.logprob_rows, self.logprobs, strict=True))
+        if self.num_sampled:
+            rids = [rid for rid, n in zip(plan.sampled_rids(), self.num_sampled, strict=True)
+                    for _ in range(n)]
+            return tuple(SampledToken(rid, tok) for rid, tok in zip(rids, self.token_ids,
+                                                                    strict=True))
         return tuple(SampledToken(rid, tok, lps.get(j)) for j, (rid, tok) in enumerate(
             zip(plan.sampled_rids(), self.token_ids, strict=True)))
 
