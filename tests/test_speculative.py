@@ -20,6 +20,7 @@ import trio
 from helpers import build_tiny_model, hf_greedy, hf_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sim.profiles import examples
 
 from actorllm.config import EngineConfig, SpeculativeConfig
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
@@ -48,7 +49,7 @@ def naive_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
     return []
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(st.integers(0, 4), max_size=40), st.integers(1, 5), st.integers(1, 4),
        st.integers(0, 3))
 def test_propose_ngram_equals_the_naive_reference(tokens: list[int], k: int, n_min: int,
