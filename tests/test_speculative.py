@@ -462,3 +462,23 @@ def test_an_abort_while_drafts_are_in_flight_waits_for_the_step() -> None:
     assert s.pool.num_used == used, "the draft step still writes its blocks"
     s.handle(StepResult(plan.step_id, (5, 6, 5, 6), num_sampled=(4,)))
     assert s.pool.num_used == 0 and not s.seqs
+
+
+async def test_a_speculative_trace_checks_and_redrive_says_it_cannot(
+        looping_llama_dir: Path, loop_prompts: list[list[int]], tmp_path: Path) -> None:
+    """The recorded history of a speculative run is a path through the table (no event
+    was added); re-driving it is refused in one sentence, not a crash."""
+    from actorllm.lifecycle.table import load_spec
+    from actorllm.replay.check import check_trace
+    from actorllm.replay.redrive import RedriveError, redrive
+    from actorllm.replay.tracefile import load_trace
+
+    path = tmp_path / "spec.jsonl"
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    async with spec_engine(looping_llama_dir, trace=str(path)) as engine:
+        await run_all(engine, loop_prompts[:2], params)
+        assert engine.frontend.stats.spec_accepted_tokens > 0
+    trace = load_trace(path, load_spec())
+    assert check_trace(trace, load_spec()) == []
+    with pytest.raises(RedriveError, match="speculative"):
+        redrive(trace)
