@@ -64,6 +64,7 @@ def engine_config(args: argparse.Namespace) -> Any:
             on_engine_death=getattr(args, "on_engine_death", None) or "exit",
             trace=args.trace,
             trace_hops=args.trace_hops,
+            speculative_config=args.speculative_config,
             **_flow_args(args),
         )
     except ValueError as exc:

@@ -45,6 +45,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="plan the next step while one runs, feeding each sampled token "
                         "forward in the Worker (default: on for CUDA; on the CPU, on for "
                         "`serve` in the single topology, off otherwise)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 3, "prompt_lookup_max": 4, '
+                        '"prompt_lookup_min": 1}\' (n-gram prompt lookup only)')
     g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                    help="N replicas of the Scheduler and Worker, each in its own process, "
                         "behind one HTTP front (needs --topology engine, the default then)")

@@ -28,6 +28,72 @@ def check_here_and_wait(kind: str, what: str, local: int | None, size: int,
         raise ValueError(f"--{kind}-timeout must be positive, got {timeout:g}")
 
 
+def _json_object(value: object) -> object:
+    """A JSON text as what it encodes (a bad one is kept, for the check to name)."""
+    if isinstance(value, str) and value:
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+@attrs.frozen
+class SpeculativeConfig:
+    """Speculative decoding, vLLM's ``--speculative-config`` shape. Only ``ngram`` (prompt
+    lookup) is implemented: the Scheduler proposes up to ``num_speculative_tokens`` tokens
+    that followed the latest earlier occurrence of the sequence's last n tokens,
+    n from ``prompt_lookup_max`` down to ``prompt_lookup_min`` (docs/architecture.md,
+    "Speculative decoding")."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    # vLLM's: no proposals while this many sequences or more run (None: no limit). On the
+    # CPU a step with drafts cannot take the one-op decode path, so every row pays for it.
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, raw: object) -> SpeculativeConfig | None:
+        """From a JSON text or a mapping (None or empty: off). ValueError, one line."""
+        if raw is None or raw == "" or raw == {}:
+            return None
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+        if not isinstance(raw, Mapping):
+            raise ValueError("--speculative-config must be a JSON object")
+        method = raw.get("method", "ngram")
+        if method != "ngram":
+            raise ValueError(f"--speculative-config: method {method!r} is not supported "
+                             "(only 'ngram')")
+        unknown = sorted(set(raw) - {"method", "num_speculative_tokens", "prompt_lookup_max",
+                                      "prompt_lookup_min", "disable_by_batch_size"})
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown key {unknown[0]!r}")
+        if "num_speculative_tokens" not in raw:
+            raise ValueError("--speculative-config: num_speculative_tokens is required")
+        fields = {k: raw[k] for k in raw if k != "method"}
+        for k, v in fields.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"--speculative-config: {k} must be a positive integer, "
+                                 f"got {v!r}")
+        lo, hi = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
+        if lo is not None and hi is None:
+            fields["prompt_lookup_max"] = hi = max(lo, cls.prompt_lookup_max)
+        if hi is not None and lo is None:
+            fields["prompt_lookup_min"] = lo = min(hi, cls.prompt_lookup_min)
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError("--speculative-config: prompt_lookup_min must not exceed "
+                             "prompt_lookup_max")
+        if fields["num_speculative_tokens"] > 32:
+            raise ValueError("--speculative-config: num_speculative_tokens must be at most 32")
+        return cls(method, **fields)
+
+
 @attrs.frozen
 class EngineConfig:
     """Everything that shapes an engine. Sizes are validated against the model at start-up."""
@@ -82,8 +148,13 @@ class EngineConfig:
     max_pending_bytes_per_request: int | None = 256 << 10
     max_pending_bytes: int | None = 64 << 20
     stream_timeout: float | None = 30.0
+    # Speculative decoding (SpeculativeConfig's JSON shape, kept as a plain mapping so the
+    # config travels to child processes as JSON); None: off.
+    speculative_config: dict[str, object] | None = attrs.field(default=None,
+                                                               converter=_json_object)
 
     def __attrs_post_init__(self) -> None:
+        SpeculativeConfig.parse(self.speculative_config)  # ValueError now, not at load
         if not 1 <= self.block_size <= 256:
             raise ValueError(f"--block-size must be in [1, 256], got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -148,6 +219,11 @@ class EngineConfig:
         if self.data_parallel_local_replicas is None:
             return self.data_parallel_size
         return self.data_parallel_local_replicas
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` parsed (checked when the config was made)."""
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def as_dict(self) -> dict[str, object]:
         return attrs.asdict(self)

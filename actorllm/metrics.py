@@ -81,7 +81,9 @@ class EngineMetrics:
         self._totals = {"steps": 0.0, "forward_s": 0.0, "sample_s": 0.0,
                         "num_preemptions": 0.0, "prefix_cache_queries": 0.0,
                         "prefix_cache_hits": 0.0, "late_results_dropped": 0.0,
-                        "seq_steps": 0.0}
+                        "seq_steps": 0.0, "spec_draft_tokens": 0.0,
+                        "spec_accepted_tokens": 0.0, "spec_num_drafts": 0.0}
+        self._spec_pos_totals: list[float] = []
         self._phase_totals = {field: 0.0 for _, field in PHASES if field}
         self.arrivals = 0
 
@@ -153,6 +155,18 @@ class EngineMetrics:
         self.late_results_dropped = Counter(
             p + "late_results_dropped", "Step results the Scheduler dropped (for sequences "
             "that had ended, or stale)", registry=r)
+        # Speculative decoding (vLLM's spec_decode_* in spirit): acceptance rate is
+        # accepted / draft tokens, mean accepted length per verified row accepted / drafts.
+        self.spec_draft_tokens = Counter(p + "spec_decode_num_draft_tokens",
+                                         "Draft tokens proposed", registry=r)
+        self.spec_accepted_tokens = Counter(p + "spec_decode_num_accepted_tokens",
+                                            "Draft tokens accepted", registry=r)
+        self.spec_num_drafts = Counter(p + "spec_decode_num_drafts",
+                                       "Rows that carried draft tokens (verifications)",
+                                       registry=r)
+        self.spec_accepted_per_pos = Counter(
+            p + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
+            "position in their row (0: the first draft)", ["position"], registry=r)
 
     def _flow_series(self, r: CollectorRegistry, p: str) -> None:
         """Slow readers (the Frontend's flow control; docs/architecture.md)."""
@@ -220,7 +234,10 @@ class EngineMetrics:
                               ("prefix_cache_queries", self.prefix_cache_queries),
                               ("prefix_cache_hits", self.prefix_cache_hits),
                               ("late_results_dropped", self.late_results_dropped),
-                              ("seq_steps", self.engine_sequence_steps)):
+                              ("seq_steps", self.engine_sequence_steps),
+                              ("spec_draft_tokens", self.spec_draft_tokens),
+                              ("spec_accepted_tokens", self.spec_accepted_tokens),
+                              ("spec_num_drafts", self.spec_num_drafts)):
             value = float(getattr(stats, name))
             if value > self._totals[name]:  # totals only grow within one Scheduler
                 counter.inc(value - self._totals[name])
@@ -232,6 +249,15 @@ class EngineMetrics:
                     self.phase[phase].inc(value - self._phase_totals[field])
                     self._phase_totals[field] = value
         self.num_requests_paused.set(getattr(stats, "num_paused", 0))
+        self._on_spec_positions(getattr(stats, "spec_accepted_per_pos", ()))
+
+    def _on_spec_positions(self, counts: tuple[int, ...]) -> None:
+        totals = self._spec_pos_totals
+        totals.extend([0.0] * (len(counts) - len(totals)))
+        for pos, value in enumerate(counts):
+            if value > totals[pos]:
+                self.spec_accepted_per_pos.labels(position=str(pos)).inc(value - totals[pos])
+                totals[pos] = float(value)
 
     def on_replica_stats(self, stats: Any, outstanding: int, routed: int, up: bool) -> None:
         """One replica's ``SchedulerStats`` (and the Router's view of it) into its series."""

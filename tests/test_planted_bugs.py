@@ -41,6 +41,12 @@ frontend.bug_timeout_without_abort          5      a stream timeout fails the re
                                                    aborts the request
 scheduler.bug_preempt_ahead                 3      priority, two steps in flight: an urgent
                                                    arrival preempts a sequence a step still reads
+scheduler.bug_commit_rejected_draft         7      speculation: a rejected draft token is
+                                                   committed and reaches the output
+scheduler.bug_free_draft_blocks_early       3      speculation: blocks holding only draft
+                                                   positions freed while the draft step runs
+scheduler.bug_hash_rejected_draft           9      speculation: a block hashed over a position
+                                                   whose K/V a rejected draft wrote
 ==========================================  =====  ==============================================
 
 The three after bug_pause_keeps_slot run with flow control on (``SimConfig.flow``,
@@ -88,6 +94,9 @@ PLANTED = [
     ("frontend.bug_lose_skips_answered", "4"),
     ("frontend.bug_timeout_without_abort", "5"),
     ("scheduler.bug_preempt_ahead", "3"),
+    ("scheduler.bug_commit_rejected_draft", "7"),
+    ("scheduler.bug_free_draft_blocks_early", "3"),
+    ("scheduler.bug_hash_rejected_draft", "9"),
 ]
 FLOW_BUGS = {"scheduler.bug_pause_keeps_slot", "frontend.bug_never_resume",
              "frontend.bug_drop_on_pause"}
@@ -100,6 +109,9 @@ EXTRA: dict[str, dict[str, Any]] = {
     "frontend.bug_timeout_without_abort": {"flow": FlowLimits(
         max_bytes_per_request=None, max_bytes=None, stream_timeout=5.0)},
     "scheduler.bug_preempt_ahead": {"scheduling_policy": "priority", "max_num_seqs": 2},
+    "scheduler.bug_commit_rejected_draft": {"speculative": True},
+    "scheduler.bug_free_draft_blocks_early": {"speculative": True},
+    "scheduler.bug_hash_rejected_draft": {"speculative": True},
 }
 
 FIND = settings(

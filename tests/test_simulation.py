@@ -71,6 +71,8 @@ TIMEOUT = attrs.evolve(TINY_MARK, readers_start_paused=True,
 # Prompts over 14 characters go through the Tokenizer's thread hop (its default limit,
 # 1024, is longer than any prompt that fits max_model_len here).
 THREADS = SimConfig(inline_chars=14)
+SPECULATIVE = SimConfig(speculative=True)
+SPECULATIVE_ONE_STEP = SimConfig(speculative=True, max_steps_in_flight=1)
 
 # --- the stateful tests -------------------------------------------------------------------
 
@@ -148,6 +150,23 @@ def test_lifecycle_slow_readers(tiny_tokenizer: Any) -> None:
 def test_lifecycle_every_token_pauses(tiny_tokenizer: Any) -> None:
     """Flow control with a 2-byte mark: every delta pauses and every read resumes."""
     explore(tiny_tokenizer, TINY_MARK, 200, SLOW_CORNERS)
+
+
+def test_lifecycle_speculative(tiny_tokenizer: Any) -> None:
+    """Speculative decoding with two steps in flight: drafts proposed, accepted in part
+    or whole, rejected; aborts, stop strings, preemption and failures between proposal
+    and verdict. Outputs must be exactly what the Worker emitted (no rejected draft),
+    the K/V of rejected drafts is never read before it is written again, blocks are
+    freed only after the fence, and hashes cover accepted tokens only."""
+    explore(tiny_tokenizer, SPECULATIVE, 300,
+            {"drafts verified", "draft rejected", "draft accepted", "aborted", "preempted",
+             "stop string matched", "step failed", "prefix cache hit"}, "Speculative")
+
+
+def test_lifecycle_speculative_one_step(tiny_tokenizer: Any) -> None:
+    explore(tiny_tokenizer, SPECULATIVE_ONE_STEP, 120,
+            {"drafts verified", "draft rejected", "draft accepted", "preempted"},
+            "SpeculativeOneStep")
 
 
 def test_lifecycle_roomy(tiny_tokenizer: Any) -> None:

@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Iterable
+from itertools import zip_longest
+from typing import Any
 
 import attrs
 
@@ -138,7 +141,7 @@ class Router:
         if self.replicas == 1:
             return self.stats[0]
         fields = [f for f in SchedulerStats.__attrs_attrs__ if f.name != "replica"]
-        return SchedulerStats(**{f.name: sum(getattr(s, f.name) for s in self.stats)
+        return SchedulerStats(**{f.name: _sum(getattr(s, f.name) for s in self.stats)
                                  for f in fields})
 
     def kill(self, replica: int) -> None:
@@ -148,3 +151,11 @@ class Router:
         # Its gauges read zero; its running totals stay (every total, whatever is added).
         self.stats[replica] = attrs.evolve(self.stats[replica], num_running=0, num_waiting=0,
                                            kv_blocks_used=0, num_paused=0)
+
+
+def _sum(values: Iterable[Any]) -> Any:
+    """A stats field summed over replicas (a tuple of counts position by position)."""
+    values = list(values)
+    if values and isinstance(values[0], tuple):
+        return tuple(sum(col) for col in zip_longest(*values, fillvalue=0))
+    return sum(values)

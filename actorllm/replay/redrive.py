@@ -126,6 +126,11 @@ def redrive_session(session: Session, report: RedriveReport) -> None:
     """Re-drive one session; appends its first divergence (if any) to ``report``."""
     from actorllm.scheduler.actor import Scheduler  # the real one: that is the point
 
+    if session.config.get("speculative_config"):
+        raise RedriveError(
+            f"session {session.index}: recorded with --speculative-config; re-driving "
+            "speculative decoding is not supported (its drafts depend on token ids and "
+            "verdicts the trace does not keep)")
     config = _scheduler_config(session)
     num_blocks = config.get("num_blocks")
     if not num_blocks:

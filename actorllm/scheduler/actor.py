@@ -15,10 +15,10 @@ Worker, ``TokenBatch`` to the Detokenizer. Theory of operation:
   its blocks until every one of them is back.
 - Prefix caching (kv_pool.py, seq_blocks.py): blocks are shared by reference count and
   cached or evicted only with none left; a fenced sequence keeps its references.
-- Flow control (the batch's ``Pacer``, flow.py): ``FlowControl(pause)`` takes a sequence out
-  of the batch once no step in flight names it; it keeps its blocks (PAUSED) until another
-  sequence needs them; ``resume`` puts it first in the waiting queue (PREEMPTED).
-- What goes to the Detokenizer waits in ``Outgoing`` (outgoing.py) for one ``TokenBatch``.
+- Flow control (flow.py): ``FlowControl(pause)`` takes a sequence out of the batch once no
+  step in flight names it, keeping its blocks (PAUSED) until another sequence needs them.
+- Speculative decoding (speculation.py): a decode row may carry draft tokens; the Worker
+  returns the accepted ones and one of its own, each appended and checked in order.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any
 
 import trio
 
+from actorllm.config import SpeculativeConfig
 from actorllm.lifecycle.table import Ledger, State
 from actorllm.lifecycle.trace import Tracer
 from actorllm.scheduler.batch import Batch
@@ -38,6 +39,7 @@ from actorllm.scheduler.kv_pool import BlockPool
 from actorllm.scheduler.outgoing import Outgoing
 from actorllm.scheduler.policy import POLICIES, WaitingQueue
 from actorllm.scheduler.sequence import Sequence, take_prompt_pieces
+from actorllm.scheduler.speculation import Speculation, count_error, drafts_of, row_tokens
 from actorllm.scheduler.totals import StepTotals
 from actorllm.wire.mailbox import Inbox, Outbox
 from actorllm.wire.messages import (
@@ -77,9 +79,10 @@ class Scheduler:
         scheduling_policy: str = "fcfs",
         tracer: Tracer | None = None,
         pool: BlockPool | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         """``pool``: the KV block pool to own, of ``num_blocks`` x ``block_size`` (default:
-        a fresh one)."""
+        a fresh one); ``speculative``: draft proposals (scheduler/speculation.py)."""
         if max_steps_in_flight not in (1, 2):
             raise ValueError(f"max_steps_in_flight must be 1 or 2, got {max_steps_in_flight}")
         self.inbox, self.worker, self.detokenizer = inbox, worker, detokenizer
@@ -94,7 +97,8 @@ class Scheduler:
         self.ledger = Ledger("scheduler", tracer)
         self.batch = Batch(pool, self.ledger, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens,
-                           priority=scheduling_policy == "priority")
+                           priority=scheduling_policy == "priority",
+                           speculation=speculative and Speculation(speculative))
         self.seqs: dict[str, Sequence] = {}
         self.fenced: list[Sequence] = []  # finished, waiting for the step in flight
         self.max_steps_in_flight = max_steps_in_flight
@@ -149,7 +153,8 @@ class Scheduler:
         """The outputs, frees and stats decided since the last call, if any."""
         return self.outgoing.take(self.stats)
 
-    # What the batch holds, read here for the stats and by tests.
+    # What the batch holds, read here for the stats and by tests (paused: longest paused
+    # first; worker_drops: rids whose Worker state may go, sent with the next StepPlan).
     @property
     def pool(self) -> BlockPool:
         return self.batch.pool
@@ -164,12 +169,10 @@ class Scheduler:
 
     @property
     def paused(self) -> dict[str, Sequence]:
-        """The PAUSED sequences, longest paused first."""
         return self.batch.flow.paused
 
     @property
     def worker_drops(self) -> list[str]:
-        """Rids whose Worker state may go, sent with the next StepPlan."""
         return self.batch.worker_drops
 
     @property
@@ -279,21 +282,20 @@ class Scheduler:
             return
         plan = self.in_flight.popleft()
         self.totals.add_result(result, len(plan.rids))
-        error = result.error
-        if error is None and len(result.token_ids) != sum(plan.sample):  # a Worker bug
-            error = f"{len(result.token_ids)} tokens for {sum(plan.sample)} sampling rows"
+        error = result.error or count_error(plan, result)  # (a count: a Worker bug)
         if self.tracer is not None:
             self.tracer.record("result", actor="scheduler", step=result.step_id,
-                               tokens=[[rid, t] for rid, t in zip(
-                                   plan.sampled_rids(), result.token_ids, strict=False)],
+                               tokens=[[rid, *t] for rid, t in zip(
+                                   plan.sampled_rids(), row_tokens(result), strict=False)],
                                error=error, forward_s=result.forward_s)
         seqs = [self.seqs.get(rid) for rid in plan.rids]
-        for seq, n, sampled in zip(seqs, plan.num_tokens, plan.sample, strict=True):
+        for seq, n, sampled, drafts in zip(seqs, plan.num_tokens, plan.sample,
+                                           drafts_of(plan), strict=True):
             if seq is None:
                 continue
-            seq.step_returned(sampled)
+            seq.step_returned(sampled, drafts)
             if error is None and seq.status is State.RUNNING:
-                self.batch.computed(seq, n)
+                self.batch.computed(seq, n - drafts)  # accepted drafts: in _commit
         if self._pass_fence():  # freed ones are gone: look the rids up again
             seqs = [self.seqs.get(rid) for rid in plan.rids]
         if error is not None:
@@ -329,7 +331,7 @@ class Scheduler:
             if result.logprobs else None
         sampling = [i for i, sampled in enumerate(plan.sample) if sampled]
         refused = dict(zip(result.refused_rows, result.refused, strict=True))
-        for j, (i, token) in enumerate(zip(sampling, result.token_ids, strict=True)):
+        for j, (i, tokens) in enumerate(zip(sampling, row_tokens(result), strict=True)):
             seq = seqs[i]
             if seq is None or seq.view.local is not running:
                 if plan.token_ids[sum(plan.num_tokens[:i])] == FEED_LAST_SAMPLE:
@@ -340,8 +342,10 @@ class Scheduler:
             if j in refused:  # its grammar refused the draw (a masking bug): it fails alone
                 self._finish(seq, "fail", "error", error=refused[j])
                 continue
-            reason, stop_reason = seq.finish_after(token)
-            self.outgoing.token(seq, token, logprobs.get(j) if logprobs else None,
+            drafted = plan.num_drafts[i] if plan.num_drafts else 0  # speculation
+            n, reason, stop_reason = self.batch.take(seq, tokens, drafted)
+            self.outgoing.token(seq, tokens if n == len(tokens) else tokens[:n],
+                                logprobs.get(j) if logprobs else None,
                                 pieces.pop(seq.rid, None) if pieces else None)
             if reason is not None:
                 self._finish(seq, "finish", reason, stop_reason)
@@ -368,11 +372,6 @@ class Scheduler:
         else:
             self._free(seq)
 
-    def _running(self, rid: str) -> Sequence | None:
-        """The rid's Sequence if it is RUNNING: only those take a step's results."""
-        seq = self.seqs.get(rid)
-        return seq if seq is not None and seq.status is State.RUNNING else None
-
     def _free(self, seq: Sequence) -> None:
         self.batch.release(seq)
         del self.seqs[seq.rid]
@@ -388,7 +387,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions, num_paused=len(self.paused),
             late_results_dropped=self.late_results_dropped, replica=self.replica,
             **self.totals.fields(),
-            prefix_cache_queries=self.pool.queries, prefix_cache_hits=self.pool.hits)
+            prefix_cache_queries=self.pool.queries, prefix_cache_hits=self.pool.hits,
+            **self.batch.speculation_fields())
 
     def drain_problems(self) -> list[str]:
         """What is still held (empty after a clean drain: invariant 4)."""

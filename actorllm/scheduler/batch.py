@@ -23,6 +23,7 @@ from actorllm.scheduler.flow import Pacer
 from actorllm.scheduler.kv_pool import BlockPool
 from actorllm.scheduler.policy import WaitingQueue, arrival_victim, order
 from actorllm.scheduler.sequence import Sequence
+from actorllm.scheduler.speculation import Speculation
 from actorllm.wire.messages import FlowControl
 
 Chunks = list[tuple[Sequence, int]]  # (sequence, tokens it runs in the step), in order
@@ -32,8 +33,11 @@ class Batch:
     """Who runs, who waits, who is paused, and the block pool they share."""
 
     def __init__(self, pool: BlockPool, ledger: Ledger, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, priority: bool) -> None:
-        """``ledger``: the Scheduler's, where each move this makes is fired."""
+                 max_num_batched_tokens: int, priority: bool,
+                 speculation: Speculation | None = None) -> None:
+        """``ledger``: the Scheduler's, where each move this makes is fired;
+        ``speculation``: draft proposals for decode rows (None: off)."""
+        self.speculation = speculation
         self.pool, self.ledger = pool, ledger
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -73,6 +77,31 @@ class Batch:
         """A step that ran ``n`` tokens of ``seq`` is back: its full blocks may be shared."""
         seq.num_computed += n
         blocks.register(self.pool, seq)
+
+    def take(self, seq: Sequence, tokens: tuple[int, ...], drafted: int
+             ) -> tuple[int, str | None, int | None]:
+        """A sampling row's tokens for ``seq``: (tokens appended, finish reason, stop token).
+        A speculating row's (``drafted`` > 0, ``Sequence.take_tokens``) are appended up to
+        the first that ends it; the accepted drafts among them count as computed, so their
+        blocks may be hashed (over accepted tokens only: a rejected one is never
+        appended)."""
+        if not drafted:
+            return (1, *seq.finish_after(tokens[0]))
+        appended, reason, stop = seq.take_tokens(tokens)
+        self.computed(seq, min(appended, len(tokens) - 1))
+        assert self.speculation is not None
+        self.speculation.verdict(seq, drafted, len(tokens) - 1)
+        return appended, reason, stop
+
+    def speculation_fields(self) -> dict[str, object]:
+        """The proposer's counters, as SchedulerStats fields (none when it is off)."""
+        spec = self.speculation
+        if spec is None:
+            return {}
+        return {"spec_draft_tokens": spec.draft_tokens,
+                "spec_accepted_tokens": spec.accepted_tokens,
+                "spec_num_drafts": spec.num_drafts,
+                "spec_accepted_per_pos": tuple(spec.accepted_per_pos)}
 
     def take_worker_drops(self) -> tuple[str, ...]:
         """The rids whose Worker state may go, for the next StepPlan (and then forgotten)."""
@@ -127,11 +156,16 @@ class Batch:
             n = min(seq.num_unscheduled, budget)
             if n <= 0:
                 continue
+            if n == 1 and self.speculation is not None and self.speculation.wanted(
+                    len(self.running)):
+                n = self._draft(seq, budget)
             while not self.reserve(seq, n):
                 if ahead:
                     # No preemption while a step runs. Rather than run younger sequences
                     # past an older one, plan nothing: the pipeline drains to one step
                     # and the plain path preempts the newest, as without overlap.
+                    for planned_seq, _ in planned:
+                        planned_seq.drafts = []  # (their blocks stay, for the next plan)
                     return None
                 victim = queue.pop() if queue else seq
                 self.preempt(victim)
@@ -142,6 +176,19 @@ class Batch:
                 planned.append((seq, n))
                 budget -= n
         return planned, preempted
+
+    def _draft(self, seq: Sequence, budget: int) -> int:
+        """Propose drafts for a decode row whose tokens are all known; they take token
+        budget and blocks (never by preempting: without room it runs without drafts).
+        Returns the row's token count."""
+        if seq.samples_in_flight:
+            return 1  # planned ahead: its last token is still being sampled
+        assert self.speculation is not None
+        drafts = self.speculation.propose(seq, budget - 1)
+        if drafts and blocks.reserve(self.pool, seq, 1 + len(drafts)):
+            seq.drafts = drafts
+            return 1 + len(drafts)
+        return 1
 
     def _plan_admissions(self, planned: Chunks, budget: int) -> None:
         """Start waiting sequences, front first, while seats, blocks and ``budget`` last;

@@ -22,12 +22,13 @@ class Outgoing:
         self.freed: list[str] = []
         self.stats_changed = False
 
-    def token(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
+    def token(self, seq: Sequence, token: int | tuple[int, ...], logprob: TokenLogprob | None,
               piece: dict[str, Any] | None = None) -> None:
-        """A sampled token for ``seq`` (with the step's prompt logprobs ``piece``, if any)."""
+        """A sampled token for ``seq`` (with the step's prompt logprobs ``piece``, if any);
+        a tuple: a speculating row's tokens, in order (the Detokenizer sees each)."""
         self.outputs.append(TokenOut(
             rid=seq.rid,
-            token_ids=(token,),
+            token_ids=token if isinstance(token, tuple) else (token,),
             logprobs=(logprob,) if logprob is not None else (),
             spec=seq.detok_spec_once(),
             **(piece or {}),

@@ -63,6 +63,14 @@ class Sequence:
     num_registered: int = 0
     num_cached_tokens: int | None = None
     pooled: tuple[float, ...] = ()  # a pooling request's vector, once the Worker sent it
+    # Speculative decoding (scheduler/speculation.py): the drafts the next schedule_into
+    # sends, whether a step in flight carries drafts for it (then nothing is planned
+    # ahead for it: how many tokens it yields is unknown until it returns), and the
+    # backoff of a row whose proposals keep failing.
+    drafts: list[int] = attrs.Factory(list)
+    drafting: bool = False
+    spec_misses: int = 0
+    spec_skip: int = 0
     # The Scheduler's view of the rid (``status`` reads it); the Scheduler passes its
     # ledger's, a Sequence built alone gets a fresh one.
     view: View = attrs.Factory(lambda self: View(load_spec(), "scheduler", self.rid),
@@ -132,12 +140,35 @@ class Sequence:
     def may_plan_ahead(self) -> bool:
         """Whether a step may be planned for it before the one in flight returns: not if
         the tokens in flight already reach ``max_tokens`` (it ends there for sure)."""
-        return len(self.output_ids) + self.samples_in_flight < self.max_tokens
+        return not self.drafting and \
+            len(self.output_ids) + self.samples_in_flight < self.max_tokens
 
-    def step_returned(self, sampled: bool) -> None:
-        """A step that scheduled it has returned (with a result or an error)."""
+    def step_returned(self, sampled: bool, drafts: int = 0) -> None:
+        """A step that scheduled it has returned (with a result or an error). Its drafts
+        are unscheduled: the accepted ones are counted back as they are committed
+        (``take_tokens``); the K/V written for rejected ones is overwritten later."""
         self.in_flight -= 1
         self.samples_in_flight -= sampled
+        if drafts:
+            self.drafting = False
+            self.num_scheduled -= drafts
+
+    def take_tokens(self, tokens: tuple[int, ...]) -> tuple[int, str | None, int | None]:
+        """A speculating row's tokens (accepted drafts, then the Worker's own), each
+        appended and checked as ``finish_after`` does, up to the first that ends it:
+        (tokens appended, finish reason, stop token). Each accepted draft appended has
+        its K/V in the cache, so it counts as scheduled again (the caller counts it
+        computed: ``min(appended, len(tokens) - 1)``)."""
+        reason: str | None = None
+        stop: int | None = None
+        appended = 0
+        for token in tokens:
+            reason, stop = self.finish_after(token)
+            appended += 1
+            if reason is not None:
+                break
+        self.num_scheduled += min(appended, len(tokens) - 1)
+        return appended, reason, stop
 
     def schedule_into(self, cols: PlanColumns, n: int) -> None:
         """Append the next ``n`` tokens as the Worker gets them to the plan's columns: the
@@ -149,6 +180,12 @@ class Sequence:
         start = self.num_scheduled
         known = self.num_tokens
         row = len(cols.rids)
+        drafts = self.drafts
+        if drafts:  # n counts them: the known last token, then the proposals
+            assert n == len(drafts) + 1 and start + 1 == known and not self.samples_in_flight
+            cols.num_drafts.extend([0] * (row - len(cols.num_drafts)))
+            cols.num_drafts.append(len(drafts))
+            n = 1
         if not self.worker_knows:
             cols.new_rows.append(row)
             cols.new.append(
@@ -176,6 +213,10 @@ class Sequence:
                 cols.token_ids.extend(self.token(i) for i in range(start, start + n))
         # max_tokens 0 (prompt scoring): the prefill runs, nothing is sampled.
         sample = start + n == known + self.samples_in_flight and self.max_tokens > 0
+        if drafts:
+            cols.token_ids.extend(drafts)
+            n += len(drafts)
+            self.drafts, self.drafting = [], True
         self.num_scheduled += n
         self.in_flight += 1
         self.samples_in_flight += sample

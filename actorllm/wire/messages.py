@@ -211,6 +211,12 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache, at admissions
     prefix_cache_hits: int = 0  # ... and found there
     replica: int = 0  # which data-parallel replica's Scheduler (0 without data parallelism)
+    # Speculative decoding: draft tokens proposed, and accepted; rows that carried drafts
+    # (the divisor of the mean accepted length); accepted drafts by position in the row.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_num_drafts: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 @attrs.frozen

@@ -44,6 +44,9 @@ class StepPlan:
     seen, or lost to preemption: its block table starts afresh), and prompt logprobs from
     position ``lp_from[j]`` (>= 1, to the last one the chunk predicts) for row
     ``lp_rows[j]``. ``drop``: rids whose Worker state (sampling state, block table) may go.
+    ``num_drafts`` (empty: no row speculates): per row, how many of its tokens are draft
+    tokens proposed by the Scheduler (the row's last ones, after its last known token);
+    the Worker verifies them (speculative decoding, docs/architecture.md).
     """
 
     step_id: int
@@ -59,6 +62,7 @@ class StepPlan:
     lp_rows: tuple[int, ...] = ()
     lp_from: tuple[int, ...] = ()
     drop: tuple[str, ...] = ()
+    num_drafts: tuple[int, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -177,10 +181,19 @@ class StepResult:
     # with why: those requests fail alone; the rest of the step stands.
     refused_rows: tuple[int, ...] = ()
     refused: tuple[str, ...] = ()
+    # Speculative decoding (empty: one token per sampling row): per sampling row, how many
+    # of ``token_ids`` are its (the accepted drafts, then the Worker's own token).
+    num_sampled: tuple[int, ...] = ()
 
     def sampled(self, plan: StepPlan) -> tuple[SampledToken, ...]:
-        """The tokens as objects with their rids (tests and tools), given the step's plan."""
+        """The tokens as objects with their rids (tests and tools), given the step's plan
+        (a speculating row's several tokens each with its rid)."""
         lps = dict(zip(self.logprob_rows, self.logprobs, strict=True))
+        if self.num_sampled:
+            rids = [rid for rid, n in zip(plan.sampled_rids(), self.num_sampled, strict=True)
+                    for _ in range(n)]
+            return tuple(SampledToken(rid, tok) for rid, tok in zip(rids, self.token_ids,
+                                                                    strict=True))
         return tuple(SampledToken(rid, tok, lps.get(j)) for j, (rid, tok) in enumerate(
             zip(plan.sampled_rids(), self.token_ids, strict=True)))
 

@@ -151,6 +151,10 @@ def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_l
     width = int(needed.max())
     block_tables = np.ascontiguousarray(tables.tables[rows, :width])
     sample_indices = (cu[1:] - 1)[np.asarray(plan.sample, dtype=bool)]
+    if plan.num_drafts:  # a speculating row's logits at its last token and each draft
+        d = np.asarray(plan.num_drafts, dtype=np.int64)[np.asarray(plan.sample, dtype=bool)]
+        first = np.repeat(np.cumsum(d + 1) - (d + 1), d + 1)
+        sample_indices = np.repeat(sample_indices - d, d + 1) + np.arange(len(first)) - first
 
     def dev(a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(

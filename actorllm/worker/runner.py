@@ -47,6 +47,7 @@ from actorllm.worker.pooling import Pooler, pooled_norm
 from actorllm.worker.ranks import RankGroup, RankSpec
 from actorllm.worker.sampler import prompt_logprobs
 from actorllm.worker.sampling_batch import SamplingBatch, SamplingState
+from actorllm.worker.speculative import commit_others, verify_drafts
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ class ModelRunner:
         if plan.rids:
             rows = self.tables.apply(plan)  # before any check: the diffs are always kept
             slots = rows[np.asarray(plan.sample, dtype=bool)]  # the sampling rows' slots
-            self._check_known(plan, rows, slots)
+            self.sampling.check_known(plan, rows, slots)
             # The constrained rows' masks are computed in a thread during the forward pass
             # (their matchers are past every token sampled so far); free batches skip it.
             masks = self.masks.start([self.sampling.grammars[s] for s in slots.tolist()]) \
@@ -254,9 +255,12 @@ class ModelRunner:
                 prompt_lps = prompt_logprobs(hidden, plan.seqs, joined,  # type: ignore[arg-type]
                                              self.model.compute_logits)
             pooled = self.pooler.take(hidden, plan, pooled_norm(self.model))
+            verified: dict[int, list[int]] = {}
+            if plan.num_drafts:  # speculation: verify drafts, sample the other rows
+                verified, logits = verify_drafts(logits, plan, slots, self.sampling)
             if masks is not None:
                 masks.apply(logits)
-            result = attrs.evolve(self._sample(plan.step_id, logits, slots),
+            result = attrs.evolve(self._sample(plan.step_id, logits, slots, verified),
                                   prompt_logprobs=prompt_lps, pooled=pooled)
             sample_s = time.perf_counter() - t1
         for rid in plan.drop:
@@ -265,26 +269,17 @@ class ModelRunner:
         forward_s = time.perf_counter() - t0 - sample_s - pack_s
         return attrs.evolve(result, forward_s=forward_s, sample_s=sample_s, pack_s=pack_s)
 
-    def _sample(self, step_id: int, logits: torch.Tensor, slots: np.ndarray) -> StepResult:
-        """Sample the step's sampling rows (slots ``slots``) and record their tokens."""
+    def _sample(self, step_id: int, logits: torch.Tensor, slots: np.ndarray,
+                verified: dict[int, list[int]]) -> StepResult:
+        """Sample the step's sampling rows (slots ``slots``) and record their tokens; the
+        rows in ``verified`` (speculation) were committed already and emit those tokens."""
         tokens, token_ids, lp_rows, lps = self.sampling.sample(logits, slots, inplace=True)
-        refused = self.sampling.commit(slots, tokens, token_ids)
+        refused, ids, num_sampled = commit_others(self.sampling, slots, tokens, token_ids,
+                                                  verified)
         return StepResult(
-            step_id=step_id, token_ids=tuple(token_ids), logprob_rows=tuple(lp_rows),
-            logprobs=tuple(lps), refused_rows=tuple(j for j, _ in refused),
-            refused=tuple(why for _, why in refused),
-        )
-
-    def _check_known(self, plan: StepPlan, rows: np.ndarray, slots: np.ndarray) -> None:
-        """ValueError on a row sampled or scored whose rid has no sampling state here."""
-        occupied = self.sampling.cols["occupied"]
-        lp_slots = rows[list(plan.lp_rows)] if plan.lp_rows else rows[:0]
-        if occupied[slots].all() and occupied[lp_slots].all():
-            return
-        slot_rid = {int(rows[i]): rid for i, rid in enumerate(plan.rids)}
-        first = next(s for s in (*slots.tolist(), *lp_slots.tolist()) if not occupied[s])
-        raise ValueError(f"rid {slot_rid[first]!r}: sampled or scored before its NewSeqData "
-                         "was sent")
+            step_id=step_id, token_ids=ids, logprob_rows=tuple(lp_rows), logprobs=tuple(lps),
+            refused_rows=tuple(j for j, _ in refused), refused=tuple(why for _, why in refused),
+            num_sampled=num_sampled)
 
     def _take_news_and_drops(self, plan: StepPlan) -> set[str]:
         """Apply the plan's drops and ``NewSeqData``; returns the rids running their last

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from actorllm.text.structured import GrammarRefused
 from actorllm.wire.messages import SamplingParams, TokenLogprob
+from actorllm.wire.steps import StepPlan
 from actorllm.worker.filters import GREEDY_BELOW, candidates, draw, step_seed
 from actorllm.worker.penalties import OutputCounts, SeenTokens
 
@@ -317,6 +318,17 @@ class SamplingBatch:
             except GrammarRefused as exc:
                 refused.append((i, str(exc)))
         return refused
+
+    def check_known(self, plan: StepPlan, rows: np.ndarray, slots: np.ndarray) -> None:
+        """ValueError on a row sampled or scored whose rid has no sampling state here."""
+        occupied = self.cols["occupied"]
+        lp_slots = rows[list(plan.lp_rows)] if plan.lp_rows else rows[:0]
+        if occupied[slots].all() and occupied[lp_slots].all():
+            return
+        slot_rid = {int(rows[i]): rid for i, rid in enumerate(plan.rids)}
+        first = next(s for s in (*slots.tolist(), *lp_slots.tolist()) if not occupied[s])
+        raise ValueError(f"rid {slot_rid[first]!r}: sampled or scored before its NewSeqData "
+                         "was sent")
 
 
 def _on(rows: np.ndarray, device: torch.device) -> Tensor:

@@ -30,6 +30,7 @@ from actorllm.wire.messages import GenerateRequest, StepPlan
 from actorllm.wire.outputs import Merged
 
 from .scripted_worker import ScriptedWorker
+from .spec_bugs import SPEC_BUGS
 
 
 class RegisterAfterDispatch(Frontend):
@@ -96,7 +97,7 @@ def _planted_batch(base: Scheduler, batch_class: type[Batch]) -> None:
     old = base.batch
     base.batch = batch_class(old.pool, old.ledger, max_num_seqs=old.max_num_seqs,
                              max_num_batched_tokens=old.max_num_batched_tokens,
-                             priority=old.priority)
+                             priority=old.priority, speculation=old.speculation)
 
 
 class _RereportBatch(Batch):
@@ -358,4 +359,6 @@ PLANTED.update({
     "frontend.bug_timeout_without_abort": TimeoutWithoutAbort,
     # priority with two steps in flight (SimConfig.scheduling_policy)
     "scheduler.bug_preempt_ahead": PreemptAhead,
+    # speculative decoding (SimConfig.speculative)
+    **SPEC_BUGS,
 })

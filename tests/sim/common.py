@@ -80,6 +80,9 @@ class SimConfig:
     inline_chars: int | None = None
     engine_death: bool = False  # the engine_dies rule may run
     readers_start_paused: bool = False  # each client reads only once slow_reader resumes it
+    # Speculative decoding: the Scheduler proposes n-gram drafts, the scripted Worker
+    # accepts some of them (sim/scripted_worker.py).
+    speculative: bool = False
 
 # --- text: the reference for invariant 7 ---------------------------------------------------
 

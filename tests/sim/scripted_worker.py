@@ -22,6 +22,12 @@ so a prefix-cache hit on the wrong block, or on one overwritten since, is caught
 failed step writes garbage into its slots, as a real one may have half done. (Stricter
 than a GPU, where a step's writes land before its reads: no step may read what the same
 step writes for another sequence.)
+
+A speculating row (``StepPlan.num_drafts``) is verified by script: the salt and the rid
+decide how many drafts it accepts, then it emits a token of its own (never the next
+draft). The slots its rejected drafts were written to become garbage, so a later read
+of them before they are written again is caught, and ``emitted`` (what it sampled or
+accepted, per position) is what the outputs and every later fed token must agree with.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from actorllm.wire.mailbox import Inbox, Outbox
 from actorllm.wire.messages import (
     FEED_LAST_SAMPLE,
     PromptLogprobs,
+    ScheduledSeq,
     StepPlan,
     StepResult,
     TokenLogprob,
@@ -77,6 +84,10 @@ class ScriptedWorker:
         # rid -> (position, token) of its last sample, for plans that feed it forward.
         self.last_sample: dict[str, tuple[int, int]] = {}
         self.fed_forward = 0
+        # Speculation: rid -> position -> the token it emitted there (this incarnation);
+        # rows verified, and those that rejected a draft.
+        self.emitted: dict[str, dict[int, int]] = {}
+        self.drafts_verified = self.drafts_rejected = 0
 
     async def run(self) -> None:
         """Receive plans in one task, send results in order from another."""
@@ -104,6 +115,8 @@ class ScriptedWorker:
                 self.known.add(s.rid)
                 self.prompts[s.rid] = s.new.prompt_token_ids
                 self.contexts[s.rid] = [*s.new.prompt_token_ids, *s.new.output_token_ids]
+                if not s.new.output_token_ids:  # a new incarnation (not back from preemption)
+                    self.emitted[s.rid] = {}
                 self._forget_table(s.rid)  # back after preemption: its table starts afresh
             elif s.rid not in self.known:
                 self.protocol_errors.append(
@@ -144,11 +157,22 @@ class ScriptedWorker:
             if FEED_LAST_SAMPLE in s.token_ids:
                 self._check_fed(plan.step_id, s.rid, s.start_pos, s.token_ids)
         self._run_kv(plan, tables)
-        tokens = []
-        for i, s in enumerate(x for x in plan.seqs if x.sample):
-            pos = s.start_pos + len(s.token_ids)
+        tokens: list[int] = []
+        counts: list[int] = []
+        drafts = plan.num_drafts or (0,) * plan.num_rows
+        sampling = [(s, d) for s, d in zip(plan.seqs, drafts, strict=True) if s.sample]
+        for i, (s, d) in enumerate(sampling):
+            row = self._verify(s, d, salt, tables[s.rid]) if d else []
+            pos = s.start_pos + len(s.token_ids) - d + len(row)
             tid = self.eos_id if eos_mask >> i & 1 else scripted_token(self.vocab, s.rid, pos, salt)
-            tokens.append(tid)
+            if len(row) < d and tid == s.token_ids[len(s.token_ids) - d + len(row)]:
+                tid = self.vocab[(self.vocab.index(tid) + 1) % len(self.vocab)] \
+                    if tid in self.vocab else self.vocab[0]  # a rejection emits another token
+            row.append(tid)
+            for k, t in enumerate(row):
+                self.emitted.setdefault(s.rid, {})[pos - len(row) + 1 + k] = t
+            tokens.extend(row)
+            counts.append(len(row))
             self.last_sample[s.rid] = (pos, tid)
         reports = []
         for s in plan.seqs:
@@ -160,7 +184,34 @@ class ScriptedWorker:
             reports.append(PromptLogprobs(s.rid, lo, tuple(
                 TokenLogprob(prompt[p], prompt_score(p)) for p in range(lo, hi + 1))))
         return self._record(StepResult(plan.step_id, tuple(tokens),
-                                       prompt_logprobs=tuple(reports)))
+                                       prompt_logprobs=tuple(reports),
+                                       num_sampled=tuple(counts) if plan.num_drafts else ()))
+
+    def _verify(self, s: ScheduledSeq, d: int, salt: int, table: Sequence[int]) -> list[int]:
+        """The drafts a speculating row accepts (decided by the salt and the rid). The
+        rejected ones leave garbage where they were written and leave the context."""
+        accepted = (salt + zlib.crc32(s.rid.encode())) % (d + 1)
+        self.drafts_verified += 1
+        self.drafts_rejected += accepted < d
+        first_draft = s.start_pos + len(s.token_ids) - d
+        keep = first_draft + accepted  # positions before it hold accepted tokens
+        ctx = self.contexts.get(s.rid, [])
+        del ctx[keep:]
+        for p in range(keep, s.start_pos + len(s.token_ids)):
+            self.kv[self._slot(table, p)] = None
+        return list(s.token_ids[len(s.token_ids) - d:][:accepted])
+
+    def check_outputs(self, rid: str, committed: Sequence[int]) -> str | None:
+        """Why ``rid``'s committed outputs are not what this Worker emitted, or None."""
+        emitted, prompt = self.emitted.get(rid), self.prompts.get(rid)
+        if emitted is None or prompt is None:
+            return None
+        for i, token in enumerate(committed):
+            want = emitted.get(len(prompt) + i)
+            if want is not None and want != token:
+                return (f"{rid!r} committed {token} as output {i}, the Worker emitted {want} "
+                        f"there (a rejected draft?)")
+        return None
 
     def _check_fed(self, step: int, rid: str, start: int, ids: tuple[int, ...]) -> None:
         """A fed-forward row must be one token, at the position this Worker sampled last
@@ -194,6 +245,12 @@ class ScriptedWorker:
                 if tok == FEED_LAST_SAMPLE:  # checked by _check_fed; -1 after a failed step
                     tok = self.last_sample.get(s.rid, (0, -1))[1]
                 p = s.start_pos + i
+                want = self.emitted.get(s.rid, {}).get(p)
+                if want is not None and tok != want and tok != -1 and p < s.start_pos + len(
+                        s.token_ids) - (plan.num_drafts[plan.rids.index(s.rid)]
+                                        if plan.num_drafts else 0):
+                    self.kv_errors.append(f"step {plan.step_id}: {s.rid!r} position {p} is "
+                                          f"fed token {tok}; the Worker emitted {want} there")
                 if p == len(ctx):
                     ctx.append(tok)
                 elif p > len(ctx) or ctx[p] != tok:

@@ -10,6 +10,7 @@ import trio
 import trio.testing
 
 from actorllm.lifecycle.table import State
+from actorllm.scheduler.kv_pool import extend_hashes
 from actorllm.scheduler.policy import order
 from actorllm.wire.messages import (
     AbortRequest,
@@ -64,6 +65,11 @@ class Watches(WorldFields):
             for out in msg.outputs:
                 if out.rid in self.rec.current:
                     self.rec.current[out.rid].committed.extend(out.token_ids)
+                    # Only what the Worker emitted (never a rejected draft) is committed.
+                    wrong = out.token_ids and self.worker.check_outputs(
+                        out.rid, self.rec.current[out.rid].committed)
+                    if wrong:
+                        self.report("7", wrong)
         if edge == "tokenizer->scheduler" and isinstance(msg, AbortRequest | FlowControl):
             # Forwarded as it came: tagged with the incarnation the Frontend sent it for
             # (by now the rid may name a newer one).
@@ -105,6 +111,8 @@ class Watches(WorldFields):
             handle(msg)
             if why and self._scheduler_snapshot() != before:
                 self.report("5", f"{why} changed the Scheduler's state")
+            if isinstance(msg, StepResult):
+                self._check_hashes()
 
         def checked_free(blocks: Any) -> None:
             blocks = list(blocks)
@@ -136,6 +144,17 @@ class Watches(WorldFields):
         s.handle = checked_handle  # type: ignore[method-assign]
         s.pool.free = checked_free  # type: ignore[method-assign]
         batch.preempt = checked_preempt  # type: ignore[method-assign]
+
+    def _check_hashes(self) -> None:
+        """Invariant 9: a sequence's block hashes are over its own tokens (the prompt and
+        the outputs committed), never over a draft the Worker rejected."""
+        bs = self.config.block_size
+        for q in self.scheduler.seqs.values():
+            tokens = [*q.prompt_ids, *q.output_ids]
+            want = extend_hashes([], tokens, bs, len(tokens))
+            if q.block_hashes != want[:len(q.block_hashes)]:
+                self.report("9", f"{q.rid!r}'s block hashes are not those of its tokens "
+                            f"{tokens} (a hash over a token it does not hold)")
 
     def _scheduler_snapshot(self) -> tuple[object, ...]:
         s = self.scheduler

@@ -13,7 +13,7 @@ import trio
 import trio.testing
 from steps import Tables
 
-from actorllm.config import ModelInfo
+from actorllm.config import ModelInfo, SpeculativeConfig
 from actorllm.detokenizer.actor import Detokenizer
 from actorllm.frontend.actor import DuplicateRequestId, Frontend
 from actorllm.frontend.readers import UNLIMITED
@@ -46,6 +46,8 @@ from .watch import Watches
 
 ENGINE_SIDE = ("tokenizer", "scheduler", "worker", "detokenizer")  # what engine_dies kills
 DEATH = "the engine died (simulated)"
+# Up to 3 drafts, from 2-grams or 1-grams (the scripted vocabulary is small: they recur).
+SPECULATIVE = SpeculativeConfig("ngram", 3, 2, 1)
 
 
 class ThreadHop(Tokenizer):
@@ -126,6 +128,7 @@ class World(Watches, Checks):
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    max_steps_in_flight=cfg.max_steps_in_flight,
                                    scheduling_policy=cfg.scheduling_policy,
+                                   speculative=SPECULATIVE if cfg.speculative else None,
                                    tracer=self.rec)  # type: ignore[arg-type]
         self.worker = cls("worker", ScriptedWorker)(b["worker"], b["scheduler"].edge("worker"),
                                                     text.vocab, text.eos_id, cfg.block_size)
@@ -459,6 +462,10 @@ class World(Watches, Checks):
             "stream timeout": any(c.timed_out for c in self.clients),
             "tokenized in a thread": self.tokenizer.hops > 0,
             "urgent arrival preempted": self.urgent_preemptions > 0,
+            "drafts verified": self.worker.drafts_verified > 0,
+            "draft rejected": self.worker.drafts_rejected > 0,
+            "draft accepted": s.batch.speculation is not None
+            and s.batch.speculation.accepted_tokens > 0,
         }
         return [name for name, hit in reached.items() if hit]
 

@@ -1,0 +1,143 @@
+"""Speculative decoding's Worker side: verify a row's draft tokens against the model.
+
+A speculating row ran ``[last token, d1 .. dk]``, so its logits at those k + 1 positions
+are the target's distributions for ``d1 .. dk`` and for the token after them. Each
+position's distribution is the sampler's (penalties, temperature, top-k, top-p, min-p,
+seed), computed with the history up to that position: the row's tokens are committed to
+the :class:`~actorllm.worker.sampling_batch.SamplingBatch` one at a time as they are
+accepted. Greedy rows accept ``d_i`` while it is the argmax; the first mismatch emits the
+argmax (after k accepted: the bonus). Sampled rows use rejection sampling (Leviathan et
+al.; Chen et al.): an n-gram draft is a point mass, so ``d_i`` is accepted with
+probability ``p(d_i)``, and on rejection the token is drawn from ``p`` without ``d_i``,
+renormalised: each emitted token has exactly the target's distribution. A seeded row
+draws from a generator seeded by (seed, position).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from actorllm.wire.steps import StepPlan
+from actorllm.worker.filters import candidates, step_seed
+from actorllm.worker.sampling_batch import SamplingBatch, SamplingState
+
+
+def draft_rows(plan: StepPlan) -> list[tuple[int, int, list[int]]]:
+    """The speculating sampling rows: (sampling row j, first logits row, drafts), where
+    the logits of all sampling rows are packed in order, ``1 + drafts`` per row."""
+    out = []
+    j = at = t = 0
+    for n, sampled, d in zip(plan.num_tokens, plan.sample, plan.num_drafts, strict=True):
+        if sampled:
+            if d:
+                out.append((j, at, list(plan.token_ids[t + n - d:t + n])))
+            j += 1
+            at += 1 + d
+        t += n
+    return out
+
+
+def last_rows(plan: StepPlan) -> Tensor:
+    """Index of each sampling row's last logits row (its ordinary sampling position)."""
+    d = np.asarray([d for d, s in zip(plan.num_drafts, plan.sample, strict=True) if s],
+                   dtype=np.int64)
+    return torch.from_numpy(np.cumsum(d + 1) - 1)
+
+
+def verify_drafts(logits: Tensor, plan: StepPlan, slots: np.ndarray, batch: SamplingBatch
+                  ) -> tuple[dict[int, list[int]], Tensor]:
+    """Verify every speculating row of ``plan`` (``logits``: 1 + drafts rows per sampling
+    row; sampling row ``j`` is slot ``slots[j]`` of ``batch``): {sampling row: tokens
+    emitted, already committed to ``batch``}, and the logits of each sampling row's last
+    position (for the ordinary sampler; a speculating row's draw there is not used)."""
+    verified = {j: verify_slot(batch, int(slots[j]), logits[at:at + 1 + len(drafts)], drafts)
+                for j, at, drafts in draft_rows(plan)}
+    return verified, logits[last_rows(plan).to(logits.device)]
+
+
+def spliced(token_ids: tuple[int, ...], verified: dict[int, list[int]]
+            ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The step's tokens with each verified row's in its place, and the count per row
+    (``StepResult.token_ids``, ``StepResult.num_sampled``)."""
+    rows = [verified.get(j, (t,)) for j, t in enumerate(token_ids)]
+    return tuple(t for row in rows for t in row), tuple(len(row) for row in rows)
+
+
+def commit_others(batch: SamplingBatch, slots: np.ndarray, tokens: Tensor, token_ids: list[int],
+                  verified: dict[int, list[int]]
+                  ) -> tuple[list[tuple[int, str]], tuple[int, ...], tuple[int, ...]]:
+    """Commit the step's sampled tokens of every row but the ``verified`` ones (committed
+    as they were verified): the refused rows (``SamplingBatch.commit``), the step's tokens
+    with each verified row's spliced in, and the count per row (empty: one each)."""
+    if not verified:
+        return batch.commit(slots, tokens, token_ids), tuple(token_ids), ()
+    index = np.flatnonzero([j not in verified for j in range(len(slots))])
+    refused = [(int(index[i]), why) for i, why in batch.commit(
+        slots[index], tokens[torch.from_numpy(index).to(tokens.device)],
+        [token_ids[i] for i in index.tolist()])]
+    return refused, *spliced(tuple(token_ids), verified)
+
+
+def verify_slot(batch: SamplingBatch, slot: int, logits: Tensor, drafts: Sequence[int]
+                ) -> list[int]:
+    """The tokens the row in ``slot`` emits, committed to ``batch`` in order: the accepted
+    drafts, then the target's own token (a correction, or the bonus after all k)."""
+    at = np.array([slot], dtype=np.int64)
+    cols = batch.cols
+    greedy = bool(cols["greedy"][slot])
+    out: list[int] = []
+    for j in range(len(drafts) + 1):
+        draft = drafts[j] if j < len(drafts) else None
+        row = logits[j:j + 1].float()
+        if batch.needs_processing(at):  # with the history up to this position
+            row = row.clone()
+            batch.process(row, at)
+        token = int(row.argmax()) if greedy else _rejection(batch, slot, row, draft)
+        batch.commit(at, torch.tensor([token], device=row.device), [token])
+        out.append(token)
+        if token != draft:
+            break
+    return out
+
+
+def verify(logits: Tensor, drafts: Sequence[int], state: SamplingState,
+           eos_token_ids: Sequence[int]) -> list[int]:
+    """:func:`verify_slot` for one row held as a :class:`SamplingState` (tests, tools):
+    the tokens emitted, also appended to ``state``."""
+    batch = SamplingBatch(logits.shape[1], logits.device, eos_token_ids, 1)
+    batch.add(0, state)
+    out = verify_slot(batch, 0, logits, drafts)
+    state.output_token_ids.extend(out)
+    return out
+
+
+def _rejection(batch: SamplingBatch, slot: int, row: Tensor, draft: int | None) -> int:
+    """One position of a sampled row: accept ``draft`` with probability p(draft), else
+    draw from p without it (no draft: draw from p)."""
+    c = batch.cols
+    s = slice(slot, slot + 1)
+    vals, ids = candidates(row, c["temperature"][s], c["top_k"][s], c["top_p"][s],
+                           c["min_p"][s])
+    probs = vals.softmax(dim=-1)[0]
+    ids = ids[0]
+    gen = None
+    if c["seeded"][slot]:
+        gen = torch.Generator(device=row.device)
+        gen.manual_seed(step_seed(batch.seeds[slot], int(c["num_out"][slot])))
+    if draft is not None:
+        is_draft = ids == draft
+        p_draft = float(probs[is_draft].sum())
+        if float(torch.rand((), generator=gen, device=row.device)) < p_draft:
+            return draft
+        rest = probs.masked_fill(is_draft, 0.0)
+        if float(rest.sum()) <= 0.0:  # (rounding: all the mass was on the draft)
+            return draft
+        probs = rest
+    cdf = probs.cumsum(dim=0)
+    u = (1.0 - torch.rand((), generator=gen, device=row.device)) * cdf[-1]
+    k = int(torch.searchsorted(cdf, u.reshape(1)).clamp_(max=len(cdf) - 1))
+    return int(ids[k])

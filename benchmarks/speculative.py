@@ -1,0 +1,157 @@
+"""Speculative decoding (n-gram prompt lookup), on against off, in one run.
+
+    python benchmarks/speculative.py [--model DIR] [--concurrency 1 4 16] [--requests 16]
+                                     [--max-tokens 128] [--num-speculative-tokens 4]
+                                     [--temperature 0] [--no-save]
+
+Two workloads through the embedded model (or ``--model``): ``repeat``, prompts that ask
+for a given passage to be repeated or edited (where prompt lookup pays), and ``random``,
+prompts of random words (where it does not, and the engine must not lose: rows whose
+proposals keep failing stop proposing, docs/architecture.md "Speculative decoding").
+For each workload and concurrency C, ``--requests`` requests run C at a time (each of the
+C slots starts its next request when one ends), with speculation off and then on, on
+the same weights (one ``Resources``, two engines). Reported per cell: output tokens/s,
+mean TPOT (time per output token after the first, per request), acceptance rate
+(accepted / draft tokens) and mean accepted drafts per verified row; and the ratio of
+tok/s on to off. Targets (issue 32): >= 1.8x at concurrency 1 on ``repeat``, >= 0.95x on
+``random``. Results go to ``benchmarks/results/speculative.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+
+PASSAGES = [
+    "The scheduler owns every sequence and decides which tokens each step runs. The "
+    "worker owns the model and the cache, runs the step and samples the next tokens. "
+    "Messages between them are columns, so a step of many sequences builds no objects.",
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
+    "    return a\n\n\ndef main():\n    for i in range(10):\n        print(fibonacci(i))\n",
+    "Dear team, the meeting on Thursday moves to Friday at ten. Please bring the quarterly "
+    "figures, the draft of the report and your questions about the new release plan.",
+    "A request is admitted, scheduled, run in steps, finished and freed. Its blocks go "
+    "back to the pool only after the last step that reads them has returned.",
+]
+EDITS = ["Repeat the following text exactly.\n\n{p}\n\nRepeated text:\n",
+         "Rewrite the following text, changing only the first word.\n\n{p}\n\nRewritten:\n",
+         "Copy this passage:\n{p}\nCopy:\n"]
+WORDS = ("apple river stone cloud seven quiet lamp orbit paper violet engine garden "
+         "silver mirror hollow candle ladder thunder copper pepper").split()
+
+
+def workload(name: str, n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    if name == "repeat":
+        return [rng.choice(EDITS).format(p=rng.choice(PASSAGES)) for _ in range(n)]
+    return [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(n)]
+
+
+async def run_cell(config: Any, resources: Any, prompts: list[str], concurrency: int,
+                   params: Any) -> dict[str, float]:
+    """``prompts`` through a fresh engine, ``concurrency`` at a time: tok/s, TPOT and the
+    speculation counters."""
+    import trio
+
+    from actorllm.engine.async_engine import open_engine
+    from actorllm.llm import make_request
+
+    tpots: list[float] = []
+    tokens = 0
+    queue = list(enumerate(prompts))
+    async with open_engine(config, resources=resources) as engine:
+
+        async def slot() -> None:
+            nonlocal tokens
+            while queue:
+                i, prompt = queue.pop(0)
+                first = last = None
+                count = 0
+                async for out in engine.generate(make_request(f"b{i}", prompt, params)):
+                    got = sum(len(o.token_ids) for o in out.outputs)
+                    if got:
+                        last = time.perf_counter()
+                        first = first or last
+                        count += got
+                tokens += count
+                if first is not None and last is not None and count > 1:
+                    tpots.append((last - first) / (count - 1))
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for _ in range(concurrency):
+                nursery.start_soon(slot)
+        wall = time.perf_counter() - t0
+        s = engine.frontend.stats
+    return {"tok_s": tokens / wall, "tpot_ms": 1e3 * sum(tpots) / max(len(tpots), 1),
+            "acceptance": s.spec_accepted_tokens / s.spec_draft_tokens
+            if s.spec_draft_tokens else 0.0,
+            "mean_accepted": s.spec_accepted_tokens / s.spec_num_drafts
+            if s.spec_num_drafts else 0.0,
+            "draft_tokens": s.spec_draft_tokens, "tokens": tokens, "wall_s": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--requests", type=int, default=16, help="per cell")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--no-save", action="store_true", help="print only (for smoke runs)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    import trio
+
+    from actorllm.config import EngineConfig, default_model_dir
+    from actorllm.engine.async_engine import Resources
+    from actorllm.wire.messages import SamplingParams
+
+    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+            "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    off = EngineConfig(model=args.model or str(default_model_dir()))
+    on = EngineConfig(model=off.model, speculative_config=spec)
+    resources = Resources(off)  # the same weights for both arms
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            ignore_eos=True, seed=0 if args.temperature else None)
+    trio.run(run_cell, off, resources, workload("random", 2), 2, params)  # warm-up
+    cells: list[dict[str, Any]] = []
+    for name in ("repeat", "random"):
+        prompts = workload(name, args.requests)
+        for c in args.concurrency:
+            got = {arm: trio.run(run_cell, cfg, resources, prompts, c, params)
+                   for arm, cfg in (("off", off), ("on", on))}
+            cells.append({"workload": name, "concurrency": c, **got,
+                          "ratio": got["on"]["tok_s"] / got["off"]["tok_s"]})
+            print(json.dumps(cells[-1]))
+    lines = ["| workload | concurrency | tok/s off | tok/s on | ratio | TPOT off (ms) | "
+             "TPOT on (ms) | acceptance | mean accepted |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {c['workload']} | {c['concurrency']} | {c['off']['tok_s']:.1f} | "
+              f"{c['on']['tok_s']:.1f} | {c['ratio']:.2f} | {c['off']['tpot_ms']:.1f} | "
+              f"{c['on']['tpot_ms']:.1f} | {c['on']['acceptance']:.2f} | "
+              f"{c['on']['mean_accepted']:.2f} |" for c in cells]
+    print("\n".join(lines))
+    if not args.no_save:
+        report = {"machine": platform.platform(), "args": vars(args), "speculative": spec,
+                  "cells": cells}
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "speculative.json").write_text(json.dumps(report, indent=2) + "\n")
+        (RESULTS / "speculative.md").write_text(
+            f"# Speculative decoding (n-gram), on against off\n\n{report['machine']}, "
+            f"{args.requests} requests x {args.max_tokens} tokens per cell, temperature "
+            f"{args.temperature}, K = {args.num_speculative_tokens}.\n\n"
+            + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

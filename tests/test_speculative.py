@@ -1,0 +1,490 @@
+"""Speculative decoding (n-gram prompt lookup): the proposer against a naive reference,
+greedy output token-identical to transformers with speculation on (preemption, chunked
+prefill, prefix caching, overlap, the engine topology), stops and lengths exact when a
+step accepts several tokens, aborts that leak nothing, the rejection sampler's
+distribution (chi-square), the flag's validation and the metrics."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+from helpers import build_tiny_model, hf_greedy, hf_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sim.profiles import examples
+
+from actorllm.config import EngineConfig, SpeculativeConfig
+from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
+from actorllm.llm import collect
+from actorllm.scheduler.sequence import Sequence
+from actorllm.scheduler.speculation import Speculation, propose_ngram
+from actorllm.wire.messages import GenerateRequest, SamplingParams
+from actorllm.worker.sampler import SamplingState
+from actorllm.worker.speculative import verify
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
+
+
+# --- the proposer ----------------------------------------------------------------------
+
+
+def naive_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    for n in range(n_max, n_min - 1, -1):
+        if n >= len(tokens):
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(st.lists(st.integers(0, 4), max_size=40), st.integers(1, 5), st.integers(1, 4),
+       st.integers(0, 3))
+def test_propose_ngram_equals_the_naive_reference(tokens: list[int], k: int, n_min: int,
+                                                  extra: int) -> None:
+    n_max = n_min + extra
+    assert propose_ngram(tokens, k, n_min, n_max) == naive_ngram(tokens, k, n_min, n_max)
+
+
+def test_proposals_stop_short_of_max_tokens_skip_logprob_rows_and_back_off() -> None:
+    spec = Speculation(SpeculativeConfig(num_speculative_tokens=4))
+    seq = Sequence("a", [1, 2, 3, 1, 2], SamplingParams(max_tokens=3), 3, frozenset())
+    assert spec.propose(seq, 10) == [3, 1]  # at most max_tokens - 1 drafts
+    assert spec.propose(seq, 1) == [3]  # the token budget's room
+    lp = Sequence("b", [1, 2, 3, 1, 2], SamplingParams(logprobs=1), 16, frozenset())
+    assert spec.propose(lp, 10) == []
+    spec.verdict(seq, 2, 0)  # nothing accepted: two steps without proposals
+    assert [spec.propose(seq, 10) for _ in range(3)] == [[], [], [3, 1]]
+    spec.verdict(seq, 2, 1)
+    assert seq.spec_misses == 0 and spec.accepted_per_pos == [2 - 1, 0, 0, 0]
+    assert spec.wanted(100)
+    capped = Speculation(SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=4))
+    assert capped.wanted(3) and not capped.wanted(4)
+
+
+def test_speculative_config_is_checked() -> None:
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2}') \
+        == SpeculativeConfig("ngram", 2, 4, 1)
+    for bad, words in (("{", "not JSON"), ('{"num_speculative_tokens": 0}', "positive"),
+                       ('{"method": "eagle", "num_speculative_tokens": 2}', "eagle"),
+                       ('{"method": "ngram"}', "required"),
+                       ('{"num_speculative_tokens": 2, "k": 1}', "unknown key"),
+                       ('{"num_speculative_tokens": 2, "prompt_lookup_min": 3, '
+                        '"prompt_lookup_max": 2}', "must not exceed")):
+        with pytest.raises(ValueError, match=words):
+            EngineConfig(speculative_config=bad)
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_a_bad_speculative_config_is_one_line_and_exit_2(command: str) -> None:
+    args = [command, "--speculative-config", '{"method": "draft", "num_speculative_tokens": 1}']
+    out = subprocess.run([sys.executable, "-m", "actorllm", *args,
+                          *(["x"] if command == "run" else [])],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--speculative-config" in lines[0], out.stderr
+
+
+# --- verification: the distribution ------------------------------------------------------
+
+
+def _chi_square(counts: Counter[int], probs: torch.Tensor, n: int) -> float:
+    expected = probs * n
+    keep = expected > 0
+    observed = torch.tensor([counts.get(i, 0) for i in range(len(probs))], dtype=torch.float64)
+    assert observed[~keep].sum() == 0, "a token of probability 0 was drawn"
+    return float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=4, top_p=0.9),
+    SamplingParams(temperature=1.3, seed=11, presence_penalty=0.5),
+])
+def test_rejection_sampling_keeps_the_target_distribution(params: SamplingParams) -> None:
+    """Six tokens; fixed logits at each position; drafts [2, 4] (a point-mass draft).
+    The first emitted token must follow the target's first distribution, and the second,
+    when the first draft was accepted, its second one. Fixed seeds: no flakes; a wrong
+    acceptance rule (always, or with p(x) / max) is off by hundreds."""
+    torch.manual_seed(0)
+    logits = torch.tensor([[1.0, 0.2, 0.9, -1.0, 0.5, 0.0],
+                           [0.1, 0.8, -0.5, 0.3, 1.2, 0.0],
+                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    n = 6000
+    first: Counter[int] = Counter()
+    second: Counter[int] = Counter()
+    for i in range(n):
+        p = params if params.seed is None else SamplingParams(
+            temperature=params.temperature, seed=params.seed + i,
+            presence_penalty=params.presence_penalty)
+        state = SamplingState(p, (0, 1), ())
+        out = verify(logits, [2, 4], state, ())
+        assert state.output_token_ids == out and 1 <= len(out) <= 3
+        first[out[0]] += 1
+        if out[0] == 2:
+            second[out[1]] += 1
+
+    def target(row: torch.Tensor, history: tuple[int, ...]) -> torch.Tensor:
+        import numpy as np
+
+        from actorllm.worker.filters import candidates
+        from actorllm.worker.sampler import process_logits
+        state = SamplingState(params, (0, 1), history)
+        row = process_logits(row[None].clone(), [state], ())
+        k = params.top_k if 0 < params.top_k < 6 else 6
+        vals, ids = candidates(row, np.array([params.temperature], dtype=np.float32),
+                               np.array([k]), np.array([params.top_p], dtype=np.float32),
+                               np.array([params.min_p], dtype=np.float32))
+        probs = torch.zeros(6, dtype=torch.float64)
+        probs[ids[0]] = vals.softmax(-1)[0].double()
+        return probs
+
+    # 99.99th percentiles of chi-square with 5 degrees of freedom: 25.7.
+    assert _chi_square(first, target(logits[0], ()), n) < 25.7
+    assert _chi_square(second, target(logits[1], (2,)), sum(second.values())) < 25.7
+
+
+def test_greedy_verification_accepts_while_the_draft_is_the_argmax() -> None:
+    logits = torch.eye(5)[[1, 2, 3, 4]] * 3  # argmax: 1, 2, 3, 4
+    state = SamplingState(SamplingParams(temperature=0.0), (0,))
+    assert verify(logits, [1, 2, 0], state, ()) == [1, 2, 3]  # mismatch: the target's 3
+    state = SamplingState(SamplingParams(temperature=0.0), (0,))
+    assert verify(logits, [1, 2, 3], state, ()) == [1, 2, 3, 4]  # all accepted: the bonus
+
+
+# --- end to end ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def looping_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """A tiny Llama whose attention and MLP outputs are scaled down 1000x: close to a
+    bigram model (attention still moves its logits a little), so a prompt that holds a
+    chain of its own greedy tokens and restarts it is continued mostly, not always, as
+    before. Drafts are then often accepted, sometimes in part: what these tests need.
+    (``tiny_llama_dir``, where attention dominates, checks the rejected drafts' K/V.)"""
+    from transformers import LlamaForCausalLM
+
+    path = build_tiny_model(tmp_path_factory.mktemp("looping-llama"), "llama",
+                            tokenizer_dir=tokenizer_dir)
+    model = LlamaForCausalLM.from_pretrained(str(path))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(1e-3)
+            layer.mlp.down_proj.weight.mul_(1e-3)
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def loop_prompts(looping_llama_dir: Path) -> list[list[int]]:
+    """Prompts that repeat a passage: a chain of greedy tokens, then its first token."""
+    model = hf_model(looping_llama_dir)
+    prompts = []
+    for start in (5, 50, 100, 150, 200, 250):
+        chain = hf_greedy(model, [start], 20)[0]
+        prompts.append([start, *chain, start])
+    return [*prompts, prompts[0], prompts[1]]  # the repeats hit the prefix cache
+
+
+_resources: dict[tuple[str, int, int], Resources] = {}
+
+
+@asynccontextmanager
+async def spec_engine(model: Path, *, num_kv_blocks: int = 128, max_model_len: int = 128,
+                      spec: Any = NGRAM, **kw: Any) -> AsyncIterator[AsyncEngine]:
+    config = EngineConfig(model=str(model), num_kv_blocks=num_kv_blocks, block_size=4,
+                          max_model_len=max_model_len, speculative_config=spec, **kw)
+    key = (str(model), num_kv_blocks, max_model_len)
+    if key not in _resources:
+        _resources[key] = Resources(config)
+    async with open_engine(config, resources=_resources[key]) as engine:
+        yield engine
+        assert await engine.wait_drained() == []
+
+
+async def run_all(engine: AsyncEngine, prompts: list[Any], params: SamplingParams) -> list[Any]:
+    results: list[Any] = [None] * len(prompts)
+
+    async def one(i: int) -> None:
+        results[i] = await collect(engine, f"s{i}", prompts[i], params)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+    return results
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_greedy_equals_transformers_with_speculation(
+        looping_llama_dir: Path, loop_prompts: list[list[int]], overlap: bool) -> None:
+    """A 24-block pool (two of the 8 sequences fill it: preemption), a 16-token budget
+    (chunked prefill), repeated prompts (prefix-cache hits), one or two steps in flight."""
+    max_new = 24
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    async with spec_engine(looping_llama_dir, num_kv_blocks=24, max_model_len=64,
+                           max_num_batched_tokens=16, async_scheduling=overlap) as engine:
+        results = await run_all(engine, loop_prompts, params)
+        stats = engine.frontend.stats
+    assert stats.num_preemptions > 0, "the test must exercise preemption"
+    assert stats.prefix_cache_hits > 0, "and prefix caching"
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens, "and partial acceptance"
+    assert sum(stats.spec_accepted_per_pos) == stats.spec_accepted_tokens
+    model = hf_model(looping_llama_dir)
+    for prompt, res in zip(loop_prompts, results, strict=True):
+        (out,) = res.outputs
+        assert list(out.token_ids) == hf_greedy(model, prompt, max_new)[0]
+        assert out.finish_reason == "length" and res.error is None
+
+
+async def test_rejected_drafts_leave_no_trace_where_attention_matters(
+        tiny_llama_dir: Path) -> None:
+    """The plain random model: its continuations rarely repeat, so most drafts are
+    rejected, and the K/V they wrote is overwritten by the tokens that follow. Any K/V of
+    a rejected draft left where attention reads it would change the output."""
+    prompts = ["a b c a b c a b c a b", "the cat and the dog and the cat and the",
+               "numbers 1 2 3 4 5 6 7 8 9 10 11 12 1 2 3", "x y z x y z x y"]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    async with spec_engine(tiny_llama_dir, num_kv_blocks=40, max_num_batched_tokens=16,
+                           spec={**NGRAM, "prompt_lookup_min": 1}) as engine:
+        results = await run_all(engine, prompts, params)
+        stats = engine.frontend.stats
+        tokenizer = engine.tokenizer
+    assert stats.spec_draft_tokens - stats.spec_accepted_tokens > 10, "rejections"
+    model = hf_model(tiny_llama_dir)
+    for prompt, res in zip(prompts, results, strict=True):
+        ids = tokenizer(prompt).input_ids
+        assert list(res.outputs[0].token_ids) == hf_greedy(model, ids, 40)[0], prompt
+
+
+async def test_greedy_equals_transformers_in_the_engine_topology(
+        looping_llama_dir: Path, loop_prompts: list[list[int]]) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    async with spec_engine(looping_llama_dir, topology="engine") as engine:
+        results = await run_all(engine, loop_prompts[:3], params)
+        stats = engine.frontend.stats
+    assert stats.spec_accepted_tokens > 0
+    model = hf_model(looping_llama_dir)
+    for prompt, res in zip(loop_prompts[:3], results, strict=True):
+        assert list(res.outputs[0].token_ids) == hf_greedy(model, prompt, 16)[0]
+
+
+async def test_stops_and_lengths_cut_exactly_when_a_step_accepts_several_tokens(
+        looping_llama_dir: Path, loop_prompts: list[list[int]]) -> None:
+    """Speculation on and off give the same tokens, text and finish for max_tokens of
+    every length, a stop token id and stop strings cut inside accepted runs."""
+    prompt = loop_prompts[1]
+    base = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    async with spec_engine(looping_llama_dir, spec=None) as engine:
+        (full,) = (await run_all(engine, [prompt], base))[0].outputs
+    ids, text = list(full.token_ids), full.text
+    cases = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+             for m in range(1, 13)]
+    cases += [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                             stop_token_ids=(ids[m],)) for m in (3, 7, 12)]
+    cuts = [text[a:a + 3] for a in range(2, len(text) - 3, 5) if text[a:a + 3].strip()]
+    cases += [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=(s,))
+              for s in cuts[:6]]
+    assert len(cases) > 15
+    got: dict[bool, list[Any]] = {}
+    for spec in (False, True):
+        async with spec_engine(looping_llama_dir, spec=NGRAM if spec else None) as engine:
+            outs = []
+            for i, params in enumerate(cases):
+                res = await collect(engine, f"c{i}", prompt, params)
+                outs.append(res.outputs[0])
+            stats = engine.frontend.stats
+        got[spec] = outs
+        if spec:
+            assert max(stats.spec_accepted_per_pos[1:]) > 0, "several tokens in one step"
+    for params, off, on in zip(cases, got[False], got[True], strict=True):
+        assert (on.token_ids, on.text, on.finish_reason, on.stop_reason) == \
+            (off.token_ids, off.text, off.finish_reason, off.stop_reason), params
+    for m in range(1, 13):
+        assert list(got[True][m - 1].token_ids) == ids[:m]
+
+
+async def test_abort_mid_speculation_leaks_nothing(
+        looping_llama_dir: Path, loop_prompts: list[list[int]]) -> None:
+    """Requests aborted while their drafts are in flight: the engine drains (no block,
+    sequence or Worker state left: spec_engine checks) and the others finish."""
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    async with spec_engine(looping_llama_dir, num_kv_blocks=64) as engine:
+        cols = [await engine.submit(GenerateRequest(f"r{i}", params, prompt_token_ids=tuple(p)))
+                for i, p in enumerate(loop_prompts[:4])]
+        for i, col in enumerate(cols[:3]):
+            got = 0
+            while got < 2 + 3 * i:
+                out = await col.get()
+                got += sum(len(o.token_ids) for o in out.outputs)
+            await engine.abort(f"r{i}")
+        ends = []
+        for col in cols:
+            ends.append([o async for o in col][-1].outputs[-1].finish_reason)
+        stats = engine.frontend.stats
+    assert ends == ["abort", "abort", "abort", "length"]
+    assert stats.spec_draft_tokens > 0
+
+
+async def test_speculation_metrics_on_the_metrics_registry(
+        looping_llama_dir: Path, loop_prompts: list[list[int]]) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    async with spec_engine(looping_llama_dir) as engine:
+        await run_all(engine, loop_prompts[:2], params)
+        engine.update_gauges()  # (what a /metrics scrape does first)
+        reg = engine.metrics.registry
+        stats = engine.frontend.stats
+        drafts = reg.get_sample_value("actorllm:spec_decode_num_draft_tokens_total")
+        accepted = reg.get_sample_value("actorllm:spec_decode_num_accepted_tokens_total")
+        rows = reg.get_sample_value("actorllm:spec_decode_num_drafts_total")
+        first = reg.get_sample_value("actorllm:spec_decode_num_accepted_tokens_per_pos_total",
+                                     {"position": "0"})
+    assert (drafts, accepted, rows) == (stats.spec_draft_tokens, stats.spec_accepted_tokens,
+                                        stats.spec_num_drafts)
+    assert 0 < accepted <= drafts and first == stats.spec_accepted_per_pos[0] > 0
+
+
+async def test_sampled_outputs_follow_the_same_distribution_with_speculation(
+        looping_llama_dir: Path, loop_prompts: list[list[int]]) -> None:
+    """400 seeded requests (seed i: each run is deterministic), top-k 3 at temperature
+    1.5: the joint distribution of the first two tokens (the second is where a draft is
+    verified by rejection) with speculation on against off, a chi-square test of
+    homogeneity over the 3 x 3 pairs. 99.99th percentile at 8 degrees of freedom: 31.8."""
+    n = 400
+    prompt = loop_prompts[2]
+    counts: dict[bool, Counter[tuple[int, ...]]] = {}
+    for spec in (False, True):
+        params = [SamplingParams(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True,
+                                 seed=i) for i in range(n)]
+        async with spec_engine(looping_llama_dir, spec=NGRAM if spec else None,
+                               max_num_seqs=128) as engine:
+            results: list[Any] = [None] * n
+
+            async def one(i: int) -> None:
+                results[i] = await collect(engine, f"d{i}", prompt, params[i])  # noqa: B023
+
+            async with trio.open_nursery() as nursery:
+                for i in range(n):
+                    nursery.start_soon(one, i)
+            stats = engine.frontend.stats
+        counts[spec] = Counter(tuple(r.outputs[0].token_ids[:2]) for r in results)
+        if spec:
+            assert stats.spec_num_drafts > n / 4 and stats.spec_accepted_tokens > 0
+    cells = sorted(set(counts[False]) | set(counts[True]))
+    assert len(cells) <= 9
+    chi = 0.0
+    for cell in cells:
+        a, b = counts[False][cell], counts[True][cell]
+        chi += (a - b) ** 2 / (a + b)  # equal sample sizes: sum (a - b)^2 / (a + b)
+    assert chi < 31.8, (counts[False], counts[True])
+
+
+def test_llm_and_the_cli_take_a_speculative_config(looping_llama_dir: Path,
+                                                   loop_prompts: list[list[int]]) -> None:
+    """``LLM(speculative_config=...)`` and ``actorllm run --speculative-config`` generate
+    what transformers does."""
+    from actorllm.llm import LLM
+
+    llm = LLM(str(looping_llama_dir), speculative_config=NGRAM, num_kv_blocks=64,
+              block_size=4, max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    (res,) = llm.generate([loop_prompts[0]], params)
+    want = hf_greedy(looping_llama_dir, loop_prompts[0], 12)[0]
+    assert list(res.outputs[0].token_ids) == want
+    text = llm.tokenizer.decode(loop_prompts[0], skip_special_tokens=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "actorllm", "run", "--model", str(looping_llama_dir),
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+         "--temperature", "0", "--max-tokens", "12", "--ignore-eos", "--output", "jsonl",
+         "--max-model-len", "128", text],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert '"finish_reason": "length"' in out.stdout, out.stdout
+
+
+# --- the Scheduler's side, driven by hand ---------------------------------------------------
+
+
+def _scheduler(**kw: Any) -> Any:
+    from actorllm.scheduler.actor import Scheduler
+    from actorllm.wire.mailbox import Mailbox
+    from actorllm.wire.messages import SchedulerInput, StepPlan, TokenBatch
+
+    return Scheduler(Mailbox("s", SchedulerInput, 8), Mailbox("w", StepPlan, 2),
+                     Mailbox("d", TokenBatch, 8), num_blocks=32, block_size=4,
+                     max_num_seqs=4, max_num_batched_tokens=64,
+                     speculative=SpeculativeConfig(num_speculative_tokens=3), **kw)
+
+
+def test_a_partly_accepted_row_rolls_back_to_its_accepted_tokens() -> None:
+    """Prompt 5 6 7 5 6, first output 7: the next row proposes 5 6 7 (what followed the
+    earlier '5 6 7'). The Worker accepts one draft and emits its own token: two outputs,
+    the rejected drafts' positions unscheduled, hashes over accepted tokens only."""
+    from actorllm.scheduler.kv_pool import extend_hashes
+    from actorllm.wire.messages import SequenceRequest, StepResult
+
+    s = _scheduler()
+    s.handle(SequenceRequest("a", (5, 6, 7, 5, 6), SamplingParams(max_tokens=10), 10, (1,)))
+    prefill = s.schedule()
+    assert prefill is not None and not prefill.num_drafts
+    s.handle(StepResult(prefill.step_id, (7,)))  # output 7: history 5 6 7 5 6 7
+    plan = s.schedule()
+    assert plan is not None and plan.num_drafts == (3,)
+    assert plan.token_ids == (7, 5, 6, 7) and plan.start_pos == (5,)
+    seq = s.seqs["a"]
+    assert seq.num_scheduled == 9 and len(seq.block_table) == 3
+    s.handle(StepResult(plan.step_id, (5, 9), num_sampled=(2,)))  # 5 accepted, then 9
+    assert seq.output_ids == [7, 5, 9]
+    assert (seq.num_computed, seq.num_scheduled) == (7, 7)  # positions 0..6; 9 is next
+    tokens = [5, 6, 7, 5, 6, 7, 5, 9]
+    assert seq.block_hashes and \
+        seq.block_hashes == extend_hashes([], tokens, 4, len(tokens))[:len(seq.block_hashes)]
+    assert s.take_batch().outputs[-1].token_ids == (5, 9)  # type: ignore[union-attr]
+    assert s.batch.speculation.accepted_per_pos == [1, 0, 0]  # type: ignore[union-attr]
+
+
+def test_an_abort_while_drafts_are_in_flight_waits_for_the_step() -> None:
+    from actorllm.wire.messages import AbortRequest, SequenceRequest, StepResult
+
+    s = _scheduler()
+    s.handle(SequenceRequest("a", (5, 6, 5, 6, 5), SamplingParams(max_tokens=10), 10, (1,)))
+    s.handle(StepResult(s.schedule().step_id, (6,)))
+    plan = s.schedule()
+    assert plan.num_drafts and plan.num_drafts[0] > 0
+    used = s.pool.num_used
+    s.handle(AbortRequest("a"))
+    assert s.pool.num_used == used, "the draft step still writes its blocks"
+    s.handle(StepResult(plan.step_id, (5, 6, 5, 6), num_sampled=(4,)))
+    assert s.pool.num_used == 0 and not s.seqs
+
+
+async def test_a_speculative_trace_checks_and_redrive_says_it_cannot(
+        looping_llama_dir: Path, loop_prompts: list[list[int]], tmp_path: Path) -> None:
+    """The recorded history of a speculative run is a path through the table (no event
+    was added); re-driving it is refused in one sentence, not a crash."""
+    from actorllm.lifecycle.table import load_spec
+    from actorllm.replay.check import check_trace
+    from actorllm.replay.redrive import RedriveError, redrive
+    from actorllm.replay.tracefile import load_trace
+
+    path = tmp_path / "spec.jsonl"
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    async with spec_engine(looping_llama_dir, trace=str(path)) as engine:
+        await run_all(engine, loop_prompts[:2], params)
+        assert engine.frontend.stats.spec_accepted_tokens > 0
+    trace = load_trace(path, load_spec())
+    assert check_trace(trace, load_spec()) == []
+    with pytest.raises(RedriveError, match="speculative"):
+        redrive(trace)
