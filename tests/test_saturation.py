@@ -10,6 +10,7 @@ and sends without yielding while its peer has room (``send_soon``).
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ import trio
 import trio.testing
 
 from actorllm.scheduler.actor import Scheduler
+from actorllm.server import accept
 from actorllm.server.main import LISTEN_BACKLOG, _hypercorn_config, _Options
 from actorllm.tokenizer.actor import Tokenizer
 from actorllm.wire.mailbox import Mailbox, MailboxClosed, batches, receive_waiting, send_soon
@@ -167,3 +169,40 @@ def test_the_listen_queue_holds_a_burst_of_connections() -> None:
     opts = _Options(host="127.0.0.1", port=0, api_key=None, name="m", drain_timeout=1.0,
                     max_request_bytes=1 << 20, max_pending=1 << 20)
     assert _hypercorn_config(opts).backlog == LISTEN_BACKLOG >= 1024
+
+
+def test_the_listener_accepts_a_burst_of_connections_in_one_turn() -> None:
+    """BURST clients whose connections the kernel has queued are all accepted (their
+    handlers started) within a couple of turns of a busy neighbour: trio's accept yields
+    once per connection, 2 x BURST turns (server/accept.py)."""
+    assert accept.install()
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(LISTEN_BACKLOG)
+    clients = [socket.create_connection(listening.getsockname()) for _ in range(BURST)]
+    turns = [0]
+    streams: list[trio.SocketStream] = []
+
+    async def main() -> None:
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(listening))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(count_turns, turns)
+            await trio.sleep(0)
+            start = turns[0]
+            while len(streams) < BURST:
+                streams.append(await listener.accept())
+            turns[0] -= start
+            took = turns[0]
+            for stream in streams:
+                await stream.aclose()
+            await listener.aclose()
+            turns[0] = took
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        for c in clients:
+            c.close()
+    assert len(streams) == BURST
+    assert turns[0] <= 4, f"{BURST} queued connections took {turns[0]} turns to accept"

@@ -196,10 +196,11 @@ async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
     from hypercorn.trio import serve
 
     from actorllm.engine.async_engine import open_engine
-    from actorllm.server import protocol_errors, timeouts
+    from actorllm.server import accept, protocol_errors, timeouts
 
     protocol_errors.install()
     timeouts.install()
+    accept.install()
 
     exit_code = 0
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
