@@ -192,15 +192,21 @@ def _hypercorn_config(opts: _Options, writes_cut: trio.Event | None = None) -> A
     return hc
 
 
-async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
-    from hypercorn.trio import serve
-
-    from actorllm.engine.async_engine import open_engine
+def _install_patches() -> None:
+    """The methods of hypercorn and trio this server replaces (hypercorn_patch.py)."""
     from actorllm.server import accept, protocol_errors, timeouts
 
     protocol_errors.install()
     timeouts.install()
     accept.install()
+
+
+async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
+    from hypercorn.trio import serve
+
+    from actorllm.engine.async_engine import open_engine
+
+    _install_patches()
 
     exit_code = 0
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
