@@ -17,6 +17,7 @@ import pytest
 import trio
 import trio.testing
 
+from actorllm.frontend.actor import Frontend
 from actorllm.scheduler.actor import Scheduler
 from actorllm.server import accept
 from actorllm.server.main import LISTEN_BACKLOG, _hypercorn_config, _Options
@@ -25,12 +26,14 @@ from actorllm.wire.mailbox import Mailbox, MailboxClosed, batches, receive_waiti
 from actorllm.wire.messages import (
     FrontendInput,
     GenerateRequest,
+    OutputBatch,
     SampledToken,
     SamplingParams,
     SchedulerInput,
     SequenceRequest,
     StepPlan,
     StepResult,
+    TextDelta,
     TokenBatch,
     TokenizerInput,
 )
@@ -206,3 +209,26 @@ def test_the_listener_accepts_a_burst_of_connections_in_one_turn() -> None:
             c.close()
     assert len(streams) == BURST
     assert turns[0] <= 4, f"{BURST} queued connections took {turns[0]} turns to accept"
+
+
+def test_a_frontend_behind_by_several_steps_wakes_a_reader_once_for_all_of_them() -> None:
+    """Three steps' OutputBatches waiting in the Frontend's inbox: the streaming reader's
+    first take holds all three tokens (one wake-up, one HTTP write), not the first alone."""
+    tok: Mailbox[Any] = Mailbox("tokenizer", TokenizerInput, 4)
+    inbox: Mailbox[Any] = Mailbox("frontend", FrontendInput, 8)
+    front = Frontend(inbox, tok)
+    takes: list[tuple[int, ...]] = []
+
+    async def main() -> None:
+        collector = await front.submit(GenerateRequest("a", SamplingParams(max_tokens=8),
+                                                       prompt_token_ids=(5,)))
+        for t, text in enumerate("xyz"):
+            inbox.send_nowait(OutputBatch((TextDelta("a", text, (t,)),)))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(front.run)
+            out = await collector.get()
+            takes.append(out.outputs[0].token_ids)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert takes == [(0, 1, 2)]
