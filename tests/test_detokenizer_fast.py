@@ -31,6 +31,7 @@ from actorllm.detokenizer.decoding import (
     build_piece_table,
     hf_decode_fn,
 )
+from actorllm.wire.mailbox import MailboxClosed
 from actorllm.wire.messages import DetokSetup, OutputBatch, StopMatched, TokenBatch, TokenOut
 
 SAMPLES = (
@@ -125,13 +126,28 @@ def streams(draw: st.DrawFn, dec: TokenizerDecode) -> list[Stream]:
 
 
 class Box:
-    """A peer's mailbox: an iterable inbox of prepared batches, or an outbox that keeps."""
+    """A peer's mailbox: an inbox of prepared batches (closed once they are taken), or an
+    outbox that keeps."""
 
     def __init__(self, items: list[Any] | None = None) -> None:
         self.items = items or []
+        self.taken = 0
 
     async def send(self, msg: Any) -> None:
         self.items.append(msg)
+
+    def send_nowait(self, msg: Any) -> None:
+        self.items.append(msg)
+
+    async def receive(self) -> Any:
+        await trio.lowlevel.checkpoint()
+        return self.receive_nowait()
+
+    def receive_nowait(self) -> Any:
+        if self.taken == len(self.items):
+            raise MailboxClosed("box")
+        self.taken += 1
+        return self.items[self.taken - 1]
 
     async def __aiter__(self) -> AsyncIterator[Any]:
         for item in self.items:

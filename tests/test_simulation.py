@@ -213,18 +213,27 @@ def test_stop_string_matched_while_preempted(tiny_tokenizer: Any) -> None:
     # tokens it already had; the StopMatched then finds it PREEMPTED. (It used to make the
     # Scheduler fire 'finish' from PREEMPTED, which the spec forbade: IllegalTransition.)
     # Found with one step in flight; with two, the same rules preempt at another moment.
-    world = replay(tiny_tokenizer, [
+    # (c asks for 10 tokens, not the 8 it was found with: since the Scheduler handles every
+    # message waiting before it plans, the pool fills later. Which of two ready tasks trio
+    # runs first is random, and it now decides whether c-2 or another child is the one
+    # preempted then: the replay runs until c-2 is, as it is about two runs in three.)
+    steps = [
         ("submit", dict(rid="b", n=4, max_tokens=7, prompt="Hi", stop=(), include_stop=False,
                         stream=True)),
-        ("submit", dict(rid="c", n=4, max_tokens=8, prompt="Hi", stop=("the", "ab"),
+        ("submit", dict(rid="c", n=4, max_tokens=10, prompt="Hi", stop=("the", "ab"),
                         include_stop=True, stream=False)),
         ("submit", dict(rid="a", n=2, max_tokens=4, prompt="Hello! How are you?", stop=(),
                         include_stop=False, stream=False)),
-    ], SimConfig(max_steps_in_flight=1))
-    # c-2 ends by the stop string found before its preemption, from PREEMPTED.
-    assert outcome(world, "c")[1][2] == ("stop", "the")
-    assert events(world, "c-2")[3:6] == ["schedule", "preempt", "finish"]
-    assert outcome(world, "b") == ("final", {i: ("length", None) for i in range(4)})
+    ]
+    for _ in range(30):
+        world = replay(tiny_tokenizer, steps, SimConfig(max_steps_in_flight=1))
+        assert outcome(world, "c")[1][2] == ("stop", "the")
+        assert outcome(world, "b") == ("final", {i: ("length", None) for i in range(4)})
+        # c-2 ends by the stop string found before its preemption, from PREEMPTED.
+        if events(world, "c-2")[3:6] == ["schedule", "preempt", "finish"]:
+            break
+    else:
+        pytest.fail("no run met a StopMatched finding c-2 PREEMPTED")
 
 
 def test_sibling_abort_queued_for_a_finished_parent_spares_the_next_request(

@@ -28,7 +28,7 @@ from actorllm.detokenizer.decoding import (
     StopMatcher,
     TokenizerDecode,
 )
-from actorllm.wire.mailbox import Inbox, Outbox
+from actorllm.wire.mailbox import Inbox, Outbox, batches, send_soon
 from actorllm.wire.messages import (
     DetokenizerInput,
     DetokSetup,
@@ -90,33 +90,39 @@ class Detokenizer:
         self.busy_s: dict[int, float] = {}
 
     async def run(self) -> None:
-        async for batch in self.inbox:
-            if isinstance(batch, ReplicaLost):
-                self.lost.add(batch.replica)
-                for rid in [r for r, st in self.states.items() if st.replica == batch.replica]:
-                    del self.states[rid]
-                continue
-            replica = batch.stats.replica if batch.stats is not None else 0
-            if replica in self.lost:
-                continue  # late words of a dead replica: its requests have failed already
-            t0 = time.perf_counter()
-            deltas: list[TextDelta] = []
-            finished: list[RequestFinished] = []
-            stops: list[StopMatched] = []
-            known = self._prepare(batch.outputs)
-            for out, row in zip(batch.outputs, known, strict=True):
-                self._process(out, deltas, finished, stops, replica, row)
-            busy = self.busy_s[replica] = self.busy_s.get(replica, 0.0) + (
-                time.perf_counter() - t0)
-            stats = batch.stats
-            if stats is not None:
-                stats = attrs.evolve(stats, detokenize_s=busy)
-            for stop in stops:
-                await self.schedulers[replica].send(stop)
-            if deltas or finished or batch.freed or stats is not None:
-                await self.frontend.send(
-                    OutputBatch(tuple(deltas), tuple(finished), batch.freed, stats)
-                )
+        """The steps waiting are decoded in one turn of the loop (wire/mailbox.py): an
+        actor that has fallen behind catches up without a wake-up per step."""
+        async for msgs in batches(self.inbox):
+            for msg in msgs:
+                await self.handle(msg)
+
+    async def handle(self, batch: DetokenizerInput) -> None:
+        """One message: a step's tokens, or a replica's death."""
+        if isinstance(batch, ReplicaLost):
+            self.lost.add(batch.replica)
+            for rid in [r for r, st in self.states.items() if st.replica == batch.replica]:
+                del self.states[rid]
+            return
+        replica = batch.stats.replica if batch.stats is not None else 0
+        if replica in self.lost:
+            return  # late words of a dead replica: its requests have failed already
+        t0 = time.perf_counter()
+        deltas: list[TextDelta] = []
+        finished: list[RequestFinished] = []
+        stops: list[StopMatched] = []
+        known = self._prepare(batch.outputs)
+        for out, row in zip(batch.outputs, known, strict=True):
+            self._process(out, deltas, finished, stops, replica, row)
+        busy = self.busy_s[replica] = self.busy_s.get(replica, 0.0) + (
+            time.perf_counter() - t0)
+        stats = batch.stats
+        if stats is not None:
+            stats = attrs.evolve(stats, detokenize_s=busy)
+        for stop in stops:
+            await send_soon(self.schedulers[replica], stop)
+        if deltas or finished or batch.freed or stats is not None:
+            await send_soon(self.frontend,
+                            OutputBatch(tuple(deltas), tuple(finished), batch.freed, stats))
 
     def _prepare(self, outputs: Sequence[TokenOut]) -> list[Known]:
         """Per row of one token: its piece if the table serves it, else the decodes of its

@@ -33,7 +33,7 @@ from actorllm.frontend.state import RequestState, fan_out
 from actorllm.lifecycle.table import Ledger, State
 from actorllm.lifecycle.trace import Tracer
 from actorllm.metrics import EngineMetrics
-from actorllm.wire.mailbox import Inbox, Outbox
+from actorllm.wire.mailbox import Inbox, Outbox, batches
 from actorllm.wire.messages import (
     AbortRequest,
     FailureCode,
@@ -216,8 +216,11 @@ class Frontend:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._abort_sender)
             nursery.start_soon(self.pacing.watch_stalls)
-            async for msg in self.inbox:
-                self.handle(msg)
+            # Every OutputBatch waiting is folded in before a reader runs: one that has
+            # fallen behind wakes (and writes) once for several steps (wire/mailbox.py).
+            async for msgs in batches(self.inbox):
+                for msg in msgs:
+                    self.handle(msg)
                 if self._abort_next or self._flow_next:
                     self._abort_wake.set()
 

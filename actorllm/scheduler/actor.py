@@ -41,7 +41,7 @@ from actorllm.scheduler.policy import POLICIES, WaitingQueue
 from actorllm.scheduler.sequence import Sequence, take_prompt_pieces
 from actorllm.scheduler.speculation import Speculation, count_error, drafts_of, row_tokens
 from actorllm.scheduler.totals import StepTotals
-from actorllm.wire.mailbox import Inbox, Outbox
+from actorllm.wire.mailbox import Inbox, Outbox, batches, send_soon
 from actorllm.wire.messages import (
     FEED_LAST_SAMPLE,
     AbortRequest,
@@ -125,8 +125,11 @@ class Scheduler:
         """Receive and decide in one task, send in another (see the module docstring)."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._sender)
-            async for msg in self.inbox:
-                self.handle(msg)
+            # Everything waiting is handled before the sender plans: a burst of arrivals
+            # shares the next step's budget instead of the first arrival having it alone.
+            async for msgs in batches(self.inbox):
+                for msg in msgs:
+                    self.handle(msg)
                 self._wake.set()
 
     async def _sender(self) -> None:
@@ -140,14 +143,14 @@ class Scheduler:
                 self.totals.plan_s += time.perf_counter() - t0
                 if plan is None:
                     break
-                await self.worker.send(plan)
+                await send_soon(self.worker, plan)
             await self.flush()
 
     async def flush(self) -> None:
         """Send what the decisions so far produced to the Detokenizer."""
         out = self.take_batch()
         if out is not None:
-            await self.detokenizer.send(out)
+            await send_soon(self.detokenizer, out)
 
     def take_batch(self) -> TokenBatch | None:
         """The outputs, frees and stats decided since the last call, if any."""

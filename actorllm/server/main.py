@@ -51,6 +51,12 @@ EXIT_ENGINE_DEAD = 3
 _CLOSE_TIMEOUT = 2.0
 # After an engine death, how long the failed requests get to send their answers.
 _DEATH_GRACE = 5.0
+# Connections the kernel queues before the server accepts them (capped by
+# net.core.somaxconn). hypercorn's default, 100, overflowed when 256 clients connected at
+# once to a busy loop: the kernel dropped the rest's SYNs, and TCP retried them 1, 3 and 7 s
+# later, which the clients saw as time to first token (as uvicorn, vLLM's server, we
+# queue 2048).
+LISTEN_BACKLOG = 2048
 
 
 def _error(message: str) -> None:
@@ -170,6 +176,7 @@ def _hypercorn_config(opts: _Options, writes_cut: trio.Event | None = None) -> A
 
     hc = Config()
     hc.bind = [_bind_address(opts.host, opts.port)]
+    hc.backlog = LISTEN_BACKLOG
     # The drain happens before hypercorn is told to stop (see _drain): by then only
     # finished or failed responses and idle connections remain.
     hc.graceful_timeout = _CLOSE_TIMEOUT
@@ -186,14 +193,21 @@ def _hypercorn_config(opts: _Options, writes_cut: trio.Event | None = None) -> A
     return hc
 
 
+def _install_patches() -> None:
+    """The methods of hypercorn and trio this server replaces (hypercorn_patch.py)."""
+    from actorllm.server import accept, protocol_errors, timeouts
+
+    protocol_errors.install()
+    timeouts.install()
+    accept.install()
+
+
 async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
     from hypercorn.trio import serve
 
     from actorllm.engine.async_engine import open_engine
-    from actorllm.server import protocol_errors, timeouts
 
-    protocol_errors.install()
-    timeouts.install()
+    _install_patches()
 
     exit_code = 0
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

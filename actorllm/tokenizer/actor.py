@@ -27,7 +27,7 @@ from actorllm.config import ModelInfo
 from actorllm.lifecycle.table import Ledger
 from actorllm.lifecycle.trace import Tracer
 from actorllm.text.structured import LLGuidanceBackend
-from actorllm.wire.mailbox import Inbox, Outbox
+from actorllm.wire.mailbox import Inbox, Outbox, batches, send_soon
 from actorllm.wire.messages import (
     AbortRequest,
     ChatMessage,
@@ -214,14 +214,18 @@ class Tokenizer:
         self.ledger = Ledger("tokenizer", tracer)
 
     async def run(self) -> None:
-        async for msg in self.inbox:
-            await self.handle(msg)
+        """Every message waiting is handled in one turn of the loop (wire/mailbox.py):
+        a burst of requests reaches the Scheduler in one wake-up, not one per request,
+        which under load made the last of 256 wait seconds for its first token."""
+        async for msgs in batches(self.inbox):
+            for msg in msgs:
+                await self.handle(msg)
 
     async def handle(self, msg: TokenizerInput) -> None:
         """One message, in arrival order: the next waits until this one has left (an
         abort must never overtake the request it cancels, even one tokenized in a thread)."""
         if isinstance(msg, (AbortRequest, FlowControl)):
-            await self.schedulers[msg.replica].send(msg)
+            await send_soon(self.schedulers[msg.replica], msg)
             return
         try:
             # A grammar's first compile may take milliseconds: never on the loop.
@@ -232,17 +236,17 @@ class Tokenizer:
         except InvalidRequest as exc:
             self.ledger.fire(msg.rid, "reject", reason=str(exc))
             self.ledger.drop(msg.rid)
-            await self.frontend.send(RequestFailed(
+            await send_soon(self.frontend, RequestFailed(
                 msg.rid, str(exc), FailureCode.INVALID_REQUEST, exc.param))
             return
         except Exception as exc:  # a tokenizer bug must not take the server down
             log.exception("tokenizing %s failed", msg.rid)
             self.ledger.fire(msg.rid, "reject", reason="internal")
             self.ledger.drop(msg.rid)
-            await self.frontend.send(RequestFailed(msg.rid, f"tokenizer error: {exc}",
-                                                   FailureCode.INTERNAL))
+            await send_soon(self.frontend, RequestFailed(msg.rid, f"tokenizer error: {exc}",
+                                                         FailureCode.INTERNAL))
             return
-        await self.schedulers[msg.replica].send(seq)
+        await send_soon(self.schedulers[msg.replica], seq)
 
     async def off_loop(self, msg: GenerateRequest) -> SequenceRequest:
         """Encode ``msg`` in a worker thread (the simulation replaces this hop with one

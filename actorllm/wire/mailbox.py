@@ -5,6 +5,13 @@ peers' inboxes; it never learns whether a peer is in this process (trio memory
 channels, here) or another one (ZeroMQ, :mod:`actorllm.wire.transport`). Both sides
 share the small interface below: ``send`` blocks while the box is full
 (backpressure), and a box reports its depth and high-water mark.
+
+Wake-ups, not messages, are what a busy event loop charges for: every ``await`` that
+yields waits for every other runnable task to take its turn, and a loop serving hundreds
+of streams makes that turn long. So an actor takes what is waiting in one go
+(:func:`batches`: the next message and every one already behind it) and sends with
+:func:`send_soon` (no yield while the peer has room): a burst of N messages costs it one
+wake-up, not N (docs/architecture.md, "Wake-ups per burst").
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ class Outbox(Protocol[T_contra]):
 
     async def send(self, msg: T_contra) -> None: ...
 
+    def send_nowait(self, msg: T_contra) -> None: ...
+
 
 class Inbox(Protocol[T_co]):
     """The receiving side of a mailbox."""
@@ -49,6 +58,8 @@ class Inbox(Protocol[T_co]):
     name: str
 
     async def receive(self) -> T_co: ...
+
+    def receive_nowait(self) -> T_co: ...
 
     def __aiter__(self) -> AsyncIterator[T_co]: ...
 
@@ -92,9 +103,13 @@ class Mailbox(Generic[T]):
         self._sent(msg)
 
     def send_nowait(self, msg: T) -> None:
-        """Deliver without waiting; raises trio.WouldBlock when full."""
+        """Deliver without waiting; raises trio.WouldBlock when full (MailboxClosed when
+        closed, as :meth:`send` does)."""
         self._check(msg)
-        self._send.send_nowait(msg)
+        try:
+            self._send.send_nowait(msg)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise MailboxClosed(self.name) from None
         self._sent(msg)
 
     def _check(self, msg: T) -> None:
@@ -147,3 +162,37 @@ class Mailbox(Generic[T]):
 
     def __repr__(self) -> str:
         return f"Mailbox({self.name!r}, depth={self.depth}/{self.capacity})"
+
+
+# The most messages an actor takes per wake-up: bounds how long it holds the loop.
+READ_AHEAD = 256
+
+
+async def receive_waiting(inbox: Inbox[T], limit: int = READ_AHEAD) -> list[T]:
+    """The next message (waiting for one, a schedule point) and every message already
+    waiting behind it, up to ``limit``, taken without yielding. Raises MailboxClosed
+    only when nothing at all is left."""
+    msgs = [await inbox.receive()]
+    while len(msgs) < limit:
+        try:
+            msgs.append(inbox.receive_nowait())
+        except (trio.WouldBlock, MailboxClosed):
+            break
+    return msgs
+
+
+async def batches(inbox: Inbox[T], limit: int = READ_AHEAD) -> AsyncIterator[list[T]]:
+    """:func:`receive_waiting` until the inbox is closed and drained: an actor that
+    handles each list before its next turn pays one wake-up per burst."""
+    with contextlib.suppress(MailboxClosed):
+        while True:
+            yield await receive_waiting(inbox, limit)
+
+
+async def send_soon(outbox: Outbox[T], msg: T) -> None:
+    """Send ``msg`` without yielding if the peer has room; else wait as ``send`` does.
+    Order holds: a box with room has no sender waiting (trio channels, ZmqOutbox)."""
+    try:
+        outbox.send_nowait(msg)
+    except trio.WouldBlock:
+        await outbox.send(msg)

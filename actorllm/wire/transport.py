@@ -203,8 +203,9 @@ class ZmqOutbox(Generic[T]):
 
     def send_nowait(self, msg: T) -> None:
         """Deliver without waiting; raises trio.WouldBlock when the peer is full, and
-        trio.ClosedResourceError after :meth:`close` (as :meth:`send` does)."""
-        if not self._try_send(self._sock, self._check(msg)):
+        trio.ClosedResourceError after :meth:`close` (as :meth:`send` does). While a
+        sender waits for room, this one waits too (never overtakes it)."""
+        if self._lock.locked() or not self._try_send(self._sock, self._check(msg)):
             raise trio.WouldBlock
         self.sent += 1
 

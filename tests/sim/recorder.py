@@ -180,8 +180,8 @@ class WorldFields:
     urgent_preemptions: int
     death_mark: int | None
     scheduler: Any
-    _sched_tag: Any
-    _tok_tag: Any
+    _sched_tags: dict[int, Any]
+    _tok_tags: dict[int, Any]
 
     def report(self, invariant: str, message: str) -> None:
         raise NotImplementedError

@@ -73,20 +73,14 @@ class Watches(WorldFields):
         if edge == "tokenizer->scheduler" and isinstance(msg, AbortRequest | FlowControl):
             # Forwarded as it came: tagged with the incarnation the Frontend sent it for
             # (by now the rid may name a newer one).
-            return self._tok_tag
+            return self._tok_tags.pop(id(msg), None)
         return self.rec.current.get(rids[0]) if len(rids) == 1 else None
 
     def _on_recv(self, box: str, msg: Any, tag: Any) -> None:
-        if box == "tokenizer":
-            self._tok_tag = tag
+        if box == "tokenizer" and isinstance(msg, AbortRequest | FlowControl):
+            self._tok_tags[id(msg)] = tag
         if box == "scheduler":
-            self._sched_tag = tag
-            # Invariant 5 rests on the FIFO edge: an abort (or a pause) for a request the
-            # Scheduler has not received would be dropped, and the request run anyway.
-            if isinstance(msg, AbortRequest | FlowControl) and isinstance(tag, Incarnation) \
-                    and tag.index_of("enqueue") is None and tag.index_of("reject") is None:
-                self.report("5", f"{type(msg).__name__} for {msg.rid!r} reached the Scheduler "
-                            f"before its request: {tag.describe()}")
+            self._sched_tags[id(msg)] = tag
 
     def _watch_scheduler(self) -> None:
         """Wrap the Scheduler's ``handle`` and its pool's ``free`` (invariants 3 and 5)."""
@@ -95,6 +89,13 @@ class Watches(WorldFields):
 
         def checked_handle(msg: Any) -> None:
             why = None  # set: the message must leave the Scheduler exactly as it was
+            tag = self._sched_tags.pop(id(msg), None)
+            # Invariant 5 rests on the FIFO edge: an abort (or a pause) for a request the
+            # Scheduler has not handled would be dropped, and the request run anyway.
+            if isinstance(msg, AbortRequest | FlowControl) and isinstance(tag, Incarnation) \
+                    and tag.index_of("enqueue") is None and tag.index_of("reject") is None:
+                self.report("5", f"{type(msg).__name__} for {msg.rid!r} reached the Scheduler "
+                            f"before its request: {tag.describe()}")
             if isinstance(msg, StepResult):
                 if self.outstanding.pop(msg.step_id, None) is None:
                     why = f"a stale or duplicated result of step {msg.step_id}"
@@ -102,8 +103,7 @@ class Watches(WorldFields):
                 seq = s.seqs.get(msg.rid)
                 if seq is None or seq.status is State.FINISHED:
                     why = f"{type(msg).__name__} for {msg.rid!r}, which has already finished"
-                elif isinstance(msg, StopMatched) and self._sched_tag is not self.rec.current.get(
-                        msg.rid):
+                elif isinstance(msg, StopMatched) and tag is not self.rec.current.get(msg.rid):
                     why = (f"StopMatched({msg.rid!r}, {msg.stop!r}) sent for an earlier request "
                            f"with this rid, arriving while {self.rec.current[msg.rid].describe()}"
                            " is live")

@@ -83,8 +83,10 @@ class World(Watches, Checks):
         self.outstanding: dict[int, StepPlan] = {}  # steps sent, result not yet received
         self.table_mirror = Tables()  # the plans' block-table diffs, applied in send order
         self.plan_tables: dict[int, dict[str, tuple[int, ...]]] = {}  # step -> rid -> table
-        self._sched_tag: Any = None
-        self._tok_tag: Any = None  # the tag of what the Tokenizer took last
+        # id(message) -> its tag, from when its actor takes it until it handles it: an
+        # actor takes every message waiting before it handles the first.
+        self._sched_tags: dict[int, Any] = {}
+        self._tok_tags: dict[int, Any] = {}  # (aborts and pauses: forwarded as they came)
         self._running = 0  # harness tasks (submit, abort) not yet finished
         self._closing = False
         self._idle = False
