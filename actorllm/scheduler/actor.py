@@ -15,10 +15,9 @@ Worker, ``TokenBatch`` to the Detokenizer. Theory of operation:
   its blocks until every one of them is back.
 - Prefix caching (kv_pool.py, seq_blocks.py): blocks are shared by reference count and
   cached or evicted only with none left; a fenced sequence keeps its references.
-- Flow control (flow.py): ``FlowControl(pause)`` takes a sequence out of the batch once no
-  step in flight names it, keeping its blocks (PAUSED) until another sequence needs them.
-- Speculative decoding (speculation.py): a decode row may carry draft tokens; the Worker
-  returns the accepted ones and one of its own, each appended and checked in order.
+- Flow control (flow.py): ``FlowControl(pause)`` parks a sequence (PAUSED, blocks kept).
+- Speculation (speculation.py): a decode row may carry drafts; each token the Worker
+  accepts (plus one of its own) is appended and checked in order.
 """
 
 from __future__ import annotations
@@ -125,8 +124,7 @@ class Scheduler:
         """Receive and decide in one task, send in another (see the module docstring)."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._sender)
-            # Everything waiting is handled before the sender plans: a burst of arrivals
-            # shares the next step's budget instead of the first arrival having it alone.
+            # All that waits is handled before planning: a burst shares the next step.
             async for msgs in batches(self.inbox):
                 for msg in msgs:
                     self.handle(msg)
@@ -156,8 +154,7 @@ class Scheduler:
         """The outputs, frees and stats decided since the last call, if any."""
         return self.outgoing.take(self.stats)
 
-    # What the batch holds, read here for the stats and by tests (paused: longest paused
-    # first; worker_drops: rids whose Worker state may go, sent with the next StepPlan).
+    # The batch's, for stats and tests (worker_drops: rids the next StepPlan drops).
     @property
     def pool(self) -> BlockPool:
         return self.batch.pool
