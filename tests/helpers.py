@@ -251,7 +251,7 @@ def greedy_expectations(model_dir: str | Path, tokenizer: Any, prompts: list[str
     return out
 
 
-async def collect_all(engine: AsyncEngine, prompts: list[str],
+async def collect_all(engine: AsyncEngine, prompts: list[Any],
                       params: Any) -> list[Any]:
     """Every prompt submitted at once (rids ``g0``, ``g1``, ...); results in prompt order."""
     from actorllm.llm import collect

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import trio
-from helpers import build_tiny_model, hf_greedy, hf_model
+from helpers import build_tiny_model, collect_all, hf_greedy, hf_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sim.profiles import examples
@@ -215,18 +215,6 @@ async def spec_engine(model: Path, *, num_kv_blocks: int = 128, max_model_len: i
         assert await engine.wait_drained() == []
 
 
-async def run_all(engine: AsyncEngine, prompts: list[Any], params: SamplingParams) -> list[Any]:
-    results: list[Any] = [None] * len(prompts)
-
-    async def one(i: int) -> None:
-        results[i] = await collect(engine, f"s{i}", prompts[i], params)
-
-    async with trio.open_nursery() as nursery:
-        for i in range(len(prompts)):
-            nursery.start_soon(one, i)
-    return results
-
-
 @pytest.mark.parametrize("overlap", [False, True])
 async def test_greedy_equals_transformers_with_speculation(
         looping_llama_dir: Path, loop_prompts: list[list[int]], overlap: bool) -> None:
@@ -236,7 +224,7 @@ async def test_greedy_equals_transformers_with_speculation(
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     async with spec_engine(looping_llama_dir, num_kv_blocks=24, max_model_len=64,
                            max_num_batched_tokens=16, async_scheduling=overlap) as engine:
-        results = await run_all(engine, loop_prompts, params)
+        results = await collect_all(engine, loop_prompts, params)
         stats = engine.frontend.stats
     assert stats.num_preemptions > 0, "the test must exercise preemption"
     assert stats.prefix_cache_hits > 0, "and prefix caching"
@@ -259,7 +247,7 @@ async def test_rejected_drafts_leave_no_trace_where_attention_matters(
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     async with spec_engine(tiny_llama_dir, num_kv_blocks=40, max_num_batched_tokens=16,
                            spec={**NGRAM, "prompt_lookup_min": 1}) as engine:
-        results = await run_all(engine, prompts, params)
+        results = await collect_all(engine, prompts, params)
         stats = engine.frontend.stats
         tokenizer = engine.tokenizer
     assert stats.spec_draft_tokens - stats.spec_accepted_tokens > 10, "rejections"
@@ -273,7 +261,7 @@ async def test_greedy_equals_transformers_in_the_engine_topology(
         looping_llama_dir: Path, loop_prompts: list[list[int]]) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     async with spec_engine(looping_llama_dir, topology="engine") as engine:
-        results = await run_all(engine, loop_prompts[:3], params)
+        results = await collect_all(engine, loop_prompts[:3], params)
         stats = engine.frontend.stats
     assert stats.spec_accepted_tokens > 0
     model = hf_model(looping_llama_dir)
@@ -288,7 +276,7 @@ async def test_stops_and_lengths_cut_exactly_when_a_step_accepts_several_tokens(
     prompt = loop_prompts[1]
     base = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     async with spec_engine(looping_llama_dir, spec=None) as engine:
-        (full,) = (await run_all(engine, [prompt], base))[0].outputs
+        (full,) = (await collect_all(engine, [prompt], base))[0].outputs
     ids, text = list(full.token_ids), full.text
     cases = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
              for m in range(1, 13)]
@@ -342,7 +330,7 @@ async def test_speculation_metrics_on_the_metrics_registry(
         looping_llama_dir: Path, loop_prompts: list[list[int]]) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     async with spec_engine(looping_llama_dir) as engine:
-        await run_all(engine, loop_prompts[:2], params)
+        await collect_all(engine, loop_prompts[:2], params)
         engine.update_gauges()  # (what a /metrics scrape does first)
         reg = engine.metrics.registry
         stats = engine.frontend.stats
@@ -482,7 +470,7 @@ async def test_a_speculative_trace_checks_and_redrive_says_it_cannot(
     path = tmp_path / "spec.jsonl"
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     async with spec_engine(looping_llama_dir, trace=str(path)) as engine:
-        await run_all(engine, loop_prompts[:2], params)
+        await collect_all(engine, loop_prompts[:2], params)
         assert engine.frontend.stats.spec_accepted_tokens > 0
     trace = load_trace(path, load_spec())
     assert check_trace(trace, load_spec()) == []
