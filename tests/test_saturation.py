@@ -232,3 +232,30 @@ def test_a_frontend_behind_by_several_steps_wakes_a_reader_once_for_all_of_them(
 
     trio.run(main)
     assert takes == [(0, 1, 2)]
+
+
+def test_closing_the_listener_closes_connections_accepted_ahead() -> None:
+    """A burst accepted ahead but never handed out (the server stopped between two
+    accepts) is closed with the listener: the clients see EOF, no descriptor is left."""
+    assert accept.install()
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(16)
+    clients = [socket.create_connection(listening.getsockname()) for _ in range(4)]
+
+    async def main() -> None:
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(listening))
+        first = await listener.accept()  # takes the other three ahead
+        await first.aclose()
+        await listener.aclose()
+        # Still inside the run, the listener still referenced: nothing is closed by
+        # garbage collection. The wait is a guard against hanging only.
+        for c in clients:
+            c.settimeout(30)
+            assert c.recv(1) == b"", "a connection accepted ahead was left open"
+
+    try:
+        trio.run(main)
+    finally:
+        for c in clients:
+            c.close()

@@ -8,9 +8,11 @@ was accepted seconds after the first, and that wait was most of its time to firs
 (issue 28; docs/architecture.md, "Wake-ups per burst"). ``install`` replaces the method
 with one that, after its ordinary accept (which waits, and yields, as before), takes every
 connection the kernel has already queued without yielding, and hands them out on the
-next calls before it accepts again. Like ``timeouts``, it replaces a method of a
-third-party class through ``hypercorn_patch.replace_method``; ``tests/test_saturation.py``
-fails if an upgrade breaks it.
+next calls before it accepts again; closing the listener closes those not yet handed
+out, so a server that stops between the two leaves no descriptor open. Like
+``timeouts``, it replaces methods of a third-party class through
+``hypercorn_patch.replace_method``; ``tests/test_saturation.py`` fails if an upgrade
+breaks it.
 """
 
 from __future__ import annotations
@@ -47,8 +49,21 @@ def install() -> bool:
 
         return accept
 
+    def make_close(original: Any) -> Any:
+        async def aclose(self: Any) -> None:
+            ready = _ready.pop(self, None)
+            try:
+                while ready:
+                    await trio.aclose_forcefully(ready.popleft())
+            finally:
+                await original(self)
+
+        return aclose
+
     return replace_method(trio.SocketListener, "accept", make,
-                          without="accepting a burst of connections in one turn")
+                          without="accepting a burst of connections in one turn") and \
+        replace_method(trio.SocketListener, "aclose", make_close,
+                       without="closing connections accepted ahead")
 
 
 def queued(listening: Any, limit: int = BURST) -> list[trio.SocketStream]:
