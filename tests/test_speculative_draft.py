@@ -59,7 +59,8 @@ async def draft_engine(model: Path, spec: Any, *, num_kv_blocks: int = 128,
                        max_model_len: int = 64, **kw: Any) -> AsyncIterator[AsyncEngine]:
     config = EngineConfig(model=str(model), num_kv_blocks=num_kv_blocks, block_size=4,
                           max_model_len=max_model_len, speculative_config=spec, **kw)
-    key = (str(model), str(num_kv_blocks), str(max_model_len), json.dumps(spec))
+    key = (str(model), str(num_kv_blocks), str(max_model_len), json.dumps(spec),
+           config.attention_backend)
     if key not in _resources:  # (the runner holds the draft: one per spec)
         _resources[key] = Resources(config)
     async with open_engine(config, resources=_resources[key]) as engine:
@@ -72,19 +73,22 @@ def expected(model_dir: Path, prompts: list[list[int]], n: int) -> list[list[int
     return [hf_greedy(model, p, n)[0] for p in prompts]
 
 
-@pytest.mark.parametrize(("draft", "overlap"), [("random", False), ("random", True),
-                                                ("self", False), ("self", True)])
+@pytest.mark.parametrize(("draft", "overlap", "attention"), [
+    ("random", False, "auto"), ("random", True, "auto"), ("self", False, "auto"),
+    ("self", True, "auto"), ("random", False, "torch")])
 async def test_greedy_equals_transformers_with_a_draft_model(
         tiny_llama_dir: Path, random_draft_dir: Path, prompts: list[list[int]], draft: str,
-        overlap: bool) -> None:
+        overlap: bool, attention: str) -> None:
     """A 20-block pool (preemption), a 16-token budget (chunked prefill), repeated
     prompts (prefix-cache hits), one or two steps in flight. The random draft's proposals
-    are mostly rejected; the target's own weights as the draft have all accepted."""
+    are mostly rejected; the target's own weights as the draft have all accepted. On the
+    CPU backend the draft's one-token passes run in one op; on torch's, the module."""
     max_new = 20
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     draft_dir = random_draft_dir if draft == "random" else tiny_llama_dir
     async with draft_engine(tiny_llama_dir, draft_spec(draft_dir), num_kv_blocks=20,
-                            max_num_batched_tokens=16, async_scheduling=overlap) as engine:
+                            max_num_batched_tokens=16, async_scheduling=overlap,
+                            attention_backend=attention) as engine:
         results = await collect_all(engine, prompts, params)
         stats = engine.frontend.stats
     assert stats.num_preemptions > 0, "the test must exercise preemption"

@@ -27,9 +27,11 @@ import torch
 from torch import Tensor
 from transformers import PretrainedConfig
 
-from actorllm.model import ForwardBatch, KVCache, load_config, load_model
+from actorllm.model import ForwardBatch, KVCache, load_config, load_model, model_impl_of
 from actorllm.model.llama import allocate_kv_caches, head_dim_of
 from actorllm.ops import AttentionBackend, select_backend
+from actorllm.ops.cpu_linear import pack_linears
+from actorllm.ops.cpu_step import load_decode_step
 from actorllm.wire.steps import StepPlan
 
 log = logging.getLogger(__name__)
@@ -69,8 +71,14 @@ class DraftModel:
         self.backend = backend if mine == head_dim_of(target) else select_backend(
             backend.name, self.device, dtype=k_cache.dtype, head_dim=mine,
             block_size=block_size)
-        log.info("draft model: %s, %d layers, %d KV blocks", self.model_dir,
-                 self.config.num_hidden_layers, num_blocks)
+        # On the CPU its passes are mostly one token a row: one op call each, as the
+        # target's decode steps (ops/cpu_step.py), and packed linears for the others.
+        cpu_native = self.device.type == "cpu" and model_impl_of(self.config) == "native"
+        packed = pack_linears(self.model) if cpu_native else 0
+        self.decode_step = load_decode_step(self.model, self.backend) if packed else None
+        log.info("draft model: %s, %d layers, %d KV blocks%s", self.model_dir,
+                 self.config.num_hidden_layers, num_blocks,
+                 ", passes of one token a row in one op" if self.decode_step else "")
 
     def fill(self, plan: StepPlan, batch: ForwardBatch) -> tuple[StepPlan, ForwardBatch]:
         """Run the draft over ``batch`` (``plan`` packed) and put its drafts where the
@@ -132,6 +140,8 @@ class DraftModel:
         return self._argmax(hidden[self._dev(cu_known[spec + 1] - 1)])
 
     def _forward(self, batch: ForwardBatch) -> Tensor:
+        if self.decode_step is not None and self.decode_step.applies(batch):
+            return self.decode_step(batch, self.kv_caches)
         return self.model(batch, self.kv_caches, self.backend)
 
     def _argmax(self, hidden: Tensor) -> Tensor:
