@@ -48,7 +48,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 3, "prompt_lookup_max": 4, '
-                        '"prompt_lookup_min": 1}\' (n-gram prompt lookup only)')
+                        '"prompt_lookup_min": 1}\' (n-gram prompt lookup), or '
+                        '\'{"method": "draft_model", "model": DIR, '
+                        '"num_speculative_tokens": 3}\' (a smaller draft model)')
     g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                    help="N replicas of the Scheduler and Worker, each in its own process, "
                         "behind one HTTP front (needs --topology engine, the default then)")

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import attrs
 
+from actorllm.draft_config import METHOD_KEYS, check_draft_model, draft_dir
+
 TOPOLOGIES = ("single", "engine", "pipeline")
 
 
@@ -40,11 +42,12 @@ def _json_object(value: object) -> object:
 
 @attrs.frozen
 class SpeculativeConfig:
-    """Speculative decoding, vLLM's ``--speculative-config`` shape. Only ``ngram`` (prompt
-    lookup) is implemented: the Scheduler proposes up to ``num_speculative_tokens`` tokens
-    that followed the latest earlier occurrence of the sequence's last n tokens,
-    n from ``prompt_lookup_max`` down to ``prompt_lookup_min`` (docs/architecture.md,
-    "Speculative decoding")."""
+    """Speculative decoding, vLLM's ``--speculative-config`` shape. ``ngram`` (prompt
+    lookup): the Scheduler proposes up to ``num_speculative_tokens`` tokens that followed
+    the latest earlier occurrence of the sequence's last n tokens, n from
+    ``prompt_lookup_max`` down to ``prompt_lookup_min``. ``draft_model``: the Worker's
+    draft ``model`` (a directory) proposes them (docs/architecture.md, "Speculative
+    decoding")."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
@@ -53,6 +56,7 @@ class SpeculativeConfig:
     # vLLM's: no proposals while this many sequences or more run (None: no limit). On the
     # CPU a step with drafts cannot take the one-op decode path, so every row pays for it.
     disable_by_batch_size: int | None = None
+    model: str | None = None  # draft_model: the draft's directory
 
     @classmethod
     def parse(cls, raw: object) -> SpeculativeConfig | None:
@@ -67,16 +71,16 @@ class SpeculativeConfig:
         if not isinstance(raw, Mapping):
             raise ValueError("--speculative-config must be a JSON object")
         method = raw.get("method", "ngram")
-        if method != "ngram":
+        if method not in METHOD_KEYS:
             raise ValueError(f"--speculative-config: method {method!r} is not supported "
-                             "(only 'ngram')")
-        unknown = sorted(set(raw) - {"method", "num_speculative_tokens", "prompt_lookup_max",
-                                      "prompt_lookup_min", "disable_by_batch_size"})
+                             "(only 'ngram' and 'draft_model')")
+        unknown = sorted(set(raw) - METHOD_KEYS[method])
         if unknown:
             raise ValueError(f"--speculative-config: unknown key {unknown[0]!r}")
         if "num_speculative_tokens" not in raw:
             raise ValueError("--speculative-config: num_speculative_tokens is required")
-        fields = {k: raw[k] for k in raw if k != "method"}
+        model = draft_dir(raw) if method == "draft_model" else None
+        fields = {k: raw[k] for k in raw if k not in ("method", "model")}
         for k, v in fields.items():
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"--speculative-config: {k} must be a positive integer, "
@@ -91,7 +95,7 @@ class SpeculativeConfig:
                              "prompt_lookup_max")
         if fields["num_speculative_tokens"] > 32:
             raise ValueError("--speculative-config: num_speculative_tokens must be at most 32")
-        return cls(method, **fields)
+        return cls(method, **fields, model=model)
 
 
 @attrs.frozen
@@ -154,7 +158,9 @@ class EngineConfig:
                                                                converter=_json_object)
 
     def __attrs_post_init__(self) -> None:
-        SpeculativeConfig.parse(self.speculative_config)  # ValueError now, not at load
+        spec = SpeculativeConfig.parse(self.speculative_config)  # ValueError now, not at load
+        if spec is not None and spec.model is not None:
+            check_draft_model(spec.model, self.model, self.tensor_parallel_size)
         if not 1 <= self.block_size <= 256:
             raise ValueError(f"--block-size must be in [1, 256], got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

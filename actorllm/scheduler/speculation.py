@@ -1,5 +1,6 @@
 """Speculative decoding's Scheduler side: n-gram proposals (prompt lookup), when a row
-may carry them, and the counters of what the Worker accepted.
+may carry them, and the counters of what the Worker accepted. With a draft model the
+proposals are placeholders: the Worker's draft fills them (worker/draft.py).
 
 The Scheduler owns each sequence's tokens, so proposals are made here, while planning: a
 decode row runs ``[last token, drafts...]`` (``StepPlan.num_drafts``), the Worker
@@ -23,6 +24,8 @@ from actorllm.wire.steps import StepPlan, StepResult
 #: After a proposal of which nothing was accepted, a row proposes nothing for 2, 4, 8, ...
 #: steps (at most this many): text the proposer cannot predict costs few drafting steps.
 MAX_BACKOFF = 64
+#: What a draft_model row carries where its drafts go: the Scheduler never knows them.
+DRAFT_PLACEHOLDER = 0
 
 
 def propose_ngram(tokens: Seq[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -74,6 +77,9 @@ class Speculation:
                 seq.max_tokens - len(seq.output_ids) - 1)
         if k < 1 or not may_speculate(seq):
             return []
+        if self.config.method == "draft_model":
+            # The Worker's draft model fills these placeholders before the target runs.
+            return [DRAFT_PLACEHOLDER] * k
         return propose_ngram(seq.prompt_ids + seq.output_ids, k,
                              self.config.prompt_lookup_min, self.config.prompt_lookup_max)
 

@@ -218,6 +218,7 @@ def build_runner(config: EngineConfig, info: ModelInfo) -> Any:
     runner = ModelRunner(
         config.model,
         model_impl=config.model_impl,
+        draft_model=config.speculative.model if config.speculative else None,
         num_blocks=config.num_kv_blocks,
         block_size=config.block_size,
         kv_cache_bytes=None if config.num_kv_blocks is not None else config.kv_cache_memory,

@@ -42,6 +42,7 @@ from actorllm.text.structured import (
 )
 from actorllm.wire.rendezvous import Rendezvous
 from actorllm.wire.steps import NewSeqData, PromptLogprobs, StepPlan, StepResult
+from actorllm.worker.draft import DraftModel, draft_block_bytes
 from actorllm.worker.packing import BlockTables, pack_plan
 from actorllm.worker.pooling import Pooler, pooled_norm
 from actorllm.worker.ranks import RankGroup, RankSpec
@@ -68,7 +69,7 @@ class ModelRunner:
     Worker refuses and stops on exactly what the Tokenizer and the Scheduler do.
     ``tensor_parallel_size`` > 1 makes this runner the driver of that many ranks
     (:mod:`actorllm.worker.ranks`), meeting at ``rendezvous`` (default: all on this host);
-    :meth:`close` stops them.
+    :meth:`close` stops them. ``draft_model``: a speculative draft's directory (worker/draft.py).
     """
 
     def __init__(
@@ -87,6 +88,7 @@ class ModelRunner:
         tensor_parallel_size: int = 1,
         rendezvous: Rendezvous | None = None,
         model_impl: str = "auto",
+        draft_model: str | None = None,
     ) -> None:
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
@@ -114,13 +116,12 @@ class ModelRunner:
         self._grammars: GrammarBackend | None = None  # built on the first grammar
         self._constrained: set[str] = set()  # rids whose state has a grammar
         self.masks = MaskFiller(self.vocab_size, self.device)  # its thread: on first use
-
         # Per rank: its share of the KV heads, in the same block layout on every rank.
         num_kv_heads, head_dim = tp.kv_heads(config.num_key_value_heads), head_dim_of(config)
         num_layers = config.num_hidden_layers
         block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * self.dtype.itemsize
         if num_blocks is None:
-            num_blocks = self._default_num_blocks(kv_cache_bytes, block_bytes)
+            num_blocks = self._default_num_blocks(kv_cache_bytes, block_bytes, draft_model)
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks: int = num_blocks
@@ -133,7 +134,7 @@ class ModelRunner:
         # No share with tensor parallelism: the ranks are busy processes of this engine.
         self.threads = StepThreads(self.device.type, large=large_step_threads,
                                    share=None if tp.enabled else worker_share())
-        self._load(model_dir, config, tp)
+        self._load(model_dir, config, tp, draft_model)
         self.pooler = Pooler()  # embedding requests' pooled hidden states
         # The persistent batch: each held rid's block table and sampling columns, one slot.
         self.tables = BlockTables(num_blocks, block_size, self.max_model_len)
@@ -152,7 +153,8 @@ class ModelRunner:
                  ", decode steps in one op" if self.decode_step is not None else "",
                  num_blocks, block_size, num_blocks * block_bytes / 2**20)
 
-    def _load(self, model_dir: str | Path, config: PretrainedConfig, tp: TensorParallel) -> None:
+    def _load(self, model_dir: str | Path, config: PretrainedConfig, tp: TensorParallel,
+              draft_model: str | None) -> None:
         """Weights and KV cache here, and the ranks connected; on failure the ranks stop."""
         try:
             with single_threaded():  # no OpenMP team in this thread: see ops/threads.py
@@ -162,6 +164,8 @@ class ModelRunner:
                     if self.device.type == "cpu" and model_impl_of(config) == "native" else 0
                 self.kv_caches: list[KVCache] = allocate_kv_caches(
                     config, self.num_blocks, self.block_size, self.dtype, self.device, tp)
+                self.draft = DraftModel(draft_model, config, self.kv_caches,
+                                        self.backend) if draft_model else None
             # A busy server's steps are mostly decode: on the CPU they run as one op call
             # (ops/cpu_step.py), which releases the GIL once instead of once per op.
             self.decode_step = load_decode_step(self.model, self.backend) \
@@ -174,7 +178,9 @@ class ModelRunner:
                 self.ranks.close()
             raise
 
-    def _default_num_blocks(self, kv_cache_bytes: int | None, block_bytes: int) -> int:
+    def _default_num_blocks(self, kv_cache_bytes: int | None, block_bytes: int,
+                            draft_model: str | None) -> int:
+        block_bytes += draft_block_bytes(draft_model, self.block_size, self.dtype)
         if kv_cache_bytes is not None:
             return kv_cache_bytes // block_bytes
         if self.device.type == "cuda":
@@ -232,6 +238,8 @@ class ModelRunner:
                 tp = time.perf_counter()
                 batch = self._pack(plan, rows)
                 pack_s = time.perf_counter() - tp
+                if self.draft is not None:  # its drafts replace the plan's placeholders
+                    plan, batch = self.draft.fill(plan, batch)
                 self.threads.use_for(batch.input_ids.shape[0])
                 if self.decode_step is not None and self.decode_step.applies(batch):
                     hidden = self.decode_step(batch, self.kv_caches)

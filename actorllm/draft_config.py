@@ -1,0 +1,59 @@
+"""The ``draft_model`` speculative method's checks, from config.json alone (no torch).
+
+Shared ground beside :mod:`actorllm.config`, which calls them when an ``EngineConfig`` is
+made: so the CLI, the server and ``LLM`` refuse a draft they cannot run in one line,
+before any weights load (the Worker's loader, ``worker/draft.py``, checks the same
+again on what it loads). docs/architecture.md, "Speculative decoding".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+_COMMON = frozenset({"method", "num_speculative_tokens", "disable_by_batch_size"})
+#: The keys each method takes.
+METHOD_KEYS: dict[str, frozenset[str]] = {
+    "ngram": _COMMON | {"prompt_lookup_max", "prompt_lookup_min"},
+    "draft_model": _COMMON | {"model"},
+}
+
+
+def draft_dir(raw: Mapping[str, object]) -> str:
+    """The ``model`` of a draft_model config: a directory with a config.json."""
+    model = raw.get("model")
+    if not isinstance(model, str) or not model:
+        raise ValueError("--speculative-config: draft_model needs \"model\": a directory")
+    _text_config(model)
+    return model
+
+
+def check_draft_model(draft: str, target: str, tensor_parallel_size: int) -> None:
+    """ValueError (one line) for a draft the Worker cannot run beside ``target``: another
+    vocabulary size, or tensor parallelism (the draft is not sharded)."""
+    if tensor_parallel_size > 1:
+        raise ValueError("--speculative-config: draft_model does not run with "
+                         "--tensor-parallel-size > 1")
+    if not (Path(target) / "config.json").is_file():
+        return  # the target's own check names what is missing
+    want = _text_config(target, "model").get("vocab_size")
+    got = _text_config(draft).get("vocab_size")
+    if want != got:
+        raise ValueError(f"--speculative-config: the draft model's vocab_size {got} is not "
+                         f"the model's {want}")
+
+
+def _text_config(model_dir: str, what: str = "draft model") -> Mapping[str, object]:
+    file = Path(model_dir) / "config.json"
+    if not file.is_file():
+        raise ValueError(f"--speculative-config: {what} directory {model_dir!r} does not "
+                         "exist or has no config.json")
+    try:
+        cfg = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--speculative-config: cannot read {file}: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--speculative-config: {file} is not a JSON object")
+    text = cfg.get("text_config", cfg)
+    return text if isinstance(text, dict) else cfg
