@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 _COMMON = frozenset({"method", "num_speculative_tokens", "disable_by_batch_size"})
 #: The keys each method takes.
@@ -57,3 +58,16 @@ def _text_config(model_dir: str, what: str = "draft model") -> Mapping[str, obje
         raise ValueError(f"--speculative-config: {file} is not a JSON object")
     text = cfg.get("text_config", cfg)
     return text if isinstance(text, dict) else cfg
+
+
+def check_runner_draft(draft: Any, spec: Any) -> None:
+    """Refuse a model runner built for another draft than ``spec`` (a
+    ``config.SpeculativeConfig`` or None) asks for; ``draft``: the runner's
+    ``worker.draft.DraftModel`` or None. ``Resources`` outlive an engine run: reused with
+    a draft_model config, a runner without a draft would leave every draft a
+    placeholder, all rejected (exact output, no speculation) without a word."""
+    wanted = spec.model if spec is not None and spec.method == "draft_model" else None
+    built = draft.model_dir if draft is not None else None
+    if wanted != built:
+        raise ValueError(f"--speculative-config: the model runner was built with draft "
+                         f"model {built!r}, not {wanted!r}: make new Resources for it")

@@ -254,3 +254,18 @@ def test_draft_model_rows_carry_placeholders_and_back_off(tiny_llama_dir: Path) 
     assert spec.propose(lp, 10) == []
     spec.verdict(seq, 2, 0)
     assert [len(spec.propose(seq, 10)) for _ in range(3)] == [0, 0, 2]
+
+
+async def test_resources_built_without_the_draft_are_refused(tiny_llama_dir: Path,
+                                                             random_draft_dir: Path) -> None:
+    """Resources outlive an engine run; a runner built without a draft, reused with a
+    draft_model config, would leave every draft a placeholder, all rejected: exact output,
+    no speculation, no word. open_engine refuses the pair instead."""
+    plain = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=32, block_size=4,
+                         max_model_len=64)
+    resources = Resources(plain)
+    spec = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=32, block_size=4,
+                        max_model_len=64, speculative_config=draft_spec(random_draft_dir))
+    with pytest.raises(ValueError, match="draft model None"):
+        async with open_engine(spec, resources=resources):
+            pass

@@ -26,6 +26,7 @@ from typing import Any
 import trio
 
 from actorllm.config import EngineConfig, ModelInfo, read_model_info
+from actorllm.draft_config import check_runner_draft
 from actorllm.engine.admission import Admission, Gate
 from actorllm.frontend.actor import Frontend
 from actorllm.frontend.collector import OutputCollector
@@ -347,6 +348,7 @@ async def _main_parts(config: EngineConfig, resources: Resources) -> Parts:
     if place["worker"] == MAIN:
         parts.runner = resources.runner or await trio.to_thread.run_sync(
             resources.load_runner, config)
+        check_runner_draft(getattr(parts.runner, "draft", None), config.speculative)
     if place["detokenizer"] == MAIN:
         from actorllm.detokenizer.decoding import hf_decode_fn
 
