@@ -218,3 +218,18 @@ def test_seeded_rows_draw_what_they_drew_before_the_persistent_batch() -> None:
         batch.commit(slots, tokens, token_list)
         got.append(token_list)
     assert got == _SEEDED_TOKENS
+
+
+def test_a_row_without_top_k_does_not_lift_the_others_top_k() -> None:
+    """Regression: with no top_p or min_p in the batch, a row with no top_k made the whole
+    batch skip the filter, so a top_k=1 row drew from its whole vocabulary."""
+    batch = SamplingBatch(VOCAB, CPU, (EOS,))
+    batch.add(0, SamplingState(SamplingParams(temperature=1.0), [1]))
+    batch.add(1, SamplingState(SamplingParams(temperature=1.0, top_k=1), [1]))
+    batch.add(2, SamplingState(SamplingParams(temperature=0.6, top_k=3), [1]))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        logits = torch.randn(3, VOCAB, generator=gen) * 3
+        tokens = batch.sample(logits, np.arange(3))[1]
+        assert tokens[1] == int(logits[1].argmax())
+        assert tokens[2] in logits[2].topk(3).indices.tolist()
