@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sim.profiles import examples
 
+from actorllm.ops.cpu_step import load_sampler
 from actorllm.wire.messages import SamplingParams
 from actorllm.worker.sampler import SamplingState, sample
 from actorllm.worker.sampling_batch import SamplingBatch
@@ -19,6 +20,7 @@ EOS = 3
 VOCAB = 40
 CPU = torch.device("cpu")
 F32 = torch.float32
+SAMPLER = load_sampler()  # None where the op cannot be built: both runs are the plain path
 
 
 def reference_process(row: torch.Tensor, p: SamplingParams, prompt: list[int],
@@ -119,11 +121,13 @@ class Reference:
 
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rows=st.lists(_row, min_size=1, max_size=20), steps=st.integers(1, 5),
-       seed=st.integers(0, 2**31 - 1), data=st.data())
+       seed=st.integers(0, 2**31 - 1), fused=st.booleans(), data=st.data())
 def test_batch_matches_the_per_row_reference_as_rows_come_and_go(
-        rows: list, steps: int, seed: int, data: st.DataObject) -> None:
+        rows: list, steps: int, seed: int, fused: bool, data: st.DataObject) -> None:
+    """With and without the one-op sampling of steps whose rows need no filter."""
     gen = torch.Generator().manual_seed(seed)
-    batch = SamplingBatch(VOCAB, CPU, (EOS,), capacity=4)  # small: it must grow
+    batch = SamplingBatch(VOCAB, CPU, (EOS,), capacity=4,  # small: it must grow
+                          fused=SAMPLER if fused else None)
     ref = Reference()
     waiting = list(rows)
     for _ in range(steps):
