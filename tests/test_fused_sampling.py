@@ -127,3 +127,25 @@ def test_a_seeded_row_draws_the_same_with_and_without_the_op() -> None:
         assert la[0] == lb[0]
         plain.commit(slots, a, la)
         fused.commit(slots, torch.tensor([lb[0], la[1]]), [lb[0], la[1]])
+
+
+@pytest.mark.parametrize("params, op", [
+    ([SamplingParams(temperature=1.0), SamplingParams(temperature=0.0, seed=3)], True),
+    ([SamplingParams(temperature=0.0, top_k=2), SamplingParams(temperature=0.5)], True),
+    ([SamplingParams(temperature=1.0, seed=3)], False),
+    ([SamplingParams(temperature=1.0, top_p=0.9)], False),
+    ([SamplingParams(temperature=1.0, logprobs=0)], False),
+    ([SamplingParams(temperature=0.0, repetition_penalty=1.1)], False),
+    ([SamplingParams(temperature=1.0, logit_bias=((1, 2.0),))], False),
+    ([SamplingParams(temperature=1.0, min_tokens=2)], False),
+])
+def test_the_decode_op_draws_only_rows_nothing_else_touches(
+        params: list[SamplingParams], op: bool) -> None:
+    temps = _batch(params).op_temperatures(np.arange(len(params)))
+    assert (temps is not None) == op
+    if temps is not None:  # a greedy row's temperature is 0 whatever it asked
+        assert temps.tolist() == [0.0 if p.temperature < GREEDY_BELOW else p.temperature
+                                  for p in params]
+    plain = SamplingBatch(32, torch.device("cpu"), (3,))
+    plain.add(0, SamplingState(SamplingParams(temperature=1.0), [5]))
+    assert plain.op_temperatures(np.arange(1)) is None  # no op: never

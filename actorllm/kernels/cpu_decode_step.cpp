@@ -65,6 +65,9 @@ Tensor packed_linear(const c10::OperatorHandle& op, const Tensor& x, const Tenso
   return padded == rows ? out : out.narrow(0, 0, rows);
 }
 
+Tensor sample_rows(const Tensor& logits, const Tensor& temperature,
+                   const std::optional<Tensor>& uniforms, double greedy_below);
+
 // Weights per layer in `weights` (after the embedding at index 0), and biases per layer
 // in `biases`, in this order.
 constexpr int64_t kWeightsPerLayer = 6;  // input norm, qkv, o, post norm, gate_up, down
@@ -78,7 +81,8 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
                     double scale, int64_t padded_rows, int64_t decode_fn,
                     const std::optional<Tensor>& final_norm,
-                    const std::optional<Tensor>& lm_head) {
+                    const std::optional<Tensor>& lm_head,
+                    const std::optional<Tensor>& temperature, double greedy_below) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 1 + kWeightsPerLayer * layers,
               "llama_decode: expected ", 1 + kWeightsPerLayer * layers, " weights, got ",
@@ -144,8 +148,11 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
   // LlamaForCausalLM.compute_logits for every row (the caller asks only when every row
   // samples): two ops here instead of three calls from Python, each a GIL hand-off.
   TORCH_CHECK(final_norm.has_value(), "llama_decode: lm_head without final_norm");
-  return packed_linear(linear_op, at::rms_norm(h, norm_shape, *final_norm, eps), *lm_head,
-                       std::nullopt, padded_rows);
+  Tensor logits = packed_linear(linear_op, at::rms_norm(h, norm_shape, *final_norm, eps),
+                                *lm_head, std::nullopt, padded_rows);
+  // With temperatures, the step's tokens: its sampling too under the same GIL release.
+  if (!temperature.has_value()) return logits;
+  return sample_rows(logits, *temperature, std::nullopt, greedy_below);
 }
 
 // The index of a row's largest value, the first of equals, as torch.argmax: a NaN counts
@@ -274,8 +281,8 @@ TORCH_LIBRARY(actorllm, m) {
         "Tensor block_tables, Tensor seq_lens, Tensor[] weights, Tensor?[] biases, "
         "Tensor[] k_caches, Tensor[] v_caches, Tensor inv_freq, float rope_scaling, "
         "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, "
-        "int padded_rows, int decode_fn, Tensor? final_norm=None, Tensor? lm_head=None) "
-        "-> Tensor");
+        "int padded_rows, int decode_fn, Tensor? final_norm=None, Tensor? lm_head=None, "
+        "Tensor? temperature=None, float greedy_below=0.0) -> Tensor");
   m.def("sample_rows(Tensor logits, Tensor temperature, Tensor? uniforms, "
         "float greedy_below) -> Tensor");
 }

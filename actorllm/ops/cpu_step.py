@@ -167,20 +167,24 @@ class DecodeStep:
         return self.lm_head is not None
 
     def __call__(self, batch: ForwardBatch, kv_caches: list[KVCache], *,
-                 logits: bool = False) -> Tensor:
+                 logits: bool = False, temperature: Tensor | None = None,
+                 greedy_below: float = 0.0) -> Tensor:
         """Hidden states ``[T, hidden]``, as ``model(batch, kv_caches, backend)`` returns;
         with ``logits`` (where :attr:`makes_logits`), ``model.compute_logits`` of them, every
-        row, in the same call."""
+        row, in the same call; with ``temperature`` too, one token per row drawn from
+        those logits as :func:`sample_rows` draws."""
         head = self.lm_head if logits else None
         if logits and head is None:
             raise ValueError("this model's LM head is not packed: no logits from the op")
+        if temperature is not None and not logits:
+            raise ValueError("the op samples only from the logits it makes")
         return torch.ops.actorllm.llama_decode(
             batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
             batch.seq_lens, self.weights, self.biases, [k for k, _ in kv_caches],
             [v for _, v in kv_caches], self.inv_freq, self.rope_scaling, self.num_heads,
             self.num_kv_heads, self.head_dim, self.eps, self.scale,
             bucket_rows(batch.input_ids.shape[0]), self.kernel,
-            self.final_norm if logits else None, head)
+            self.final_norm if logits else None, head, temperature, greedy_below)
 
 
 def sample_rows(logits: Tensor, temperature: Tensor, greedy_below: float,

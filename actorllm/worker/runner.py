@@ -42,6 +42,7 @@ from actorllm.text.structured import (
 from actorllm.wire.rendezvous import Rendezvous
 from actorllm.wire.steps import NewSeqData, PromptLogprobs, StepPlan, StepResult
 from actorllm.worker.draft import DraftModel, draft_block_bytes
+from actorllm.worker.filters import GREEDY_BELOW
 from actorllm.worker.packing import BlockTables, pack_plan
 from actorllm.worker.pooling import Pooler, pooled_norm
 from actorllm.worker.ranks import RankGroup, RankSpec
@@ -140,8 +141,8 @@ class ModelRunner:
         # Rids of the last step if it failed: a feed of their last sample gets a stand-in.
         self._failed_rids: frozenset[str] = frozenset()
         self.fed_forward = 0  # rows that fed a sampled token forward (overlap scheduling)
-        # Steps run by decode_step, and those of them whose logits it made too.
-        self.one_op_steps = self.logits_in_op_steps = 0
+        # Steps run by decode_step, those whose logits it made too, and whose tokens.
+        self.one_op_steps = self.logits_in_op_steps = self.drawn_in_op_steps = 0
         log.info("model runner: %s (%s) on %s x%d (%s, %s attention, %s%s), %d KV blocks "
                  "of %d tokens (%.1f MiB per rank)", config.architectures[0],
                  model_impl_of(config), self.device, tp.world,
@@ -227,7 +228,7 @@ class ModelRunner:
                 if self.draft is not None:  # its drafts replace the plan's placeholders
                     plan, batch = self.draft.fill(plan, batch)
                 self.threads.use_for(batch.input_ids.shape[0])
-                hidden, logits = self._forward(plan, batch, len(slots))
+                hidden, logits, drawn = self._forward(plan, batch, slots, masks is None)
             finally:
                 if masks is not None:
                     masks.wait()  # no thread may touch a matcher after the step
@@ -246,7 +247,7 @@ class ModelRunner:
                 verified, logits = verify_drafts(logits, plan, slots, self.sampling)
             if masks is not None:
                 masks.apply(logits)
-            result = attrs.evolve(self._sample(plan.step_id, logits, slots, verified),
+            result = attrs.evolve(self._sample(plan.step_id, logits, slots, verified, drawn),
                                   prompt_logprobs=prompt_lps, pooled=pooled)
             sample_s = time.perf_counter() - t1
         for rid in plan.drop:
@@ -255,33 +256,44 @@ class ModelRunner:
         forward_s = time.perf_counter() - t0 - sample_s - pack_s
         return attrs.evolve(result, forward_s=forward_s, sample_s=sample_s, pack_s=pack_s)
 
-    def _forward(self, plan: StepPlan, batch: ForwardBatch, num_sampled: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward pass and the sampling rows' logits: ``(hidden, logits)``.
+    def _forward(self, plan: StepPlan, batch: ForwardBatch, slots: np.ndarray, free: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The forward pass, the sampling rows' logits and, when the op drew them, their
+        tokens: ``(hidden, logits, tokens or None)``.
 
         A decode step whose every row samples, with no prompt logprobs or pooling to read
         the hidden states, gets its logits from the one op (``hidden`` is then those
-        logits, read by nobody): one GIL hand-off for the whole forward."""
+        logits, read by nobody); when nothing else touches the logits (``free``: no
+        grammar; SamplingBatch.op_temperatures) the op draws the tokens too: one GIL
+        hand-off for the whole step."""
         step = self.decode_step
         if step is not None and step.applies(batch):
             self.one_op_steps += 1
-            if step.makes_logits and num_sampled == len(plan.rids) and not plan.lp_rows \
+            if step.makes_logits and len(slots) == len(plan.rids) and not plan.lp_rows \
                     and not plan.num_drafts and not len(self.pooler):
-                logits = step(batch, self.kv_caches, logits=True)
                 self.logits_in_op_steps += 1
-                return logits, logits
+                temps = self.sampling.op_temperatures(slots) if free else None
+                if temps is not None:
+                    self.drawn_in_op_steps += 1
+                    tokens = step(batch, self.kv_caches, logits=True, greedy_below=GREEDY_BELOW,
+                                  temperature=torch.from_numpy(temps))
+                    return tokens, tokens, tokens
+                logits = step(batch, self.kv_caches, logits=True)
+                return logits, logits, None
             hidden = step(batch, self.kv_caches)
         elif self.ranks is None:
             hidden = self.model(batch, self.kv_caches, self.backend)
         else:
             hidden = self.ranks.forward(self.model, batch, self.kv_caches, self.backend)
-        return hidden, self.model.compute_logits(hidden[batch.sample_indices])
+        return hidden, self.model.compute_logits(hidden[batch.sample_indices]), None
 
     def _sample(self, step_id: int, logits: torch.Tensor, slots: np.ndarray,
-                verified: dict[int, list[int]]) -> StepResult:
-        """Sample the step's sampling rows (slots ``slots``) and record their tokens; the
-        rows in ``verified`` (speculation) were committed already and emit those tokens."""
-        tokens, token_ids, lp_rows, lps = self.sampling.sample(logits, slots, inplace=True)
+                verified: dict[int, list[int]], drawn: torch.Tensor | None) -> StepResult:
+        """Sample the step's sampling rows (slots ``slots``), unless the op ``drawn`` them,
+        and record their tokens; the rows in ``verified`` (speculation) were committed
+        already and emit those tokens."""
+        tokens, token_ids, lp_rows, lps = self.sampling.sample(logits, slots, inplace=True) \
+            if drawn is None else (drawn, drawn.tolist(), [], [])
         refused, ids, num_sampled = commit_others(self.sampling, slots, tokens, token_ids,
                                                   verified)
         return StepResult(

@@ -279,6 +279,19 @@ class SamplingBatch:
                 tokens[index] = picked
         return self._draw_seeded(tokens, logits, slots, seeded, temperature)
 
+    def op_temperatures(self, slots: np.ndarray) -> np.ndarray | None:
+        """The temperature column (0 for a greedy row) with which ``fused`` alone samples
+        these slots' rows from their raw logits, or None where something else must run:
+        no op, a seeded row, a filter, logprobs, a grammar, min_tokens, a bias or a
+        penalty. The decode op then draws the step's tokens in the same call."""
+        cols = self.cols
+        greedy = cols["greedy"][slots]
+        if self.fused is None or (cols["seeded"][slots] & ~greedy).any() \
+                or (cols["logprobs"][slots] >= 0).any() or cols["constrained"][slots].any() \
+                or not self._unfiltered(slots, ~greedy) or self.needs_processing(slots):
+            return None
+        return np.where(greedy, 0.0, cols["temperature"][slots]).astype(np.float32)
+
     def _unfiltered(self, slots: np.ndarray, rows: np.ndarray) -> bool:
         """Whether no row where ``rows`` holds asks for top_k, top_p or min_p."""
         cols = self.cols
