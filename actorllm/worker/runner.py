@@ -67,6 +67,8 @@ class ModelRunner:
     ``tensor_parallel_size`` > 1 makes this runner the driver of that many ranks
     (:mod:`actorllm.worker.ranks`), meeting at ``rendezvous`` (default: all on this host);
     :meth:`close` stops them. ``draft_model``: a speculative draft's directory (worker/draft.py).
+    Counters: ``one_op_steps`` (decode steps run by the one op), ``logits_in_op_steps``
+    (... whose logits it made too) and ``drawn_in_op_steps`` (... and whose tokens).
     """
 
     def __init__(
@@ -141,7 +143,6 @@ class ModelRunner:
         # Rids of the last step if it failed: a feed of their last sample gets a stand-in.
         self._failed_rids: frozenset[str] = frozenset()
         self.fed_forward = 0  # rows that fed a sampled token forward (overlap scheduling)
-        # Steps run by decode_step, those whose logits it made too, and whose tokens.
         self.one_op_steps = self.logits_in_op_steps = self.drawn_in_op_steps = 0
         log.info("model runner: %s (%s) on %s x%d (%s, %s attention, %s%s), %d KV blocks "
                  "of %d tokens (%.1f MiB per rank)", config.architectures[0],
