@@ -12,6 +12,10 @@ handful of tensor ops; per-row Python is left to what is rare per request (logit
 an active min_tokens, logprobs, grammars) and to seeded rows, which draw alone so that
 their tokens depend only on their own logits and ``(seed, position)``.
 
+On the CPU, a step whose drawn rows ask for no top_k, top_p or min_p samples in one op
+call (``fused``: ops/cpu_step.sample_rows), and ``op_temperatures`` says when the decode
+op itself may draw the step's tokens (nothing else touches the logits).
+
 Order, as in vLLM: min_tokens masking and logit_bias, then the penalties (repetition on
 prompt+output, presence/frequency on output), then greedy argmax, or temperature, min_p,
 top_k and top_p followed by a draw. Logprobs come from the raw ``log_softmax(logits)``.
