@@ -34,10 +34,11 @@ the ratios native / transformers (what the native path buys), transformers / gen
 and native / generate (target >= 3, issue 30), and parity: for how many of the first
 ``--parity-prompts`` (8) prompts each engine path's greedy tokens equal transformers'
 ``generate`` run one prompt at a time in float32 with eager attention (the tests'
-oracle). Results go to ``--results``/models.json
-and models.md. CPU-bound and several minutes at the default size: run it on a quiet
-machine; the smallest setting (``--hidden 64 --layers 1 --prompts 2 --max-tokens 4
---rounds 1``) only checks that it runs.
+oracle). Results go to ``--results``/models.json and models.md. CPU-bound and a few
+minutes at the default size: run it on a quiet machine (on a shared one pass
+``--threads 1``: two threads beside a busy core made ``generate`` 10x slower and the
+ratios meaningless); the smallest setting (``--hidden 64 --layers 1 --prompts 2
+--max-tokens 4 --rounds 1``) only checks that it runs.
 """
 
 from __future__ import annotations
