@@ -5,7 +5,8 @@ kind) is eight small tensor ops and a module call: upcast, square, mean, add, rs
 multiply, downcast, scale. Two run in every decoder layer (four with Qwen3's or OLMo 2's
 q/k norms), so at a decode step's few rows they cost as much as a layer's attention op
 (``docs/architecture.md``, "What each path costs"). ``torch.nn.functional.rms_norm``
-does the same in one op.
+does the same in one op call (on the CPU still a composite, so the gain is the Python
+dispatch and the dtype round trip: about 15 to 12 us a norm at decode sizes).
 
 :func:`fuse_rms_norms` gives each such module instance a forward built on it, the way
 transformers' kernel hub (``kernels.kernelize``) swaps a layer's forward: the module,
