@@ -66,18 +66,18 @@ def codec_seeds() -> list[bytes]:
                                           NewSeqData(p, (5, 6), (7,))),), ("old",)),
         StepResult(3, (9,), None, 0.01, 0.002, logprob_rows=(0,), logprobs=(lp,)),
         StepResult(4, error="boom"),
-        TokenBatch((TokenOut("r", (9,), (lp,), "stop", "a", None, DetokSetup(("a",))),),
+        TokenBatch.of((TokenOut("r", (9,), (lp,), "stop", "a", None, DetokSetup(("a",))),),
                    ("r",), SchedulerStats(1, 2, 3, 4)),
-        TokenBatch((), ("r",), SchedulerStats(1, 2, 3, 4, replica=1)),
+        TokenBatch.of((), ("r",), SchedulerStats(1, 2, 3, 4, replica=1)),
         StopMatched("r", "a"),
-        OutputBatch((TextDelta("r", "x", (9,), (lp,)),),
+        OutputBatch.of((TextDelta("r", "x", (9,), (lp,)),),
                     (RequestFinished("r", "length", None, 3),), ("r",)),
         # prompt logprobs: asked for in the plan, reported by the Worker, passed on
         StepPlan.of_rows(5, (ScheduledSeq("r", (5, 6, 7), 0, (0,), False, None, 1),)),
         StepResult(5, prompt_logprobs=(PromptLogprobs("r", 1, (lp, lp)),)),
-        TokenBatch((TokenOut("r", finish_reason="length", prompt_logprobs=(None, lp),
+        TokenBatch.of((TokenOut("r", finish_reason="length", prompt_logprobs=(None, lp),
                              prompt_token_ids=(3, 5)),)),
-        OutputBatch((TextDelta("r", "", (), (), (None, lp), (3, 5)),)),
+        OutputBatch.of((TextDelta("r", "", (), (), (None, lp), (3, 5)),)),
     ]
     return [codec.encode(m) for m in msgs]
 

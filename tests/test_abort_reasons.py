@@ -98,7 +98,7 @@ async def test_a_failed_child_aborts_its_siblings_as_sibling_failed() -> None:
         col = await front.submit(GenerateRequest("p", SamplingParams(n=3), prompt="x"))
         sent = [tok.receive_nowait() for _ in range(3)]
         assert [m.rid for m in sent] == ["p-0", "p-1", "p-2"]
-        await inbox.send(OutputBatch(finished=(RequestFinished("p-1", "error",
+        await inbox.send(OutputBatch.of(finished=(RequestFinished("p-1", "error",
                                                                 error="step failed"),)))
         await trio.testing.wait_all_tasks_blocked()
         aborts = [tok.receive_nowait() for _ in range(tok.depth)]
@@ -113,6 +113,6 @@ async def test_a_lost_engine_counts_each_live_leaf_as_engine_dead() -> None:
     front, _, _ = frontend()
     await front.submit(GenerateRequest("p", SamplingParams(n=2), prompt="x"))
     await front.submit(GenerateRequest("q", SamplingParams(), prompt="x"))
-    front.handle(OutputBatch(finished=(RequestFinished("q", "length"),)))  # answered: not lost
+    front.handle(OutputBatch.of(finished=(RequestFinished("q", "length"),)))  # answered: not lost
     assert front.lose_all("the engine process died") == 3
     assert counts(front.metrics) == only("engine_dead", 2)

@@ -142,10 +142,10 @@ async def test_a_reader_behind_is_paused_then_resumed_when_it_reads() -> None:
         nursery.start_soon(front.run)
         col = await front.submit(GenerateRequest("a", SamplingParams(), prompt="x"))
         assert [type(m) for m in _drain(tok)] == [GenerateRequest]
-        front.handle(OutputBatch(deltas=(TextDelta("a", "1234", (1,)),)))  # 8 bytes: not over
+        front.handle(OutputBatch.of(deltas=(TextDelta("a", "1234", (1,)),)))  # 8 bytes: not over
         await trio.testing.wait_all_tasks_blocked()
         assert not front.pacing.paused(col) and _drain(tok) == []
-        front.handle(OutputBatch(deltas=(TextDelta("a", "5", (2,)),)))  # 13 bytes: over
+        front.handle(OutputBatch.of(deltas=(TextDelta("a", "5", (2,)),)))  # 13 bytes: over
         await trio.testing.wait_all_tasks_blocked()
         assert front.pacing.paused(col) and front.pending_bytes == 13
         assert _drain(tok) == [FlowControl("a", True, 0)]
@@ -154,7 +154,7 @@ async def test_a_reader_behind_is_paused_then_resumed_when_it_reads() -> None:
         await trio.testing.wait_all_tasks_blocked()
         assert not front.pacing.paused(col) and front.pending_bytes == 0
         assert _drain(tok) == [FlowControl("a", False, 0)]
-        front.handle(OutputBatch(finished=(RequestFinished("a", "stop", 1),)))
+        front.handle(OutputBatch.of(finished=(RequestFinished("a", "stop", 1),)))
         await col.get()
         assert col not in front.pacing.flows  # the engine is done and nothing waits
         nursery.cancel_scope.cancel()
@@ -171,7 +171,7 @@ async def test_a_stalled_reader_is_cancelled_after_the_stream_timeout(mock_clock
         mock_clock.jump(60.0)  # a reader waiting for the engine is not behind
         await trio.testing.wait_all_tasks_blocked()
         assert not col.failed
-        front.handle(OutputBatch(deltas=(TextDelta("a", "hi", (1,)),)))
+        front.handle(OutputBatch.of(deltas=(TextDelta("a", "hi", (1,)),)))
         await trio.testing.wait_all_tasks_blocked()
         mock_clock.jump(4.9)
         await trio.testing.wait_all_tasks_blocked()

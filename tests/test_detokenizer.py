@@ -94,7 +94,7 @@ async def run_detok(tiny_tokenizer: Any, outs: list[TokenOut]) -> tuple[list[Out
     sched = Mailbox("s", SchedulerInput, 64)
     detok = Detokenizer(hf_decode_fn(tiny_tokenizer), inbox, front, sched)
     for out in outs:
-        await inbox.send(TokenBatch((out,)))
+        await inbox.send(TokenBatch.of((out,)))
     inbox.close()
     await detok.run()
     batches, stops = [], []

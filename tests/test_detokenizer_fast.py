@@ -175,7 +175,7 @@ def batches(streams: list[Stream]) -> list[TokenBatch]:
                 rows.append(TokenOut(s.rid, (), finish_reason=final))
             else:
                 rows.append(TokenOut(s.rid, tuple(chunk), finish_reason=final, spec=spec))
-        out.append(TokenBatch(tuple(rows)))
+        out.append(TokenBatch.of(tuple(rows)))
     return out
 
 
@@ -333,7 +333,7 @@ def test_a_rid_twice_in_one_batch_sees_its_own_first_row() -> None:
                     rows.append(TokenOut(rid, (), finish_reason="length"))
         rows_per_batch.append(rows)
     front = Box()
-    detok = Detokenizer(dec, Box([TokenBatch(tuple(r)) for r in rows_per_batch]), front, Box())
+    detok = Detokenizer(dec, Box([TokenBatch.of(tuple(r)) for r in rows_per_batch]), front, Box())
     trio.run(detok.run)
     for rid, seq in ids.items():
         got = [d.text for b in front.items for d in b.deltas if d.rid == rid]

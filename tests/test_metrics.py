@@ -50,11 +50,11 @@ async def test_flow_gauges_are_the_frontends_pending_output(mock_clock: Any) -> 
                      Mailbox("tokenizer", TokenizerInput, 8), metrics=m)
     a = await front.submit(GenerateRequest("a", SamplingParams(), prompt="x"))
     b = await front.submit(GenerateRequest("b", SamplingParams(), prompt="x"))
-    front.handle(OutputBatch(deltas=(TextDelta("a", "hello", (1, 2)),)))  # 5 + 2 x 4 bytes
+    front.handle(OutputBatch.of(deltas=(TextDelta("a", "hello", (1, 2)),)))  # 5 + 2 x 4 bytes
     mock_clock.jump(2.0)
-    front.handle(OutputBatch(deltas=(TextDelta("b", "hé", (3,)),)))  # 3 + 4 bytes
+    front.handle(OutputBatch.of(deltas=(TextDelta("b", "hé", (3,)),)))  # 3 + 4 bytes
     mock_clock.jump(1.0)
-    front.handle(OutputBatch(deltas=(TextDelta("a", "!", (4,)),)))  # 1 + 4 bytes: a's oldest stays
+    front.handle(OutputBatch.of(deltas=(TextDelta("a", "!", (4,)),)))  # 1 + 4 bytes: a's oldest stays
     assert (a.pending_bytes, b.pending_bytes) == (18, 7)
     assert gauge(m, "pending_output_bytes") == 25
     assert gauge(m, "pending_output_bytes_max") == 18

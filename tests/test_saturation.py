@@ -223,7 +223,7 @@ def test_a_frontend_behind_by_several_steps_wakes_a_reader_once_for_all_of_them(
         collector = await front.submit(GenerateRequest("a", SamplingParams(max_tokens=8),
                                                        prompt_token_ids=(5,)))
         for t, text in enumerate("xyz"):
-            inbox.send_nowait(OutputBatch((TextDelta("a", text, (t,)),)))
+            inbox.send_nowait(OutputBatch.of((TextDelta("a", text, (t,)),)))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(front.run)
             out = await collector.get()

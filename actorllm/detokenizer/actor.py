@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import attrs
 
+from actorllm.detokenizer.columns import DeltaColumns
 from actorllm.detokenizer.decoding import (
     DecodeFn,
     IncrementalDecoder,
@@ -34,12 +35,12 @@ from actorllm.wire.messages import (
     DetokSetup,
     FinishReason,
     FrontendInput,
-    OutputBatch,
     ReplicaLost,
     RequestFinished,
     SchedulerInput,
     StopMatched,
     TextDelta,
+    TokenBatch,
     TokenLogprob,
     TokenOut,
 )
@@ -107,12 +108,10 @@ class Detokenizer:
         if replica in self.lost:
             return  # late words of a dead replica: its requests have failed already
         t0 = time.perf_counter()
-        deltas: list[TextDelta] = []
+        deltas = DeltaColumns()
         finished: list[RequestFinished] = []
         stops: list[StopMatched] = []
-        known = self._prepare(batch.outputs)
-        for out, row in zip(batch.outputs, known, strict=True):
-            self._process(out, deltas, finished, stops, replica, row)
+        self._rows(batch, deltas, finished, stops, replica)
         busy = self.busy_s[replica] = self.busy_s.get(replica, 0.0) + (
             time.perf_counter() - t0)
         stats = batch.stats
@@ -121,35 +120,65 @@ class Detokenizer:
         for stop in stops:
             await send_soon(self.schedulers[replica], stop)
         if deltas or finished or batch.freed or stats is not None:
-            await send_soon(self.frontend,
-                            OutputBatch(tuple(deltas), tuple(finished), batch.freed, stats))
+            await send_soon(self.frontend, deltas.batch(tuple(finished), batch.freed, stats))
 
-    def _prepare(self, outputs: Sequence[TokenOut]) -> list[Known]:
+    def _rows(self, batch: TokenBatch, deltas: DeltaColumns, finished: list[RequestFinished],
+              stops: list[StopMatched], replica: int) -> None:
+        """One pass over the step's columns. A row of one token, with nothing rare, of a
+        request without stop strings (the common case) costs a lookup and four appends;
+        any other row goes through :meth:`_process` as an object."""
+        rids, nums, ids = batch.rids, batch.num_tokens, batch.token_ids
+        extras = dict(zip(batch.rare_rows, batch.rare, strict=True))
+        known = self._prepare(batch)
+        states = self.states
+        at = 0
+        for i, rid in enumerate(rids):
+            n = nums[i]
+            st = states.get(rid)
+            if n == 1 and st is not None and st.matcher is None and i not in extras:
+                token = ids[at]
+                text = known[i]
+                if type(text) is str:  # its piece, from the table
+                    st.decoder.append(token)
+                else:
+                    text = st.decoder.push((token,), text)
+                deltas.plain(rid, text, token)
+            else:
+                extra = extras.get(i)
+                toks = ids[at:at + n]
+                out = TokenOut(rid, toks) if extra is None else attrs.evolve(extra, token_ids=toks)
+                self._process(out, deltas, finished, stops, replica, known[i])
+            at += n
+
+    def _prepare(self, batch: TokenBatch) -> list[Known]:
         """Per row of one token: its piece if the table serves it, else the decodes of its
         window, all rows' in one ``decode_batch`` call; None for any other row.
 
         Only a rid's first row in the batch is prepared: a later one must see the state the
         earlier one leaves.
         """
-        known: list[Known] = [None] * len(outputs)
+        rids, nums, ids = batch.rids, batch.num_tokens, batch.token_ids
+        known: list[Known] = [None] * len(rids)
         states, pieces = self.states, self.pieces
         size = len(pieces)
         windows: dict[bool, list[tuple[int, list[int], list[int]]]] = {}
         seen: set[str] = set()
-        for i, out in enumerate(outputs):
-            rid = out.rid
+        at = 0
+        for i, rid in enumerate(rids):
+            n = nums[i]
+            at += n
             if rid in seen:
                 continue
             seen.add(rid)
             st = states.get(rid)
-            if st is None or st.stopped is not None or len(out.token_ids) != 1:
+            if st is None or st.stopped is not None or n != 1:
                 continue
             dec = st.decoder
-            t = out.token_ids[0]
+            t = ids[at - 1]
             if dec.plain and 0 <= t < size and (piece := pieces[t]) is not None:
                 known[i] = piece
             elif self.decode_batch is not None:
-                before, after = dec.window(out.token_ids)
+                before, after = dec.window((t,))
                 windows.setdefault(dec.skip_special, []).append((i, before, after))
         for skip, group in windows.items():
             if len(group) < 2:
@@ -172,7 +201,8 @@ class Detokenizer:
             )
         return st
 
-    def _process(self, out: TokenOut, deltas: list[TextDelta], finished: list[RequestFinished],
+    def _process(self, out: TokenOut, deltas: list[TextDelta] | DeltaColumns,
+                 finished: list[RequestFinished],
                  stops: list[StopMatched], replica: int = 0,
                  known: Known = None) -> None:
         """One row. ``known``: what :meth:`_prepare` worked out for it."""

@@ -153,15 +153,15 @@ class IncrementalDecoder:
                 if piece is None:
                     parts.append(self._push_windowed(token_ids[i:], None))
                     break
-                self._append(t)
+                self.append(t)
                 parts.append(piece)
             return parts[0] if len(parts) == 1 else "".join(parts)
         if isinstance(known, str):
-            self._append(token_ids[0])
+            self.append(token_ids[0])
             return known
         return self._push_windowed(token_ids, known)
 
-    def _append(self, token: int) -> None:
+    def append(self, token: int) -> None:
         """A token whose piece went out: as a windowed push of it alone would leave things
         (``plain`` stays True: it has a piece)."""
         n = len(self.ids)

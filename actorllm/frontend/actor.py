@@ -1,21 +1,20 @@
 """The Frontend actor: the request registry and the client's side of every request.
 
-Owns ``rid -> RequestState``: the output collector, the parent/child map for
-``n > 1``, and what the client has been told. Nobody else writes it.
+Owns ``rid -> RequestState``: the output collector, the parent/child map for ``n > 1``,
+and what the client has been told. Nobody else writes it.
 
 Ordering rules kept here (DESIGN.md §1):
-- Register before dispatch: the state and its collector exist before the first
-  message for the rid leaves, so no output can arrive for a rid we do not know.
-- A rid is unique while live; it stays live until *both* the client has its final
-  output and the Scheduler has freed its blocks (``forget``), so a reused rid can
-  never meet a stale Sequence.
+- Register before dispatch: the state and its collector exist before the first message
+  for the rid leaves, so no output can arrive for a rid we do not know.
+- A rid is unique while live; it stays live until *both* the client has its final output
+  and the Scheduler has freed its blocks (``forget``): a reused rid never meets a stale
+  Sequence.
 - One terminal output per request; anything after it is counted and dropped.
-- Fan-out lives here: ``n > 1`` becomes children ``{rid}-{i}`` that the rest of the
-  engine treats as ordinary requests.
-- Flow control starts here, because the Frontend fills the collectors and so sees each
-  reader's lag: its :class:`ReaderPacing` (frontend/readers.py) decides when a request
-  is paused, resumed or cancelled; the Frontend sends the ``FlowControl`` and
-  ``AbortRequest`` messages, on one FIFO edge with everything else it sends.
+- Fan-out: ``n > 1`` becomes children ``{rid}-{i}``, ordinary requests to the rest.
+- Flow control starts here (the Frontend fills the collectors, so it sees each reader's
+  lag): its :class:`ReaderPacing` (frontend/readers.py) decides when a request is paused,
+  resumed or cancelled; the ``FlowControl`` and ``AbortRequest`` messages go on one FIFO
+  edge with everything else it sends.
 """
 
 from __future__ import annotations
@@ -46,7 +45,6 @@ from actorllm.wire.messages import (
     RequestFailed,
     RequestFinished,
     SchedulerStats,
-    TextDelta,
     TokenizerInput,
 )
 from actorllm.wire.outputs import RequestError
@@ -259,16 +257,9 @@ class Frontend:
             self._on_failed(msg)
             return
         assert isinstance(msg, OutputBatch)
-        # One pass per step: the clock is read once, the counters move once; a collector
-        # that gets several deltas (n > 1) wakes its reader once (its event is set).
         t0 = time.perf_counter()
-        if msg.deltas:
-            now = time.monotonic()
-            tokens = 0
-            for delta in msg.deltas:
-                tokens += self._on_delta(delta, now)
-            if tokens:
-                self.metrics.generation_tokens.inc(tokens)
+        if msg.rids and (tokens := self._on_deltas(msg)):
+            self.metrics.generation_tokens.inc(tokens)  # once per step, not per row
         for fin in msg.finished:
             self._on_finished(fin)
         for rid in msg.freed:
@@ -288,23 +279,36 @@ class Frontend:
             return None
         return st
 
-    def _on_delta(self, d: TextDelta, now: float) -> int:
-        """Fold one delta into its collector; returns the tokens it counted."""
-        st = self._live(d.rid)
-        if st is None:
-            return 0
-        n = len(d.token_ids)
-        if n:
-            self.router.sub(st.replica, st.count_tokens(n, now, self.metrics))
-        col = st.collector
-        if col.failed:
-            return n  # cancelled (stream timeout): the reader gets the error, nothing after it
-        before, waited = col.pending_bytes, col.oldest is not None
-        col.put_delta(st.index, d.text, d.token_ids, d.logprobs, d.prompt_logprobs,
-                      d.prompt_token_ids)
-        if not col.final_only:  # (else no backlog to pace: the reader takes all at the end)
-            self.pacing.on_output(col, col.pending_bytes - before, n, waited)
-        return n
+    def _on_deltas(self, msg: OutputBatch) -> int:
+        """Fold a step's deltas into their collectors in one pass over the columns (the
+        clock read once; a collector given several rows wakes its reader once); returns
+        the tokens counted."""
+        now = time.monotonic()
+        extras = dict(zip(msg.rare_rows, msg.rare, strict=True))
+        ids, pacing = msg.token_ids, self.pacing
+        tokens = at = 0
+        for i, (rid, text, n) in enumerate(zip(msg.rids, msg.texts, msg.num_tokens,
+                                               strict=True)):
+            row, at = ids[at:at + n], at + n
+            st = self._live(rid)
+            if st is None:
+                continue
+            tokens += n
+            if n:
+                self.router.sub(st.replica, st.count_tokens(n, now, self.metrics))
+            col = st.collector
+            if col.failed:
+                continue  # cancelled (stream timeout): the reader gets the error, nothing after
+            before, waited = col.pending_bytes, col.oldest is not None
+            extra = extras.get(i) if extras else None
+            if extra is None:
+                col.put_delta(st.index, text, row)
+            else:  # logprobs, prompt logprobs
+                col.put_delta(st.index, text, row, extra.logprobs, extra.prompt_logprobs,
+                              extra.prompt_token_ids)
+            if not col.final_only:  # (else no backlog to pace: the reader takes all at the end)
+                pacing.on_output(col, col.pending_bytes - before, n, waited)
+        return tokens
 
     def _on_finished(self, fin: RequestFinished) -> None:
         st = self._live(fin.rid)

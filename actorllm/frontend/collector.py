@@ -149,18 +149,24 @@ class OutputCollector:
         return p
 
     def put_delta(self, index: int, text: str, token_ids: tuple[int, ...],
-                  logprobs: tuple[TokenLogprob, ...],
+                  logprobs: tuple[TokenLogprob, ...] = (),
                   prompt_logprobs: tuple[TokenLogprob | None, ...] = (),
                   prompt_token_ids: tuple[int, ...] = ()) -> None:
         """Fold one delta of choice ``index`` into what waits for the reader."""
         self._move("delta")
         if self.phase is Phase.LEFT:
             return
-        self._merged(index).add(CompletionOutput(index, text, token_ids, logprobs,
-                                                 prompt_logprobs=prompt_logprobs,
-                                                 prompt_token_ids=prompt_token_ids))
-        self._arrived(output_bytes(text, token_ids, logprobs, prompt_logprobs),
-                      len(token_ids))
+        if logprobs or prompt_logprobs or prompt_token_ids:
+            self._merged(index).add(CompletionOutput(index, text, token_ids, logprobs,
+                                                     prompt_logprobs=prompt_logprobs,
+                                                     prompt_token_ids=prompt_token_ids))
+        else:  # the common delta: text and tokens only, folded without an object
+            self._merged(index).add_text(text, token_ids)
+        if self.final_only:  # nothing is counted as pending: no need to size it
+            self._arrived(0, 0)
+        else:
+            self._arrived(output_bytes(text, token_ids, logprobs, prompt_logprobs),
+                          len(token_ids))
 
     def put_finish(self, index: int, reason: str, stop_reason: str | int | None) -> None:
         """Choice ``index`` has finished; the last one ends the collector."""

@@ -1,6 +1,5 @@
-"""The Scheduler actor: owns every Sequence, the batch (scheduler/batch.py: the waiting,
-running and paused queues and the KV block pool), the steps in flight, and makes every
-finish decision.
+"""The Scheduler actor: owns every Sequence, the batch (scheduler/batch.py: the queues and
+the KV block pool), the steps in flight, and makes every finish decision.
 
 It hears from the Tokenizer (``SequenceRequest``, ``AbortRequest``), the Worker
 (``StepResult``) and the Detokenizer (``StopMatched``); it speaks ``StepPlan`` to the
@@ -9,15 +8,14 @@ Worker, ``TokenBatch`` to the Detokenizer. Theory of operation:
   next step is planned while one runs, a token the running step samples going as
   ``FEED_LAST_SAMPLE`` for the Worker to feed forward. Planning ahead never preempts:
   where the plain path would, it plans nothing and the pipeline drains to one step.
-- Handling a message is synchronous (``handle``); a separate task sends: the inbox always
-  drains, and Scheduler -> Detokenizer -> Scheduler cannot deadlock.
+- Handling a message is synchronous (``handle``); a separate task sends (no deadlock).
 - The step fence: a sequence that finishes while steps that use it are in flight keeps
   its blocks until every one of them is back.
 - Prefix caching (kv_pool.py, seq_blocks.py): blocks are shared by reference count and
   cached or evicted only with none left; a fenced sequence keeps its references.
 - Flow control (flow.py): ``FlowControl(pause)`` parks a sequence (PAUSED, blocks kept).
-- Speculation (speculation.py): a decode row may carry drafts; each token the Worker
-  accepts (plus one of its own) is appended and checked in order.
+- Speculation (speculation.py): a decode row may carry drafts, checked in order.
+- Outputs go as columns (outgoing.py): a plain token builds no object.
 """
 
 from __future__ import annotations
@@ -151,8 +149,7 @@ class Scheduler:
             await send_soon(self.detokenizer, out)
 
     def take_batch(self) -> TokenBatch | None:
-        """The outputs, frees and stats decided since the last call, if any."""
-        return self.outgoing.take(self.stats)
+        return self.outgoing.take(self.stats)  # decided since the last call, if anything
 
     # The batch's, for stats and tests (worker_drops: rids the next StepPlan drops).
     @property
@@ -233,8 +230,8 @@ class Scheduler:
     def on_flow(self, msg: FlowControl) -> None:
         """A reader fell behind (pause, applied at the next plan) or caught up (resume)."""
         if self.tracer is not None:
-            self.tracer.record("input", actor="scheduler", msg="pause" if msg.pause
-                               else "resume", rid=msg.rid)
+            self.tracer.record("input", actor="scheduler", msg=("resume", "pause")[msg.pause],
+                               rid=msg.rid)
         self.batch.pace(msg, self.seqs.get(msg.rid))
 
     def schedule(self) -> StepPlan | None:
@@ -327,11 +324,12 @@ class Scheduler:
                 # A Worker bug: no list with holes for the client; the others live on.
                 log.error("%s: %s", seq.rid, gap)
                 self._finish(seq, "fail", "error", error=gap)
-        logprobs = dict(zip(result.logprob_rows, result.logprobs, strict=True)) \
-            if result.logprobs else None
+        logprobs = dict(zip(result.logprob_rows, result.logprobs, strict=True))
         sampling = [i for i, sampled in enumerate(plan.sample) if sampled]
         refused = dict(zip(result.refused_rows, result.refused, strict=True))
-        for j, (i, tokens) in enumerate(zip(sampling, row_tokens(result), strict=True)):
+        out, rows = self.outgoing, result.token_ids  # an int per row, unless rows speculated
+        rows = row_tokens(result) if result.num_sampled else rows  # (then a tuple per row)
+        for j, (i, tokens) in enumerate(zip(sampling, rows, strict=True)):
             seq = seqs[i]
             if seq is None or seq.view.local is not running:
                 if plan.token_ids[sum(plan.num_tokens[:i])] == FEED_LAST_SAMPLE:
@@ -339,14 +337,17 @@ class Scheduler:
                 else:
                     self.late_results_dropped += 1  # finished (abort, stop) while it ran
                 continue
-            if j in refused:  # its grammar refused the draw (a masking bug): it fails alone
+            if refused and j in refused:  # its grammar refused the draw (a masking bug)
                 self._finish(seq, "fail", "error", error=refused[j])
                 continue
-            drafted = plan.num_drafts[i] if plan.num_drafts else 0  # speculation
-            n, reason, stop_reason = self.batch.take(seq, tokens, drafted)
-            self.outgoing.token(seq, tokens if n == len(tokens) else tokens[:n],
-                                logprobs.get(j) if logprobs else None,
-                                pieces.pop(seq.rid, None) if pieces else None)
+            piece, lp = pieces.pop(seq.rid, None) if pieces else None, logprobs.get(j)
+            if type(tokens) is int:  # the hot path: no object for the row
+                reason, stop_reason = seq.finish_after(tokens)
+                out.token(seq, tokens, lp, piece)
+            else:
+                drafted = plan.num_drafts[i] if plan.num_drafts else 0  # speculation
+                n, reason, stop_reason = self.batch.take(seq, tokens, drafted)
+                out.tokens(seq, tokens if n == len(tokens) else tokens[:n], lp, piece)
             if reason is not None:
                 self._finish(seq, "finish", reason, stop_reason)
         if not pieces and all(plan.sample):
@@ -357,8 +358,7 @@ class Scheduler:
             piece = pieces.pop(seq.rid, None)
             if piece is not None:  # a prefill chunk that sampled nothing
                 self.outgoing.piece(seq, piece)
-            if seq.max_tokens == 0 and seq.num_computed == seq.num_tokens \
-                    and not seq.in_flight:
+            if seq.max_tokens == 0 and seq.num_computed == seq.num_tokens and not seq.in_flight:
                 self._finish(seq, "finish", "length")  # the prompt is scored: nothing to sample
 
     def _finish(self, seq: Sequence, event: str, reason: str, stop_reason: Any = None,

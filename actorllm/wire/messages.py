@@ -20,7 +20,8 @@ request itself, so an abort can never overtake the request it cancels.
 from __future__ import annotations
 
 import enum
-from typing import Union
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Union
 
 import attrs
 
@@ -221,11 +222,38 @@ class SchedulerStats:
 
 @attrs.frozen
 class TokenBatch:
-    """Scheduler -> Detokenizer: new tokens and finishes; ``freed``: rids whose blocks are back."""
+    """Scheduler -> Detokenizer: a step's outputs as columns, one entry per row (a rid's
+    news; a rid whose token and whose finish were decided apart has two rows).
 
-    outputs: tuple[TokenOut, ...] = ()
+    ``token_ids`` is flat, ``num_tokens[i]`` of them per row (several for a speculating
+    row, none for a finish or prompt logprobs alone), so a decode step of many sequences
+    builds no object per sequence. What is rare is sparse: ``rare[j]`` holds everything
+    but the tokens of row ``rare_rows[j]`` (its ``DetokSetup`` with a rid's first row,
+    logprobs, prompt logprobs, the finish), as a ``TokenOut`` whose ``token_ids`` is
+    empty. ``freed``: rids whose blocks are back.
+    """
+
+    rids: tuple[str, ...] = ()
+    num_tokens: tuple[int, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    rare_rows: tuple[int, ...] = ()
+    rare: tuple[TokenOut, ...] = ()
     freed: tuple[str, ...] = ()
     stats: SchedulerStats | None = None
+
+    @property
+    def outputs(self) -> tuple[TokenOut, ...]:
+        """The rows as objects (tests, tools and traces; the hot paths read the columns)."""
+        return tuple(TokenOut(rid, ids) if extra is None else attrs.evolve(extra, token_ids=ids)
+                     for rid, ids, extra in _rows(self))
+
+    @classmethod
+    def of(cls, outputs: Iterable[TokenOut] = (), freed: tuple[str, ...] = (),
+           stats: SchedulerStats | None = None) -> TokenBatch:
+        """The batch of these rows (tests and tools; the Scheduler fills columns itself)."""
+        rids, num, ids, rare_rows, rare = _columns(
+            outputs, lambda o: attrs.evolve(o, token_ids=()), lambda o: TokenOut(o.rid))
+        return cls(rids, num, ids, rare_rows, rare, freed, stats)
 
 
 @attrs.frozen
@@ -269,12 +297,70 @@ class RequestFinished:
 
 @attrs.frozen
 class OutputBatch:
-    """Detokenizer -> Frontend, once per TokenBatch: deltas first, then finishes, then frees."""
+    """Detokenizer -> Frontend, once per TokenBatch: deltas first, then finishes, then frees.
 
-    deltas: tuple[TextDelta, ...] = ()
+    The deltas are columns as in ``TokenBatch``: per row a rid, its text and
+    ``num_tokens[i]`` of the flat ``token_ids``; ``rare[j]`` holds row ``rare_rows[j]``'s
+    logprobs and prompt logprobs (a ``TextDelta`` with empty text and tokens).
+    """
+
+    rids: tuple[str, ...] = ()
+    texts: tuple[str, ...] = ()
+    num_tokens: tuple[int, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    rare_rows: tuple[int, ...] = ()
+    rare: tuple[TextDelta, ...] = ()
     finished: tuple[RequestFinished, ...] = ()
     freed: tuple[str, ...] = ()
     stats: SchedulerStats | None = None
+
+    @property
+    def deltas(self) -> tuple[TextDelta, ...]:
+        """The deltas as objects (tests and tools; the Frontend reads the columns)."""
+        return tuple(TextDelta(rid, text, ids) if extra is None
+                     else attrs.evolve(extra, text=text, token_ids=ids)
+                     for (rid, ids, extra), text in zip(_rows(self), self.texts, strict=True))
+
+    @classmethod
+    def of(cls, deltas: Iterable[TextDelta] = (), finished: tuple[RequestFinished, ...] = (),
+           freed: tuple[str, ...] = (), stats: SchedulerStats | None = None) -> OutputBatch:
+        """The batch of these deltas (tests and tools)."""
+        deltas = tuple(deltas)
+        rids, num, ids, rare_rows, rare = _columns(
+            deltas, lambda d: attrs.evolve(d, text="", token_ids=()),
+            lambda d: TextDelta(d.rid, "", ()))
+        return cls(rids, tuple(d.text for d in deltas), num, ids, rare_rows, rare, finished,
+                   freed, stats)
+
+
+def _rows(batch: TokenBatch | OutputBatch) -> Iterator[tuple[str, tuple[int, ...], Any]]:
+    """Each row of a columnar batch: (rid, its tokens, its rare object or None)."""
+    extras = dict(zip(batch.rare_rows, batch.rare, strict=True))
+    at = 0
+    for i, (rid, n) in enumerate(zip(batch.rids, batch.num_tokens, strict=True)):
+        yield rid, batch.token_ids[at:at + n], extras.get(i)
+        at += n
+
+
+def _columns(rows: Iterable[Any], extra: Callable[[Any], Any], plain: Callable[[Any], Any]
+             ) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                        tuple[Any, ...]]:
+    """Rows as columns: rids, counts, flat tokens, and the rare rows (where ``extra`` of a
+    row, the row without its tokens, is more than ``plain`` of it)."""
+    rids: list[str] = []
+    num: list[int] = []
+    ids: list[int] = []
+    rare_rows: list[int] = []
+    rare: list[Any] = []
+    for i, row in enumerate(rows):
+        rids.append(row.rid)
+        num.append(len(row.token_ids))
+        ids.extend(row.token_ids)
+        rest = extra(row)
+        if rest != plain(row):
+            rare_rows.append(i)
+            rare.append(rest)
+    return tuple(rids), tuple(num), tuple(ids), tuple(rare_rows), tuple(rare)
 
 
 # --- what each actor's inbox accepts --------------------------------------------------

@@ -75,6 +75,11 @@ class Merged:
         if out.finish_reason is not None:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
 
+    def add_text(self, text: str, token_ids: tuple[int, ...]) -> None:
+        """Fold in a delta of text and tokens only (as ``add`` would, without the object)."""
+        self.text.append(text)
+        self.token_ids.extend(token_ids)
+
     def output(self, index: int) -> CompletionOutput:
         """Everything folded so far, as one output."""
         return CompletionOutput(index, "".join(self.text), tuple(self.token_ids),

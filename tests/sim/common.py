@@ -135,7 +135,7 @@ def message_rids(msg: Any) -> list[str]:
     if isinstance(msg, StepResult):
         return []  # its tokens are a column: the rids are its plan's
     if isinstance(msg, TokenBatch):
-        return [o.rid for o in msg.outputs] + list(msg.freed)
+        return [*msg.rids, *msg.freed]
     if isinstance(msg, OutputBatch):
-        return [d.rid for d in msg.deltas] + [f.rid for f in msg.finished] + list(msg.freed)
+        return [*msg.rids, *(f.rid for f in msg.finished), *msg.freed]
     return []
