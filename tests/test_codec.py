@@ -202,3 +202,44 @@ def test_a_columnar_plan_and_its_result_round_trip(rows: list[typing.Any],
     assert [t.rid for t in sampled] == [r.rid for r in rows if r.sample]
     assert [t.token_id for t in sampled] == tokens
     assert [t.logprob is not None for t in sampled] == asked
+
+
+# --- the columnar output messages: a step's rows, plain ones without an object ---------
+
+_token_outs = st.lists(st.one_of(
+    st.builds(messages.TokenOut, rid=st.sampled_from(["a", "b", "c"]),
+              token_ids=st.lists(st.integers(0, 2**31), max_size=3).map(tuple)),
+    message_strategy(messages.TokenOut),
+), max_size=8)
+_text_deltas = st.lists(st.one_of(
+    st.builds(messages.TextDelta, rid=st.sampled_from(["a", "b"]), text=st.text(max_size=5),
+              token_ids=st.lists(st.integers(0, 2**31), max_size=3).map(tuple)),
+    message_strategy(messages.TextDelta),
+), max_size=8)
+
+
+@settings(max_examples=examples(150), deadline=None)
+@given(_token_outs, st.lists(st.text(max_size=3), max_size=2).map(tuple))
+def test_a_columnar_token_batch_round_trips(rows: list[messages.TokenOut],
+                                            freed: tuple[str, ...]) -> None:
+    batch = messages.TokenBatch.of(rows, freed, messages.SchedulerStats(steps=3))
+    back = codec.decode(codec.encode(batch))
+    assert back == batch and back.outputs == tuple(rows) and back.freed == freed
+    # Only the rows with more than tokens get an object, and it holds no tokens.
+    plain = [r == messages.TokenOut(r.rid, r.token_ids) for r in rows]
+    assert len(batch.rare) == plain.count(False)
+    assert all(r.token_ids == () for r in batch.rare)
+    assert batch.token_ids == tuple(t for r in rows for t in r.token_ids)
+
+
+@settings(max_examples=examples(150), deadline=None)
+@given(_text_deltas, st.lists(message_strategy(messages.RequestFinished), max_size=2))
+def test_a_columnar_output_batch_round_trips(deltas: list[messages.TextDelta],
+                                             finished: list[messages.RequestFinished]) -> None:
+    batch = messages.OutputBatch.of(deltas, tuple(finished), ("x",))
+    back = codec.decode(codec.encode(batch))
+    assert back == batch and back.deltas == tuple(deltas)
+    assert back.finished == tuple(finished) and back.freed == ("x",)
+    plain = [d == messages.TextDelta(d.rid, d.text, d.token_ids) for d in deltas]
+    assert len(batch.rare) == plain.count(False)
+    assert all(d.text == "" and d.token_ids == () for d in batch.rare)

@@ -54,7 +54,7 @@ async def test_flow_gauges_are_the_frontends_pending_output(mock_clock: Any) -> 
     mock_clock.jump(2.0)
     front.handle(OutputBatch.of(deltas=(TextDelta("b", "hé", (3,)),)))  # 3 + 4 bytes
     mock_clock.jump(1.0)
-    front.handle(OutputBatch.of(deltas=(TextDelta("a", "!", (4,)),)))  # 1 + 4 bytes: a's oldest stays
+    front.handle(OutputBatch.of(deltas=(TextDelta("a", "!", (4,)),)))  # 1 + 4: a's oldest stays
     assert (a.pending_bytes, b.pending_bytes) == (18, 7)
     assert gauge(m, "pending_output_bytes") == 25
     assert gauge(m, "pending_output_bytes_max") == 18

@@ -22,7 +22,10 @@ def _rids(msg: Any) -> list[str]:
     rid = getattr(msg, "rid", None)
     if isinstance(rid, str):
         return [rid]
-    for field in ("seqs", "outputs", "tokens", "deltas", "finished"):
+    rids = getattr(msg, "rids", None)  # a columnar step message (plan, token or output batch)
+    if rids:
+        return list(rids)
+    for field in ("tokens", "finished"):
         items = getattr(msg, field, None)
         if items:
             return [x.rid for x in items]

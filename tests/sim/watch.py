@@ -163,7 +163,8 @@ class Watches(WorldFields):
         return (seqs, tuple(q.rid for q in s.waiting), tuple(q.rid for q in s.running),
                 tuple(q.rid for q in s.fenced), frozenset(s.pool.refs.items()),
                 tuple(p.step_id for p in s.in_flight), tuple(s.worker_drops),
-                tuple(s.outgoing.outputs), tuple(s.outgoing.freed))
+                *(tuple(getattr(s.outgoing, c)) for c in (
+                    "rids", "num_tokens", "token_ids", "rare_rows", "rare", "freed")))
 
     # --- clients ------------------------------------------------------------------------------
 
