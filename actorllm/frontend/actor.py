@@ -280,12 +280,12 @@ class Frontend:
         return st
 
     def _on_deltas(self, msg: OutputBatch) -> int:
-        """Fold a step's deltas into their collectors in one pass over the columns (the
-        clock read once; a collector given several rows wakes its reader once); returns
-        the tokens counted."""
+        """Fold a step's deltas into their collectors in one pass over the columns (one clock
+        read; a collector given several rows wakes once); returns the tokens counted."""
         now = time.monotonic()
         extras = dict(zip(msg.rare_rows, msg.rare, strict=True))
         ids, pacing = msg.token_ids, self.pacing
+        done = [0] * self.router.replicas  # load that went, by replica: one sub a step
         tokens = at = 0
         for i, (rid, text, n) in enumerate(zip(msg.rids, msg.texts, msg.num_tokens,
                                                strict=True)):
@@ -295,19 +295,18 @@ class Frontend:
                 continue
             tokens += n
             if n:
-                self.router.sub(st.replica, st.count_tokens(n, now, self.metrics))
+                done[st.replica] += st.count_tokens(n, now, self.metrics)
             col = st.collector
             if col.failed:
                 continue  # cancelled (stream timeout): the reader gets the error, nothing after
             before, waited = col.pending_bytes, col.oldest is not None
-            extra = extras.get(i) if extras else None
-            if extra is None:
-                col.put_delta(st.index, text, row)
-            else:  # logprobs, prompt logprobs
-                col.put_delta(st.index, text, row, extra.logprobs, extra.prompt_logprobs,
-                              extra.prompt_token_ids)
+            extra = extras.get(i) if extras else None  # (logprobs, prompt logprobs)
+            rare = (extra.logprobs, extra.prompt_logprobs, extra.prompt_token_ids) if extra else ()
+            col.put_delta(st.index, text, row, *rare)
             if not col.final_only:  # (else no backlog to pace: the reader takes all at the end)
                 pacing.on_output(col, col.pending_bytes - before, n, waited)
+        for replica, gone in enumerate(done):
+            self.router.sub(replica, gone)
         return tokens
 
     def _on_finished(self, fin: RequestFinished) -> None:

@@ -76,7 +76,8 @@ class Batch:
     def computed(self, seq: Sequence, n: int) -> None:
         """A step that ran ``n`` tokens of ``seq`` is back: its full blocks may be shared."""
         seq.num_computed += n
-        blocks.register(self.pool, seq)
+        if seq.num_computed // self.pool.block_size > seq.num_registered:  # (most steps: no)
+            blocks.register(self.pool, seq)
 
     def take(self, seq: Sequence, tokens: tuple[int, ...], drafted: int
              ) -> tuple[int, str | None, int | None]:

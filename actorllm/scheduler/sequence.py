@@ -13,7 +13,7 @@ import attrs
 
 from actorllm.lifecycle.table import State, View, load_spec
 from actorllm.scheduler.columns import PlanColumns
-from actorllm.scheduler.kv_pool import extend_hashes
+from actorllm.scheduler.kv_pool import extend_hashes, hash_block
 from actorllm.wire.messages import (
     FEED_LAST_SAMPLE,
     DetokSetup,
@@ -111,13 +111,23 @@ class Sequence:
 
     def hashes(self, block_size: int) -> list[bytes]:
         """The hashes of all its full blocks (prompt and output tokens)."""
-        n = self.num_tokens
-        if len(self.block_hashes) < n // block_size:
-            full = n // block_size * block_size
-            tokens = self.prompt_ids if full <= len(self.prompt_ids) \
-                else self.prompt_ids + self.output_ids
-            extend_hashes(self.block_hashes, tokens, block_size, n)
-        return self.block_hashes
+        n, p, hashes = self.num_tokens, len(self.prompt_ids), self.block_hashes
+        if n // block_size * block_size <= p:
+            extend_hashes(hashes, self.prompt_ids, block_size, n)
+            return hashes
+        # Past the prompt: only the new blocks' tokens are gathered, not the whole sequence
+        # (a decode completes a block every block_size steps; copying it all each time grew
+        # with its length). The same hashes as extend_hashes over prompt + output.
+        for i in range(len(hashes), n // block_size):
+            lo, hi = i * block_size, (i + 1) * block_size
+            if hi <= p:
+                block = self.prompt_ids[lo:hi]
+            elif lo >= p:
+                block = self.output_ids[lo - p:hi - p]
+            else:
+                block = self.prompt_ids[lo:] + self.output_ids[:hi - p]
+            hashes.append(hash_block(hashes[-1] if hashes else None, block))
+        return hashes
 
     def token(self, i: int) -> int:
         n = len(self.prompt_ids)
