@@ -19,6 +19,7 @@ from actorllm.wire.messages import (
     SchedulerInput,
     StopMatched,
     TokenBatch,
+    TokenLogprob,
     TokenOut,
 )
 
@@ -141,3 +142,21 @@ async def test_actor_multibyte_stream_flushes_at_finish(tiny_tokenizer: Any) -> 
 async def test_unknown_rid_finish_without_tokens_is_fine(tiny_tokenizer: Any) -> None:
     batches, _ = await run_detok(tiny_tokenizer, [TokenOut("x", (), finish_reason="abort")])
     assert [(f.rid, f.finish_reason) for b in batches for f in b.finished] == [("x", "abort")]
+
+
+async def test_a_plain_step_comes_out_as_columns_with_logprobs_kept_apart(
+    tiny_tokenizer: Any,
+) -> None:
+    # Issue 28: text pieces are a column aligned with the rids; only a row with logprobs
+    # gets an object, and its logprobs come back with its text and tokens.
+    ids = tiny_tokenizer("the cat sat on", add_special_tokens=False).input_ids
+    lp = TokenLogprob(ids[2], -0.5)
+    outs = [TokenOut("r", (ids[0],), spec=DetokSetup()), TokenOut("r", (ids[1],)),
+            TokenOut("r", (ids[2],), (lp,)), TokenOut("r", tuple(ids[3:]),
+                                                      finish_reason="length")]
+    batches, _ = await run_detok(tiny_tokenizer, outs)
+    assert [b.rids for b in batches] == [("r",)] * 4
+    assert [b.rare_rows for b in batches] == [(), (), (0,), ()]
+    assert batches[2].deltas[0].logprobs == (lp,) and batches[2].rare[0].text == ""
+    assert "".join(t for b in batches for t in b.texts) == "the cat sat on"
+    assert [t for b in batches for t in b.token_ids] == ids

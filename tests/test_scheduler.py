@@ -336,3 +336,22 @@ def test_paused_kv_goes_before_a_running_sequence_is_preempted() -> None:
     s.handle(FlowControl("a", False))  # its reader caught up: it recomputes
     run_to_end(s)
     assert not s.drain_problems()
+
+
+def test_a_decode_step_goes_to_the_detokenizer_as_columns_without_objects() -> None:
+    # Issue 28: a plain token is three list entries; only a rid's first row (its
+    # DetokSetup) and its finish get a TokenOut, and the finish shares its token's row.
+    s = make()
+    for rid in ("a", "b"):
+        s.handle(request(rid, 3, max_tokens=3))
+    first, middle, last, *frees = run_to_end(s)
+    assert all(b.rids == () for b in frees)
+    assert first.rids == ("a", "b") and first.token_ids == (7, 7)
+    assert first.rare_rows == (0, 1) and all(o.spec is not None for o in first.rare)
+    assert middle.rids == ("a", "b") and middle.num_tokens == (1, 1)
+    assert middle.rare_rows == () and middle.rare == ()
+    assert last.rids == ("a", "b") and last.token_ids == (7, 7)
+    assert [(o.rid, o.finish_reason, o.token_ids) for o in last.rare] == [
+        ("a", "length", ()), ("b", "length", ())]
+    assert [(o.rid, o.token_ids, o.finish_reason) for o in last.outputs] == [
+        ("a", (7,), "length"), ("b", (7,), "length")]

@@ -162,14 +162,15 @@ class Detokenizer:
         states, pieces = self.states, self.pieces
         size = len(pieces)
         windows: dict[bool, list[tuple[int, list[int], list[int]]]] = {}
-        seen: set[str] = set()
+        seen: set[str] | None = set() if len(set(rids)) < len(rids) else None  # (rare)
         at = 0
         for i, rid in enumerate(rids):
             n = nums[i]
             at += n
-            if rid in seen:
-                continue
-            seen.add(rid)
+            if seen is not None:
+                if rid in seen:
+                    continue
+                seen.add(rid)
             st = states.get(rid)
             if st is None or st.stopped is not None or n != 1:
                 continue
