@@ -14,6 +14,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
+import numpy as np
 import pytest
 import torch
 import trio
@@ -21,13 +23,18 @@ from helpers import build_tiny_model, collect_all, hf_greedy, hf_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sim.profiles import examples
+from steps import Plans
 
 from actorllm.config import EngineConfig, SpeculativeConfig
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.llm import collect
+from actorllm.model import ForwardBatch
+from actorllm.ops.cpu_step import DecodeStep
 from actorllm.scheduler.sequence import Sequence
 from actorllm.scheduler.speculation import Speculation, propose_ngram
-from actorllm.wire.messages import GenerateRequest, SamplingParams
+from actorllm.wire.messages import GenerateRequest, SamplingParams, ScheduledSeq
+from actorllm.worker.packing import BlockTables, pack_plan
+from actorllm.worker.runner import ModelRunner
 from actorllm.worker.sampler import SamplingState
 from actorllm.worker.speculative import verify
 
@@ -165,6 +172,44 @@ def test_greedy_verification_accepts_while_the_draft_is_the_argmax() -> None:
     assert verify(logits, [1, 2, 3], state, ()) == [1, 2, 3, 4]  # all accepted: the bonus
 
 
+def test_a_drafting_step_packed_as_one_token_rows_gives_the_modules_logits(
+        tiny_llama_dir: Path) -> None:
+    """A step of speculating rows (3 and 1 drafts) and a plain decode row, packed as
+    one-token rows for the one-op decode step, against the module running the speculating
+    rows as multi-token rows: the same logits at every verified position and the same K/V
+    (within float tolerance: the linears see other row counts), on a random cache."""
+    runner = ModelRunner(tiny_llama_dir, num_blocks=64, block_size=4)
+    assert runner.decode_step is not None
+    rows = [ScheduledSeq("a", (7, 8, 9, 10), 9, (5, 2, 9, 30), True),
+            ScheduledSeq("b", (11,), 5, (1, 3), True),
+            ScheduledSeq("c", (12, 13), 14, (4, 6, 7, 8), True)]
+    plan = attrs.evolve(Plans().plan(1, rows), num_drafts=(3, 0, 1))
+    tables = BlockTables(runner.num_blocks, 4, runner.max_model_len)
+    slots = tables.apply(plan)
+
+    def pack(split: bool) -> ForwardBatch:
+        return pack_plan(plan, tables, slots, runner.max_model_len, runner.device,
+                         lambda *a: np.zeros(0), split_drafts=split)
+
+    whole, split = pack(False), pack(True)
+    assert not DecodeStep.applies(whole) and DecodeStep.applies(split)
+    assert split.seq_lens.tolist() == [10, 11, 12, 13, 6, 15, 16]
+    assert torch.equal(split.sample_indices, whole.sample_indices)  # 1 + drafts per row
+    g = torch.Generator().manual_seed(0)
+    caches = [(torch.randn(k.shape, generator=g), torch.randn(v.shape, generator=g))
+              for k, v in runner.kv_caches]
+    copies = [(k.clone(), v.clone()) for k, v in caches]
+    with torch.inference_mode():
+        want = runner.model.compute_logits(
+            runner.model(whole, caches, runner.backend)[whole.sample_indices])
+        got = runner.model.compute_logits(
+            runner.decode_step(split, copies)[split.sample_indices])
+    assert got.shape == want.shape == (7, runner.vocab_size)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for (k, v), (k2, v2) in zip(caches, copies, strict=True):
+        torch.testing.assert_close((k2, v2), (k, v), rtol=1e-5, atol=1e-5)
+
+
 # --- end to end ----------------------------------------------------------------------------
 
 
@@ -224,8 +269,11 @@ async def test_greedy_equals_transformers_with_speculation(
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     async with spec_engine(looping_llama_dir, num_kv_blocks=24, max_model_len=64,
                            max_num_batched_tokens=16, async_scheduling=overlap) as engine:
+        runner = _resources[(str(looping_llama_dir), 24, 64)].runner
+        one_op = runner.one_op_draft_steps
         results = await collect_all(engine, loop_prompts, params)
         stats = engine.frontend.stats
+    assert runner.one_op_draft_steps > one_op, "drafting steps run by the one-op decode step"
     assert stats.num_preemptions > 0, "the test must exercise preemption"
     assert stats.prefix_cache_hits > 0, "and prefix caching"
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens, "and partial acceptance"

@@ -144,7 +144,7 @@ class ModelRunner:
         # _last_sample).
         self._failed_rids: frozenset[str] = frozenset()
         self.fed_forward = 0  # rows that fed a sampled token forward (overlap scheduling)
-        self.one_op_steps = 0  # steps run by decode_step
+        self.one_op_steps = self.one_op_draft_steps = 0  # decode_step's steps; with drafts
         log.info("model runner: %s (%s) on %s x%d (%s, %s attention, %s%s), %d KV blocks "
                  "of %d tokens (%.1f MiB per rank)", config.architectures[0],
                  model_impl_of(config), self.device, tp.world,
@@ -244,6 +244,7 @@ class ModelRunner:
                 if self.decode_step is not None and self.decode_step.applies(batch):
                     hidden = self.decode_step(batch, self.kv_caches)
                     self.one_op_steps += 1
+                    self.one_op_draft_steps += bool(plan.num_drafts)
                 elif self.ranks is None:
                     hidden = self.model(batch, self.kv_caches, self.backend)
                 else:
@@ -378,8 +379,10 @@ class ModelRunner:
         return self._pack(plan, self.tables.apply(plan))
 
     def _pack(self, plan: StepPlan, rows: np.ndarray) -> ForwardBatch:
+        # With the one-op decode step, a drafting step runs as one-token rows (packing.py).
         return pack_plan(plan, self.tables, rows, self.max_model_len, self.device,
-                         functools.partial(self._last_samples, plan))
+                         functools.partial(self._last_samples, plan),
+                         split_drafts=self.decode_step is not None)
 
 
 def _torch_threads(tp: TensorParallel, device: torch.device,
