@@ -40,6 +40,11 @@ def _json_object(value: object) -> object:
     return value
 
 
+#: SpeculativeConfig.max_draft_tokens_per_step on the CPU unless set (measurements:
+#: docs/architecture.md, "Speculative decoding").
+CPU_DRAFT_TOKENS_PER_STEP = 16
+
+
 @attrs.frozen
 class SpeculativeConfig:
     """Speculative decoding, vLLM's ``--speculative-config`` shape. ``ngram`` (prompt
@@ -53,10 +58,12 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
-    # vLLM's: no proposals while this many sequences or more run (None: no limit). On the
-    # CPU a step with drafts cannot take the one-op decode path, so every row pays for it.
+    # vLLM's: no proposals while this many sequences or more run (None: no limit).
     disable_by_batch_size: int | None = None
     model: str | None = None  # draft_model: the draft's directory
+    # Draft tokens a step may carry, shared evenly: a row gets at most this // running.
+    # None: the device's default (for_device); on the CPU drafts stop paying in batches.
+    max_draft_tokens_per_step: int | None = None
 
     @classmethod
     def parse(cls, raw: object) -> SpeculativeConfig | None:
@@ -96,6 +103,12 @@ class SpeculativeConfig:
         if fields["num_speculative_tokens"] > 32:
             raise ValueError("--speculative-config: num_speculative_tokens must be at most 32")
         return cls(method, **fields, model=model)
+
+    def for_device(self, device: str) -> SpeculativeConfig:
+        """``max_draft_tokens_per_step`` resolved: unset, the CPU's default; GPU: no cap."""
+        if self.max_draft_tokens_per_step is not None or not device.startswith("cpu"):
+            return self
+        return attrs.evolve(self, max_draft_tokens_per_step=CPU_DRAFT_TOKENS_PER_STEP)
 
 
 @attrs.frozen
@@ -229,7 +242,8 @@ class EngineConfig:
     @property
     def speculative(self) -> SpeculativeConfig | None:
         """``speculative_config`` parsed (checked when the config was made)."""
-        return SpeculativeConfig.parse(self.speculative_config)
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        return spec and spec.for_device(self.device)
 
     def as_dict(self) -> dict[str, object]:
         return attrs.asdict(self)

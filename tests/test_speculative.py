@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from sim.profiles import examples
 from steps import Plans
 
-from actorllm.config import EngineConfig, SpeculativeConfig
+from actorllm.config import CPU_DRAFT_TOKENS_PER_STEP, EngineConfig, SpeculativeConfig
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.llm import collect
 from actorllm.model import ForwardBatch
@@ -76,9 +76,22 @@ def test_proposals_stop_short_of_max_tokens_skip_logprob_rows_and_back_off() -> 
     assert [spec.propose(seq, 10) for _ in range(3)] == [[], [], [3, 1]]
     spec.verdict(seq, 2, 1)
     assert seq.spec_misses == 0 and spec.accepted_per_pos == [2 - 1, 0, 0, 0]
-    assert spec.wanted(100)
+    assert spec.per_row(100) == 4  # no cap
     capped = Speculation(SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=4))
-    assert capped.wanted(3) and not capped.wanted(4)
+    assert (capped.per_row(3), capped.per_row(4)) == (2, 0)
+
+
+def test_a_step_shares_its_draft_tokens_between_the_running_rows() -> None:
+    spec = Speculation(SpeculativeConfig(num_speculative_tokens=4, max_draft_tokens_per_step=16))
+    assert [spec.per_row(n) for n in (1, 4, 5, 8, 16, 17, 64)] == [4, 4, 3, 2, 1, 0, 0]
+    raw = {"method": "ngram", "num_speculative_tokens": 4}
+    assert EngineConfig(speculative_config=raw).speculative == SpeculativeConfig(
+        num_speculative_tokens=4, max_draft_tokens_per_step=CPU_DRAFT_TOKENS_PER_STEP)
+    cuda = EngineConfig(speculative_config=raw, device="cuda").speculative
+    assert cuda is not None and cuda.max_draft_tokens_per_step is None
+    mine = {**raw, "max_draft_tokens_per_step": 64}
+    assert EngineConfig(speculative_config=mine).speculative == SpeculativeConfig(
+        num_speculative_tokens=4, max_draft_tokens_per_step=64)
 
 
 def test_speculative_config_is_checked() -> None:
@@ -404,8 +417,9 @@ async def test_sampled_outputs_follow_the_same_distribution_with_speculation(
     for spec in (False, True):
         params = [SamplingParams(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True,
                                  seed=i) for i in range(n)]
-        async with spec_engine(looping_llama_dir, spec=NGRAM if spec else None,
-                               max_num_seqs=128) as engine:
+        # Every one of the 128 rows may draft (the CPU's default shares 16 draft tokens).
+        async with spec_engine(looping_llama_dir, max_num_seqs=128, spec={
+                **NGRAM, "max_draft_tokens_per_step": 4 * 128} if spec else None) as engine:
             results: list[Any] = [None] * n
 
             async def one(i: int) -> None:

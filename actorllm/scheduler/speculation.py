@@ -62,10 +62,16 @@ class Speculation:
         self.num_drafts = 0  # rows that carried proposals (mean accepted length's divisor)
         self.accepted_per_pos = [0] * config.num_speculative_tokens
 
-    def wanted(self, running: int) -> bool:
-        """Whether rows propose at all with ``running`` sequences in the batch."""
-        limit = self.config.disable_by_batch_size
-        return limit is None or running < limit
+    def per_row(self, running: int) -> int:
+        """The most drafts a row may carry with ``running`` sequences in the batch (0:
+        none): ``num_speculative_tokens``, cut to an even share of the step's draft
+        tokens, and 0 from ``disable_by_batch_size`` sequences up."""
+        c = self.config
+        if c.disable_by_batch_size is not None and running >= c.disable_by_batch_size:
+            return 0
+        if c.max_draft_tokens_per_step is None:
+            return c.num_speculative_tokens
+        return min(c.num_speculative_tokens, c.max_draft_tokens_per_step // max(running, 1))
 
     def propose(self, seq: Sequence, room: int) -> list[int]:
         """Drafts for ``seq``'s next decode row (at most ``room`` tokens); [] for none.
