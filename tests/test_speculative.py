@@ -32,11 +32,12 @@ from actorllm.model import ForwardBatch
 from actorllm.ops.cpu_step import DecodeStep
 from actorllm.scheduler.sequence import Sequence
 from actorllm.scheduler.speculation import Speculation, propose_ngram
-from actorllm.wire.messages import GenerateRequest, SamplingParams, ScheduledSeq
+from actorllm.wire.messages import GenerateRequest, SamplingParams, ScheduledSeq, StepPlan
 from actorllm.worker.packing import BlockTables, pack_plan
 from actorllm.worker.runner import ModelRunner
 from actorllm.worker.sampler import SamplingState
-from actorllm.worker.speculative import verify
+from actorllm.worker.sampling_batch import SamplingBatch
+from actorllm.worker.speculative import verify, verify_drafts, verify_slot
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
@@ -221,6 +222,47 @@ def test_a_drafting_step_packed_as_one_token_rows_gives_the_modules_logits(
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for (k, v), (k2, v2) in zip(caches, copies, strict=True):
         torch.testing.assert_close((k2, v2), (k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_plain_greedy_rows_verified_at_once_match_row_by_row_verification() -> None:
+    """verify_drafts takes plain greedy rows together (one argmax); rows with a penalty or
+    a min_tokens still to reach go position by position. Both against verify_slot."""
+    vocab, g = 12, torch.Generator().manual_seed(4)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, repetition_penalty=1.5),
+              SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(5,)),
+              SamplingParams(temperature=0.0)]
+    drafts = [3, 2, 3, 4, 0]  # row 4 plain decode: sampled as usual, not here
+    logits = torch.randn(sum(d + 1 for d in drafts), vocab, generator=g)
+    tokens, at = [], 0
+    for d in drafts:  # each row's drafts the argmax, but for one in the middle: a run of
+        best = logits[at:at + d].argmax(-1).tolist()  # accepted drafts, then a rejection
+        if d > 1:
+            best[d // 2] = (best[d // 2] + 1) % vocab
+        tokens += [1, *best]
+        at += d + 1
+
+    def batch() -> SamplingBatch:
+        b = SamplingBatch(vocab, torch.device("cpu"), (1,), 8)
+        for i, p in enumerate(params):
+            b.add(i, SamplingState(p, [7, 8, 7, 9], [8, 3]))
+        return b
+
+    plan = StepPlan(1, rids=tuple("abcde"), num_tokens=tuple(d + 1 for d in drafts),
+                    token_ids=tuple(tokens), start_pos=(6,) * 5, sample=(True,) * 5,
+                    num_drafts=tuple(drafts))
+    slots = np.arange(5)
+    got, last = verify_drafts(logits, plan, slots, (together := batch()))
+    ref, at = batch(), 0
+    for j, d in enumerate(drafts):
+        if d:
+            want = verify_slot(ref, j, logits[at:at + d + 1], tokens[at + 1:at + d + 1])
+            assert got[j] == want, j
+        at += d + 1
+    assert 1 < len(got[0]) < 4 and set(got) == {0, 1, 2, 3}
+    assert torch.equal(last, logits[[3, 6, 10, 15, 16]])
+    for col in ("num_out", "last_token"):
+        assert (together.cols[col] == ref.cols[col]).all(), col
 
 
 # --- end to end ----------------------------------------------------------------------------
