@@ -15,7 +15,6 @@ from collections.abc import Sequence as Seq
 from itertools import repeat
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from actorllm.config import SpeculativeConfig
 from actorllm.scheduler.sequence import Sequence
@@ -32,16 +31,27 @@ def propose_ngram(tokens: Seq[int], k: int, n_min: int, n_max: int) -> list[int]
     """Prompt lookup: for n from ``n_max`` down to ``n_min``, the tokens (at most ``k``)
     that followed the latest earlier occurrence of the last n tokens; [] if none occurs."""
     length = len(tokens)
-    if k < 1 or length < 2:
+    top = min(n_max, length - 1)
+    if k < 1 or top < max(n_min, 1):
         return []
     arr = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        # Windows of arr[:-1] start before length - n: occurrences other than the suffix.
-        hits = np.flatnonzero((sliding_window_view(arr[:-1], n) == arr[length - n:]).all(1))
-        if len(hits):
-            i = int(hits[-1]) + n
-            return arr[i:i + k].tolist()
-    return []
+    # Every occurrence of a suffix ends at an earlier copy of the last token: only those
+    # are extended backwards (a row pays this every step, usually for no proposal).
+    ends = np.flatnonzero(arr[:-1] == arr[-1])
+    run = np.ones(len(ends), dtype=np.int64)  # each one's match length, up to ``top``
+    alive = ends >= 1
+    for m in range(1, top):
+        idx = np.flatnonzero(alive)
+        if not len(idx):
+            break
+        at = ends[idx] - m
+        same = arr[at] == arr[length - 1 - m]
+        run[idx[same]] += 1
+        alive[idx] = same & (at >= 1)
+    if not len(run) or run.max() < n_min:
+        return []
+    i = int(ends[np.flatnonzero(run == run.max())[-1]]) + 1
+    return arr[i:i + k].tolist()
 
 
 def may_speculate(seq: Sequence) -> bool:
