@@ -12,6 +12,7 @@ import attrs
 from actorllm.draft_config import METHOD_KEYS, check_draft_model, draft_dir
 
 TOPOLOGIES = ("single", "engine", "pipeline")
+CPU_DRAFT_TOKENS_PER_STEP = 16  # SpeculativeConfig.max_draft_tokens_per_step's CPU default
 
 
 def default_model_dir() -> Path:
@@ -40,11 +41,6 @@ def _json_object(value: object) -> object:
     return value
 
 
-#: SpeculativeConfig.max_draft_tokens_per_step on the CPU unless set (measurements:
-#: docs/architecture.md, "Speculative decoding").
-CPU_DRAFT_TOKENS_PER_STEP = 16
-
-
 @attrs.frozen
 class SpeculativeConfig:
     """Speculative decoding, vLLM's ``--speculative-config`` shape. ``ngram`` (prompt
@@ -61,8 +57,7 @@ class SpeculativeConfig:
     # vLLM's: no proposals while this many sequences or more run (None: no limit).
     disable_by_batch_size: int | None = None
     model: str | None = None  # draft_model: the draft's directory
-    # Draft tokens a step may carry, shared evenly: a row gets at most this // running.
-    # None: the device's default (for_device); on the CPU drafts stop paying in batches.
+    # A step's draft tokens, shared evenly (a row gets this // running); None: for_device.
     max_draft_tokens_per_step: int | None = None
 
     @classmethod
@@ -105,7 +100,8 @@ class SpeculativeConfig:
         return cls(method, **fields, model=model)
 
     def for_device(self, device: str) -> SpeculativeConfig:
-        """``max_draft_tokens_per_step`` resolved: unset, the CPU's default; GPU: no cap."""
+        """``max_draft_tokens_per_step`` resolved: unset, 16 on the CPU (docs/architecture.md,
+        "Speculative decoding"); on a GPU no cap."""
         if self.max_draft_tokens_per_step is not None or not device.startswith("cpu"):
             return self
         return attrs.evolve(self, max_draft_tokens_per_step=CPU_DRAFT_TOKENS_PER_STEP)
@@ -242,8 +238,7 @@ class EngineConfig:
     @property
     def speculative(self) -> SpeculativeConfig | None:
         """``speculative_config`` parsed (checked when the config was made)."""
-        spec = SpeculativeConfig.parse(self.speculative_config)
-        return spec and spec.for_device(self.device)
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def as_dict(self) -> dict[str, object]:
         return attrs.asdict(self)

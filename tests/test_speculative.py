@@ -28,12 +28,11 @@ from steps import Plans
 from actorllm.config import CPU_DRAFT_TOKENS_PER_STEP, EngineConfig, SpeculativeConfig
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.llm import collect
-from actorllm.model import ForwardBatch
 from actorllm.ops.cpu_step import DecodeStep
 from actorllm.scheduler.sequence import Sequence
 from actorllm.scheduler.speculation import Speculation, propose_ngram
 from actorllm.wire.messages import GenerateRequest, SamplingParams, ScheduledSeq, StepPlan
-from actorllm.worker.packing import BlockTables, pack_plan
+from actorllm.worker.packing import BlockTables, one_token_rows, pack_plan
 from actorllm.worker.runner import ModelRunner
 from actorllm.worker.sampler import SamplingState
 from actorllm.worker.sampling_batch import SamplingBatch
@@ -85,14 +84,13 @@ def test_proposals_stop_short_of_max_tokens_skip_logprob_rows_and_back_off() -> 
 def test_a_step_shares_its_draft_tokens_between_the_running_rows() -> None:
     spec = Speculation(SpeculativeConfig(num_speculative_tokens=4, max_draft_tokens_per_step=16))
     assert [spec.per_row(n) for n in (1, 4, 5, 8, 16, 17, 64)] == [4, 4, 3, 2, 1, 0, 0]
-    raw = {"method": "ngram", "num_speculative_tokens": 4}
-    assert EngineConfig(speculative_config=raw).speculative == SpeculativeConfig(
-        num_speculative_tokens=4, max_draft_tokens_per_step=CPU_DRAFT_TOKENS_PER_STEP)
-    cuda = EngineConfig(speculative_config=raw, device="cuda").speculative
-    assert cuda is not None and cuda.max_draft_tokens_per_step is None
-    mine = {**raw, "max_draft_tokens_per_step": 64}
-    assert EngineConfig(speculative_config=mine).speculative == SpeculativeConfig(
-        num_speculative_tokens=4, max_draft_tokens_per_step=64)
+    unset = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
+    assert unset is not None and unset.max_draft_tokens_per_step is None
+    assert unset.for_device("cpu").max_draft_tokens_per_step == CPU_DRAFT_TOKENS_PER_STEP
+    assert unset.for_device("cuda:0").max_draft_tokens_per_step is None
+    mine = SpeculativeConfig.parse('{"num_speculative_tokens": 4, '
+                                   '"max_draft_tokens_per_step": 64}')
+    assert mine is not None and mine.for_device("cpu").max_draft_tokens_per_step == 64
 
 
 def test_speculative_config_is_checked() -> None:
@@ -201,12 +199,12 @@ def test_a_drafting_step_packed_as_one_token_rows_gives_the_modules_logits(
     tables = BlockTables(runner.num_blocks, 4, runner.max_model_len)
     slots = tables.apply(plan)
 
-    def pack(split: bool) -> ForwardBatch:
-        return pack_plan(plan, tables, slots, runner.max_model_len, runner.device,
-                         lambda *a: np.zeros(0), split_drafts=split)
-
-    whole, split = pack(False), pack(True)
+    whole = pack_plan(plan, tables, slots, runner.max_model_len, runner.device,
+                      lambda *a: np.zeros(0))
+    split = one_token_rows(plan, whole)
     assert not DecodeStep.applies(whole) and DecodeStep.applies(split)
+    chunk = attrs.evolve(plan, num_drafts=(3, 0, 0))  # "c" a prefill chunk: the module's
+    assert one_token_rows(chunk, whole) is whole
     assert split.seq_lens.tolist() == [10, 11, 12, 13, 6, 15, 16]
     assert torch.equal(split.sample_indices, whole.sample_indices)  # 1 + drafts per row
     g = torch.Generator().manual_seed(0)

@@ -89,8 +89,12 @@ async def test_greedy_equals_transformers_with_a_draft_model(
     async with draft_engine(tiny_llama_dir, draft_spec(draft_dir), num_kv_blocks=20,
                             max_num_batched_tokens=16, async_scheduling=overlap,
                             attention_backend=attention) as engine:
+        runner = engine.resources.runner
+        one_op = runner.one_op_draft_steps
         results = await collect_all(engine, prompts, params)
         stats = engine.frontend.stats
+    # With the one-op decode step the target verifies in it too, as one-token rows.
+    assert (runner.one_op_draft_steps > one_op) == (runner.decode_step is not None)
     assert stats.num_preemptions > 0, "the test must exercise preemption"
     assert stats.prefix_cache_hits > 0, "and prefix caching"
     assert stats.spec_draft_tokens > 0 and stats.spec_num_drafts > 0
@@ -151,8 +155,9 @@ async def test_sampled_outputs_follow_the_same_distribution_with_a_draft(
     for spec in (False, True):
         params = [SamplingParams(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True,
                                  seed=i) for i in range(n)]
-        async with draft_engine(tiny_llama_dir,
-                                draft_spec(tiny_llama_dir, 2) if spec else None,
+        # Every one of the 128 rows may draft (the CPU's default shares 16 draft tokens).
+        every = {**draft_spec(tiny_llama_dir, 2), "max_draft_tokens_per_step": 2 * 128}
+        async with draft_engine(tiny_llama_dir, every if spec else None,
                                 max_num_seqs=128, num_kv_blocks=256) as engine:
             results: list[Any] = [None] * n
 

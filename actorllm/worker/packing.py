@@ -13,6 +13,7 @@ Called by ``ModelRunner`` (worker/runner.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -106,7 +107,7 @@ class BlockTables:
 def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_len: int,
               device: torch.device,
               last_samples: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray],
-              split_drafts: bool = False) -> ForwardBatch:
+              ) -> ForwardBatch:
     """Pack ``plan`` (its rows in ``tables`` at slots ``rows``, see ``BlockTables.apply``)
     into device tensors, checking every row's length and table.
 
@@ -114,8 +115,7 @@ def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_l
     with ``FEED_LAST_SAMPLE`` sampled last (overlap scheduling), one array for all of
     them. ValueError on a row with no tokens, over ``max_model_len``, or whose table is
     too short for its tokens: so the batch promises ``slots_valid`` (every held entry was
-    range-checked on its way in). ``split_drafts``: a step whose rows are all decode or
-    speculating rows is packed as one-token rows (:func:`draft_rows_split`).
+    range-checked on its way in).
     """
     bs = tables.block_size
     q = np.asarray(plan.num_tokens, dtype=np.int64)
@@ -156,8 +156,6 @@ def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_l
         d = np.asarray(plan.num_drafts, dtype=np.int64)[np.asarray(plan.sample, dtype=bool)]
         first = np.repeat(np.cumsum(d + 1) - (d + 1), d + 1)
         sample_indices = np.repeat(sample_indices - d, d + 1) + np.arange(len(first)) - first
-        if split_drafts and len(ids) > len(q) and (q == 1 + np.asarray(plan.num_drafts)).all():
-            seq_lens, block_tables, cu = draft_rows_split(positions, block_tables, row_of)
 
     def dev(a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(
@@ -169,20 +167,32 @@ def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_l
         seq_lens=dev(seq_lens, torch.int32),
         cu_seqlens_q=dev(cu, torch.int32),
         sample_indices=dev(sample_indices),
-        max_seqlen_q=int((cu[1:] - cu[:-1]).max()),
+        max_seqlen_q=int(q.max()),
         max_seqlen_k=int(seq_lens.max()),
         slots_valid=True,  # every block-table entry was range-checked on its way in
     )
 
 
-def draft_rows_split(positions: np.ndarray, block_tables: np.ndarray, row_of: np.ndarray
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A step of decode and speculating rows as one row per token, for the one-op decode
-    step (ops/cpu_step.py): ``seq_lens``, ``block_tables`` and ``cu_seqlens_q``.
+
+def one_token_rows(plan: StepPlan, batch: ForwardBatch) -> ForwardBatch:
+    """``batch`` (``plan`` packed) with each speculating row as one row per token, for the
+    one-op decode step (ops/cpu_step.py), when every row is a decode or speculating row;
+    else ``batch`` itself.
 
     The op writes every token's K/V into the cache before any row attends, so the token
     at position p of a row ``[t, d1 .. dk]`` is a row of its own with the row's table and
     ``seq_len = p + 1``: it sees exactly the tokens a causal mask would let it see. Input
     ids, positions, slots and the logits rows stay as they are, one per token.
     """
-    return positions + 1, block_tables[row_of], np.arange(len(positions) + 1, dtype=np.int64)
+    if not plan.num_drafts or batch.max_seqlen_q == 1:
+        return batch
+    q = np.asarray(plan.num_tokens, dtype=np.int64)
+    if not (q == 1 + np.asarray(plan.num_drafts, dtype=np.int64)).all():
+        return batch  # a prefill chunk: the model module runs the step
+    dev = batch.positions.device
+    row_of = torch.from_numpy(np.repeat(np.arange(len(q)), q)).to(dev)
+    return dataclasses.replace(
+        batch, seq_lens=(batch.positions + 1).to(torch.int32),
+        block_tables=batch.block_tables[row_of],
+        cu_seqlens_q=torch.arange(len(row_of) + 1, dtype=torch.int32, device=dev),
+        max_seqlen_q=1)

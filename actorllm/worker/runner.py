@@ -43,7 +43,7 @@ from actorllm.text.structured import (
 from actorllm.wire.rendezvous import Rendezvous
 from actorllm.wire.steps import NewSeqData, PromptLogprobs, StepPlan, StepResult
 from actorllm.worker.draft import DraftModel, draft_block_bytes
-from actorllm.worker.packing import BlockTables, pack_plan
+from actorllm.worker.packing import BlockTables, one_token_rows, pack_plan
 from actorllm.worker.pooling import Pooler, pooled_norm
 from actorllm.worker.ranks import RankGroup, RankSpec
 from actorllm.worker.sampler import prompt_logprobs
@@ -139,9 +139,8 @@ class ModelRunner:
         # The persistent batch: each held rid's block table and sampling columns, one slot.
         self.tables = BlockTables(num_blocks, block_size, self.max_model_len)
         self.sampling = SamplingBatch(self.vocab_size, self.device, self.eos_token_ids)
-        # Rids of the last step if it failed: it sampled nothing for them, so a step
-        # planned ahead that feeds them their last sample gets a stand-in (see
-        # _last_sample).
+        # Rids of the last step if it failed: it sampled nothing for them, so a step planned
+        # ahead that feeds them their last sample gets a stand-in (see _last_sample).
         self._failed_rids: frozenset[str] = frozenset()
         self.fed_forward = 0  # rows that fed a sampled token forward (overlap scheduling)
         self.one_op_steps = self.one_op_draft_steps = 0  # decode_step's steps; with drafts
@@ -240,6 +239,7 @@ class ModelRunner:
                 pack_s = time.perf_counter() - tp
                 if self.draft is not None:  # its drafts replace the plan's placeholders
                     plan, batch = self.draft.fill(plan, batch)
+                batch = one_token_rows(plan, batch) if self.decode_step else batch  # drafts
                 self.threads.use_for(batch.input_ids.shape[0])
                 if self.decode_step is not None and self.decode_step.applies(batch):
                     hidden = self.decode_step(batch, self.kv_caches)
@@ -379,10 +379,8 @@ class ModelRunner:
         return self._pack(plan, self.tables.apply(plan))
 
     def _pack(self, plan: StepPlan, rows: np.ndarray) -> ForwardBatch:
-        # With the one-op decode step, a drafting step runs as one-token rows (packing.py).
         return pack_plan(plan, self.tables, rows, self.max_model_len, self.device,
-                         functools.partial(self._last_samples, plan),
-                         split_drafts=self.decode_step is not None)
+                         functools.partial(self._last_samples, plan))
 
 
 def _torch_threads(tp: TensorParallel, device: torch.device,
