@@ -1,31 +1,44 @@
 """What each model path costs: native against transformers-backed, per family (issue 30).
 
-    python benchmarks/models.py [--families llama qwen3 ...] [--hidden 256] [--layers 4]
-                                [--head-dim 64] [--prompts 16] [--prompt-len 64]
-                                [--max-tokens 64] [--rounds 3] [--threads N]
-                                [--results DIR] [--no-save]
+    python benchmarks/models.py [--families llama qwen3 ...] [--workload offline|uniform|both]
+                                [--hidden 256] [--layers 4] [--head-dim 64] [--prompts 32]
+                                [--prompt-len L] [--max-tokens M] [--batch 8] [--rounds 2]
+                                [--parity-prompts 8] [--threads N] [--results DIR] [--no-save]
 
 Every family is built on the spot at one shape (random weights, the tests' tiny
-tokenizer, nothing downloaded; ``tests/test_models_families.py`` builds them) and runs
-the same batch of distinct random prompts greedily for ``--max-tokens`` tokens
-(``ignore_eos``), in float32 on the CPU:
+tokenizer, nothing downloaded; ``tests/test_models_families.py`` builds them) and runs a
+workload greedily (``ignore_eos``), in float32 on the CPU, on up to three paths:
 
 * ``native``: ``LLM(model_impl="native")``, for the families the native model has
   (Llama, Qwen2, Qwen3, Mistral);
 * ``transformers``: ``LLM(model_impl="transformers")`` for every family (also Gemma 2
   and 3, Phi-3, OLMo 2, Granite, Mixtral, Qwen3-MoE), the model's own transformers
   modules with the paged attention op plugged in;
-* ``generate``: transformers' own batched ``generate`` on the same weights (sdpa; eager
-  for Gemma 2, whose soft-cap sdpa lacks), the baseline.
+* ``generate``: transformers' own ``generate`` on the same weights (sdpa; eager for
+  Gemma 2, whose soft-cap sdpa lacks), the baseline, timed as
+  ``offline_throughput.padded_generate`` times it.
 
-Reported per family: output tok/s of each path (the median over ``--rounds``), the
-ratios native / transformers (what the native path buys), transformers / generate and
-native / generate (target >= 3, issue 30), and parity: for how many prompts each engine
-path's greedy tokens equal transformers' ``generate`` run one prompt at a time in float32
-with eager attention (the tests' oracle). Results go to ``--results``/models.json and
-models.md. CPU-bound and long at the default size: run it on a quiet machine; the
-smallest setting (``--hidden 64 --layers 1 --prompts 2 --max-tokens 4 --rounds 1``)
-only checks that it runs.
+Two workloads (``--workload``, default ``offline``):
+
+* ``offline``: ``offline_throughput.py``'s, smaller: ``--prompts`` (32) seeded random
+  prompts of 16-512 ids asking for 16-128 new tokens each (``offline_throughput.workload``),
+  ``generate`` in static left-padded batches of ``--batch`` (8): how a user batches
+  ``generate``, and the workload on which the native path's 3x over it was set;
+* ``uniform``: ``--prompts`` distinct prompts of 64 ids, 64 new tokens each, ``generate``
+  in one batch: its best case (no padding, every row finishes together).
+
+``--prompt-len`` and ``--max-tokens`` set uniform's lengths and the top of offline's
+ranges (whose bottom is then at most 16). Reported per workload and family: output tok/s
+of each path (the median over ``--rounds``; only the tokens each prompt asked for count),
+the ratios native / transformers (what the native path buys), transformers / generate
+and native / generate (target >= 3, issue 30), and parity: for how many of the first
+``--parity-prompts`` (8) prompts each engine path's greedy tokens equal transformers'
+``generate`` run one prompt at a time in float32 with eager attention (the tests'
+oracle). Results go to ``--results``/models.json and models.md. CPU-bound and a few
+minutes at the default size: run it on a quiet machine (on a shared one pass
+``--threads 1``: two threads beside a busy core made ``generate`` 10x slower and the
+ratios meaningless); the smallest setting (``--hidden 64 --layers 1 --prompts 2
+--max-tokens 4 --rounds 1``) only checks that it runs.
 """
 
 from __future__ import annotations
@@ -48,7 +61,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 RESULTS = Path(__file__).parent / "results"
 
 NATIVE = ["llama", "qwen2", "qwen3", "mistral"]
@@ -87,11 +100,21 @@ def build(root: Path, family: str, args: argparse.Namespace) -> Path:
     return fam.build_family(root / family, family, tok_dir, **shape_of(family, args))
 
 
-def make_prompts(vocab: int, n: int, length: int) -> list[list[int]]:
-    """``n`` distinct prompts of ``length`` random ids (no shared prefix to cache, no
-    padding for ``generate``)."""
-    gen = torch.Generator().manual_seed(0)
-    return torch.randint(3, vocab, (n, length), generator=gen).tolist()
+Work = list[tuple[list[int], int]]  # (prompt ids, new tokens it asks for)
+WORKLOADS = ("offline", "uniform")
+
+
+def make_work(kind: str, vocab: int, args: argparse.Namespace) -> Work:
+    """The prompts of workload ``kind`` (module docstring), seeded."""
+    if kind == "uniform":
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, vocab, (args.prompts, args.prompt_len or 64), generator=gen)
+        return [(p, args.max_tokens or 64) for p in ids.tolist()]
+    from offline_throughput import workload
+
+    top_p, top_o = args.prompt_len or 512, args.max_tokens or 128
+    return workload(args.prompts, vocab, seed=0, prompt=(min(16, top_p), top_p),
+                    output=(min(16, top_o), top_o))
 
 
 def parameters(model_dir: Path) -> int:
@@ -108,20 +131,21 @@ def parameters(model_dir: Path) -> int:
 class EnginePath:
     """One ``LLM`` of a family on one path, built once and timed round after round."""
 
-    def __init__(self, model_dir: Path, impl: str, args: argparse.Namespace) -> None:
+    def __init__(self, model_dir: Path, impl: str, args: argparse.Namespace,
+                 max_model_len: int) -> None:
         from actorllm.llm import LLM
-        from actorllm.wire.messages import SamplingParams
 
         self.llm = LLM(str(model_dir), model_impl=impl, max_num_seqs=args.prompts,
-                       max_model_len=args.prompt_len + args.max_tokens + 16,
-                       cpu_threads=args.threads)
-        self.params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
-                                     ignore_eos=True)
+                       max_model_len=max_model_len, cpu_threads=args.threads)
         self.tokens: list[list[int]] = []
 
-    def run(self, batch: list[list[int]]) -> float:
+    def run(self, work: Work, batch: int) -> float:
+        from actorllm.wire.messages import SamplingParams
+
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                  for _, n in work]
         t0 = time.perf_counter()
-        results = self.llm.generate(batch, self.params)
+        results = self.llm.generate([ids for ids, _ in work], params)
         elapsed = time.perf_counter() - t0
         errors = [r.error for r in results if r.error]
         if errors:
@@ -131,7 +155,7 @@ class EnginePath:
 
 
 class GeneratePath:
-    """transformers' own batched greedy ``generate`` (the baseline)."""
+    """transformers' own ``generate``, batched as ``offline_throughput`` batches it."""
 
     def __init__(self, model_dir: Path, family: str, args: argparse.Namespace) -> None:
         from transformers import AutoModelForCausalLM
@@ -139,68 +163,64 @@ class GeneratePath:
         attn = "eager" if family == "gemma2" else "sdpa"
         self.model = AutoModelForCausalLM.from_pretrained(
             str(model_dir), dtype=torch.float32, attn_implementation=attn).eval()
-        self.max_tokens, self.threads = args.max_tokens, args.threads
+        self.threads = args.threads
         self.tokens: list[list[int]] = []
 
-    def run(self, batch: list[list[int]]) -> float:
-        from helpers import EOS_ID
+    def run(self, work: Work, batch: int) -> float:
+        from offline_throughput import padded_generate
 
         torch.set_num_threads(self.threads)  # the engine's Worker may have changed it
-        ids = torch.tensor(batch)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
-                                      do_sample=False, max_new_tokens=self.max_tokens,
-                                      eos_token_id=None, pad_token_id=EOS_ID)
-        elapsed = time.perf_counter() - t0
-        self.tokens = out[:, ids.shape[1]:].tolist()
+        elapsed, self.tokens = padded_generate(self.model, work, batch)
         return elapsed
 
 
-def oracle(model_dir: Path, batch: list[list[int]], max_tokens: int) -> list[list[int]]:
+def oracle(model_dir: Path, work: Work, threads: int) -> list[list[int]]:
     """The tests' oracle: greedy ``generate`` one prompt at a time, float32, eager."""
     from helpers import hf_greedy
     from transformers import AutoModelForCausalLM
 
+    torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
                                                  attn_implementation="eager").eval()
-    return [hf_greedy(model, p, max_tokens)[0] for p in batch]
+    return [hf_greedy(model, ids, n)[0] for ids, n in work]
 
 
-def measure_family(root: Path, family: str, args: argparse.Namespace) -> dict[str, Any]:
-    """tok/s of each path (median of the rounds), ratios and parity for one family."""
+def measure_family(root: Path, family: str, args: argparse.Namespace
+                   ) -> dict[str, dict[str, Any]]:
+    """Per workload: tok/s of each path (median of the rounds), ratios and parity."""
     model_dir = build(root, family, args)
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    batch = make_prompts(vocab, args.prompts, args.prompt_len)
+    config = json.loads((model_dir / "config.json").read_text())
+    works = {kind: make_work(kind, config["vocab_size"], args) for kind in args.workloads}
+    longest = max(len(ids) + n for work in works.values() for ids, n in work)
     paths: dict[str, Any] = {}
     if family in NATIVE:
-        paths["native"] = EnginePath(model_dir, "native", args)
-    paths["transformers"] = EnginePath(model_dir, "transformers", args)
+        paths["native"] = EnginePath(model_dir, "native", args, longest + 16)
+    paths["transformers"] = EnginePath(model_dir, "transformers", args, longest + 16)
     paths["generate"] = GeneratePath(model_dir, family, args)
-    for path in paths.values():  # warm-up: first-call allocations, oneDNN packing
-        path.run(batch[:2])
-    seconds: dict[str, list[float]] = {name: [] for name in paths}
-    for _ in range(args.rounds):  # alternate, so that a noisy spell hits every path
-        for name, path in paths.items():
-            seconds[name].append(path.run(batch))
-    want = oracle(model_dir, batch, args.max_tokens)
-    made = args.prompts * args.max_tokens
-    tok_s = {name: made / statistics.median(s) for name, s in seconds.items()}
-    row: dict[str, Any] = {
-        "family": family, "architecture": json.loads(
-            (model_dir / "config.json").read_text())["architectures"][0],
-        "parameters": parameters(model_dir), "tok_s": tok_s,
-        "seconds": seconds, "parity": {}, "ratios": {},
-    }
-    for name in ("native", "transformers"):
-        if name in paths:
-            equal = sum(a == b for a, b in zip(paths[name].tokens, want, strict=True))
-            row["parity"][name] = {"equal": equal, "of": len(want)}
-    for a, b in (("native", "transformers"), ("transformers", "generate"),
-                 ("native", "generate")):
-        if a in tok_s and b in tok_s:
-            row["ratios"][f"{a}/{b}"] = tok_s[a] / tok_s[b]
-    return row
+    rows = {}
+    for kind, work in works.items():
+        batch = args.batch if kind == "offline" else len(work)
+        for path in paths.values():  # warm-up: first-call allocations, a few steps
+            path.run([(ids, min(n, 4)) for ids, n in work[:2]], batch)
+        seconds: dict[str, list[float]] = {name: [] for name in paths}
+        for _ in range(args.rounds):  # alternate, so that a noisy spell hits every path
+            for name, path in paths.items():
+                seconds[name].append(path.run(work, batch))
+        made = sum(n for _, n in work)
+        tok_s = {name: made / statistics.median(s) for name, s in seconds.items()}
+        rows[kind] = {"family": family, "architecture": config["architectures"][0],
+                      "parameters": parameters(model_dir), "tok_s": tok_s,
+                      "seconds": seconds, "parity": {}, "ratios": {}}
+        want = oracle(model_dir, work[: args.parity_prompts], args.threads)
+        for name in ("native", "transformers"):
+            if name in paths:
+                equal = sum(a == b for a, b in zip(paths[name].tokens, want, strict=False))
+                rows[kind]["parity"][name] = {"equal": equal, "of": len(want)}
+        for a, b in (("native", "transformers"), ("transformers", "generate"),
+                     ("native", "generate")):
+            if a in tok_s and b in tok_s:
+                rows[kind]["ratios"][f"{a}/{b}"] = tok_s[a] / tok_s[b]
+    return rows
 
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
@@ -238,8 +258,21 @@ def _parity(row: dict[str, Any], name: str) -> str:
     return f"{'yes' if p['equal'] == p['of'] else 'no'} ({p['equal']}/{p['of']})"
 
 
+def describe(kind: str, cfg: dict[str, Any]) -> str:
+    """One sentence on a workload's prompts and how ``generate`` batches them."""
+    if kind == "uniform":
+        return (f"{cfg['prompts']} distinct prompts of {cfg['prompt_len'] or 64} random ids, "
+                f"{cfg['max_tokens'] or 64} new tokens each; `generate` in one batch (its "
+                "best case: no padding, every row finishes together).")
+    top_p, top_o = cfg["prompt_len"] or 512, cfg["max_tokens"] or 128
+    return (f"{cfg['prompts']} seeded prompts of {min(16, top_p)}-{top_p} random ids asking "
+            f"for {min(16, top_o)}-{top_o} new tokens each (`offline_throughput.workload`); "
+            f"`generate` in static left-padded batches of {cfg['batch']}, each run to its "
+            "longest output (how a user batches it).")
+
+
 def render(report: dict[str, Any]) -> str:
-    """The markdown report: command, commit, machine, the table, the targets."""
+    """The markdown report: command, commit, machine, a table per workload, the targets."""
     env, cfg = report["environment"], report["config"]
     lines = [
         "# Model paths: native against transformers-backed (issue 30)", "",
@@ -252,16 +285,26 @@ def render(report: dict[str, Any]) -> str:
         f"{[round(x, 2) for x in env['load_average_after']]}.", "",
         f"Random weights, float32, hidden {cfg['hidden']} ({cfg['head_dim']}-wide heads), "
         f"{cfg['layers']} layers, sliding window {cfg['window']} where the family has one; "
-        f"{cfg['prompts']} distinct prompts of {cfg['prompt_len']} random ids, "
-        f"{cfg['max_tokens']} new tokens each, greedy; output tok/s, median of "
-        f"{cfg['rounds']} rounds. Parity: prompts whose greedy tokens equal transformers' "
-        "`generate` run one prompt at a time (float32, eager attention).", "",
+        f"greedy, `ignore_eos`; output tok/s (the tokens each prompt asked for), median of "
+        f"{cfg['rounds']} rounds. Parity: of the first {cfg['parity_prompts']} prompts, those "
+        "whose greedy tokens equal transformers' `generate` run one prompt at a time "
+        "(float32, eager attention).",
+    ]
+    for kind, result in report["workloads"].items():
+        lines += ["", f"## Workload `{kind}`", "", describe(kind, cfg), "", *table(
+            result["families"]), "", "Targets:", "", *targets(result["families"])]
+    return "\n".join(lines) + "\n"
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    """One workload's table, a row per family."""
+    lines = [
         "| family | parameters | native tok/s | transformers tok/s | generate tok/s "
         "| native / transformers | transformers / generate | native / generate "
         "| parity native | parity transformers |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
-    for row in report["families"]:
+    for row in rows:
         t, r = row["tok_s"], row["ratios"]
         lines.append(
             f"| {row['family']} | {row['parameters']:,} | {_fmt(t.get('native'))} "
@@ -269,8 +312,7 @@ def render(report: dict[str, Any]) -> str:
             f"| {_fmt(r.get('native/transformers'), 2)} "
             f"| {_fmt(r['transformers/generate'], 2)} | {_fmt(r.get('native/generate'), 2)} "
             f"| {_parity(row, 'native')} | {_parity(row, 'transformers')} |")
-    lines += ["", "## Targets", "", *targets(report["families"])]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def targets(rows: list[dict[str, Any]]) -> list[str]:
@@ -292,21 +334,33 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", nargs="+", default=FAMILIES, choices=FAMILIES)
+    ap.add_argument("--workload", choices=(*WORKLOADS, "both"), default="offline",
+                    help="offline: offline_throughput's spread of lengths, generate in "
+                         "padded batches; uniform: equal prompts, generate in one batch")
     ap.add_argument("--hidden", type=int, default=256, help="hidden size (whole heads)")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--window", type=int, default=32,
                     help="sliding window of the windowed families (Mistral, Gemma 2/3)")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=None,
+                    help="uniform: every prompt's length (64); offline: the longest (512)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="uniform: every prompt's new tokens (64); offline: the most (128)")
+    ap.add_argument("--batch", type=int, default=8,
+                    help="offline: generate's static batch size (offline_throughput's)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--parity-prompts", type=int, default=8,
+                    help="how many of the prompts (the first) the oracle checks; it runs "
+                         "them one at a time, the benchmark's slowest part")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
                     help="torch threads for every path (the engine's --cpu-threads)")
     ap.add_argument("--results", type=Path, default=RESULTS,
                     help="where models.json and models.md go")
     ap.add_argument("--no-save", action="store_true", help="print only (for smoke runs)")
-    return ap.parse_args()
+    args = ap.parse_args()
+    args.workloads = WORKLOADS if args.workload == "both" else (args.workload,)
+    return args
 
 
 def main() -> None:
@@ -316,16 +370,20 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     transformers.utils.logging.disable_progress_bar()  # one bar per checkpoint write/load
     env = environment(args)
-    rows = []
+    rows: dict[str, list[dict[str, Any]]] = {kind: [] for kind in args.workloads}
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families:
-            rows.append(measure_family(Path(tmp), family, args))
-            print(json.dumps({k: rows[-1][k] for k in ("family", "tok_s", "ratios",
-                                                       "parity")}), flush=True)
+            for kind, row in measure_family(Path(tmp), family, args).items():
+                rows[kind].append(row)
+                print(json.dumps({"workload": kind, **{k: row[k] for k in (
+                    "family", "tok_s", "ratios", "parity")}}), flush=True)
     env["load_average_after"] = list(os.getloadavg())
     config = {k: getattr(args, k) for k in ("hidden", "head_dim", "layers", "window",
-                                             "prompts", "prompt_len", "max_tokens", "rounds")}
-    report = {"environment": env, "config": config, "target": TARGET, "families": rows}
+                                             "prompts", "prompt_len", "max_tokens", "batch",
+                                             "rounds", "parity_prompts")}
+    report = {"environment": env, "config": config, "target": TARGET,
+              "workloads": {kind: {"description": describe(kind, config), "families": r}
+                            for kind, r in rows.items()}}
     text = render(report)
     print(text)
     if not args.no_save:

@@ -100,14 +100,17 @@ def run_actorllm(model: Path, work: list[tuple[list[int], int]], max_num_seqs: i
             **stats}
 
 
-def run_transformers(model: Path, work: list[tuple[list[int], int]], batch: int
-                     ) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
+def padded_generate(hf: Any, work: list[tuple[list[int], int]], batch: int, pad: int = 0
+                    ) -> tuple[float, list[list[int]]]:
+    """transformers ``generate`` as a user batches it: static batches of ``batch`` prompts,
+    left-padded, each batch run to its longest output (``min_new_tokens`` too, so an EOS
+    ends no row early). Returns the wall seconds and each prompt's first ``out`` tokens
+    (what it asked for; the rest of its row is the batch's cost, not its output).
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    pad = 0
+    ``models.py`` reuses it for every family, so that both benchmarks time ``generate``
+    the same way."""
     t0 = time.perf_counter()
-    tokens = 0
+    tokens: list[list[int]] = []
     for start in range(0, len(work), batch):
         chunk = work[start : start + batch]
         width = max(len(ids) for ids, _ in chunk)
@@ -115,10 +118,20 @@ def run_transformers(model: Path, work: list[tuple[list[int], int]], batch: int
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
         new = max(out for _, out in chunk)
         with torch.inference_mode():
-            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                        min_new_tokens=new, do_sample=False, pad_token_id=pad)
-        tokens += sum(out for _, out in chunk)  # only what each prompt asked for counts
-    wall = time.perf_counter() - t0
+            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                              min_new_tokens=new, do_sample=False, pad_token_id=pad)
+        tokens += [row[width : width + n] for row, (_, n) in zip(out.tolist(), chunk,
+                                                                  strict=True)]
+    return time.perf_counter() - t0, tokens
+
+
+def run_transformers(model: Path, work: list[tuple[list[int], int]], batch: int
+                     ) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    wall, _ = padded_generate(hf, work, batch)
+    tokens = sum(out for _, out in work)  # only what each prompt asked for counts
     return {"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
             "batch_size": batch}
 

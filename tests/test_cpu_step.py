@@ -73,16 +73,29 @@ def test_decode_step_equals_the_module_bit_for_bit(runner: ModelRunner, num_seqs
     caches = [(torch.randn(k.shape, generator=g), torch.randn(v.shape, generator=g))
               for k, v in runner.kv_caches]
     copies = [(k.clone(), v.clone()) for k, v in caches]
+    more = [(k.clone(), v.clone()) for k, v in caches]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
             want = runner.model(batch, caches, runner.backend)
             got = runner.decode_step(batch, copies)
+            want_logits = runner.model.compute_logits(want)
+            got_logits = runner.decode_step(batch, more, logits=True)
     finally:
         torch.set_num_threads(before)
     assert got.shape == want.shape
     assert torch.equal(got, want)
+    assert runner.decode_step.makes_logits
+    assert torch.equal(got_logits, want_logits)  # the final norm and LM head in the op
+    # ... and the draw: the same uniforms from torch's generator, so the same tokens.
+    temps = torch.tensor([0.0, 1.0, 0.7] * num_seqs)[:num_seqs]
+    torch.manual_seed(num_seqs)
+    with torch.inference_mode():
+        drawn = runner.decode_step(batch, [(k.clone(), v.clone()) for k, v in caches],
+                                   logits=True, temperature=temps, greedy_below=1e-5)
+    torch.manual_seed(num_seqs)
+    assert torch.equal(drawn, cpu_step.sample_rows(want_logits, temps, 1e-5))
     for (k, v), (k2, v2) in zip(caches, copies, strict=True):
         assert torch.equal(k, k2) and torch.equal(v, v2)  # the same K/V, in the same slots
 
@@ -101,7 +114,8 @@ def test_the_runner_runs_decode_steps_in_the_op_and_matches_transformers(
     tables = {rid: [free.pop() for _ in range(-(-(len(p) + 12) // BLOCK))]
               for rid, p in prompts.items()}
     got: dict[str, list[int]] = {rid: [] for rid in prompts}
-    before = runner.one_op_steps
+    before, before_logits = runner.one_op_steps, runner.logits_in_op_steps
+    before_drawn = runner.drawn_in_op_steps
     plans = Plans()
     for step in range(12):
         seqs = []
@@ -118,6 +132,8 @@ def test_the_runner_runs_decode_steps_in_the_op_and_matches_transformers(
             got[t.rid].append(t.token_id)
     runner.execute(StepPlan(13, drop=tuple(prompts)))
     assert runner.one_op_steps - before == 11  # every step after the prefill
+    assert runner.logits_in_op_steps - before_logits == 11  # ... LM head included
+    assert runner.drawn_in_op_steps - before_drawn == 11  # ... and the argmax
     assert got == want
 
 

@@ -78,15 +78,16 @@ def test_a_step_planned_ahead_of_a_failed_one_feeds_a_stand_in(
     assert [q.token_ids for q in step_n.seqs] == [(r0.sampled(first)[0].token_id,)]
     assert [q.token_ids for q in ahead.seqs] == [(FEED_LAST_SAMPLE,)]
 
-    # Step N fails after its forward pass (its K/V written, nothing sampled).
-    compute_logits = runner.model.compute_logits
+    # Step N fails after its forward pass (its K/V written, nothing sampled). Not in
+    # compute_logits: a decode step may make its logits and tokens inside the one op.
+    sample = runner._sample
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("injected: the step failed after its forward")
 
-    monkeypatch.setattr(runner.model, "compute_logits", broken)
+    monkeypatch.setattr(runner, "_sample", broken)
     failed = runner.execute(step_n)
-    monkeypatch.setattr(runner.model, "compute_logits", compute_logits)
+    monkeypatch.setattr(runner, "_sample", sample)
     assert failed.error is not None and "injected" in failed.error
 
     fed: list[tuple[str, int, int]] = []

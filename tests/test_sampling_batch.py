@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sim.profiles import examples
 
+from actorllm.ops.cpu_step import load_sampler
 from actorllm.wire.messages import SamplingParams
 from actorllm.worker.sampler import SamplingState, sample
 from actorllm.worker.sampling_batch import SamplingBatch
@@ -19,6 +20,7 @@ EOS = 3
 VOCAB = 40
 CPU = torch.device("cpu")
 F32 = torch.float32
+SAMPLER = load_sampler()  # None where the op cannot be built: both runs are the plain path
 
 
 def reference_process(row: torch.Tensor, p: SamplingParams, prompt: list[int],
@@ -119,11 +121,13 @@ class Reference:
 
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rows=st.lists(_row, min_size=1, max_size=20), steps=st.integers(1, 5),
-       seed=st.integers(0, 2**31 - 1), data=st.data())
+       seed=st.integers(0, 2**31 - 1), fused=st.booleans(), data=st.data())
 def test_batch_matches_the_per_row_reference_as_rows_come_and_go(
-        rows: list, steps: int, seed: int, data: st.DataObject) -> None:
+        rows: list, steps: int, seed: int, fused: bool, data: st.DataObject) -> None:
+    """With and without the one-op sampling of steps whose rows need no filter."""
     gen = torch.Generator().manual_seed(seed)
-    batch = SamplingBatch(VOCAB, CPU, (EOS,), capacity=4)  # small: it must grow
+    batch = SamplingBatch(VOCAB, CPU, (EOS,), capacity=4,  # small: it must grow
+                          fused=SAMPLER if fused else None)
     ref = Reference()
     waiting = list(rows)
     for _ in range(steps):
@@ -218,3 +222,18 @@ def test_seeded_rows_draw_what_they_drew_before_the_persistent_batch() -> None:
         batch.commit(slots, tokens, token_list)
         got.append(token_list)
     assert got == _SEEDED_TOKENS
+
+
+def test_a_row_without_top_k_does_not_lift_the_others_top_k() -> None:
+    """Regression: with no top_p or min_p in the batch, a row with no top_k made the whole
+    batch skip the filter, so a top_k=1 row drew from its whole vocabulary."""
+    batch = SamplingBatch(VOCAB, CPU, (EOS,))
+    batch.add(0, SamplingState(SamplingParams(temperature=1.0), [1]))
+    batch.add(1, SamplingState(SamplingParams(temperature=1.0, top_k=1), [1]))
+    batch.add(2, SamplingState(SamplingParams(temperature=0.6, top_k=3), [1]))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        logits = torch.randn(3, VOCAB, generator=gen) * 3
+        tokens = batch.sample(logits, np.arange(3))[1]
+        assert tokens[1] == int(logits[1].argmax())
+        assert tokens[2] in logits[2].topk(3).indices.tolist()

@@ -21,12 +21,17 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/embedding.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/rand.h>
 #include <ATen/ops/rms_norm.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/softmax.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -60,6 +65,9 @@ Tensor packed_linear(const c10::OperatorHandle& op, const Tensor& x, const Tenso
   return padded == rows ? out : out.narrow(0, 0, rows);
 }
 
+Tensor sample_rows(const Tensor& logits, const Tensor& temperature,
+                   const std::optional<Tensor>& uniforms, double greedy_below);
+
 // Weights per layer in `weights` (after the embedding at index 0), and biases per layer
 // in `biases`, in this order.
 constexpr int64_t kWeightsPerLayer = 6;  // input norm, qkv, o, post norm, gate_up, down
@@ -71,7 +79,10 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
                     const c10::List<std::optional<Tensor>>& biases, at::TensorList k_caches,
                     at::TensorList v_caches, const Tensor& inv_freq, double rope_scaling,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                    double scale, int64_t padded_rows, int64_t decode_fn) {
+                    double scale, int64_t padded_rows, int64_t decode_fn,
+                    const std::optional<Tensor>& final_norm,
+                    const std::optional<Tensor>& lm_head,
+                    const std::optional<Tensor>& temperature, double greedy_below) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 1 + kWeightsPerLayer * layers,
               "llama_decode: expected ", 1 + kWeightsPerLayer * layers, " weights, got ",
@@ -133,7 +144,134 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
     h = h.add(packed_linear(linear_op, at::silu(gate_up[0]).mul(gate_up[1]), w[5],
                             biases.get(b + 3), padded_rows));
   }
-  return h;
+  if (!lm_head.has_value()) return h;
+  // LlamaForCausalLM.compute_logits for every row (the caller asks only when every row
+  // samples): two ops here instead of three calls from Python, each a GIL hand-off.
+  TORCH_CHECK(final_norm.has_value(), "llama_decode: lm_head without final_norm");
+  Tensor logits = packed_linear(linear_op, at::rms_norm(h, norm_shape, *final_norm, eps),
+                                *lm_head, std::nullopt, padded_rows);
+  // With temperatures, the step's tokens: its sampling too under the same GIL release.
+  if (!temperature.has_value()) return logits;
+  return sample_rows(logits, *temperature, std::nullopt, greedy_below);
+}
+
+// The index of a row's largest value, the first of equals, as torch.argmax: a NaN counts
+// as the largest (the first NaN wins).
+int64_t row_argmax(const float* x, int64_t n) {
+  int64_t best = 0;
+  float top = x[0];
+  if (std::isnan(top)) return 0;
+  for (int64_t j = 1; j < n; ++j) {
+    const float v = x[j];
+    if (v > top) {
+      top = v;
+      best = j;
+    } else if (std::isnan(v)) {
+      return j;
+    }
+  }
+  return best;
+}
+
+constexpr int64_t kChunk = 64;
+
+// The sum of n floats in eight independent lanes (the compiler keeps them in registers;
+// a single running sum would wait on every add).
+double chunk_sum(const float* p, int64_t n) {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int k = 0; k < 8; ++k) lane[k] += p[j + k];
+  double s = 0;
+  for (; j < n; ++j) s += p[j];
+  for (int k = 0; k < 8; ++k) s += lane[k];
+  return s;
+}
+
+// The inverse-CDF draw of filters.draw over one row of probabilities p (unsorted): the
+// first j whose cumulative mass reaches u * total, u in (0, 1]. Chunk sums find the chunk
+// and a scan inside it the token, so a row costs about two passes, not a full cumsum. A
+// token of probability 0 is never drawn (the mass before it already fell short).
+int64_t row_draw(const float* p, int64_t n, float u, double* sums) {
+  double total = 0;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  for (int64_t c = 0; c < chunks; ++c) {
+    sums[c] = chunk_sum(p + c * kChunk, std::min(kChunk, n - c * kChunk));
+    total += sums[c];
+  }
+  if (!(total > 0) || !std::isfinite(total)) return -1;  // the caller takes the argmax
+  const double target = static_cast<double>(u) * total;
+  double acc = 0;
+  int64_t last = -1;  // the last token of positive mass seen, should rounding fall short
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (acc + sums[c] < target) {
+      acc += sums[c];
+      continue;
+    }
+    const int64_t end = std::min(n, (c + 1) * kChunk);
+    for (int64_t j = c * kChunk; j < end; ++j) {
+      if (p[j] > 0) last = j;
+      acc += p[j];
+      if (acc >= target && p[j] > 0) return j;
+    }
+  }
+  if (last >= 0) return last;
+  for (int64_t j = n - 1; j >= 0; --j)
+    if (p[j] > 0) return j;
+  return -1;
+}
+
+// One token per row of fp32 logits [rows, vocab]: the argmax where temperature[row] is
+// below greedy_below, else a draw from softmax(logits / temperature) with uniform
+// 1 - uniforms[row] (drawn here from torch's default generator when not given). The
+// sampling of a step without filters, penalties or seeds, as one op: one GIL hand-off,
+// no sort, no [rows, vocab] cumsum (worker/sampling_batch.py decides when it applies).
+Tensor sample_rows(const Tensor& logits, const Tensor& temperature,
+                   const std::optional<Tensor>& uniforms, double greedy_below) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat,
+              "sample_rows: logits must be [rows, vocab] float32");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(vocab > 0, "sample_rows: an empty vocabulary");
+  const Tensor x = logits.contiguous();
+  const Tensor temp = temperature.to(at::kFloat).contiguous();
+  TORCH_CHECK(temp.dim() == 1 && temp.size(0) == rows, "sample_rows: one temperature a row");
+  Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* t = temp.data_ptr<float>();
+  bool any_drawn = false, all_one = true;
+  for (int64_t i = 0; i < rows; ++i) {
+    const bool greedy = t[i] < greedy_below;
+    any_drawn |= !greedy;
+    all_one &= greedy || t[i] == 1.0f;
+  }
+  Tensor probs, u;
+  if (any_drawn) {
+    u = uniforms.has_value() ? uniforms->to(at::kFloat).contiguous()
+                             : at::rand({rows}, x.options());
+    TORCH_CHECK(u.dim() == 1 && u.size(0) == rows, "sample_rows: one uniform a row");
+    if (all_one) {
+      probs = at::softmax(x, 1);
+    } else {
+      // A greedy row's scale is 1 (its probabilities are not read).
+      Tensor inv = at::empty({rows, 1}, x.options());
+      float* v = inv.data_ptr<float>();
+      for (int64_t i = 0; i < rows; ++i) v[i] = t[i] < greedy_below ? 1.0f : 1.0f / t[i];
+      probs = at::softmax(x.mul(inv), 1);
+    }
+  }
+  const float* xs = x.data_ptr<float>();
+  const float* ps = any_drawn ? probs.data_ptr<float>() : nullptr;
+  const float* us = any_drawn ? u.data_ptr<float>() : nullptr;
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<double> sums((vocab + kChunk - 1) / kChunk);
+    for (int64_t i = begin; i < end; ++i) {
+      int64_t tok = -1;
+      if (t[i] >= greedy_below)
+        tok = row_draw(ps + i * vocab, vocab, 1.0f - us[i], sums.data());
+      o[i] = tok >= 0 ? tok : row_argmax(xs + i * vocab, vocab);
+    }
+  });
+  return out;
 }
 
 }  // namespace
@@ -143,10 +281,14 @@ TORCH_LIBRARY(actorllm, m) {
         "Tensor block_tables, Tensor seq_lens, Tensor[] weights, Tensor?[] biases, "
         "Tensor[] k_caches, Tensor[] v_caches, Tensor inv_freq, float rope_scaling, "
         "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, "
-        "int padded_rows, int decode_fn) -> Tensor");
+        "int padded_rows, int decode_fn, Tensor? final_norm=None, Tensor? lm_head=None, "
+        "Tensor? temperature=None, float greedy_below=0.0) -> Tensor");
+  m.def("sample_rows(Tensor logits, Tensor temperature, Tensor? uniforms, "
+        "float greedy_below) -> Tensor");
 }
 
 // Not CPU alone: the packed weights are oneDNN tensors (the MkldnnCPU dispatch key).
 TORCH_LIBRARY_IMPL(actorllm, CompositeExplicitAutograd, m) {
   m.impl("llama_decode", &llama_decode);
+  m.impl("sample_rows", &sample_rows);
 }

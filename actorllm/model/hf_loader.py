@@ -21,6 +21,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from actorllm.model.hf_backend import ATTN_IMPLEMENTATION, HFCausalLM, register_attention
+from actorllm.model.hf_kernels import fuse_rms_norms
 
 log = logging.getLogger(__name__)
 
@@ -151,5 +152,8 @@ def load_hf_model(model_dir: str | Path, config: PretrainedConfig, *, dtype: tor
         raise ValueError(f"{str(path)!r}: {arch} uses attention sinks, which the paged "
                          "attention op does not implement")
     model = model.to(device).eval()
-    log.info("loaded %s from %s through transformers (%s, %s)", arch, path, dtype, device)
+    norms = fuse_rms_norms(model)  # after the move: a fused forward keeps device tensors
+    log.info("loaded %s from %s through transformers (%s, %s; RMSNorms in one op: %d "
+             "Llama-kind, %d Gemma-kind, %d kept)", arch, path, dtype, device,
+             norms["llama"], norms["gemma"], norms["kept"])
     return HFCausalLM(model)

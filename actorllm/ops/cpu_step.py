@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -149,20 +150,62 @@ class DecodeStep:
         self.inv_freq: Tensor = model.rotary.inv_freq
         self.rope_scaling = float(model.rotary.attention_scaling)
         self.kernel = backend.kernel_address
+        # The final norm and LM head, for steps whose every row samples (logits=True).
+        head = model.lm_head
+        self.final_norm: Tensor = model.model.norm.weight.detach()
+        self.lm_head: Tensor | None = head.packed_weight if isinstance(head, PackedLinear) \
+            and head.bias is None and model.model.norm.eps == self.eps else None
 
     @staticmethod
     def applies(batch: ForwardBatch) -> bool:
         """Whether ``batch`` is one this op runs: one new token per sequence, no -1 slot."""
         return batch.max_seqlen_q == 1 and batch.slots_valid
 
-    def __call__(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> Tensor:
-        """Hidden states ``[T, hidden]``, as ``model(batch, kv_caches, backend)`` returns."""
+    @property
+    def makes_logits(self) -> bool:
+        """Whether ``logits=True`` is open to this model (its LM head is packed)."""
+        return self.lm_head is not None
+
+    def __call__(self, batch: ForwardBatch, kv_caches: list[KVCache], *,
+                 logits: bool = False, temperature: Tensor | None = None,
+                 greedy_below: float = 0.0) -> Tensor:
+        """Hidden states ``[T, hidden]``, as ``model(batch, kv_caches, backend)`` returns;
+        with ``logits`` (where :attr:`makes_logits`), ``model.compute_logits`` of them, every
+        row, in the same call; with ``temperature`` too, one token per row drawn from
+        those logits as :func:`sample_rows` draws."""
+        head = self.lm_head if logits else None
+        if logits and head is None:
+            raise ValueError("this model's LM head is not packed: no logits from the op")
+        if temperature is not None and not logits:
+            raise ValueError("the op samples only from the logits it makes")
         return torch.ops.actorllm.llama_decode(
             batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
             batch.seq_lens, self.weights, self.biases, [k for k, _ in kv_caches],
             [v for _, v in kv_caches], self.inv_freq, self.rope_scaling, self.num_heads,
             self.num_kv_heads, self.head_dim, self.eps, self.scale,
-            bucket_rows(batch.input_ids.shape[0]), self.kernel)
+            bucket_rows(batch.input_ids.shape[0]), self.kernel,
+            self.final_norm if logits else None, head, temperature, greedy_below)
+
+
+def sample_rows(logits: Tensor, temperature: Tensor, greedy_below: float,
+                uniforms: Tensor | None = None) -> Tensor:
+    """One token per row of fp32 ``logits`` ``[rows, vocab]`` in one op call (the op
+    library must be loaded): the argmax where ``temperature`` is below ``greedy_below``,
+    else the inverse-CDF draw of ``softmax(logits / temperature)`` at ``1 - uniforms``
+    (drawn from torch's default generator when None) over the unsorted row, the
+    distribution ``filters.draw`` draws from."""
+    return torch.ops.actorllm.sample_rows(logits, temperature, uniforms, greedy_below)
+
+
+def load_sampler() -> Callable[..., Tensor] | None:
+    """:func:`sample_rows` once the op library is loaded (built if needed), or None (logged)
+    where it cannot be."""
+    try:
+        load_op_library()
+    except CpuKernelError as exc:
+        log.info("sampling runs torch ops: %s", exc)
+        return None
+    return sample_rows
 
 
 def load_decode_step(model: torch.nn.Module, backend: object) -> DecodeStep | None:

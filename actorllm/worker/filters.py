@@ -53,7 +53,8 @@ def candidates(logits: Tensor, temperature: np.ndarray, top_k: np.ndarray,
     use_top_p = bool((top_p < 1.0).any())
     use_min_p = bool((min_p > 0.0).any())
     k = int(top_k.max())
-    unfiltered = k == vocab and not use_top_p and not use_min_p
+    # Every row's top_k, not the widest: one row without a top_k must not lift the others'.
+    unfiltered = int(top_k.min()) == vocab and not use_top_p and not use_min_p
     if unfiltered:
         vals = logits
         ids = torch.arange(vocab, device=dev).expand(logits.shape[0], vocab)

@@ -157,15 +157,16 @@ def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_l
         first = np.repeat(np.cumsum(d + 1) - (d + 1), d + 1)
         sample_indices = np.repeat(sample_indices - d, d + 1) + np.arange(len(first)) - first
 
-    def dev(a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(
-            device=device, dtype=dtype, non_blocking=True)
+    def dev(a: np.ndarray, dtype: type = np.int64) -> torch.Tensor:
+        # Cast by numpy: on the CPU no torch call at all (each is a GIL hand-off).
+        t = torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
+        return t if device.type == "cpu" else t.to(device=device, non_blocking=True)
 
     return ForwardBatch(
         input_ids=dev(ids), positions=dev(positions), slot_mapping=dev(slots),
-        block_tables=dev(block_tables, torch.int32),
-        seq_lens=dev(seq_lens, torch.int32),
-        cu_seqlens_q=dev(cu, torch.int32),
+        block_tables=dev(block_tables, np.int32),
+        seq_lens=dev(seq_lens, np.int32),
+        cu_seqlens_q=dev(cu, np.int32),
         sample_indices=dev(sample_indices),
         max_seqlen_q=int(q.max()),
         max_seqlen_k=int(seq_lens.max()),

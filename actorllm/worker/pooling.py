@@ -29,6 +29,10 @@ class Pooler:
         self._pooling: dict[str, tuple[str, int]] = {}
         self._sums: dict[str, Tensor] = {}
 
+    def __len__(self) -> int:
+        """How many rids pool here (0: no step needs the hidden states for pooling)."""
+        return len(self._pooling)
+
     def start(self, rid: str, new: NewSeqData) -> None:
         """``rid`` starts (or starts over, after preemption) with ``new``."""
         self.drop(rid)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 import weakref
 from pathlib import Path
@@ -25,14 +24,14 @@ import torch
 from transformers import PretrainedConfig
 
 from actorllm.config import ModelInfo, read_model_info
-from actorllm.cpus import usable_cpus, worker_share
+from actorllm.cpus import worker_share
 from actorllm.model import ForwardBatch, KVCache, load_config, load_model, model_impl_of
 from actorllm.model.llama import allocate_kv_caches, head_dim_of
 from actorllm.model.loader import check_device_dtype
 from actorllm.model.parallel import TensorParallel, check_tensor_parallel
 from actorllm.ops import select_backend
 from actorllm.ops.cpu_linear import pack_linears
-from actorllm.ops.cpu_step import load_decode_step
+from actorllm.ops.cpu_step import load_decode_step, load_sampler
 from actorllm.ops.threads import StepThreads, single_threaded
 from actorllm.text.structured import (
     Grammar,
@@ -43,18 +42,16 @@ from actorllm.text.structured import (
 from actorllm.wire.rendezvous import Rendezvous
 from actorllm.wire.steps import NewSeqData, PromptLogprobs, StepPlan, StepResult
 from actorllm.worker.draft import DraftModel, draft_block_bytes
+from actorllm.worker.filters import GREEDY_BELOW
 from actorllm.worker.packing import BlockTables, one_token_rows, pack_plan
 from actorllm.worker.pooling import Pooler, pooled_norm
 from actorllm.worker.ranks import RankGroup, RankSpec
 from actorllm.worker.sampler import prompt_logprobs
 from actorllm.worker.sampling_batch import SamplingBatch, SamplingState
+from actorllm.worker.sizing import default_num_blocks, torch_threads
 from actorllm.worker.speculative import commit_others, verify_drafts
 
 log = logging.getLogger(__name__)
-
-_CPU_KV_BYTES = 256 << 20  # default CPU cache budget
-_CPU_KV_FULL_SEQS = 16  # ... but never more than this many full-length sequences need
-_GPU_KV_FRACTION = 0.8  # default share of free GPU memory (after weights) for the cache
 
 
 class ModelRunner:
@@ -70,7 +67,11 @@ class ModelRunner:
     ``tensor_parallel_size`` > 1 makes this runner the driver of that many ranks
     (:mod:`actorllm.worker.ranks`), meeting at ``rendezvous`` (default: all on this host);
     :meth:`close` stops them. ``draft_model``: a speculative draft's directory (worker/draft.py).
+    Counters: ``one_op_steps`` (decode steps run by the one op), ``logits_in_op_steps``
+    (... whose logits it made too) and ``drawn_in_op_steps`` (... and whose tokens).
     """
+
+    one_op_draft_steps = 0  # steps run by decode_step with speculating rows (per instance)
 
     def __init__(
         self,
@@ -98,7 +99,7 @@ class ModelRunner:
         config = load_config(model_dir, model_impl)  # model_impl: auto, native or transformers
         check_tensor_parallel(config, tensor_parallel_size)
         tp = TensorParallel(0, tensor_parallel_size)  # this runner is rank 0, the driver
-        num_threads = _torch_threads(tp, self.device, num_threads)
+        num_threads = torch_threads(tp, self.device, num_threads)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         with single_threaded():  # the probe's ops start no OpenMP team in this thread
             check_device_dtype(self.device, self.dtype)  # one line, not a failure mid-load
@@ -111,8 +112,7 @@ class ModelRunner:
         info = info if info is not None else read_model_info(model_dir)
         self.max_model_len: int = info.max_model_len
         self.eos_token_ids: tuple[int, ...] = info.eos_token_ids
-        self.block_size = block_size
-        self._model_dir = str(model_dir)
+        self.block_size, self._model_dir = block_size, str(model_dir)
         self._grammars: GrammarBackend | None = None  # built on the first grammar
         self._constrained: set[str] = set()  # rids whose state has a grammar
         self.masks = MaskFiller(self.vocab_size, self.device)  # its thread: on first use
@@ -121,7 +121,9 @@ class ModelRunner:
         num_layers = config.num_hidden_layers
         block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * self.dtype.itemsize
         if num_blocks is None:
-            num_blocks = self._default_num_blocks(kv_cache_bytes, block_bytes, draft_model)
+            num_blocks = default_num_blocks(  # a draft model's blocks share the budget
+                self.device, self.max_model_len, block_size, kv_cache_bytes,
+                block_bytes + draft_block_bytes(draft_model, block_size, self.dtype))
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks: int = num_blocks
@@ -138,12 +140,12 @@ class ModelRunner:
         self.pooler = Pooler()  # embedding requests' pooled hidden states
         # The persistent batch: each held rid's block table and sampling columns, one slot.
         self.tables = BlockTables(num_blocks, block_size, self.max_model_len)
-        self.sampling = SamplingBatch(self.vocab_size, self.device, self.eos_token_ids)
-        # Rids of the last step if it failed: it sampled nothing for them, so a step planned
-        # ahead that feeds them their last sample gets a stand-in (see _last_sample).
+        fused = load_sampler() if self.device.type == "cpu" else None
+        self.sampling = SamplingBatch(self.vocab_size, self.device, self.eos_token_ids, fused=fused)
+        # Rids of the last step if it failed: a feed of their last sample gets a stand-in.
         self._failed_rids: frozenset[str] = frozenset()
         self.fed_forward = 0  # rows that fed a sampled token forward (overlap scheduling)
-        self.one_op_steps = self.one_op_draft_steps = 0  # decode_step's steps; with drafts
+        self.one_op_steps = self.logits_in_op_steps = self.drawn_in_op_steps = 0
         log.info("model runner: %s (%s) on %s x%d (%s, %s attention, %s%s), %d KV blocks "
                  "of %d tokens (%.1f MiB per rank)", config.architectures[0],
                  model_impl_of(config), self.device, tp.world,
@@ -176,17 +178,6 @@ class ModelRunner:
             if self.ranks is not None:
                 self.ranks.close()
             raise
-
-    def _default_num_blocks(self, kv_cache_bytes: int | None, block_bytes: int,
-                            draft_model: str | None) -> int:
-        block_bytes += draft_block_bytes(draft_model, self.block_size, self.dtype)
-        if kv_cache_bytes is not None:
-            return kv_cache_bytes // block_bytes
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * _GPU_KV_FRACTION) // block_bytes
-        full_seqs = _CPU_KV_FULL_SEQS * math.ceil(self.max_model_len / self.block_size)
-        return min(_CPU_KV_BYTES // block_bytes, full_seqs)
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any (also done when the runner is collected)."""
@@ -239,18 +230,8 @@ class ModelRunner:
                 pack_s = time.perf_counter() - tp
                 if self.draft is not None:  # its drafts replace the plan's placeholders
                     plan, batch = self.draft.fill(plan, batch)
-                batch = one_token_rows(plan, batch) if self.decode_step else batch  # drafts
                 self.threads.use_for(batch.input_ids.shape[0])
-                if self.decode_step is not None and self.decode_step.applies(batch):
-                    hidden = self.decode_step(batch, self.kv_caches)
-                    self.one_op_steps += 1
-                    self.one_op_draft_steps += bool(plan.num_drafts)
-                elif self.ranks is None:
-                    hidden = self.model(batch, self.kv_caches, self.backend)
-                else:
-                    hidden = self.ranks.forward(self.model, batch, self.kv_caches,
-                                                self.backend)
-                logits = self.model.compute_logits(hidden[batch.sample_indices])
+                hidden, logits, drawn = self._forward(plan, batch, slots, masks is None)
             finally:
                 if masks is not None:
                     masks.wait()  # no thread may touch a matcher after the step
@@ -269,7 +250,7 @@ class ModelRunner:
                 verified, logits = verify_drafts(logits, plan, slots, self.sampling)
             if masks is not None:
                 masks.apply(logits)
-            result = attrs.evolve(self._sample(plan.step_id, logits, slots, verified),
+            result = attrs.evolve(self._sample(plan.step_id, logits, slots, verified, drawn),
                                   prompt_logprobs=prompt_lps, pooled=pooled)
             sample_s = time.perf_counter() - t1
         for rid in plan.drop:
@@ -278,11 +259,46 @@ class ModelRunner:
         forward_s = time.perf_counter() - t0 - sample_s - pack_s
         return attrs.evolve(result, forward_s=forward_s, sample_s=sample_s, pack_s=pack_s)
 
+    def _forward(self, plan: StepPlan, batch: ForwardBatch, slots: np.ndarray, free: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The forward pass, the sampling rows' logits and, when the op drew them, their
+        tokens: ``(hidden, logits, tokens or None)``.
+
+        A decode step whose every row samples, with no prompt logprobs or pooling to read
+        the hidden states, gets its logits from the one op (``hidden`` is then those
+        logits, read by nobody); when nothing else touches the logits (``free``: no
+        grammar; SamplingBatch.op_temperatures) the op draws the tokens too: one GIL
+        hand-off for the whole step."""
+        step = self.decode_step
+        if step is not None and step.applies(batch := one_token_rows(plan, batch)):
+            self.one_op_steps += 1
+            self.one_op_draft_steps += bool(plan.num_drafts)
+            free = free and not plan.num_drafts  # drafts as one-token rows: verified, not drawn
+            if step.makes_logits and len(slots) == len(plan.rids) and not plan.lp_rows \
+                    and not len(self.pooler):
+                self.logits_in_op_steps += 1
+                temps = self.sampling.op_temperatures(slots) if free else None
+                if temps is not None:
+                    self.drawn_in_op_steps += 1
+                    tokens = step(batch, self.kv_caches, logits=True, greedy_below=GREEDY_BELOW,
+                                  temperature=torch.from_numpy(temps))
+                    return tokens, tokens, tokens
+                logits = step(batch, self.kv_caches, logits=True)
+                return logits, logits, None
+            hidden = step(batch, self.kv_caches)
+        elif self.ranks is None:
+            hidden = self.model(batch, self.kv_caches, self.backend)
+        else:
+            hidden = self.ranks.forward(self.model, batch, self.kv_caches, self.backend)
+        return hidden, self.model.compute_logits(hidden[batch.sample_indices]), None
+
     def _sample(self, step_id: int, logits: torch.Tensor, slots: np.ndarray,
-                verified: dict[int, list[int]]) -> StepResult:
-        """Sample the step's sampling rows (slots ``slots``) and record their tokens; the
-        rows in ``verified`` (speculation) were committed already and emit those tokens."""
-        tokens, token_ids, lp_rows, lps = self.sampling.sample(logits, slots, inplace=True)
+                verified: dict[int, list[int]], drawn: torch.Tensor | None) -> StepResult:
+        """Sample the step's sampling rows (slots ``slots``), unless the op ``drawn`` them,
+        and record their tokens; the rows in ``verified`` (speculation) were committed
+        already and emit those tokens."""
+        tokens, token_ids, lp_rows, lps = self.sampling.sample(logits, slots, inplace=True) \
+            if drawn is None else (drawn, drawn.tolist(), [], [])
         refused, ids, num_sampled = commit_others(self.sampling, slots, tokens, token_ids,
                                                   verified)
         return StepResult(
@@ -382,19 +398,3 @@ class ModelRunner:
         return pack_plan(plan, self.tables, rows, self.max_model_len, self.device,
                          functools.partial(self._last_samples, plan))
 
-
-def _torch_threads(tp: TensorParallel, device: torch.device,
-                   num_threads: int | None) -> int | None:
-    """Set torch's intra-op threads for this process; the count the ranks get too."""
-    if num_threads is None and device.type == "cpu":
-        # The CPUs this process may use: its affinity (taskset counts) cut to a cgroup's
-        # quota, which torch's own default does not see; the ranks share them.
-        cores = usable_cpus()
-        if tp.enabled:
-            num_threads = max(1, cores // tp.world)
-        elif cores < torch.get_num_threads():
-            num_threads = cores
-    if num_threads is not None:
-        # Process-wide: the Worker's is the only torch work in its process.
-        torch.set_num_threads(num_threads)
-    return num_threads

@@ -12,6 +12,10 @@ handful of tensor ops; per-row Python is left to what is rare per request (logit
 an active min_tokens, logprobs, grammars) and to seeded rows, which draw alone so that
 their tokens depend only on their own logits and ``(seed, position)``.
 
+On the CPU, a step whose drawn rows ask for no top_k, top_p or min_p samples in one op
+call (``fused``: ops/cpu_step.sample_rows), and ``op_temperatures`` says when the decode
+op itself may draw the step's tokens (nothing else touches the logits).
+
 Order, as in vLLM: min_tokens masking and logit_bias, then the penalties (repetition on
 prompt+output, presence/frequency on output), then greedy argmax, or temperature, min_p,
 top_k and top_p followed by a draw. Logprobs come from the raw ``log_softmax(logits)``.
@@ -20,7 +24,7 @@ Used by ``ModelRunner`` (worker/runner.py) and by ``sampler.sample``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -88,8 +92,11 @@ class SamplingBatch:
     """
 
     def __init__(self, vocab_size: int, device: torch.device,
-                 eos_token_ids: Sequence[int] = (), capacity: int = _FIRST_SLOTS) -> None:
+                 eos_token_ids: Sequence[int] = (), capacity: int = _FIRST_SLOTS,
+                 fused: Callable[..., Tensor] | None = None) -> None:
         self.vocab, self.device = vocab_size, device
+        # ops/cpu_step.sample_rows (CPU only), for the steps whose rows need no filter.
+        self.fused = fused if device.type == "cpu" else None
         self.eos_token_ids = tuple(eos_token_ids)
         self.capacity = 0
         self.cols: dict[str, np.ndarray] = {
@@ -230,7 +237,8 @@ class SamplingBatch:
         if logits.shape[1] != self.vocab:
             raise ValueError(f"logits of {logits.shape[1]} ids for a vocabulary of {self.vocab}")
         raw = logits
-        logits = logits.float()
+        if logits.dtype != torch.float32:  # the call alone is a GIL hand-off: skip it
+            logits = logits.float()
         if self.needs_processing(slots):
             asked = bool((self.cols["logprobs"][slots] >= 0).any())
             if logits is raw and (asked or not inplace):
@@ -245,9 +253,16 @@ class SamplingBatch:
         cols, dev, n = self.cols, logits.device, logits.shape[0]
         temperature = cols["temperature"][slots]
         greedy = cols["greedy"][slots]
+        seeded = cols["seeded"][slots] & ~greedy
+        if self.fused is not None and logits.dtype == torch.float32 \
+                and self._unfiltered(slots, ~greedy & ~seeded):
+            # One op for the greedy and unseeded rows (a seeded row's argmax is replaced
+            # below by its own draw).
+            temps = np.where(greedy | seeded, 0.0, temperature).astype(np.float32)
+            tokens = self.fused(logits, torch.from_numpy(temps), GREEDY_BELOW)
+            return self._draw_seeded(tokens, logits, slots, seeded, temperature)
         if greedy.all():
             return logits.argmax(dim=-1)
-        seeded = cols["seeded"][slots] & ~greedy
         unseeded = ~greedy & ~seeded
         tokens = torch.empty(n, dtype=torch.int64, device=dev)
         if greedy.any():
@@ -266,6 +281,32 @@ class SamplingBatch:
                 tokens = picked
             else:
                 tokens[index] = picked
+        return self._draw_seeded(tokens, logits, slots, seeded, temperature)
+
+    def op_temperatures(self, slots: np.ndarray) -> np.ndarray | None:
+        """The temperature column (0 for a greedy row) with which ``fused`` alone samples
+        these slots' rows from their raw logits, or None where something else must run:
+        no op, a seeded row, a filter, logprobs, a grammar, min_tokens, a bias or a
+        penalty. The decode op then draws the step's tokens in the same call."""
+        cols = self.cols
+        greedy = cols["greedy"][slots]
+        if self.fused is None or (cols["seeded"][slots] & ~greedy).any() \
+                or (cols["logprobs"][slots] >= 0).any() or cols["constrained"][slots].any() \
+                or not self._unfiltered(slots, ~greedy) or self.needs_processing(slots):
+            return None
+        return np.where(greedy, 0.0, cols["temperature"][slots]).astype(np.float32)
+
+    def _unfiltered(self, slots: np.ndarray, rows: np.ndarray) -> bool:
+        """Whether no row where ``rows`` holds asks for top_k, top_p or min_p."""
+        cols = self.cols
+        s = slots[rows]
+        return not ((cols["top_k"][s] < self.vocab).any() or (cols["top_p"][s] < 1.0).any()
+                    or (cols["min_p"][s] > 0.0).any())
+
+    def _draw_seeded(self, tokens: Tensor, logits: Tensor, slots: np.ndarray,
+                     seeded: np.ndarray, temperature: np.ndarray) -> Tensor:
+        """Each seeded row's token drawn alone into ``tokens`` (returned)."""
+        cols, dev = self.cols, logits.device
         for i in np.flatnonzero(seeded).tolist():
             # Alone, so that its draw depends on nothing else in the batch.
             s = slots[i : i + 1]
