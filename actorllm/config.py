@@ -12,7 +12,7 @@ import attrs
 from actorllm.draft_config import METHOD_KEYS, check_draft_model, draft_dir
 
 TOPOLOGIES = ("single", "engine", "pipeline")
-CPU_DRAFT_TOKENS_PER_STEP = 16  # SpeculativeConfig.max_draft_tokens_per_step's CPU default
+CPU_DRAFT_TOKENS_PER_STEP = 8  # SpeculativeConfig.max_draft_tokens_per_step's CPU default
 
 
 def default_model_dir() -> Path:
@@ -100,7 +100,7 @@ class SpeculativeConfig:
         return cls(method, **fields, model=model)
 
     def for_device(self, device: str) -> SpeculativeConfig:
-        """``max_draft_tokens_per_step`` resolved: unset, 16 on the CPU (docs/architecture.md,
+        """``max_draft_tokens_per_step`` resolved: unset, 8 on the CPU (docs/architecture.md,
         "Speculative decoding"); on a GPU no cap."""
         if self.max_draft_tokens_per_step is not None or not device.startswith("cpu"):
             return self

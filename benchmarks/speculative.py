@@ -18,7 +18,7 @@ mean TPOT (time per output token after the first, per request), acceptance rate
 tok/s on to off. Targets (issue 32): >= 1.8x at concurrency 1 on ``repeat``, >= 0.95x on
 ``random``. ``--repeats R`` runs each cell's arms R times, alternating off and on, and
 keeps each arm's fastest run (on a shared machine the noise is mostly slowdowns).
-``--max-draft-tokens-per-step`` sets that key (default: the device's, 16 on the CPU).
+``--max-draft-tokens-per-step`` sets that key (default: the device's, 8 on the CPU).
 Results go to ``benchmarks/results/speculative.json`` and ``.md``.
 
 ``--draft-model DIR`` measures the ``draft_model`` method instead of n-gram;

@@ -457,7 +457,7 @@ async def test_sampled_outputs_follow_the_same_distribution_with_speculation(
     for spec in (False, True):
         params = [SamplingParams(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True,
                                  seed=i) for i in range(n)]
-        # Every one of the 128 rows may draft (the CPU's default shares 16 draft tokens).
+        # Every one of the 128 rows may draft (the CPU's default shares 8 draft tokens).
         async with spec_engine(looping_llama_dir, max_num_seqs=128, spec={
                 **NGRAM, "max_draft_tokens_per_step": 4 * 128} if spec else None) as engine:
             results: list[Any] = [None] * n
