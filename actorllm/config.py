@@ -12,6 +12,7 @@ import attrs
 from actorllm.draft_config import METHOD_KEYS, check_draft_model, draft_dir
 
 TOPOLOGIES = ("single", "engine", "pipeline")
+CPU_DRAFT_TOKENS_PER_STEP = 8  # SpeculativeConfig.max_draft_tokens_per_step's CPU default
 
 
 def default_model_dir() -> Path:
@@ -53,10 +54,11 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
-    # vLLM's: no proposals while this many sequences or more run (None: no limit). On the
-    # CPU a step with drafts cannot take the one-op decode path, so every row pays for it.
+    # vLLM's: no proposals while this many sequences or more run (None: no limit).
     disable_by_batch_size: int | None = None
     model: str | None = None  # draft_model: the draft's directory
+    # A step's draft tokens, shared evenly (a row gets this // running); None: for_device.
+    max_draft_tokens_per_step: int | None = None
 
     @classmethod
     def parse(cls, raw: object) -> SpeculativeConfig | None:
@@ -96,6 +98,13 @@ class SpeculativeConfig:
         if fields["num_speculative_tokens"] > 32:
             raise ValueError("--speculative-config: num_speculative_tokens must be at most 32")
         return cls(method, **fields, model=model)
+
+    def for_device(self, device: str) -> SpeculativeConfig:
+        """``max_draft_tokens_per_step`` resolved: unset, 8 on the CPU (docs/architecture.md,
+        "Speculative decoding"); on a GPU no cap."""
+        if self.max_draft_tokens_per_step is not None or not device.startswith("cpu"):
+            return self
+        return attrs.evolve(self, max_draft_tokens_per_step=CPU_DRAFT_TOKENS_PER_STEP)
 
 
 @attrs.frozen

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-_COMMON = frozenset({"method", "num_speculative_tokens", "disable_by_batch_size"})
+_COMMON = frozenset({"method", "num_speculative_tokens", "disable_by_batch_size",
+                     "max_draft_tokens_per_step"})
 #: The keys each method takes.
 METHOD_KEYS: dict[str, frozenset[str]] = {
     "ngram": _COMMON | {"prompt_lookup_max", "prompt_lookup_min"},

@@ -14,6 +14,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
+import numpy as np
 import pytest
 import torch
 import trio
@@ -21,15 +23,20 @@ from helpers import build_tiny_model, collect_all, hf_greedy, hf_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sim.profiles import examples
+from steps import Plans
 
-from actorllm.config import EngineConfig, SpeculativeConfig
+from actorllm.config import CPU_DRAFT_TOKENS_PER_STEP, EngineConfig, SpeculativeConfig
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.llm import collect
+from actorllm.ops.cpu_step import DecodeStep
 from actorllm.scheduler.sequence import Sequence
 from actorllm.scheduler.speculation import Speculation, propose_ngram
-from actorllm.wire.messages import GenerateRequest, SamplingParams
+from actorllm.wire.messages import GenerateRequest, SamplingParams, ScheduledSeq, StepPlan
+from actorllm.worker.packing import BlockTables, one_token_rows, pack_plan
+from actorllm.worker.runner import ModelRunner
 from actorllm.worker.sampler import SamplingState
-from actorllm.worker.speculative import verify
+from actorllm.worker.sampling_batch import SamplingBatch
+from actorllm.worker.speculative import verify, verify_drafts, verify_slot
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
@@ -69,9 +76,21 @@ def test_proposals_stop_short_of_max_tokens_skip_logprob_rows_and_back_off() -> 
     assert [spec.propose(seq, 10) for _ in range(3)] == [[], [], [3, 1]]
     spec.verdict(seq, 2, 1)
     assert seq.spec_misses == 0 and spec.accepted_per_pos == [2 - 1, 0, 0, 0]
-    assert spec.wanted(100)
+    assert spec.per_row(100) == 4  # no cap
     capped = Speculation(SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=4))
-    assert capped.wanted(3) and not capped.wanted(4)
+    assert (capped.per_row(3), capped.per_row(4)) == (2, 0)
+
+
+def test_a_step_shares_its_draft_tokens_between_the_running_rows() -> None:
+    spec = Speculation(SpeculativeConfig(num_speculative_tokens=4, max_draft_tokens_per_step=16))
+    assert [spec.per_row(n) for n in (1, 4, 5, 8, 16, 17, 64)] == [4, 4, 3, 2, 1, 0, 0]
+    unset = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
+    assert unset is not None and unset.max_draft_tokens_per_step is None
+    assert unset.for_device("cpu").max_draft_tokens_per_step == CPU_DRAFT_TOKENS_PER_STEP
+    assert unset.for_device("cuda:0").max_draft_tokens_per_step is None
+    mine = SpeculativeConfig.parse('{"num_speculative_tokens": 4, '
+                                   '"max_draft_tokens_per_step": 64}')
+    assert mine is not None and mine.for_device("cpu").max_draft_tokens_per_step == 64
 
 
 def test_speculative_config_is_checked() -> None:
@@ -165,6 +184,85 @@ def test_greedy_verification_accepts_while_the_draft_is_the_argmax() -> None:
     assert verify(logits, [1, 2, 3], state, ()) == [1, 2, 3, 4]  # all accepted: the bonus
 
 
+def test_a_drafting_step_packed_as_one_token_rows_gives_the_modules_logits(
+        tiny_llama_dir: Path) -> None:
+    """A step of speculating rows (3 and 1 drafts) and a plain decode row, packed as
+    one-token rows for the one-op decode step, against the module running the speculating
+    rows as multi-token rows: the same logits at every verified position and the same K/V
+    (within float tolerance: the linears see other row counts), on a random cache."""
+    runner = ModelRunner(tiny_llama_dir, num_blocks=64, block_size=4)
+    assert runner.decode_step is not None
+    rows = [ScheduledSeq("a", (7, 8, 9, 10), 9, (5, 2, 9, 30), True),
+            ScheduledSeq("b", (11,), 5, (1, 3), True),
+            ScheduledSeq("c", (12, 13), 14, (4, 6, 7, 8), True)]
+    plan = attrs.evolve(Plans().plan(1, rows), num_drafts=(3, 0, 1))
+    tables = BlockTables(runner.num_blocks, 4, runner.max_model_len)
+    slots = tables.apply(plan)
+
+    whole = pack_plan(plan, tables, slots, runner.max_model_len, runner.device,
+                      lambda *a: np.zeros(0))
+    split = one_token_rows(plan, whole)
+    assert not DecodeStep.applies(whole) and DecodeStep.applies(split)
+    chunk = attrs.evolve(plan, num_drafts=(3, 0, 0))  # "c" a prefill chunk: the module's
+    assert one_token_rows(chunk, whole) is whole
+    assert split.seq_lens.tolist() == [10, 11, 12, 13, 6, 15, 16]
+    assert torch.equal(split.sample_indices, whole.sample_indices)  # 1 + drafts per row
+    g = torch.Generator().manual_seed(0)
+    caches = [(torch.randn(k.shape, generator=g), torch.randn(v.shape, generator=g))
+              for k, v in runner.kv_caches]
+    copies = [(k.clone(), v.clone()) for k, v in caches]
+    with torch.inference_mode():
+        want = runner.model.compute_logits(
+            runner.model(whole, caches, runner.backend)[whole.sample_indices])
+        got = runner.model.compute_logits(
+            runner.decode_step(split, copies)[split.sample_indices])
+    assert got.shape == want.shape == (7, runner.vocab_size)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for (k, v), (k2, v2) in zip(caches, copies, strict=True):
+        torch.testing.assert_close((k2, v2), (k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_plain_greedy_rows_verified_at_once_match_row_by_row_verification() -> None:
+    """verify_drafts takes plain greedy rows together (one argmax); rows with a penalty or
+    a min_tokens still to reach go position by position. Both against verify_slot."""
+    vocab, g = 12, torch.Generator().manual_seed(4)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, repetition_penalty=1.5),
+              SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(5,)),
+              SamplingParams(temperature=0.0)]
+    drafts = [3, 2, 3, 4, 0]  # row 4 plain decode: sampled as usual, not here
+    logits = torch.randn(sum(d + 1 for d in drafts), vocab, generator=g)
+    tokens, at = [], 0
+    for d in drafts:  # each row's drafts the argmax, but for one in the middle: a run of
+        best = logits[at:at + d].argmax(-1).tolist()  # accepted drafts, then a rejection
+        if d > 1:
+            best[d // 2] = (best[d // 2] + 1) % vocab
+        tokens += [1, *best]
+        at += d + 1
+
+    def batch() -> SamplingBatch:
+        b = SamplingBatch(vocab, torch.device("cpu"), (1,), 8)
+        for i, p in enumerate(params):
+            b.add(i, SamplingState(p, [7, 8, 7, 9], [8, 3]))
+        return b
+
+    plan = StepPlan(1, rids=tuple("abcde"), num_tokens=tuple(d + 1 for d in drafts),
+                    token_ids=tuple(tokens), start_pos=(6,) * 5, sample=(True,) * 5,
+                    num_drafts=tuple(drafts))
+    slots = np.arange(5)
+    got, last = verify_drafts(logits, plan, slots, (together := batch()))
+    ref, at = batch(), 0
+    for j, d in enumerate(drafts):
+        if d:
+            want = verify_slot(ref, j, logits[at:at + d + 1], tokens[at + 1:at + d + 1])
+            assert got[j] == want, j
+        at += d + 1
+    assert 1 < len(got[0]) < 4 and set(got) == {0, 1, 2, 3}
+    assert torch.equal(last, logits[[3, 6, 10, 15, 16]])
+    for col in ("num_out", "last_token"):
+        assert (together.cols[col] == ref.cols[col]).all(), col
+
+
 # --- end to end ----------------------------------------------------------------------------
 
 
@@ -224,8 +322,11 @@ async def test_greedy_equals_transformers_with_speculation(
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     async with spec_engine(looping_llama_dir, num_kv_blocks=24, max_model_len=64,
                            max_num_batched_tokens=16, async_scheduling=overlap) as engine:
+        runner = _resources[(str(looping_llama_dir), 24, 64)].runner
+        one_op = runner.one_op_draft_steps
         results = await collect_all(engine, loop_prompts, params)
         stats = engine.frontend.stats
+    assert runner.one_op_draft_steps > one_op, "drafting steps run by the one-op decode step"
     assert stats.num_preemptions > 0, "the test must exercise preemption"
     assert stats.prefix_cache_hits > 0, "and prefix caching"
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens, "and partial acceptance"
@@ -356,8 +457,9 @@ async def test_sampled_outputs_follow_the_same_distribution_with_speculation(
     for spec in (False, True):
         params = [SamplingParams(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True,
                                  seed=i) for i in range(n)]
-        async with spec_engine(looping_llama_dir, spec=NGRAM if spec else None,
-                               max_num_seqs=128) as engine:
+        # Every one of the 128 rows may draft (the CPU's default shares 8 draft tokens).
+        async with spec_engine(looping_llama_dir, max_num_seqs=128, spec={
+                **NGRAM, "max_draft_tokens_per_step": 4 * 128} if spec else None) as engine:
             results: list[Any] = [None] * n
 
             async def one(i: int) -> None:

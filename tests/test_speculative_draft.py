@@ -31,7 +31,9 @@ K = 3
 
 
 def draft_spec(model: Path, k: int = K) -> dict[str, object]:
-    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k}
+    # Every row drafts k here, as on a GPU (the CPU's default shares 8 draft tokens a step).
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k,
+            "max_draft_tokens_per_step": 1024}
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +91,12 @@ async def test_greedy_equals_transformers_with_a_draft_model(
     async with draft_engine(tiny_llama_dir, draft_spec(draft_dir), num_kv_blocks=20,
                             max_num_batched_tokens=16, async_scheduling=overlap,
                             attention_backend=attention) as engine:
+        runner = engine.resources.runner
+        one_op = runner.one_op_draft_steps
         results = await collect_all(engine, prompts, params)
         stats = engine.frontend.stats
+    # With the one-op decode step the target verifies in it too, as one-token rows.
+    assert (runner.one_op_draft_steps > one_op) == (runner.decode_step is not None)
     assert stats.num_preemptions > 0, "the test must exercise preemption"
     assert stats.prefix_cache_hits > 0, "and prefix caching"
     assert stats.spec_draft_tokens > 0 and stats.spec_num_drafts > 0
@@ -211,7 +217,7 @@ def test_draft_model_configs_are_checked(tiny_llama_dir: Path, other_vocab_dir: 
                                          tmp_path: Path) -> None:
     model = str(tiny_llama_dir)
     assert SpeculativeConfig.parse(draft_spec(tiny_llama_dir)) == SpeculativeConfig(
-        "draft_model", K, model=model)
+        "draft_model", K, model=model, max_draft_tokens_per_step=1024)
     for spec, words in (({"method": "draft_model", "num_speculative_tokens": 2}, "needs"),
                         (draft_spec(tmp_path / "nope"), "does not exist"),
                         (draft_spec(other_vocab_dir), "vocab_size"),

@@ -157,9 +157,9 @@ class Batch:
             n = min(seq.num_unscheduled, budget)
             if n <= 0:
                 continue
-            if n == 1 and self.speculation is not None and self.speculation.wanted(
-                    len(self.running)):
-                n = self._draft(seq, budget)
+            if n == 1 and self.speculation is not None and (
+                    room := self.speculation.per_row(len(self.running))):
+                n = self._draft(seq, min(budget, 1 + room))
             while not self.reserve(seq, n):
                 if ahead:
                     # No preemption while a step runs. Rather than run younger sequences

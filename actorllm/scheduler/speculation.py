@@ -15,7 +15,6 @@ from collections.abc import Sequence as Seq
 from itertools import repeat
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from actorllm.config import SpeculativeConfig
 from actorllm.scheduler.sequence import Sequence
@@ -32,16 +31,27 @@ def propose_ngram(tokens: Seq[int], k: int, n_min: int, n_max: int) -> list[int]
     """Prompt lookup: for n from ``n_max`` down to ``n_min``, the tokens (at most ``k``)
     that followed the latest earlier occurrence of the last n tokens; [] if none occurs."""
     length = len(tokens)
-    if k < 1 or length < 2:
+    top = min(n_max, length - 1)
+    if k < 1 or top < max(n_min, 1):
         return []
     arr = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        # Windows of arr[:-1] start before length - n: occurrences other than the suffix.
-        hits = np.flatnonzero((sliding_window_view(arr[:-1], n) == arr[length - n:]).all(1))
-        if len(hits):
-            i = int(hits[-1]) + n
-            return arr[i:i + k].tolist()
-    return []
+    # Every occurrence of a suffix ends at an earlier copy of the last token: only those
+    # are extended backwards (a row pays this every step, usually for no proposal).
+    ends = np.flatnonzero(arr[:-1] == arr[-1])
+    run = np.ones(len(ends), dtype=np.int64)  # each one's match length, up to ``top``
+    alive = ends >= 1
+    for m in range(1, top):
+        idx = np.flatnonzero(alive)
+        if not len(idx):
+            break
+        at = ends[idx] - m
+        same = arr[at] == arr[length - 1 - m]
+        run[idx[same]] += 1
+        alive[idx] = same & (at >= 1)
+    if not len(run) or run.max() < n_min:
+        return []
+    i = int(ends[np.flatnonzero(run == run.max())[-1]]) + 1
+    return arr[i:i + k].tolist()
 
 
 def may_speculate(seq: Sequence) -> bool:
@@ -62,10 +72,16 @@ class Speculation:
         self.num_drafts = 0  # rows that carried proposals (mean accepted length's divisor)
         self.accepted_per_pos = [0] * config.num_speculative_tokens
 
-    def wanted(self, running: int) -> bool:
-        """Whether rows propose at all with ``running`` sequences in the batch."""
-        limit = self.config.disable_by_batch_size
-        return limit is None or running < limit
+    def per_row(self, running: int) -> int:
+        """The most drafts a row may carry with ``running`` sequences in the batch (0:
+        none): ``num_speculative_tokens``, cut to an even share of the step's draft
+        tokens, and 0 from ``disable_by_batch_size`` sequences up."""
+        c = self.config
+        if c.disable_by_batch_size is not None and running >= c.disable_by_batch_size:
+            return 0
+        if c.max_draft_tokens_per_step is None:
+            return c.num_speculative_tokens
+        return min(c.num_speculative_tokens, c.max_draft_tokens_per_step // max(running, 1))
 
     def propose(self, seq: Sequence, room: int) -> list[int]:
         """Drafts for ``seq``'s next decode row (at most ``room`` tokens); [] for none.

@@ -339,7 +339,7 @@ def build_actors(role: str, wiring: Wiring, config: EngineConfig, parts: Parts,
             max_steps_in_flight=2 if config.overlap else 1, tracer=tracer,
             enable_prefix_caching=config.enable_prefix_caching,
             scheduling_policy=config.scheduling_policy,
-            speculative=config.speculative,
+            speculative=config.speculative and config.speculative.for_device(config.device),
         )
         actors["scheduler"].replica = replica or 0
     if place["worker"] == role:

@@ -13,6 +13,7 @@ Called by ``ModelRunner`` (worker/runner.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -171,3 +172,28 @@ def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_l
         max_seqlen_k=int(seq_lens.max()),
         slots_valid=True,  # every block-table entry was range-checked on its way in
     )
+
+
+
+def one_token_rows(plan: StepPlan, batch: ForwardBatch) -> ForwardBatch:
+    """``batch`` (``plan`` packed) with each speculating row as one row per token, for the
+    one-op decode step (ops/cpu_step.py), when every row is a decode or speculating row;
+    else ``batch`` itself.
+
+    The op writes every token's K/V into the cache before any row attends, so the token
+    at position p of a row ``[t, d1 .. dk]`` is a row of its own with the row's table and
+    ``seq_len = p + 1``: it sees exactly the tokens a causal mask would let it see. Input
+    ids, positions, slots and the logits rows stay as they are, one per token.
+    """
+    if not plan.num_drafts or batch.max_seqlen_q == 1:
+        return batch
+    q = np.asarray(plan.num_tokens, dtype=np.int64)
+    if not (q == 1 + np.asarray(plan.num_drafts, dtype=np.int64)).all():
+        return batch  # a prefill chunk: the model module runs the step
+    dev = batch.positions.device
+    row_of = torch.from_numpy(np.repeat(np.arange(len(q)), q)).to(dev)
+    return dataclasses.replace(
+        batch, seq_lens=(batch.positions + 1).to(torch.int32),
+        block_tables=batch.block_tables[row_of],
+        cu_seqlens_q=torch.arange(len(row_of) + 1, dtype=torch.int32, device=dev),
+        max_seqlen_q=1)

@@ -43,7 +43,7 @@ from actorllm.wire.rendezvous import Rendezvous
 from actorllm.wire.steps import NewSeqData, PromptLogprobs, StepPlan, StepResult
 from actorllm.worker.draft import DraftModel, draft_block_bytes
 from actorllm.worker.filters import GREEDY_BELOW
-from actorllm.worker.packing import BlockTables, pack_plan
+from actorllm.worker.packing import BlockTables, one_token_rows, pack_plan
 from actorllm.worker.pooling import Pooler, pooled_norm
 from actorllm.worker.ranks import RankGroup, RankSpec
 from actorllm.worker.sampler import prompt_logprobs
@@ -70,6 +70,8 @@ class ModelRunner:
     Counters: ``one_op_steps`` (decode steps run by the one op), ``logits_in_op_steps``
     (... whose logits it made too) and ``drawn_in_op_steps`` (... and whose tokens).
     """
+
+    one_op_draft_steps = 0  # steps run by decode_step with speculating rows (per instance)
 
     def __init__(
         self,
@@ -268,10 +270,12 @@ class ModelRunner:
         grammar; SamplingBatch.op_temperatures) the op draws the tokens too: one GIL
         hand-off for the whole step."""
         step = self.decode_step
-        if step is not None and step.applies(batch):
+        if step is not None and step.applies(batch := one_token_rows(plan, batch)):
             self.one_op_steps += 1
+            self.one_op_draft_steps += bool(plan.num_drafts)
+            free = free and not plan.num_drafts  # drafts as one-token rows: verified, not drawn
             if step.makes_logits and len(slots) == len(plan.rids) and not plan.lp_rows \
-                    and not plan.num_drafts and not len(self.pooler):
+                    and not len(self.pooler):
                 self.logits_in_op_steps += 1
                 temps = self.sampling.op_temperatures(slots) if free else None
                 if temps is not None:

@@ -54,9 +54,40 @@ def verify_drafts(logits: Tensor, plan: StepPlan, slots: np.ndarray, batch: Samp
     row; sampling row ``j`` is slot ``slots[j]`` of ``batch``): {sampling row: tokens
     emitted, already committed to ``batch``}, and the logits of each sampling row's last
     position (for the ordinary sampler; a speculating row's draw there is not used)."""
-    verified = {j: verify_slot(batch, int(slots[j]), logits[at:at + 1 + len(drafts)], drafts)
-                for j, at, drafts in draft_rows(plan)}
+    rows = draft_rows(plan)
+    plain = [r for r in rows if _plain_greedy(batch, int(slots[r[0]]))]
+    verified = _verify_plain_greedy(logits, plain, slots, batch) if plain else {}
+    for j, at, drafts in rows:
+        if j not in verified:
+            verified[j] = verify_slot(batch, int(slots[j]), logits[at:at + 1 + len(drafts)],
+                                      drafts)
     return verified, logits[last_rows(plan).to(logits.device)]
+
+
+def _plain_greedy(batch: SamplingBatch, slot: int) -> bool:
+    """Greedy with nothing that depends on the history (no penalty, bias or min_tokens
+    still to reach): its distribution at every position is the raw logits'."""
+    return bool(batch.cols["greedy"][slot]) and not batch.needs_processing(
+        np.array([slot], dtype=np.int64))
+
+
+def _verify_plain_greedy(logits: Tensor, rows: list[tuple[int, int, list[int]]],
+                         slots: np.ndarray, batch: SamplingBatch) -> dict[int, list[int]]:
+    """:func:`verify_slot` for plain greedy rows (:func:`_plain_greedy`), all at once: one
+    argmax over the step's logits, then the tokens committed position by position (a
+    row's in order, the rows together), not a few small ops per row and position."""
+    best = logits.argmax(dim=-1).tolist()
+    out: dict[int, list[int]] = {}
+    for j, at, drafts in rows:
+        a = 0
+        while a < len(drafts) and best[at + a] == drafts[a]:
+            a += 1
+        out[j] = [*drafts[:a], best[at + a]]
+    for p in range(max(len(t) for t in out.values())):
+        js = [j for j, t in out.items() if len(t) > p]
+        tokens = [out[j][p] for j in js]
+        batch.commit(slots[js], torch.tensor(tokens, device=logits.device), tokens)
+    return out
 
 
 def spliced(token_ids: tuple[int, ...], verified: dict[int, list[int]]
