@@ -272,6 +272,24 @@ async def collect_all(engine: AsyncEngine, prompts: list[Any],
 CONTEXT = 256  # the tiny models' max_position_embeddings
 
 
+async def abort_three_of_four(engine: AsyncEngine, prompts: list[list[int]],
+                               params: Any) -> list[str | None]:
+    """Four requests; the first three aborted after 2, 5 and 8 tokens have come out
+    (mid-stream, so with speculation their drafts may be in flight). Each request's last
+    finish reason, in order."""
+    from actorllm.wire.messages import GenerateRequest
+
+    cols = [await engine.submit(GenerateRequest(f"r{i}", params, prompt_token_ids=tuple(p)))
+            for i, p in enumerate(prompts[:4])]
+    for i, col in enumerate(cols[:3]):
+        got = 0
+        while got < 2 + 3 * i:
+            out = await col.get()
+            got += sum(len(o.token_ids) for o in out.outputs)
+        await engine.abort(f"r{i}")
+    return [[o async for o in col][-1].outputs[-1].finish_reason for col in cols]
+
+
 def sse_events(body: bytes) -> list[str]:
     """The ``data:`` payloads of a server-sent-event body, in order (``[DONE]`` included)."""
     return [e.removeprefix("data: ") for e in body.decode().split("\n\n") if e]

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import trio
-from helpers import build_tiny_model, collect_all, hf_greedy, hf_model
+from helpers import abort_three_of_four, build_tiny_model, collect_all, hf_greedy, hf_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sim.profiles import examples
@@ -31,7 +31,7 @@ from actorllm.llm import collect
 from actorllm.ops.cpu_step import DecodeStep
 from actorllm.scheduler.sequence import Sequence
 from actorllm.scheduler.speculation import Speculation, propose_ngram
-from actorllm.wire.messages import GenerateRequest, SamplingParams, ScheduledSeq, StepPlan
+from actorllm.wire.messages import SamplingParams, ScheduledSeq, StepPlan
 from actorllm.worker.packing import BlockTables, one_token_rows, pack_plan
 from actorllm.worker.runner import ModelRunner
 from actorllm.worker.sampler import SamplingState
@@ -411,17 +411,7 @@ async def test_abort_mid_speculation_leaks_nothing(
     sequence or Worker state left: spec_engine checks) and the others finish."""
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     async with spec_engine(looping_llama_dir, num_kv_blocks=64) as engine:
-        cols = [await engine.submit(GenerateRequest(f"r{i}", params, prompt_token_ids=tuple(p)))
-                for i, p in enumerate(loop_prompts[:4])]
-        for i, col in enumerate(cols[:3]):
-            got = 0
-            while got < 2 + 3 * i:
-                out = await col.get()
-                got += sum(len(o.token_ids) for o in out.outputs)
-            await engine.abort(f"r{i}")
-        ends = []
-        for col in cols:
-            ends.append([o async for o in col][-1].outputs[-1].finish_reason)
+        ends = await abort_three_of_four(engine, loop_prompts, params)
         stats = engine.frontend.stats
     assert ends == ["abort", "abort", "abort", "length"]
     assert stats.spec_draft_tokens > 0

@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import build_tiny_model, collect_all, hf_greedy, hf_model
+from helpers import abort_three_of_four, build_tiny_model, collect_all, hf_greedy, hf_model
 
 from actorllm.config import EngineConfig, SpeculativeConfig
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.llm import collect
 from actorllm.scheduler.sequence import Sequence
 from actorllm.scheduler.speculation import DRAFT_PLACEHOLDER, Speculation
-from actorllm.wire.messages import GenerateRequest, SamplingParams
+from actorllm.wire.messages import SamplingParams
 
 K = 3
 
@@ -131,15 +131,7 @@ async def test_abort_mid_speculation_leaks_nothing(
     sequence or Worker state left: draft_engine checks) and the others finish."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     async with draft_engine(tiny_llama_dir, draft_spec(tiny_llama_dir)) as engine:
-        cols = [await engine.submit(GenerateRequest(f"r{i}", params, prompt_token_ids=tuple(p)))
-                for i, p in enumerate(prompts[:4])]
-        for i, col in enumerate(cols[:3]):
-            got = 0
-            while got < 2 + 3 * i:
-                out = await col.get()
-                got += sum(len(o.token_ids) for o in out.outputs)
-            await engine.abort(f"r{i}")
-        ends = [[o async for o in col][-1].outputs[-1].finish_reason for col in cols]
+        ends = await abort_three_of_four(engine, prompts, params)
         stats = engine.frontend.stats
     assert ends == ["abort", "abort", "abort", "length"]
     assert stats.spec_draft_tokens > 0
