@@ -174,7 +174,6 @@ def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_l
     )
 
 
-
 def one_token_rows(plan: StepPlan, batch: ForwardBatch) -> ForwardBatch:
     """``batch`` (``plan`` packed) with each speculating row as one row per token, for the
     one-op decode step (ops/cpu_step.py), when every row is a decode or speculating row;
