@@ -168,3 +168,36 @@ def test_decode_kernel_block_size_not_a_multiple_of_its_chunk():
         want = TorchBackend().paged_attention(**case, max_seqlen_q=1, max_seqlen_k=200,
                                               sliding_window=window)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+# The kernel's AVX-512 steps (where the machine has them) take four query heads a vector
+# for the scores (groups of 4 and 8), eight keys a tile, 64 keys a chunk across blocks,
+# and sixteen lanes of the head dimension for the softmax and the values (head dims 32 to
+# 128); the others take the portable loops. Lengths around each of those edges.
+ODD_LENGTHS = [(1, 1), (7, 1), (8, 1), (9, 1), (63, 1), (64, 1), (65, 1), (129, 1), (203, 1)]
+
+
+@pytest.mark.parametrize(("group", "head_dim"),
+                         [(1, 32), (2, 64), (4, 32), (4, 128), (8, 64), (8, 128), (3, 32)])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_decode_kernel_vector_paths_around_tile_and_chunk_edges(group, head_dim, block_size):
+    case = make_case(ODD_LENGTHS, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+                     block_size=block_size, seed=group * head_dim + block_size)
+    got = CpuBackend(build_kernel(), num_threads=2).paged_attention(
+        **case, max_seqlen_q=1, max_seqlen_k=203)
+    want = naive_attention(**case)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("group", "head_dim"), [(4, 32), (8, 64), (1, 128)])
+def test_decode_kernel_vector_paths_with_window_and_softcap(group, head_dim):
+    """Windows that start mid-chunk and mid-block, and soft-caps, on the vector steps."""
+    case = make_case(ODD_LENGTHS, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+                     block_size=16, seed=head_dim)
+    case["q"] = case["q"] * 4.0
+    for window, cap in ((70, None), (9, None), (None, 3.0), (100, 30.0)):
+        got = cpu.paged_attention(**case, max_seqlen_q=1, max_seqlen_k=203,
+                                  sliding_window=window, softcap=cap)
+        want = TorchBackend().paged_attention(**case, max_seqlen_q=1, max_seqlen_k=203,
+                                              sliding_window=window, softcap=cap)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

@@ -20,7 +20,20 @@
  * call (no window, no cap) that cpu_decode_step.cpp makes.
  *
  * The query heads that share a KV head (GQA) are processed together, so each key and
- * value row is loaded once per group. Work is split over (sequence, KV head) pairs
+ * value row is loaded once per group. The context is walked in chunks of up to
+ * MAX_CHUNK keys that span blocks (a list of row pointers per chunk), so the softmax's
+ * reductions and rescale run once per 64 keys; the next chunk's rows are prefetched.
+ *
+ * Where the compiler targets AVX-512 (-march=native on this project's machines), the
+ * steps are written with its intrinsics, since gcc vectorized the key-by-key loops
+ * badly (a horizontal sum per key and head, a scalar exp per score): scores four query
+ * heads a vector (score_x4, groups of 4, 8, 12 or 16), the softmax and the weighted sum
+ * of values sixteen lanes of the head dimension at a time (head dims that are multiples
+ * of 16). Measured at the embedded model's shape (8 heads over 2 KV heads of 32, 200
+ * keys, one thread): 1.3x faster where K/V sit in L2 (4 sequences), and the same or
+ * better where the cache is far larger (64 sequences; noisy, shared host). Other
+ * shapes and machines keep the portable loops; both are tested against the torch
+ * reference (tests/test_ops_cpu.py). Work is split over (sequence, KV head) pairs
  * between `num_threads` threads of an OpenMP parallel region; the caller picks the
  * count. OpenMP rather than threads made here: the library links libgomp, which is the
  * one torch has already loaded, so the region runs on the calling thread's OpenMP team,
@@ -46,9 +59,14 @@ typedef struct {
     float softcap;  /* 0: no soft-cap */
 } job_t;
 
-/* Up to this many context positions are scored before the running softmax is updated:
- * one block of the cache at a time, so the rescale happens once per block, not per key. */
+/* Up to this many context positions are scored before the running softmax is updated,
+ * across blocks, so the rescale happens once per chunk, not per key. A multiple of
+ * KEY_TILE. */
 #define MAX_CHUNK 64
+
+/* Keys scored at once by score_x4: eight independent FMA chains keep both FMA units busy
+ * (an FMA's latency is four cycles). */
+#define KEY_TILE 8
 
 /* exp(x) for x <= 0 without a libm call, so the softmax loops vectorize: 2^n put in the
  * exponent bits, times a degree-6 polynomial of the remainder r = x - n ln2 (|r| <=
@@ -71,6 +89,178 @@ static inline float exp_le0(float x) {
     return x < -87.0f ? 0.0f : p * s.f;
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* Sums the four lanes of each 128-bit quarter of a, b, c and d: quarter p of the result
+ * holds a's, b's, c's and d's sums of their quarter p. */
+static inline __m512 sum_quarters(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+static inline void store_quarters(__m512 r, float score[][MAX_CHUNK], int64_t h, int64_t i) {
+    _mm_storeu_ps(&score[h][i], _mm512_castps512_ps128(r));
+    _mm_storeu_ps(&score[h + 1][i], _mm512_extractf32x4_ps(r, 1));
+    _mm_storeu_ps(&score[h + 2][i], _mm512_extractf32x4_ps(r, 2));
+    _mm_storeu_ps(&score[h + 3][i], _mm512_extractf32x4_ps(r, 3));
+}
+
+static const float zero_key[MAX_HEAD_DIM] __attribute__((aligned(64)));
+
+/* The scores of n keys (rows `row` floats apart from kb) for every head of the group, four
+ * heads a vector. A score is a horizontal sum over the head dimension, which a key-by-key
+ * loop reduces across lanes once per key and head; here each 128-bit quarter of a vector
+ * holds one head, the key's four dimensions broadcast into every quarter (a load, not a
+ * shuffle), so one FMA advances four heads at once and the lanes are reduced once per four
+ * keys for all four heads (sum_quarters). qx holds the query in that layout. Keys past n
+ * read zeros; their scores land in score's spare columns and are never read. */
+static inline __attribute__((always_inline)) void score_x4(
+    const float *qx, const float *const *kp, int64_t n, const int64_t D, const int64_t group,
+    float score[][MAX_CHUNK]) {
+    for (int64_t i0 = 0; i0 < n; i0 += KEY_TILE) {
+        const float *const *k = kp + i0;
+        for (int64_t set = 0; set < group / 4; set++) {
+            const float *qv = qx + set * 4 * D;
+            __m512 a[KEY_TILE];
+            for (int t = 0; t < KEY_TILE; t++) a[t] = _mm512_setzero_ps();
+            for (int64_t b = 0; b < D / 4; b++) {
+                const __m512 q = _mm512_load_ps(qv + 16 * b);
+                for (int t = 0; t < KEY_TILE; t++)
+                    a[t] = _mm512_fmadd_ps(q, _mm512_broadcast_f32x4(_mm_loadu_ps(k[t] + 4 * b)),
+                                           a[t]);
+            }
+            store_quarters(sum_quarters(a[0], a[1], a[2], a[3]), score, 4 * set, i0);
+            store_quarters(sum_quarters(a[4], a[5], a[6], a[7]), score, 4 * set, i0 + 4);
+        }
+    }
+}
+/* exp_le0 on sixteen lanes, the same steps (2^n applied by scalef). */
+static inline __m512 exp16_le0(__m512 x) {
+    const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_floor_ps(
+        _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f)));
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
+static inline __mmask16 lanes_left(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+/* One head's online-softmax update over the n scores of a chunk, sixteen at a time: the
+ * scores become their weights exp(s - max), m and l the running maximum and sum. Returns
+ * the factor that rescales what was accumulated before the chunk. gcc left the scalar
+ * loops of item_d unvectorized (the running maximum and sum are reductions): they were
+ * the largest part of the kernel's time once the scores were vectorized. */
+static inline float softmax16(float *score, int64_t n, float *m, float *l) {
+    __m512 top = _mm512_set1_ps(*m);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = lanes_left(n - i);
+        top = _mm512_mask_max_ps(top, k, top, _mm512_maskz_loadu_ps(k, score + i));
+    }
+    const float mx = _mm512_reduce_max_ps(top);
+    const __m512 vmx = _mm512_set1_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = lanes_left(n - i);
+        const __m512 e = _mm512_maskz_mov_ps(
+            k, exp16_le0(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, score + i), vmx)));
+        _mm512_mask_storeu_ps(score + i, k, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    const float c = exp_le0(*m - mx); /* 0 on the first chunk: m is -inf */
+    *l = *l * c + _mm512_reduce_add_ps(sum);
+    *m = mx;
+    return c;
+}
+
+/* acc[h] = c[h] * acc[h] + sum over the chunk's keys of weight[h][i] * v_i, for every head
+ * of the group, in registers for the chunk (each value row is loaded once). */
+static inline __attribute__((always_inline)) void weigh_values16(
+    float acc[][MAX_HEAD_DIM], const float score[][MAX_CHUNK], const float *c,
+    const float *const *vp, int64_t n, const int64_t D, const int64_t group) {
+    __m512 a[MAX_GROUP][MAX_HEAD_DIM / 16];
+    for (int64_t h = 0; h < group; h++)
+        for (int64_t b = 0; b < D / 16; b++)
+            a[h][b] = _mm512_mul_ps(_mm512_loadu_ps(acc[h] + 16 * b), _mm512_set1_ps(c[h]));
+    for (int64_t i = 0; i < n; i++) {
+        const float *v = vp[i];
+        __m512 vv[MAX_HEAD_DIM / 16];
+        for (int64_t b = 0; b < D / 16; b++) vv[b] = _mm512_loadu_ps(v + 16 * b);
+        for (int64_t h = 0; h < group; h++) {
+            const __m512 w = _mm512_set1_ps(score[h][i]);
+            for (int64_t b = 0; b < D / 16; b++) a[h][b] = _mm512_fmadd_ps(w, vv[b], a[h][b]);
+        }
+    }
+    for (int64_t h = 0; h < group; h++)
+        for (int64_t b = 0; b < D / 16; b++) _mm512_storeu_ps(acc[h] + 16 * b, a[h][b]);
+}
+#endif
+
+/* The portable steps, for shapes the AVX-512 ones do not take and machines without it. */
+static inline __attribute__((always_inline)) void score_plain(
+    const float qs[][MAX_HEAD_DIM], const float *const *kp, int64_t n, const int64_t D,
+    const int64_t group, float score[][MAX_CHUNK]) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t h = 0; h < group; h++) {
+            float dot = 0.0f;
+            for (int64_t d = 0; d < D; d++) dot += qs[h][d] * kp[i][d];
+            score[h][i] = dot;
+        }
+}
+
+static inline __attribute__((always_inline)) void softmax_and_weigh_plain(
+    float acc[][MAX_HEAD_DIM], float score[][MAX_CHUNK], float *m, float *l,
+    const float *const *vp, int64_t n, const int64_t D, const int64_t group) {
+    for (int64_t h = 0; h < group; h++) {
+        float mx = m[h];
+        for (int64_t i = 0; i < n; i++) mx = score[h][i] > mx ? score[h][i] : mx;
+        const float c = exp_le0(m[h] - mx); /* 0 on the first chunk: m is -inf */
+        l[h] *= c;
+        for (int64_t d = 0; d < D; d++) acc[h][d] *= c;
+        m[h] = mx;
+        for (int64_t i = 0; i < n; i++) {
+            score[h][i] = exp_le0(score[h][i] - mx);
+            l[h] += score[h][i];
+        }
+    }
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t h = 0; h < group; h++) {
+            const float w = score[h][i];
+            for (int64_t d = 0; d < D; d++) acc[h][d] += w * vp[i][d];
+        }
+}
+
+/* Asks for the next chunk's key and value rows while this one is computed. Each block
+ * lies elsewhere in the cache, so the hardware prefetcher, which follows a stride within
+ * a page, starts cold at every block: at 64 sequences of 200 tokens the cache is far
+ * larger than L2 and those misses were a large part of the kernel's time. */
+static inline __attribute__((always_inline)) void prefetch_chunk(
+    const job_t *j, const int32_t *table, const float *k_head, const float *v_head,
+    int64_t from, int64_t len, const int64_t D) {
+    const int64_t bs = j->block_size, row = j->num_kv_heads * D;
+    const int64_t to = from + MAX_CHUNK < len ? from + MAX_CHUNK : len;
+    for (int64_t p = from; p < to; p++) {
+        const int64_t slot = (int64_t)table[p / bs] * bs + p % bs;
+        for (int64_t d = 0; d < D; d += 16) {
+            __builtin_prefetch(k_head + slot * row + d);
+            __builtin_prefetch(v_head + slot * row + d);
+        }
+    }
+}
+
 /* `D` and `group` are constants where one_item instantiates this for the common shapes,
  * so the loops over the head dimension and the group's heads unroll and vectorize
  * fully (measured 20 % faster than a runtime group at 4 query heads per KV head).
@@ -87,9 +277,11 @@ static inline __attribute__((always_inline)) void item_d(const job_t *j, int64_t
     const float *q = j->q + (s * j->num_heads + g * group) * D;
     float *out = j->out + (s * j->num_heads + g * group) * D;
     const int64_t row = j->num_kv_heads * D; /* floats between consecutive slots */
-    const int64_t chunk = bs < MAX_CHUNK ? bs : MAX_CHUNK;
-    float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_HEAD_DIM];
+    const float *k_head = j->k_cache + g * D, *v_head = j->v_cache + g * D;
+    float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
     float qs[MAX_GROUP][MAX_HEAD_DIM], score[MAX_GROUP][MAX_CHUNK];
+    /* The chunk's key and value rows; the spare key entries point at zeros (score_x4). */
+    const float *kp[MAX_CHUNK + KEY_TILE], *vp[MAX_CHUNK];
 
     for (int64_t h = 0; h < group; h++) {
         for (int64_t d = 0; d < D; d++) {
@@ -99,47 +291,51 @@ static inline __attribute__((always_inline)) void item_d(const job_t *j, int64_t
         m[h] = -INFINITY;
         l[h] = 0.0f;
     }
-    for (int64_t p0 = first, n = 0; p0 < len; p0 += n) {
-        /* A chunk never crosses a block: its keys are consecutive rows of one block. The
-         * window may start mid-block, so a chunk ends at the block's end, not at the next
-         * multiple of `chunk`. */
-        const int64_t to_block_end = bs - p0 % bs;
-        n = len - p0 < chunk ? len - p0 : chunk;
-        n = n < to_block_end ? n : to_block_end;
-        const int64_t slot0 = (int64_t)table[p0 / bs] * bs + p0 % bs;
-        const float *kb = j->k_cache + slot0 * row + g * D;
-        const float *vb = j->v_cache + slot0 * row + g * D;
-        for (int64_t i = 0; i < n; i++) {
-            const float *k = kb + i * row;
-            for (int64_t h = 0; h < group; h++) {
-                float dot = 0.0f;
-                for (int64_t d = 0; d < D; d++) dot += qs[h][d] * k[d];
-                score[h][i] = dot;
+#ifdef __AVX512F__
+    const int fast_scores = group % 4 == 0 && D % 4 == 0, fast_softmax = D % 16 == 0;
+    /* The query in score_x4's layout: per set of four heads, per run of four dimensions,
+     * one vector of lanes (head, dimension). */
+    float qx[MAX_GROUP * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    if (fast_scores)
+        for (int64_t h = 0; h < group; h++)
+            for (int64_t d = 0; d < D; d++)
+                qx[(h / 4) * 4 * D + (d / 4) * 16 + (h % 4) * 4 + d % 4] = qs[h][d];
+    for (int64_t t = 0; t < KEY_TILE; t++) kp[MAX_CHUNK + t] = zero_key;
+#endif
+    for (int64_t p0 = first; p0 < len; p0 += MAX_CHUNK) {
+        /* A chunk spans blocks: the softmax's reductions and rescale, whose latency a
+         * block of 16 keys did not hide, run once per MAX_CHUNK keys. */
+        const int64_t n = len - p0 < MAX_CHUNK ? len - p0 : MAX_CHUNK;
+        for (int64_t i = 0; i < n;) { /* a run of consecutive rows per block */
+            const int64_t p = p0 + i, off = p % bs, run = bs - off < n - i ? bs - off : n - i;
+            const int64_t slot = (int64_t)table[p / bs] * bs + off;
+            for (int64_t t = 0; t < run; t++) {
+                kp[i + t] = k_head + (slot + t) * row;
+                vp[i + t] = v_head + (slot + t) * row;
             }
+            i += run;
         }
+        prefetch_chunk(j, table, k_head, v_head, p0 + n, len, D);
+#ifdef __AVX512F__
+        for (int64_t t = n; t < n + KEY_TILE && t < MAX_CHUNK; t++) kp[t] = zero_key;
+        if (fast_scores)
+            score_x4(qx, kp, n, D, group, score);
+        else
+#endif
+            score_plain(qs, kp, n, D, group, score);
         if (capped) {
             for (int64_t h = 0; h < group; h++)
                 for (int64_t i = 0; i < n; i++) score[h][i] = cap * tanhf(score[h][i] * inv_cap);
         }
-        for (int64_t h = 0; h < group; h++) {
-            float mx = m[h];
-            for (int64_t i = 0; i < n; i++) mx = score[h][i] > mx ? score[h][i] : mx;
-            const float c = exp_le0(m[h] - mx); /* 0 on the first chunk: m is -inf */
-            l[h] *= c;
-            for (int64_t d = 0; d < D; d++) acc[h][d] *= c;
-            m[h] = mx;
-            for (int64_t i = 0; i < n; i++) {
-                score[h][i] = exp_le0(score[h][i] - mx);
-                l[h] += score[h][i];
-            }
+#ifdef __AVX512F__
+        if (fast_softmax) {
+            float c[MAX_GROUP];
+            for (int64_t h = 0; h < group; h++) c[h] = softmax16(score[h], n, &m[h], &l[h]);
+            weigh_values16(acc, score, c, vp, n, D, group);
+            continue;
         }
-        for (int64_t i = 0; i < n; i++) {
-            const float *v = vb + i * row;
-            for (int64_t h = 0; h < group; h++) {
-                const float w = score[h][i];
-                for (int64_t d = 0; d < D; d++) acc[h][d] += w * v[d];
-            }
-        }
+#endif
+        softmax_and_weigh_plain(acc, score, m, l, vp, n, D, group);
     }
     for (int64_t h = 0; h < group; h++) {
         const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
