@@ -75,6 +75,21 @@ def test_masked_tokens_are_never_drawn_and_a_row_with_none_left_takes_the_argmax
     assert (tokens[1:] % 2 == 1).all()
 
 
+def test_a_drawn_row_with_a_nan_or_an_infinity_takes_the_argmax() -> None:
+    """The op's draw has no softmax to turn a NaN or +inf into NaN weights: it must still
+    give the argmax for such rows, wherever in a 16-lane vector the value lies."""
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(5))
+    logits[0, 999] = float("nan")  # the tail of the last vector
+    logits[1, 0] = float("nan")
+    logits[2, 517] = INF
+    logits[3, 3] = logits[3, 900] = INF
+    logits[4, 64] = float("nan")
+    logits[4, 65] = INF
+    tokens = sample_rows(logits, torch.full((6,), 0.7), GREEDY_BELOW)
+    assert tokens[:5].tolist() == logits[:5].argmax(dim=-1).tolist()
+    assert 0 <= int(tokens[5]) < 1000
+
+
 def test_greedy_and_drawn_rows_mix_in_one_call() -> None:
     torch.manual_seed(4)
     logits = torch.randn(6, 50)

@@ -26,7 +26,6 @@
 #include <ATen/ops/rand.h>
 #include <ATen/ops/rms_norm.h>
 #include <ATen/ops/silu.h>
-#include <ATen/ops/softmax.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -35,6 +34,10 @@
 #include <cstdint>
 #include <optional>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -175,34 +178,118 @@ int64_t row_argmax(const float* x, int64_t n) {
 
 constexpr int64_t kChunk = 64;
 
-// The sum of n floats in eight independent lanes (the compiler keeps them in registers;
-// a single running sum would wait on every add).
-double chunk_sum(const float* p, int64_t n) {
-  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    for (int k = 0; k < 8; ++k) lane[k] += p[j + k];
-  double s = 0;
-  for (; j < n; ++j) s += p[j];
-  for (int k = 0; k < 8; ++k) s += lane[k];
-  return s;
+// A row's unnormalized weights e_j = exp(x_j * inv - max_k x_k * inv) (softmax at
+// temperature 1 / inv without the division), their sums per kChunk tokens in `sums`, and
+// their total; -1 where the row has a NaN. One pass for the maximum and one for the
+// weights and sums, where at::softmax followed by chunk sums took four passes and an op
+// dispatch. Writing `e` and summing it in the same loop is what the draw needs: the scan
+// then reads one chunk of `e`.
+double row_weights_plain(const float* x, int64_t n, float inv, float* e, double* sums) {
+  float top = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    if (std::isnan(x[j])) return -1;
+    top = std::max(top, x[j]);
+  }
+  const float m = top * inv;  // x * inv is monotonic in x for inv > 0: the same maximum
+  double total = 0;
+  for (int64_t c = 0; c * kChunk < n; ++c) {
+    const int64_t end = std::min(n, (c + 1) * kChunk);
+    float sum = 0;
+    for (int64_t j = c * kChunk; j < end; ++j) {
+      e[j] = std::exp(x[j] * inv - m);
+      sum += e[j];
+    }
+    sums[c] = sum;
+    total += sum;
+  }
+  return total;
 }
 
-// The inverse-CDF draw of filters.draw over one row of probabilities p (unsorted): the
-// first j whose cumulative mass reaches u * total, u in (0, 1]. Chunk sums find the chunk
-// and a scan inside it the token, so a row costs about two passes, not a full cumsum. A
-// token of probability 0 is never drawn (the mass before it already fell short).
-int64_t row_draw(const float* p, int64_t n, float u, double* sums) {
+#if defined(__x86_64__) && defined(__GNUC__)
+#define ACTORLLM_AVX512 __attribute__((target("avx512f,avx512dq,fma")))
+
+// exp(x) for x <= 0 on sixteen lanes, as cpu_paged_decode.c's exp16_le0 (0 below -87,
+// relative error a few 1e-7); NaN lanes are the caller's concern.
+ACTORLLM_AVX512 inline __m512 exp16_le0(__m512 x) {
+  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 k = _mm512_floor_ps(
+      _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f)));
+  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), xc));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, k));
+}
+
+ACTORLLM_AVX512 inline __mmask16 lanes_left(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// row_weights_plain sixteen tokens at a time (the op library is built for any x86-64,
+// so this function alone targets AVX-512, taken where the CPU has it).
+ACTORLLM_AVX512 double row_weights_avx512(const float* x, int64_t n, float inv, float* e,
+                                          double* sums) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 k = lanes_left(n - j);
+    const __m512 v = _mm512_maskz_loadu_ps(k, x + j);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    top = _mm512_mask_max_ps(top, k, top, v);
+  }
+  if (nan) return -1;
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top) * inv), vinv = _mm512_set1_ps(inv);
   double total = 0;
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  for (int64_t c = 0; c < chunks; ++c) {
-    sums[c] = chunk_sum(p + c * kChunk, std::min(kChunk, n - c * kChunk));
+  for (int64_t c = 0; c * kChunk < n; ++c) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = c * kChunk; j < std::min(n, (c + 1) * kChunk); j += 16) {
+      const __mmask16 k = lanes_left(n - j);
+      const __m512 w = _mm512_maskz_mov_ps(
+          k, exp16_le0(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + j), vinv), m)));
+      _mm512_mask_storeu_ps(e + j, k, w);
+      sum = _mm512_add_ps(sum, w);
+    }
+    sums[c] = _mm512_reduce_add_ps(sum);
     total += sums[c];
   }
-  if (!(total > 0) || !std::isfinite(total)) return -1;  // the caller takes the argmax
+  return total;
+}
+
+bool has_avx512() {
+  static const bool yes = [] {
+    __builtin_cpu_init();  // may run before libgcc's own initialisation did
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  }();
+  return yes;
+}
+#endif
+
+double row_weights(const float* x, int64_t n, float inv, float* e, double* sums) {
+#ifdef ACTORLLM_AVX512
+  if (has_avx512()) return row_weights_avx512(x, n, inv, e, sums);
+#endif
+  return row_weights_plain(x, n, inv, e, sums);
+}
+
+// The inverse-CDF draw of filters.draw over one row of logits x at temperature 1 / inv:
+// the first j whose cumulative weight reaches u * total, u in (0, 1]. Chunk sums find the
+// chunk and a scan inside it the token, so a row costs two passes, not a full cumsum. A
+// token of weight 0 is never drawn (the mass before it already fell short). -1 where the
+// row has no finite positive total (a NaN, +inf, every token masked): the caller takes
+// the argmax, as it did when softmax gave NaNs.
+int64_t row_draw(const float* x, int64_t n, float inv, float u, float* e, double* sums) {
+  const double total = row_weights(x, n, inv, e, sums);
+  if (!(total > 0) || !std::isfinite(total)) return -1;
   const double target = static_cast<double>(u) * total;
   double acc = 0;
-  int64_t last = -1;  // the last token of positive mass seen, should rounding fall short
+  int64_t last = -1;  // the last token of positive weight seen, should rounding fall short
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
   for (int64_t c = 0; c < chunks; ++c) {
     if (acc + sums[c] < target) {
       acc += sums[c];
@@ -210,14 +297,14 @@ int64_t row_draw(const float* p, int64_t n, float u, double* sums) {
     }
     const int64_t end = std::min(n, (c + 1) * kChunk);
     for (int64_t j = c * kChunk; j < end; ++j) {
-      if (p[j] > 0) last = j;
-      acc += p[j];
-      if (acc >= target && p[j] > 0) return j;
+      if (e[j] > 0) last = j;
+      acc += e[j];
+      if (acc >= target && e[j] > 0) return j;
     }
   }
   if (last >= 0) return last;
   for (int64_t j = n - 1; j >= 0; --j)
-    if (p[j] > 0) return j;
+    if (e[j] > 0) return j;
   return -1;
 }
 
@@ -237,37 +324,25 @@ Tensor sample_rows(const Tensor& logits, const Tensor& temperature,
   TORCH_CHECK(temp.dim() == 1 && temp.size(0) == rows, "sample_rows: one temperature a row");
   Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   const float* t = temp.data_ptr<float>();
-  bool any_drawn = false, all_one = true;
-  for (int64_t i = 0; i < rows; ++i) {
-    const bool greedy = t[i] < greedy_below;
-    any_drawn |= !greedy;
-    all_one &= greedy || t[i] == 1.0f;
-  }
-  Tensor probs, u;
+  bool any_drawn = false;
+  for (int64_t i = 0; i < rows; ++i) any_drawn |= t[i] >= greedy_below;
+  Tensor u;
   if (any_drawn) {
     u = uniforms.has_value() ? uniforms->to(at::kFloat).contiguous()
                              : at::rand({rows}, x.options());
     TORCH_CHECK(u.dim() == 1 && u.size(0) == rows, "sample_rows: one uniform a row");
-    if (all_one) {
-      probs = at::softmax(x, 1);
-    } else {
-      // A greedy row's scale is 1 (its probabilities are not read).
-      Tensor inv = at::empty({rows, 1}, x.options());
-      float* v = inv.data_ptr<float>();
-      for (int64_t i = 0; i < rows; ++i) v[i] = t[i] < greedy_below ? 1.0f : 1.0f / t[i];
-      probs = at::softmax(x.mul(inv), 1);
-    }
   }
   const float* xs = x.data_ptr<float>();
-  const float* ps = any_drawn ? probs.data_ptr<float>() : nullptr;
   const float* us = any_drawn ? u.data_ptr<float>() : nullptr;
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<double> sums((vocab + kChunk - 1) / kChunk);
+    std::vector<float> weights(any_drawn ? vocab : 0);
     for (int64_t i = begin; i < end; ++i) {
       int64_t tok = -1;
       if (t[i] >= greedy_below)
-        tok = row_draw(ps + i * vocab, vocab, 1.0f - us[i], sums.data());
+        tok = row_draw(xs + i * vocab, vocab, 1.0f / t[i], 1.0f - us[i],
+                       weights.data(), sums.data());
       o[i] = tok >= 0 ? tok : row_argmax(xs + i * vocab, vocab);
     }
   });
