@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -70,6 +71,47 @@ Tensor packed_linear(const c10::OperatorHandle& op, const Tensor& x, const Tenso
 
 Tensor sample_rows(const Tensor& logits, const Tensor& temperature,
                    const std::optional<Tensor>& uniforms, double greedy_below);
+
+// RoPE on q and k, q into its own tensor, k and v into the caches at their slots: what
+// the module does with a mul, a roll, a mul and an add on [T, H + KV, D], two index_copy_
+// and a contiguous copy of q (eight op dispatches a layer, launch-bound at 64 rows), in
+// one loop. Each value is rounded as those ops round it (x * cos, rolled x * sin, their
+// sum; sin already carries its sign), and nothing here targets FMA, so the result is
+// bit-equal to the module's (tests/test_cpu_step.py).
+void rope_and_write_kv(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
+                       const int64_t* slots, Tensor& q, const Tensor& k_cache,
+                       const Tensor& v_cache) {
+  TORCH_CHECK(qkv.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "llama_decode: qkv and the caches must be contiguous");
+  const int64_t tokens = qkv.size(0), heads = q.size(1), dim = q.size(2), half = dim / 2;
+  const int64_t kv_heads = (qkv.size(1) - heads) / 2, width = qkv.size(1) * dim;
+  const float* src = qkv.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  float* qs = q.data_ptr<float>();
+  float* ks = k_cache.data_ptr<float>();
+  float* vs = v_cache.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* row = src + t * width;
+    const float* ct = c + t * dim;
+    const float* st = s + t * dim;
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {
+      const float* x = row + h * dim;
+      float* out = h < heads ? qs + (t * heads + h) * dim
+                             : ks + (slots[t] * kv_heads + h - heads) * dim;
+      for (int64_t d = 0; d < half; ++d) {
+        const float a = x[d] * ct[d], b = x[d + half] * st[d];
+        out[d] = a + b;
+      }
+      for (int64_t d = half; d < dim; ++d) {
+        const float a = x[d] * ct[d], b = x[d - half] * st[d];
+        out[d] = a + b;
+      }
+    }
+    std::memcpy(vs + slots[t] * kv_heads * dim, row + (heads + kv_heads) * dim,
+                sizeof(float) * kv_heads * dim);
+  }
+}
 
 // Weights per layer in `weights` (after the embedding at index 0), and biases per layer
 // in `biases`, in this order.
@@ -111,8 +153,9 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
   Tensor freqs = positions.unsqueeze(1).to(at::kFloat).mul(inv_freq.unsqueeze(0));
   Tensor cos = freqs.cos().mul(rope_scaling);
   Tensor sin = freqs.sin().mul(rope_scaling);
-  cos = at::cat({cos, cos}, -1).to(h.scalar_type()).unsqueeze(1);
-  sin = at::cat({sin.neg(), sin}, -1).to(h.scalar_type()).unsqueeze(1);
+  cos = at::cat({cos, cos}, -1).to(h.scalar_type()).contiguous();
+  sin = at::cat({sin.neg(), sin}, -1).to(h.scalar_type()).contiguous();
+  const Tensor slots = slot_mapping.to(at::kLong).contiguous();
 
   for (int64_t l = 0; l < layers; ++l) {
     const Tensor* w = &weights[1 + kWeightsPerLayer * l];
@@ -121,15 +164,10 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
     Tensor x = at::rms_norm(h, norm_shape, w[0], eps);
     Tensor qkv = packed_linear(linear_op, x, w[1], biases.get(b), padded_rows)
                      .view({tokens, num_heads + 2 * num_kv_heads, head_dim});
-    Tensor rot = qkv.narrow(1, 0, num_heads + num_kv_heads);
-    Tensor qk = rot.mul(cos).add(rot.roll({head_dim / 2}, {-1}).mul(sin));
-    Tensor k = qk.narrow(1, num_heads, num_kv_heads);
-    Tensor v = qkv.narrow(1, num_heads + num_kv_heads, num_kv_heads);
     const Tensor& k_cache = k_caches[l];
     const Tensor& v_cache = v_caches[l];
-    k_cache.view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, k);
-    v_cache.view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, v);
-    Tensor q = qk.narrow(1, 0, num_heads).contiguous();
+    Tensor q = at::empty({tokens, num_heads, head_dim}, qkv.options());
+    rope_and_write_kv(qkv, cos, sin, slots.data_ptr<int64_t>(), q, k_cache, v_cache);
     Tensor attn = at::empty_like(q);
     const int rc = decode(q.data_ptr<float>(), k_cache.data_ptr<float>(),
                           v_cache.data_ptr<float>(), block_tables.data_ptr<int32_t>(),
