@@ -10,10 +10,11 @@
 //
 // It computes what actorllm/model/llama.py computes for a batch of one new token per
 // sequence, op for op (the Python module stays the reference and the path for prefill,
-// other dtypes and tensor parallelism): the same RMSNorm, RoPE, the oneDNN packed
-// linears with rows padded to the same buckets (ops/cpu_linear.py), the KV write by
-// index_copy_ and the decode attention of the C kernel (cpu_paged_decode.c), whose
-// address the caller passes in. Tests compare it with the module (tests/test_cpu_step.py).
+// other dtypes and tensor parallelism): the same RMSNorm, the oneDNN packed linears with
+// rows padded to the same buckets (ops/cpu_linear.py) and the decode attention of the C
+// kernel (cpu_paged_decode.c), whose address the caller passes in. RoPE, the KV write
+// and q's copy are one loop here (rope_and_write_kv) that rounds as the module's ops do.
+// Tests compare it with the module bit for bit (tests/test_cpu_step.py).
 //
 // Built by actorllm/ops/cpu_step.py against the installed torch's headers.
 #include <ATen/core/Tensor.h>

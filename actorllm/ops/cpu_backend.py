@@ -3,7 +3,9 @@
 ``actorllm/kernels/cpu_paged_decode.c`` reads each sequence's K/V in place through its block
 table with an online softmax, instead of gathering the whole context into a padded
 tensor first (the torch reference's decode path, most of its attention time). It takes a
-sliding window (the walk starts ``window`` keys back) and a soft-cap too. Prefill
+sliding window (the walk starts ``window`` keys back) and a soft-cap too. Where the
+compiler targets AVX-512 its scores, softmax and value sums are vector intrinsics (four
+query heads a vector for the scores), the portable loops elsewhere; its header says why. Prefill
 chunks and the KV write stay those of :class:`TorchBackend`, which is also the oracle
 the kernel is tested against (tests/test_ops_cpu.py).
 
