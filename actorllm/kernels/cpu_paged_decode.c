@@ -252,12 +252,16 @@ static inline __attribute__((always_inline)) void prefetch_chunk(
     int64_t from, int64_t len, const int64_t D) {
     const int64_t bs = j->block_size, row = j->num_kv_heads * D;
     const int64_t to = from + MAX_CHUNK < len ? from + MAX_CHUNK : len;
-    for (int64_t p = from; p < to; p++) {
-        const int64_t slot = (int64_t)table[p / bs] * bs + p % bs;
-        for (int64_t d = 0; d < D; d += 16) {
-            __builtin_prefetch(k_head + slot * row + d);
-            __builtin_prefetch(v_head + slot * row + d);
-        }
+    for (int64_t p = from; p < to;) { /* a run of consecutive rows per block */
+        const int64_t off = p % bs, run = bs - off < to - p ? bs - off : to - p;
+        const float *k = k_head + ((int64_t)table[p / bs] * bs + off) * row;
+        const float *v = v_head + (k - k_head);
+        for (int64_t t = 0; t < run * row; t += row)
+            for (int64_t d = 0; d < D; d += 16) { /* one line of 64 bytes each */
+                __builtin_prefetch(k + t + d);
+                __builtin_prefetch(v + t + d);
+            }
+        p += run;
     }
 }
 
