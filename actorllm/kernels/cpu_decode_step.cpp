@@ -86,16 +86,10 @@ void rope_and_write_kv(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
               "llama_decode: qkv and the caches must be contiguous");
   const int64_t tokens = qkv.size(0), heads = q.size(1), dim = q.size(2), half = dim / 2;
   const int64_t kv_heads = (qkv.size(1) - heads) / 2, width = qkv.size(1) * dim;
-  const float* src = qkv.data_ptr<float>();
-  const float* c = cos.data_ptr<float>();
-  const float* s = sin.data_ptr<float>();
-  float* qs = q.data_ptr<float>();
-  float* ks = k_cache.data_ptr<float>();
-  float* vs = v_cache.data_ptr<float>();
+  const float *src = qkv.data_ptr<float>(), *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
+  float *qs = q.data_ptr<float>(), *ks = k_cache.data_ptr<float>(), *vs = v_cache.data_ptr<float>();
   for (int64_t t = 0; t < tokens; ++t) {
-    const float* row = src + t * width;
-    const float* ct = c + t * dim;
-    const float* st = s + t * dim;
+    const float *row = src + t * width, *ct = c + t * dim, *st = s + t * dim;
     for (int64_t h = 0; h < heads + kv_heads; ++h) {
       const float* x = row + h * dim;
       float* out = h < heads ? qs + (t * heads + h) * dim
@@ -218,11 +212,9 @@ int64_t row_argmax(const float* x, int64_t n) {
 constexpr int64_t kChunk = 64;
 
 // A row's unnormalized weights e_j = exp(x_j * inv - max_k x_k * inv) (softmax at
-// temperature 1 / inv without the division), their sums per kChunk tokens in `sums`, and
-// their total; -1 where the row has a NaN. One pass for the maximum and one for the
-// weights and sums, where at::softmax followed by chunk sums took four passes and an op
-// dispatch. Writing `e` and summing it in the same loop is what the draw needs: the scan
-// then reads one chunk of `e`.
+// temperature 1 / inv without the division), their sums per kChunk tokens, and their
+// total; -1 where the row has a NaN. Two passes (the maximum; the weights and sums) where
+// at::softmax and then chunk sums took four and an op dispatch.
 double row_weights_plain(const float* x, int64_t n, float inv, float* e, double* sums) {
   float top = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
@@ -267,7 +259,7 @@ ACTORLLM_AVX512 inline __m512 exp16_le0(__m512 x) {
 }
 
 ACTORLLM_AVX512 inline __mmask16 lanes_left(int64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+  return left >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << left) - 1);
 }
 
 // row_weights_plain sixteen tokens at a time (the op library is built for any x86-64,
