@@ -156,7 +156,7 @@ def load_hf_model(model_dir: str | Path, config: PretrainedConfig, *, dtype: tor
     # After the move: a fused forward keeps the device tensors it was built with.
     norms, mlps = fuse_rms_norms(model), fuse_gated_mlps(model)
     log.info("loaded %s from %s through transformers (%s, %s; RMSNorms in one op: %d "
-             "Llama-kind, %d Gemma-kind, %d kept; gated MLPs with one gate/up GEMM: %d, "
+             "Llama-kind, %d Gemma-kind, %d kept; gated MLPs in one forward: %d, "
              "%d kept)", arch, path, dtype, device, norms["llama"], norms["gemma"],
              norms["kept"], mlps["fused"], mlps["kept"])
     return HFCausalLM(model)
