@@ -11,12 +11,13 @@ import copy
 import pytest
 import torch
 from torch import nn
-from transformers import Gemma2Config, LlamaConfig, Phi3Config
+from transformers import Gemma2Config, LlamaConfig, MixtralConfig, Phi3Config
 from transformers.models.gemma2.modeling_gemma2 import Gemma2MLP
 from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from transformers.models.phi3.modeling_phi3 import Phi3MLP
 
-from actorllm.model.hf_mlp import fuse_gated_mlps
+from actorllm.model.hf_mlp import fuse_expert_gates, fuse_gated_mlps
 
 HIDDEN, INTER = 32, 48
 
@@ -107,3 +108,23 @@ def test_an_mlp_the_fused_forward_does_not_reproduce_keeps_its_own(make: type) -
     x = torch.randn(2, HIDDEN)
     for got, want in zip(_out(model, x), _out(original, x), strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_gates_give_what_the_default_gate_gives(dtype: torch.dtype) -> None:
+    config = MixtralConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=4)
+    config._experts_implementation = "grouped_mm"  # as from_pretrained sets it here
+    torch.manual_seed(0)
+    experts = MixtralExperts(config)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0.0, 0.3)
+    experts = experts.to(dtype)
+    original = copy.deepcopy(experts)
+    assert fuse_expert_gates(experts) == 1
+    assert "_apply_gate" in experts.__dict__ and fuse_expert_gates(experts) == 0
+    x = torch.randn(7, HIDDEN, dtype=dtype)
+    index = torch.randint(0, 4, (7, 2))
+    weights = torch.rand(7, 2, dtype=dtype)
+    with torch.inference_mode():
+        assert torch.equal(experts(x, index, weights), original(x, index, weights))

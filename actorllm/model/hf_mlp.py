@@ -128,3 +128,39 @@ def fuse_gated_mlps(model: nn.Module) -> dict[str, int]:
         setattr(module, _FUSED, True)
         counts["fused"] += 1
     return counts
+
+
+def _gate(act: Callable[[Tensor], Tensor]) -> Callable[..., Tensor]:
+    def apply_gate(self: nn.Module, gate_up: Tensor) -> Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return act(gate).mul_(up)  # in place on the activation's fresh output
+
+    return apply_gate
+
+
+def fuse_expert_gates(model: nn.Module) -> int:
+    """Give every mixture-of-experts block that gates with transformers' default
+    ``_apply_gate`` (``act(gate) * up`` over the token-expert pairs' gate/up output) one
+    that multiplies in place and calls ``F.silu`` directly; returns how many took it.
+
+    At a 256-token prefill of the benchmark's Mixtral the default gate was about a tenth
+    of the forward (the product a fresh ``[512, 1024]`` tensor a layer). Checked on a
+    random probe like the MLPs; idempotent.
+    """
+    from transformers.integrations.moe import _default_apply_gate
+
+    count = 0
+    for module in model.modules():
+        act = getattr(module, "act_fn", None)
+        if getattr(type(module), "_apply_gate", None) is not _default_apply_gate \
+                or "_apply_gate" in module.__dict__ or not isinstance(act, nn.Module):
+            continue
+        gate = MethodType(_gate(_DIRECT.get(type(act).__name__, act)), module)
+        dtype = next(module.parameters()).dtype
+        probe = torch.randn(5, 8, dtype=dtype)
+        with torch.inference_mode():
+            if not torch.equal(gate(probe), module._apply_gate(probe)):
+                continue
+        module._apply_gate = gate
+        count += 1
+    return count
