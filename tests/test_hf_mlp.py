@@ -7,6 +7,7 @@ Each swapped MLP must give what the module's own forward gives, on its own weigh
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,3 +129,23 @@ def test_expert_gates_give_what_the_default_gate_gives(dtype: torch.dtype) -> No
     weights = torch.rand(7, 2, dtype=dtype)
     with torch.inference_mode():
         assert torch.equal(experts(x, index, weights), original(x, index, weights))
+
+
+@pytest.mark.parametrize(("family", "mlps", "gates"), [
+    ("phi3", 2, 0), ("olmo2", 2, 0), ("gemma2", 2, 0), ("mixtral", 0, 2),
+])
+def test_the_loader_swaps_every_mlp_and_expert_gate(family: str, mlps: int, gates: int,
+                                                    tmp_path: Path,
+                                                    tokenizer_dir: Path) -> None:
+    from test_models_families import build_family
+
+    from actorllm.model.hf_loader import load_hf_config, load_hf_model
+
+    model_dir = build_family(tmp_path / family, family, tokenizer_dir)
+    config = load_hf_config(model_dir, None)
+    model = load_hf_model(model_dir, config, dtype=torch.float32, device="cpu")
+    assert config.num_hidden_layers == 2
+    swapped = [m for m in model.modules() if "forward" in m.__dict__
+               and hasattr(m, "down_proj")]
+    assert len(swapped) == mlps
+    assert sum("_apply_gate" in m.__dict__ for m in model.modules()) == gates
