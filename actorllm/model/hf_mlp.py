@@ -5,9 +5,10 @@ it: Mistral, Qwen2/3, OLMo 2, Granite, Gemma with a GELU) or the same with ``gat
 ``up`` as one linear (Phi-3's ``gate_up_proj``, whose output it chunks). Module by module
 that is four module calls around the three GEMMs and a fresh tensor for the product each
 layer. Phi-3's kind also runs its activation and product on strided halves of one GEMM's
-output: at a prefill's 256 rows its MLP took 4.0-4.4 ms as the module and 2.8-2.9 ms as
-below (Llama's kind 2-7 % less at 8 to 256 rows; thread CPU time, shared machine), the
-output bit for bit the same in float32.
+output: standalone, at a prefill's 256 rows, its MLP took 4.0-4.6 ms as the module and
+2.8-3.4 ms as below (Llama's kind 2-7 % less at 8 to 256 rows; thread CPU time, shared
+machine), the output bit for bit the same in float32. Inside the whole forward the gain
+is smaller: docs/architecture.md, "What each path costs".
 
 :func:`fuse_gated_mlps` gives each such MLP instance a forward of three ``F.linear``
 calls (gate and up on contiguous weights, Phi-3's as the two halves of its own), the
