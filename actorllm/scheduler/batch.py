@@ -152,7 +152,8 @@ class Batch:
         preempted = False
         while queue and budget > 0:
             seq = queue.pop(0)
-            if ahead and (not seq.may_plan_ahead() or seq.rid in self.flow.wanted):
+            if ahead and (not seq.may_plan_ahead() or seq.rid in self.flow.wanted
+                          or self._waits_for_verdict(seq)):
                 continue  # (a pause waits for the steps that name it to return)
             n = min(seq.num_unscheduled, budget)
             if n <= 0:
@@ -178,12 +179,23 @@ class Batch:
                 budget -= n
         return planned, preempted
 
+    def _waits_for_verdict(self, seq: Sequence) -> bool:
+        """Whether ``seq``, with a token in flight, is left out of a plan made ahead
+        because it may speculate: it waits for that token, then gets a proposal (so it
+        runs one step at a time, while rows in back-off keep the pipeline full)."""
+        spec = self.speculation
+        return bool(seq.samples_in_flight) and spec is not None and spec.wants(
+            seq, len(self.running))
+
     def _draft(self, seq: Sequence, budget: int) -> int:
         """Propose drafts for a decode row whose tokens are all known; they take token
         budget and blocks (never by preempting: without room it runs without drafts).
         Returns the row's token count."""
         if seq.samples_in_flight:
-            return 1  # planned ahead: its last token is still being sampled
+            # Planned ahead (its last token is still being sampled): a row in back-off.
+            # The back-off counts its steps, planned ahead or not.
+            seq.spec_skip = max(seq.spec_skip - 1, 0)
+            return 1
         assert self.speculation is not None
         drafts = self.speculation.propose(seq, budget - 1)
         if drafts and blocks.reserve(self.pool, seq, 1 + len(drafts)):
