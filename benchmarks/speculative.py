@@ -5,7 +5,7 @@
                                      [--temperature 0] [--draft-model DIR|random]
                                      [--max-draft-tokens-per-step N] [--repeats 1] [--no-save]
                                      [--prompt-lookup-min 2] [--prompt-lookup-max 4]
-                                     [--workloads repeat random]
+                                     [--workloads repeat random] [--async-scheduling]
 
 Two workloads through the embedded model (or ``--model``): ``repeat``, prompts that ask
 for a given passage to be repeated or edited (where prompt lookup pays), and ``random``,
@@ -144,6 +144,9 @@ def main() -> None:
     ap.add_argument("--max-draft-tokens-per-step", type=int, default=None)
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                    default=None, help="overlap scheduling (default: the engine's, off "
+                    "here on the CPU; on under `actorllm serve`)")
     ap.add_argument("--workloads", nargs="+", default=["repeat", "random"],
                     choices=["repeat", "random"])
     ap.add_argument("--repeats", type=int, default=1, help="runs per arm; the fastest is kept")
@@ -170,8 +173,9 @@ def main() -> None:
                 "num_speculative_tokens": args.num_speculative_tokens}
     if args.max_draft_tokens_per_step is not None:
         spec["max_draft_tokens_per_step"] = args.max_draft_tokens_per_step
-    off = EngineConfig(model=model)
-    on = EngineConfig(model=off.model, speculative_config=spec)
+    off = EngineConfig(model=model, async_scheduling=args.async_scheduling)
+    on = EngineConfig(model=off.model, speculative_config=spec,
+                      async_scheduling=args.async_scheduling)
     resources = Resources(off)  # the same weights for both arms
     # ... but a draft lives in the runner: the off arm must not pay for its passes.
     arms = (("off", off, resources),

@@ -615,6 +615,33 @@ def test_under_overlap_a_row_that_may_speculate_waits_and_one_in_back_off_runs_a
     assert plan is not None and plan.num_drafts and plan.token_ids[:2] == (5, 6)
 
 
+def test_under_overlap_rows_that_may_speculate_are_not_split_between_two_steps() -> None:
+    """``a`` may speculate (its first proposal partly accepted, then no n-gram found);
+    ``b``'s proposal is rejected, so it backs off. No step is planned ahead while ``a``
+    may speculate: ``b`` alone ahead would split the rows between two half-full steps
+    in flight. Both run in every step, one step at a time."""
+    from actorllm.wire.messages import SequenceRequest, StepResult
+
+    s = _scheduler(max_steps_in_flight=2)
+    s.handle(SequenceRequest("a", (5, 6, 7, 5, 6), SamplingParams(max_tokens=40), 40, (1,)))
+    s.handle(SequenceRequest("b", (20, 21, 20, 21), SamplingParams(max_tokens=40), 40, (1,)))
+    prefill = s.schedule()
+    assert prefill is not None and prefill.rids == ("a", "b")
+    assert s.schedule() is None
+    s.handle(StepResult(prefill.step_id, (7, 20)))
+    plan = s.schedule()
+    assert plan is not None and plan.num_drafts == (3, 2)
+    # a accepts its first draft (5) then emits 10; b rejects all and emits 30.
+    s.handle(StepResult(plan.step_id, (5, 10, 30), num_sampled=(2, 1)))
+    assert s.seqs["b"].spec_skip > 0 and not s.seqs["a"].spec_skip
+    for i in range(3):
+        plan = s.schedule()
+        assert plan is not None and plan.rids == ("a", "b") and not plan.num_drafts
+        assert s.schedule() is None, "b, in back-off, would run ahead of a alone"
+        s.handle(StepResult(plan.step_id, (11 + i, 31 + i)))
+    assert s.seqs["a"].output_ids == [7, 5, 10, 11, 12, 13]
+
+
 def test_an_abort_while_drafts_are_in_flight_waits_for_the_step() -> None:
     from actorllm.wire.messages import AbortRequest, SequenceRequest, StepResult
 

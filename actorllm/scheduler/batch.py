@@ -116,6 +116,9 @@ class Batch:
         nothing now (``ahead``, it would have to preempt)."""
         if self.flow.wanted:
             self.apply_pauses()
+        if ahead and self.speculation is not None and any(
+                self._waits_for_verdict(seq) for seq in self.running):
+            return None  # the pipeline drains to one step while rows speculate
         while self.priority and (
                 v := arrival_victim(self.waiting, self.running, self.can_start)):
             if ahead:
@@ -152,8 +155,7 @@ class Batch:
         preempted = False
         while queue and budget > 0:
             seq = queue.pop(0)
-            if ahead and (not seq.may_plan_ahead() or seq.rid in self.flow.wanted
-                          or self._waits_for_verdict(seq)):
+            if ahead and (not seq.may_plan_ahead() or seq.rid in self.flow.wanted):
                 continue  # (a pause waits for the steps that name it to return)
             n = min(seq.num_unscheduled, budget)
             if n <= 0:
@@ -180,12 +182,14 @@ class Batch:
         return planned, preempted
 
     def _waits_for_verdict(self, seq: Sequence) -> bool:
-        """Whether ``seq``, with a token in flight, is left out of a plan made ahead
-        because it may speculate: it waits for that token, then gets a proposal (so it
-        runs one step at a time, while rows in back-off keep the pipeline full)."""
+        """Whether ``seq`` speculates in a step in flight, or may in its next one (a
+        token in flight, and ``Speculation.wants``). Then no step is planned ahead: its
+        next step must wait for that verdict or token (planned ahead, it could get no
+        proposal), and planning the others ahead without it would split the rows
+        between two half-full steps in flight (measured: more, emptier steps)."""
         spec = self.speculation
-        return bool(seq.samples_in_flight) and spec is not None and spec.wants(
-            seq, len(self.running))
+        return seq.drafting or (bool(seq.samples_in_flight) and spec is not None
+                                and spec.wants(seq, len(self.running)))
 
     def _draft(self, seq: Sequence, budget: int) -> int:
         """Propose drafts for a decode row whose tokens are all known; they take token
