@@ -47,6 +47,11 @@ scheduler.bug_free_draft_blocks_early       3      speculation: blocks holding o
                                                    positions freed while the draft step runs
 scheduler.bug_hash_rejected_draft           9      speculation: a block hashed over a position
                                                    whose K/V a rejected draft wrote
+worker.bug_unfilled_placeholder             9      draft model: the target runs the Scheduler's
+                                                   placeholders, the verdict accepts the draft's
+                                                   tokens (K/V over the wrong tokens)
+worker.bug_draft_skips_last_pass            9      draft model: d_K's K/V is never written in
+                                                   the draft's cache, read once all K accepted
 ==========================================  =====  ==============================================
 
 The three after bug_pause_keeps_slot run with flow control on (``SimConfig.flow``,
@@ -97,6 +102,8 @@ PLANTED = [
     ("scheduler.bug_commit_rejected_draft", "7"),
     ("scheduler.bug_free_draft_blocks_early", "3"),
     ("scheduler.bug_hash_rejected_draft", "9"),
+    ("worker.bug_unfilled_placeholder", "9"),
+    ("worker.bug_draft_skips_last_pass", "9"),
 ]
 FLOW_BUGS = {"scheduler.bug_pause_keeps_slot", "frontend.bug_never_resume",
              "frontend.bug_drop_on_pause"}
@@ -112,6 +119,8 @@ EXTRA: dict[str, dict[str, Any]] = {
     "scheduler.bug_commit_rejected_draft": {"speculative": True},
     "scheduler.bug_free_draft_blocks_early": {"speculative": True},
     "scheduler.bug_hash_rejected_draft": {"speculative": True},
+    "worker.bug_unfilled_placeholder": {"speculative": True, "draft_model": True},
+    "worker.bug_draft_skips_last_pass": {"speculative": True, "draft_model": True},
 }
 
 FIND = settings(

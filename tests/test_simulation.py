@@ -73,6 +73,7 @@ TIMEOUT = attrs.evolve(TINY_MARK, readers_start_paused=True,
 THREADS = SimConfig(inline_chars=14)
 SPECULATIVE = SimConfig(speculative=True)
 SPECULATIVE_ONE_STEP = SimConfig(speculative=True, max_steps_in_flight=1)
+DRAFT_MODEL = SimConfig(speculative=True, draft_model=True)
 
 # --- the stateful tests -------------------------------------------------------------------
 
@@ -167,6 +168,18 @@ def test_lifecycle_speculative_one_step(tiny_tokenizer: Any) -> None:
     explore(tiny_tokenizer, SPECULATIVE_ONE_STEP, 120,
             {"drafts verified", "draft rejected", "draft accepted", "preempted"},
             "SpeculativeOneStep")
+
+
+def test_lifecycle_draft_model(tiny_tokenizer: Any) -> None:
+    """A draft model's speculation with two steps in flight: the plans carry
+    placeholders, the Worker's draft fills them and keeps its own cache; partial and full
+    acceptance, aborts, stops, preemption and failures between proposal and verdict. On
+    top of the n-gram checks, each cache (the target's and the draft's) must hold, where
+    it is read, the prefix of what was accepted."""
+    explore(tiny_tokenizer, DRAFT_MODEL, 200,
+            {"drafts filled by the draft model", "draft rejected", "draft accepted",
+             "all drafts accepted", "ended between proposal and verdict", "preempted",
+             "stop string matched", "step failed"}, "DraftModel")
 
 
 def test_lifecycle_roomy(tiny_tokenizer: Any) -> None:

@@ -6,6 +6,7 @@ distribution (chi-square), the flag's validation and the metrics."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections import Counter
@@ -31,7 +32,7 @@ from actorllm.llm import collect
 from actorllm.ops.cpu_step import DecodeStep
 from actorllm.scheduler.sequence import Sequence
 from actorllm.scheduler.speculation import Speculation, propose_ngram
-from actorllm.wire.messages import SamplingParams, ScheduledSeq, StepPlan
+from actorllm.wire.messages import FEED_LAST_SAMPLE, SamplingParams, ScheduledSeq, StepPlan
 from actorllm.worker.packing import BlockTables, one_token_rows, pack_plan
 from actorllm.worker.runner import ModelRunner
 from actorllm.worker.sampler import SamplingState
@@ -370,6 +371,55 @@ async def test_greedy_equals_transformers_in_the_engine_topology(
         assert list(res.outputs[0].token_ids) == hf_greedy(model, prompt, 16)[0]
 
 
+async def test_a_steadily_decoding_row_speculates_under_overlap_as_serve_runs(
+        looping_llama_dir: Path, loop_prompts: list[list[int]]) -> None:
+    """``actorllm serve``'s engine (``single``, overlap on by default on the CPU), one
+    request at a time: a decoding row that may speculate is not planned ahead, so it gets
+    proposals at most of its steps (planned ahead it never would: its last token is
+    always in flight), and the tokens are those without speculation and transformers'."""
+    max_new = 24
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    got: dict[bool, list[list[int]]] = {}
+    for spec in (False, True):
+        async with spec_engine(looping_llama_dir, num_kv_blocks=96, serving_http=True,
+                               spec=NGRAM if spec else None) as engine:
+            assert engine.config.overlap, "serve's default in single on the CPU"
+            got[spec] = [list((await collect(engine, f"s{i}", p, params)).outputs[0].token_ids)
+                         for i, p in enumerate(loop_prompts[:3])]
+            stats = engine.frontend.stats
+    # Planned ahead at every step, the rows would get no proposal at all (main did).
+    assert stats.spec_num_drafts >= 3 * 3, stats
+    assert max_new <= stats.spec_accepted_tokens <= stats.spec_draft_tokens, "a third"
+    assert got[True] == got[False]
+    model = hf_model(looping_llama_dir)
+    for prompt, ids in zip(loop_prompts[:3], got[True], strict=True):
+        assert ids == hf_greedy(model, prompt, max_new)[0]
+
+
+def test_serve_speculates_by_default_through_the_openai_sdk(
+        looping_llama_dir: Path, loop_prompts: list[list[int]], tmp_path: Path) -> None:
+    """``actorllm serve --speculative-config`` with its defaults (overlap on), one request
+    at a time through the openai SDK: draft tokens are proposed and accepted (/metrics),
+    and the text is transformers' greedy continuation."""
+    import openai
+    from test_server import ServerProcess, metrics
+    from transformers import AutoTokenizer
+
+    srv = ServerProcess(looping_llama_dir, "--speculative-config", json.dumps(NGRAM),
+                        "--served-model-name", "m", log_dir=tmp_path)
+    for _ in srv.serve_module():
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0,
+                               timeout=120)
+        texts = [client.completions.create(model="m", prompt=p, max_tokens=16,
+                                           temperature=0.0, extra_body={"ignore_eos": True}
+                                           ).choices[0].text for p in loop_prompts[:2]]
+        got = metrics(srv.url)
+    assert got["actorllm:spec_decode_num_accepted_tokens_total"] >= 8, got
+    model, tok = hf_model(looping_llama_dir), AutoTokenizer.from_pretrained(looping_llama_dir)
+    for prompt, text in zip(loop_prompts[:2], texts, strict=True):
+        assert text == tok.decode(hf_greedy(model, prompt, 16)[0], skip_special_tokens=True)
+
+
 async def test_stops_and_lengths_cut_exactly_when_a_step_accepts_several_tokens(
         looping_llama_dir: Path, loop_prompts: list[list[int]]) -> None:
     """Speculation on and off give the same tokens, text and finish for max_tokens of
@@ -533,6 +583,63 @@ def test_a_partly_accepted_row_rolls_back_to_its_accepted_tokens() -> None:
         seq.block_hashes == extend_hashes([], tokens, 4, len(tokens))[:len(seq.block_hashes)]
     assert s.take_batch().outputs[-1].token_ids == (5, 9)  # type: ignore[union-attr]
     assert s.batch.speculation.accepted_per_pos == [1, 0, 0]  # type: ignore[union-attr]
+
+
+def test_under_overlap_a_row_that_may_speculate_waits_and_one_in_back_off_runs_ahead(
+        ) -> None:
+    """Two steps may be in flight. A decoding row that may speculate is not planned while
+    its token is in flight, then gets a proposal; once a proposal has nothing accepted
+    the row backs off, is planned ahead (no drafts) and its back-off counts those steps
+    down, after which it waits for its verdicts again."""
+    from actorllm.wire.messages import SequenceRequest, StepResult
+
+    s = _scheduler(max_steps_in_flight=2)
+    s.handle(SequenceRequest("a", (5, 6, 7, 5, 6), SamplingParams(max_tokens=40), 40, (1,)))
+    prefill = s.schedule()
+    assert prefill is not None and s.schedule() is None, "its first token is in flight"
+    s.handle(StepResult(prefill.step_id, (7,)))
+    plan = s.schedule()
+    assert plan is not None and plan.num_drafts == (3,)  # 5 6 7, after "5 6 7"
+    assert s.schedule() is None, "drafts in flight"
+    s.handle(StepResult(plan.step_id, (9,), num_sampled=(1,)))  # none accepted: back-off 2
+    seq = s.seqs["a"]
+    assert seq.spec_skip == 2
+    steps = [s.schedule()]  # no proposal (back-off), and then one planned ahead
+    steps.append(s.schedule())
+    assert all(p is not None and not p.num_drafts for p in steps)
+    assert steps[1].token_ids == (FEED_LAST_SAMPLE,) and seq.spec_skip == 0
+    s.handle(StepResult(steps[0].step_id, (11,)))
+    assert s.schedule() is None, "out of back-off: it waits for its token"
+    s.handle(StepResult(steps[1].step_id, (5,)))  # history ... 9 11 5: lookup finds "5 6"
+    plan = s.schedule()
+    assert plan is not None and plan.num_drafts and plan.token_ids[:2] == (5, 6)
+
+
+def test_under_overlap_rows_that_may_speculate_are_not_split_between_two_steps() -> None:
+    """``a`` may speculate (its first proposal partly accepted, then no n-gram found);
+    ``b``'s proposal is rejected, so it backs off. No step is planned ahead while ``a``
+    may speculate: ``b`` alone ahead would split the rows between two half-full steps
+    in flight. Both run in every step, one step at a time."""
+    from actorllm.wire.messages import SequenceRequest, StepResult
+
+    s = _scheduler(max_steps_in_flight=2)
+    s.handle(SequenceRequest("a", (5, 6, 7, 5, 6), SamplingParams(max_tokens=40), 40, (1,)))
+    s.handle(SequenceRequest("b", (20, 21, 20, 21), SamplingParams(max_tokens=40), 40, (1,)))
+    prefill = s.schedule()
+    assert prefill is not None and prefill.rids == ("a", "b")
+    assert s.schedule() is None
+    s.handle(StepResult(prefill.step_id, (7, 20)))
+    plan = s.schedule()
+    assert plan is not None and plan.num_drafts == (3, 2)
+    # a accepts its first draft (5) then emits 10; b rejects all and emits 30.
+    s.handle(StepResult(plan.step_id, (5, 10, 30), num_sampled=(2, 1)))
+    assert s.seqs["b"].spec_skip > 0 and not s.seqs["a"].spec_skip
+    for i in range(3):
+        plan = s.schedule()
+        assert plan is not None and plan.rids == ("a", "b") and not plan.num_drafts
+        assert s.schedule() is None, "b, in back-off, would run ahead of a alone"
+        s.handle(StepResult(plan.step_id, (11 + i, 31 + i)))
+    assert s.seqs["a"].output_ids == [7, 5, 10, 11, 12, 13]
 
 
 def test_an_abort_while_drafts_are_in_flight_waits_for_the_step() -> None:

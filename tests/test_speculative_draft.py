@@ -125,6 +125,25 @@ async def test_greedy_equals_transformers_in_the_engine_topology(
         assert list(res.outputs[0].token_ids) == want
 
 
+async def test_a_steadily_decoding_row_drafts_under_overlap_as_serve_runs(
+        tiny_llama_dir: Path, prompts: list[list[int]]) -> None:
+    """``actorllm serve``'s engine (overlap on), one request at a time, the target as its
+    own draft: the decoding row is not planned ahead, so the draft proposes at its steps
+    (all accepted), and the tokens are transformers'."""
+    max_new = 16
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    async with draft_engine(tiny_llama_dir, draft_spec(tiny_llama_dir), num_kv_blocks=96,
+                            serving_http=True) as engine:
+        assert engine.config.overlap, "serve's default in single on the CPU"
+        got = [list((await collect(engine, f"s{i}", p, params)).outputs[0].token_ids)
+               for i, p in enumerate(prompts[:2])]
+        stats = engine.frontend.stats
+    # A step that verifies K drafts emits K + 1 tokens: 15 decoded tokens, about 4 steps.
+    assert stats.spec_num_drafts >= 2 * 3, stats
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
+    assert got == expected(tiny_llama_dir, prompts[:2], max_new)
+
+
 async def test_abort_mid_speculation_leaks_nothing(
         tiny_llama_dir: Path, prompts: list[list[int]]) -> None:
     """Requests aborted while their drafts are in flight: the engine drains (no block,

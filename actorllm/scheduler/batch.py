@@ -116,6 +116,9 @@ class Batch:
         nothing now (``ahead``, it would have to preempt)."""
         if self.flow.wanted:
             self.apply_pauses()
+        if ahead and self.speculation is not None and any(
+                self._waits_for_verdict(seq) for seq in self.running):
+            return None  # the pipeline drains to one step while rows speculate
         while self.priority and (
                 v := arrival_victim(self.waiting, self.running, self.can_start)):
             if ahead:
@@ -178,12 +181,25 @@ class Batch:
                 budget -= n
         return planned, preempted
 
+    def _waits_for_verdict(self, seq: Sequence) -> bool:
+        """Whether ``seq`` speculates in a step in flight, or may in its next one (a
+        token in flight, and ``Speculation.wants``). Then no step is planned ahead: its
+        next step must wait for that verdict or token (planned ahead, it could get no
+        proposal), and planning the others ahead without it would split the rows
+        between two half-full steps in flight (measured: more, emptier steps)."""
+        spec = self.speculation
+        return seq.drafting or (bool(seq.samples_in_flight) and spec is not None
+                                and spec.wants(seq, len(self.running)))
+
     def _draft(self, seq: Sequence, budget: int) -> int:
         """Propose drafts for a decode row whose tokens are all known; they take token
         budget and blocks (never by preempting: without room it runs without drafts).
         Returns the row's token count."""
         if seq.samples_in_flight:
-            return 1  # planned ahead: its last token is still being sampled
+            # Planned ahead (its last token is still being sampled): a row in back-off.
+            # The back-off counts its steps, planned ahead or not.
+            seq.spec_skip = max(seq.spec_skip - 1, 0)
+            return 1
         assert self.speculation is not None
         drafts = self.speculation.propose(seq, budget - 1)
         if drafts and blocks.reserve(self.pool, seq, 1 + len(drafts)):

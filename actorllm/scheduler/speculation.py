@@ -83,6 +83,16 @@ class Speculation:
             return c.num_speculative_tokens
         return min(c.num_speculative_tokens, c.max_draft_tokens_per_step // max(running, 1))
 
+    def wants(self, seq: Sequence, running: int) -> bool:
+        """Whether ``seq``'s next decode row would carry drafts once its tokens are all
+        known (with ``running`` sequences): not in back-off, a share of the step's draft
+        budget, room before ``max_tokens``. Under overlap such a row is not planned ahead
+        (``Batch._plan_running``): planned ahead, its last token in flight, it could not
+        get a proposal."""
+        left = seq.max_tokens - len(seq.output_ids) - seq.samples_in_flight - 1
+        return not seq.spec_skip and left >= 1 and self.per_row(running) >= 1 \
+            and may_speculate(seq)
+
     def propose(self, seq: Sequence, room: int) -> list[int]:
         """Drafts for ``seq``'s next decode row (at most ``room`` tokens); [] for none.
         Never past ``max_tokens``: a step emits at most drafts + 1 tokens."""

@@ -81,8 +81,10 @@ class SimConfig:
     engine_death: bool = False  # the engine_dies rule may run
     readers_start_paused: bool = False  # each client reads only once slow_reader resumes it
     # Speculative decoding: the Scheduler proposes n-gram drafts, the scripted Worker
-    # accepts some of them (sim/scripted_worker.py).
+    # accepts some of them (sim/scripted_worker.py). With draft_model, the plans carry
+    # placeholders and the Worker's simulated draft fills them (sim/scripted_draft.py).
     speculative: bool = False
+    draft_model: bool = False
 
 # --- text: the reference for invariant 7 ---------------------------------------------------
 

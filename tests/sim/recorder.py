@@ -178,6 +178,7 @@ class WorldFields:
     loop: Any
     dead: bool
     urgent_preemptions: int
+    ended_mid_speculation: int
     death_mark: int | None
     scheduler: Any
     _sched_tags: dict[int, Any]

@@ -87,7 +87,7 @@ class ScriptedWorker:
         # Speculation: rid -> position -> the token it emitted there (this incarnation);
         # rows verified, and those that rejected a draft.
         self.emitted: dict[str, dict[int, int]] = {}
-        self.drafts_verified = self.drafts_rejected = 0
+        self.drafts_verified = self.drafts_rejected = self.drafts_all_accepted = 0
 
     async def run(self) -> None:
         """Receive plans in one task, send results in order from another."""
@@ -156,6 +156,7 @@ class ScriptedWorker:
                 self.last_sample.pop(s.rid, None)  # a fresh state: nothing sampled yet
             if FEED_LAST_SAMPLE in s.token_ids:
                 self._check_fed(plan.step_id, s.rid, s.start_pos, s.token_ids)
+        plan = self._fill(plan, tables, salt)  # (a draft model's proposals, if any)
         self._run_kv(plan, tables)
         tokens: list[int] = []
         counts: list[int] = []
@@ -187,19 +188,32 @@ class ScriptedWorker:
                                        prompt_logprobs=tuple(reports),
                                        num_sampled=tuple(counts) if plan.num_drafts else ()))
 
+    def _fill(self, plan: StepPlan, tables: dict[str, tuple[int, ...]],
+              salt: int) -> StepPlan:
+        """The plan the target runs: this one (n-gram drafts come in the plan; a draft
+        model's Worker fills its placeholders here: sim/scripted_draft.py)."""
+        return plan
+
     def _verify(self, s: ScheduledSeq, d: int, salt: int, table: Sequence[int]) -> list[int]:
         """The drafts a speculating row accepts (decided by the salt and the rid). The
-        rejected ones leave garbage where they were written and leave the context."""
+        rejected ones leave garbage where they were written and leave the context; the
+        accepted ones must be the tokens whose K/V the step wrote there."""
         accepted = (salt + zlib.crc32(s.rid.encode())) % (d + 1)
         self.drafts_verified += 1
         self.drafts_rejected += accepted < d
+        self.drafts_all_accepted += accepted == d
         first_draft = s.start_pos + len(s.token_ids) - d
         keep = first_draft + accepted  # positions before it hold accepted tokens
         ctx = self.contexts.get(s.rid, [])
         del ctx[keep:]
         for p in range(keep, s.start_pos + len(s.token_ids)):
             self.kv[self._slot(table, p)] = None
-        return list(s.token_ids[len(s.token_ids) - d:][:accepted])
+        tokens = list(s.token_ids[len(s.token_ids) - d:][:accepted])
+        if ctx[first_draft:keep] != tokens:
+            self.kv_errors.append(f"{s.rid!r} accepts drafts {tokens} at positions "
+                                  f"{first_draft}.., but their K/V was computed over "
+                                  f"{ctx[first_draft:keep]}")
+        return tokens
 
     def check_outputs(self, rid: str, committed: Sequence[int]) -> str | None:
         """Why ``rid``'s committed outputs are not what this Worker emitted, or None."""

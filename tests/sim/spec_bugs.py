@@ -1,16 +1,22 @@
 """Planted bugs of speculative decoding (``SimConfig.speculative``), as ``bugs.py``'s:
-each overrides one ordinary method of the real Scheduler or of its Batch."""
+each overrides one ordinary method of the real Scheduler or of its Batch, or (with
+``SimConfig.draft_model``) of the scripted Worker's draft model (sim/scripted_draft.py),
+which stands for worker/draft.py."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from actorllm.scheduler.actor import Scheduler
 from actorllm.scheduler.batch import Batch
 from actorllm.scheduler.kv_pool import extend_hashes
 from actorllm.scheduler.sequence import Sequence
-from actorllm.scheduler.speculation import row_tokens
+from actorllm.scheduler.speculation import DRAFT_PLACEHOLDER, row_tokens
 from actorllm.wire.messages import StepPlan, StepResult
+
+from .scripted_draft import DraftingWorker
 
 
 def _all_accepted(plan: StepPlan, result: StepResult) -> StepResult:
@@ -81,7 +87,34 @@ class HashRejectedDraft(Scheduler):
             speculation=old.speculation)
 
 
+class UnfilledPlaceholder(DraftingWorker):
+    """Invariant 9 (draft_model): the target runs the packed ids before the draft's
+    tokens were put in them, so the K/V at the draft positions is computed over the
+    placeholders while the verdict accepts the draft's tokens."""
+
+    def _run_kv(self, plan: StepPlan, tables: dict[str, tuple[int, ...]],
+                failed: bool = False) -> None:
+        if plan.num_drafts:
+            ids, at = list(plan.token_ids), 0
+            for n, d in zip(plan.num_tokens, plan.num_drafts, strict=True):
+                ids[at + n - d:at + n] = [DRAFT_PLACEHOLDER] * d
+                at += n
+            plan = attrs.evolve(plan, token_ids=tuple(ids))
+        super()._run_kv(plan, tables, failed)
+
+
+class DraftSkipsLastPass(DraftingWorker):
+    """Invariant 9 (draft_model): the draft's last pass, which only writes d_K's K/V, is
+    skipped as useless; when all K drafts are accepted the next step's draft reads that
+    position from its cache, where nothing was written."""
+
+    def _written(self, n: int, d: int) -> int:
+        return n - 1 if d else n
+
+
 SPEC_BUGS: dict[str, type[Any]] = {
+    "worker.bug_unfilled_placeholder": UnfilledPlaceholder,
+    "worker.bug_draft_skips_last_pass": DraftSkipsLastPass,
     "scheduler.bug_commit_rejected_draft": CommitRejectedDraft,
     "scheduler.bug_free_draft_blocks_early": FreeDraftBlocksEarly,
     "scheduler.bug_hash_rejected_draft": HashRejectedDraft,

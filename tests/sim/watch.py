@@ -101,6 +101,8 @@ class Watches(WorldFields):
                     why = f"a stale or duplicated result of step {msg.step_id}"
             elif isinstance(msg, AbortRequest | StopMatched):
                 seq = s.seqs.get(msg.rid)
+                if seq is not None and seq.drafting and seq.status is not State.FINISHED:
+                    self.ended_mid_speculation += 1  # between its proposal and verdict
                 if seq is None or seq.status is State.FINISHED:
                     why = f"{type(msg).__name__} for {msg.rid!r}, which has already finished"
                 elif isinstance(msg, StopMatched) and tag is not self.rec.current.get(msg.rid):

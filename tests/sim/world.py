@@ -41,6 +41,7 @@ from .common import EDGES, STOP_STRINGS, InvariantViolation, SimConfig, TextMode
 from .controlled_transport import ControlledMailbox
 from .guest import GuestLoop
 from .recorder import Client, Recorder
+from .scripted_draft import DraftingWorker
 from .scripted_worker import ScriptedWorker
 from .watch import Watches
 
@@ -48,6 +49,8 @@ ENGINE_SIDE = ("tokenizer", "scheduler", "worker", "detokenizer")  # what engine
 DEATH = "the engine died (simulated)"
 # Up to 3 drafts, from 2-grams or 1-grams (the scripted vocabulary is small: they recur).
 SPECULATIVE = SpeculativeConfig("ngram", 3, 2, 1)
+# A draft model's: 3 placeholders a row, filled by the Worker (no directory is read here).
+DRAFT_MODEL = SpeculativeConfig("draft_model", 3, model="sim")
 
 
 class ThreadHop(Tokenizer):
@@ -94,6 +97,7 @@ class World(Watches, Checks):
         self.death_mark: int | None = None  # Recorder.count when the engine died
         self._scopes: dict[str, trio.CancelScope] = {}
         self.urgent_preemptions = 0  # priority: a running sequence preempted for an arrival
+        self.ended_mid_speculation = 0  # an abort or stop reached a row with drafts in flight
 
         def box(name: str, kind: Any, capacity: int = cfg.capacity) -> ControlledMailbox:
             b = ControlledMailbox(name, kind, capacity, roundtrip=cfg.roundtrip)
@@ -130,10 +134,12 @@ class World(Watches, Checks):
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    max_steps_in_flight=cfg.max_steps_in_flight,
                                    scheduling_policy=cfg.scheduling_policy,
-                                   speculative=SPECULATIVE if cfg.speculative else None,
+                                   speculative=(DRAFT_MODEL if cfg.draft_model else
+                                                SPECULATIVE) if cfg.speculative else None,
                                    tracer=self.rec)  # type: ignore[arg-type]
-        self.worker = cls("worker", ScriptedWorker)(b["worker"], b["scheduler"].edge("worker"),
-                                                    text.vocab, text.eos_id, cfg.block_size)
+        worker = DraftingWorker if cfg.draft_model else ScriptedWorker
+        self.worker = cls("worker", worker)(b["worker"], b["scheduler"].edge("worker"),
+                                            text.vocab, text.eos_id, cfg.block_size)
         self.detokenizer = cls("detokenizer", Detokenizer)(text.decode, b["detokenizer"],
                                        b["frontend"].edge("detokenizer"),
                                        b["scheduler"].edge("detokenizer"))
@@ -466,6 +472,9 @@ class World(Watches, Checks):
             "urgent arrival preempted": self.urgent_preemptions > 0,
             "drafts verified": self.worker.drafts_verified > 0,
             "draft rejected": self.worker.drafts_rejected > 0,
+            "all drafts accepted": self.worker.drafts_all_accepted > 0,
+            "ended between proposal and verdict": self.ended_mid_speculation > 0,
+            "drafts filled by the draft model": getattr(self.worker, "drafts_filled", 0) > 0,
             "draft accepted": s.batch.speculation is not None
             and s.batch.speculation.accepted_tokens > 0,
         }
