@@ -1,4 +1,4 @@
-"""How often streamed responses write: at most half the loop's time (:class:`WritePacer`).
+"""How often streamed responses write: a bounded share of the loop (:class:`WritePacer`).
 
 In the ``single`` topology one trio loop runs the HTTP streams and the engine's actors
 (Scheduler, Detokenizer, Frontend), and the Worker's thread waits for the Scheduler's
@@ -32,7 +32,7 @@ import trio
 # A second spent writing is owed back as this many seconds of the loop's time, that one
 # included: writing gets at most 1/PACE of the loop while it is busy. 8 measured best on
 # the near-zero-compute model at 256 streams (2 at most doubled a write's tokens; 8 gave
-# ~6 tokens a write and 3x fewer microseconds of loop per token; docs/architecture.md).
+# 3-7 tokens a write and 2-3x fewer microseconds of loop per token; docs/architecture.md).
 PACE = 8.0
 # The longest a reader is held for its turn (seconds): bounds the extra inter-token
 # latency the pacing can add, whatever one turn cost.
