@@ -328,6 +328,7 @@ class GenerationResponse(Response):
                 receiving.cancel()
 
         single = self.jobs[0] if len(self.jobs) == 1 else None
+        pacer = self.state.pacer
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch_cut)
             async with send_ch:
@@ -340,6 +341,8 @@ class GenerationResponse(Response):
                         # Only the wait is cancellable by the cut, never a send.
                         with trio.CancelScope() as receiving:
                             try:
+                                # Writing waits for its share of the loop (pacing.py).
+                                await pacer.turn()
                                 job, item = await (next_of_one(single) if single is not None
                                                    else recv_ch.receive())
                             except trio.EndOfChannel:
@@ -347,6 +350,7 @@ class GenerationResponse(Response):
                         receiving = None
                         if self._cut:
                             break
+                        t0 = trio.current_time()
                         # Whatever else the same step brought (other jobs' pumps are
                         # waiting to hand it over) goes in the same write.
                         items = [(job, item)]
@@ -366,6 +370,7 @@ class GenerationResponse(Response):
                             events += self._render(job, item.outputs)
                         if events:
                             await self.out.body(b"".join(events))
+                        pacer.charge(trio.current_time() - t0)
                 finally:
                     # Cancel the pumps while the channel is still open: one that sends
                     # into a closed channel would raise BrokenResourceError, not stop.

@@ -21,6 +21,7 @@ from actorllm.engine.async_engine import AsyncEngine
 from actorllm.server.errors import APIError
 from actorllm.server.features import Features
 from actorllm.server.logprobs import TokenTexts
+from actorllm.server.pacing import WritePacer
 from actorllm.server.response_store import ResponseStore
 from actorllm.tokenizer.actor import PromptEncoder
 from actorllm.wire.messages import InvalidRequest, RefusalCode
@@ -72,6 +73,8 @@ class ServerState:
         # Generation responses still sending (their engine work may be done, their client
         # still reading): the drain waits for these too.
         self.responding = 0
+        # The streamed responses' share of the loop (server/pacing.py).
+        self.pacer = WritePacer()
         self.created = int(time.time())
         self.texts = TokenTexts(engine.tokenizer)
         # /tokenize refuses and templates exactly as the Tokenizer actor does.

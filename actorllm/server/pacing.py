@@ -1,0 +1,82 @@
+"""How often streamed responses write: a bounded share of the loop (:class:`WritePacer`).
+
+In the ``single`` topology one trio loop runs the HTTP streams and the engine's actors
+(Scheduler, Detokenizer, Frontend), and the Worker's thread waits for the Scheduler's
+next plan. Left alone, every step wakes every stream: each takes one token, renders one
+chunk and makes one write, and the next step is planned only after all of them have had
+their turn. At 128 streams and more that turn is most of the step, so the engine ran at
+the speed of one write per stream per token (a py-spy profile: the loop busy, the
+Worker's thread waiting for plans ~70 % of the time). In ``engine`` the Scheduler runs in
+another process, gets ahead on its own, and each write carries the tokens of several
+steps (9 on average at saturation).
+
+The pacer gives ``single`` the same shape. Every streamed response charges the time it
+spends taking, rendering and writing (:meth:`WritePacer.charge`); before it waits for
+its next output it asks for its turn (:meth:`WritePacer.turn`). Charges run up a debt
+that time spent on anything else pays back second for second; while the loop owes,
+readers wait for it to be paid, then all go together, each taking everything its
+collector merged meanwhile. So writing gets at most about 1/:data:`PACE` of a busy
+loop's time, and the rest goes to the engine's steps. A lightly loaded server owes
+little: a reader is held only when its output comes before the debt of the last writes
+is paid, that is when writing is a large part of a step.
+
+Only the time between writes changes, never what is written: the chunks of a stream
+merge exactly as they do for a slow client (``Merged.add``). The wait is cancellable by
+the drain cut like any wait for output, and is bounded by :data:`MAX_HOLD`.
+"""
+
+from __future__ import annotations
+
+import trio
+
+# A second spent writing is owed back as this many seconds of the loop's time, that one
+# included: writing gets at most 1/PACE of the loop while it is busy. 8 measured best on
+# the near-zero-compute model at 256 streams (2 at most doubled a write's tokens; 8 gave
+# 3-7 tokens a write and 2-3x fewer microseconds of loop per token; docs/architecture.md).
+PACE = 8.0
+# The longest a reader is held for its turn (seconds): bounds the extra inter-token
+# latency the pacing can add, whatever one turn cost.
+MAX_HOLD = 0.1
+# The most one charge counts (seconds). A reader's take, render and write cost ~0.1 ms; one
+# that took longer waited for a full socket (a slow client) while the loop ran others,
+# and that wait is not the loop's time.
+MAX_CHARGE = 0.002
+
+
+class WritePacer:
+    """The loop's debt of writing time, shared by the server's streamed responses."""
+
+    def __init__(self) -> None:
+        # When the debt is paid (trio time): writing since then is within its share.
+        self.paid_at = 0.0
+        self._turn = trio.Event()
+        self._opener_running = False
+        self.held = 0  # readers made to wait for a turn, in all (a count, for tests)
+
+    def charge(self, seconds: float) -> None:
+        """A reader spent the last ``seconds`` taking, rendering and writing: the loop owes
+        ``PACE - 1`` times as much to everything else. Time spent writing pays nothing
+        back, so the readers of one wake-up, one after the other, owe the sum of what they
+        spent."""
+        t, seconds = trio.current_time(), min(seconds, MAX_CHARGE)
+        self.paid_at = min(max(self.paid_at, t - seconds) + PACE * seconds, t + MAX_HOLD)
+
+    async def turn(self) -> None:
+        """Return once the loop owes no writing time (at once when it owes none)."""
+        if trio.current_time() >= self.paid_at:
+            return
+        self.held += 1
+        event = self._turn
+        if not self._opener_running:
+            self._opener_running = True
+            trio.lowlevel.spawn_system_task(self._open_at_paid)
+        await event.wait()
+
+    async def _open_at_paid(self) -> None:
+        """Wake every waiting reader together once the debt is paid."""
+        try:
+            await trio.sleep_until(self.paid_at)
+        finally:
+            self._opener_running = False
+            self._turn.set()
+            self._turn = trio.Event()

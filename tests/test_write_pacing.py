@@ -1,0 +1,149 @@
+"""The streamed responses' share of the loop (``server/pacing.py``): a reader is held only
+while the loop owes writing time, every held reader goes at once when it is paid, and the
+hold is bounded (time is trio's MockClock: nothing reads the wall clock); a held stream
+loses nothing and merges what came meanwhile."""
+
+from __future__ import annotations
+
+import json
+
+import trio
+import trio.testing
+from helpers import Call, app_for
+
+from actorllm.engine.async_engine import AsyncEngine
+from actorllm.server import pacing
+from actorllm.server.pacing import WritePacer
+
+
+def _run(fn: object) -> None:
+    trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))  # type: ignore[arg-type]
+
+
+def test_a_reader_that_owes_nothing_is_not_held():
+    async def main() -> None:
+        pacer = WritePacer()
+        await pacer.turn()  # nothing charged yet
+        pacer.charge(0.0)
+        await pacer.turn()
+        assert pacer.held == 0
+
+    _run(main)
+
+
+def test_a_charge_holds_the_next_turn_until_pace_times_it_has_passed():
+    async def main() -> None:
+        pacer = WritePacer()
+        cost = 0.001
+        await trio.sleep(1.0)  # the writing happened in the last `cost` seconds
+        start = trio.current_time()
+        pacer.charge(cost)
+        await pacer.turn()
+        waited = trio.current_time() - start
+        assert pacer.held == 1
+        # Writing ended at `start`: the loop owes PACE - 1 times what it took.
+        assert abs(waited - (pacing.PACE - 1) * cost) < 1e-9
+
+    _run(main)
+
+
+def test_readers_of_one_wake_up_owe_the_sum_and_go_together():
+    async def main() -> None:
+        pacer = WritePacer()
+        await trio.sleep(1.0)
+        cost, readers = 0.0005, 4
+        woke: list[float] = []
+        clock = trio.lowlevel.current_clock()
+        assert isinstance(clock, trio.testing.MockClock)
+        for _ in range(readers):  # back to back, as one wake-up's readers run
+            clock.jump(cost)
+            pacer.charge(cost)
+        end = trio.current_time()
+
+        async def reader() -> None:
+            await pacer.turn()
+            woke.append(trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(readers):
+                nursery.start_soon(reader)
+        assert pacer.held == readers
+        assert len(set(woke)) == 1  # one opening for all of them
+        expected = (pacing.PACE - 1) * cost * readers
+        assert abs(woke[0] - end - expected) < 1e-9
+
+    _run(main)
+
+
+def test_time_spent_on_other_work_pays_the_debt():
+    async def main() -> None:
+        pacer = WritePacer()
+        await trio.sleep(1.0)
+        pacer.charge(0.001)
+        await trio.sleep(pacing.PACE * 0.001)  # the engine's steps ran meanwhile
+        await pacer.turn()
+        assert pacer.held == 0
+
+    _run(main)
+
+
+def test_the_hold_is_bounded_and_a_blocked_write_counts_little():
+    async def main() -> None:
+        pacer = WritePacer()
+        await trio.sleep(10.0)
+        for _ in range(1000):  # far more writing than MAX_HOLD can pay back
+            pacer.charge(1.0)  # a write that waited on a full socket for a second
+        start = trio.current_time()
+        await pacer.turn()
+        assert trio.current_time() - start <= pacing.MAX_HOLD + 1e-9
+
+    _run(main)
+
+
+def test_a_held_reader_can_be_cancelled():
+    async def main() -> None:
+        pacer = WritePacer()
+        await trio.sleep(1.0)
+        pacer.charge(pacing.MAX_CHARGE)
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await pacer.turn()
+        assert scope.cancelled_caught
+        # The opener still opens: a later reader is not stuck behind a cancelled one.
+        await pacer.turn()
+
+    _run(main)
+
+
+class _HeldUntilReleased(WritePacer):
+    """A pacer that holds every turn until the test releases it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = trio.Event()
+
+    async def turn(self) -> None:
+        self.held += 1
+        await self.release.wait()
+
+
+async def test_a_held_stream_merges_what_came_meanwhile(engine: AsyncEngine) -> None:
+    app = app_for(engine)
+    body = {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    whole = await Call("/v1/completions", body).run(app)
+    text = whole.json()["choices"][0]["text"]
+    pacer = app.state.server.pacer = _HeldUntilReleased()
+    call = Call("/v1/completions", {**body, "stream": True})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call.run, app)
+        with trio.fail_after(30):
+            while not pacer.held:  # the first token is out; the reader waits its turn
+                await trio.sleep(0.001)
+            assert await engine.wait_drained(30.0) == []  # the engine is done meanwhile
+        pacer.release.set()
+    assert call.status == 200 and call.done
+    chunks = [json.loads(e)["choices"][0] for e in call.events()[:-1]]
+    # The first token, then everything else with the finish in one chunk.
+    assert len(chunks) == 2
+    assert chunks[1]["finish_reason"] == "length"
+    assert "".join(c["text"] for c in chunks) == text
