@@ -20,8 +20,8 @@ from typing import Any
 # the engine's own counts (--max-num-seqs, --block-size, ...) before loading as well.
 _POSITIVE = ("max_request_bytes", "max_pending", "kv_cache_memory")
 # Flags whose value must be >= 0 (0 turns the limit off, or means "at once").
-_NOT_NEGATIVE = ("drain_timeout", "stream_timeout", "body_timeout", "keep_alive_timeout",
-                 "max_pending_bytes_per_request", "max_pending_bytes")
+_NOT_NEGATIVE = ("drain_timeout", "stream_timeout", "max_stream_hold", "body_timeout",
+                 "keep_alive_timeout", "max_pending_bytes_per_request", "max_pending_bytes")
 
 
 def _flag(name: str) -> str:

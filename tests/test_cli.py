@@ -114,6 +114,7 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None
         (["serve", "--max-request-bytes", "-1"], "--max-request-bytes must be positive, got -1"),
         (["serve", "--max-request-bytes", "0"], "--max-request-bytes must be positive, got 0"),
         (["serve", "--drain-timeout", "-1"], "--drain-timeout must be 0 or more, got -1.0"),
+        (["serve", "--max-stream-hold", "-1"], "--max-stream-hold must be 0 or more, got -1.0"),
         (["serve", "--max-pending", "0"], "--max-pending must be positive, got 0"),
         (["serve", "--body-timeout", "nan"], "--body-timeout must be 0 or more, got nan"),
     ],

@@ -109,8 +109,42 @@ def test_a_held_reader_can_be_cancelled():
             scope.cancel()
             await pacer.turn()
         assert scope.cancelled_caught
-        # The opener still opens: a later reader is not stuck behind a cancelled one.
+        # A later reader is not stuck behind the cancelled one.
         await pacer.turn()
+
+    _run(main)
+
+
+def test_a_hold_of_zero_never_holds():
+    async def main() -> None:
+        pacer = WritePacer(max_hold=0.0)  # --max-stream-hold 0
+        await trio.sleep(1.0)
+        for _ in range(10):
+            pacer.charge(pacing.MAX_CHARGE)
+            await pacer.turn()
+        assert pacer.held == 0
+
+    _run(main)
+
+
+def test_a_reader_held_later_goes_with_the_first():
+    async def main() -> None:
+        pacer = WritePacer()
+        await trio.sleep(1.0)
+        pacer.charge(0.001)
+        woke: list[float] = []
+
+        async def reader(charge_first: bool) -> None:
+            if charge_first:  # writes after the first was held: the debt grows
+                pacer.charge(0.001)
+            await pacer.turn()
+            woke.append(trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader, False)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(reader, True)
+        assert pacer.held == 2 and len(set(woke)) == 1
 
     _run(main)
 

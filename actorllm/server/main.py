@@ -135,6 +135,7 @@ def serve_main(config: EngineConfig, args: argparse.Namespace) -> int:
         write_timeout=config.stream_timeout,
         body_timeout=float(getattr(args, "body_timeout", 30.0) or 0) or None,
         keep_alive_timeout=float(getattr(args, "keep_alive_timeout", 5.0) or 5.0),
+        max_stream_hold=float(getattr(args, "max_stream_hold", 0.1)),
     )
     options.features = features
     return trio.run(_serve, config, resources, options)
@@ -158,7 +159,7 @@ class _Options:
                  drain_timeout: float, max_request_bytes: int, max_pending: int,
                  on_engine_death: str = "exit", tool_call_parser: str = "json",
                  write_timeout: float | None = None, body_timeout: float | None = None,
-                 keep_alive_timeout: float = 5.0) -> None:
+                 keep_alive_timeout: float = 5.0, max_stream_hold: float = 0.1) -> None:
         self.host, self.port, self.api_key, self.name = host, port, api_key, name
         self.drain_timeout, self.max_request_bytes = drain_timeout, max_request_bytes
         self.max_pending, self.on_engine_death = max_pending, on_engine_death
@@ -168,6 +169,7 @@ class _Options:
         # that does not arrive (--body-timeout), an idle keep-alive (--keep-alive-timeout).
         self.write_timeout, self.body_timeout = write_timeout, body_timeout
         self.keep_alive_timeout = keep_alive_timeout
+        self.max_stream_hold = max_stream_hold  # server/pacing.py
 
 
 def _hypercorn_config(opts: _Options, writes_cut: trio.Event | None = None) -> Any:
@@ -219,6 +221,7 @@ async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
                             tool_call_parser=opts.tool_call_parser,
                             features=opts.features)
             state = app.state.server
+            state.pacer.max_hold = opts.max_stream_hold
             shutdown = trio.Event()  # tells hypercorn to stop accepting and close
             # Set at the end of the drain: from then on a write the client does not take
             # is cut at once, so stalled readers cannot outlast --drain-timeout.

@@ -22,7 +22,8 @@ is paid, that is when writing is a large part of a step.
 
 Only the time between writes changes, never what is written: the chunks of a stream
 merge exactly as they do for a slow client (``Merged.add``). The wait is cancellable by
-the drain cut like any wait for output, and is bounded by :data:`MAX_HOLD`.
+the drain cut like any wait for output, and is bounded by ``--max-stream-hold``
+(:data:`MAX_HOLD` by default; 0 turns pacing off).
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ MAX_CHARGE = 0.002
 class WritePacer:
     """The loop's debt of writing time, shared by the server's streamed responses."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_hold: float = MAX_HOLD) -> None:
+        # The longest a reader is held (``--max-stream-hold``); 0: never, every step writes.
+        self.max_hold = max_hold
         # When the debt is paid (trio time): writing since then is within its share.
         self.paid_at = 0.0
-        self._turn = trio.Event()
-        self._opener_running = False
+        # When the readers held now are let go together (trio time).
+        self._release_at = 0.0
         self.held = 0  # readers made to wait for a turn, in all (a count, for tests)
 
     def charge(self, seconds: float) -> None:
@@ -59,24 +62,17 @@ class WritePacer:
         back, so the readers of one wake-up, one after the other, owe the sum of what they
         spent."""
         t, seconds = trio.current_time(), min(seconds, MAX_CHARGE)
-        self.paid_at = min(max(self.paid_at, t - seconds) + PACE * seconds, t + MAX_HOLD)
+        self.paid_at = min(max(self.paid_at, t - seconds) + PACE * seconds, t + self.max_hold)
 
     async def turn(self) -> None:
-        """Return once the loop owes no writing time (at once when it owes none)."""
-        if trio.current_time() >= self.paid_at:
-            return
-        self.held += 1
-        event = self._turn
-        if not self._opener_running:
-            self._opener_running = True
-            trio.lowlevel.spawn_system_task(self._open_at_paid)
-        await event.wait()
+        """Return once the loop owes no writing time (at once when it owes none).
 
-    async def _open_at_paid(self) -> None:
-        """Wake every waiting reader together once the debt is paid."""
-        try:
-            await trio.sleep_until(self.paid_at)
-        finally:
-            self._opener_running = False
-            self._turn.set()
-            self._turn = trio.Event()
+        The readers held meanwhile all sleep until the same instant, the debt as the first
+        of them found it, so trio wakes them in one batch and their writes go together."""
+        now = trio.current_time()
+        if now >= self.paid_at:
+            return
+        if now >= self._release_at:  # the first reader held since the last release
+            self._release_at = self.paid_at
+        self.held += 1
+        await trio.sleep_until(self._release_at)
