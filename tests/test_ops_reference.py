@@ -17,8 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sim.profiles import examples
 
-from actorllm.ops import BackendUnavailable, TorchBackend, checks, prefill, select_backend
-from actorllm.ops.prefill import PAD_WASTE, fresh_groups
+from actorllm.ops import BackendUnavailable, TorchBackend, checks, select_backend
 
 backend = TorchBackend()
 
@@ -117,47 +116,13 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
         [(33, 33)],  # whole prompt, no prefix
         [(40, 8)],  # prefill chunk after a cached prefix
         [(32, 16), (5, 1), (48, 48), (17, 1), (20, 3)],  # mixed prefill chunks + decode
-        # prompts starting in the step, batched in padded groups (ops/prefill.py), beside
-        # a chunk after a prefix and a decode row; 70 and 9 go in different groups
-        [(33, 33), (31, 31), (40, 8), (34, 34), (9, 1), (70, 70), (2, 2), (9, 9)],
     ],
 )
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 1)])
-@pytest.mark.parametrize("batched", [True, False])
-def test_matches_naive(specs, heads, batched, monkeypatch):
-    # Prompts starting in the step: one padded call, or one call each.
-    monkeypatch.setattr(prefill, "MIN_THREADS", 1 if batched else 1 << 20)
+def test_matches_naive(specs, heads):
     case = make_case(specs, num_heads=heads[0], num_kv_heads=heads[1])
     got, want = run_both(case)
     assert_close(got, want, torch.float32)
-
-
-def test_fresh_prompts_are_grouped_longest_first_within_the_padding_bound():
-    lens = {0: 100, 1: 98, 2: 10, 3: 95, 4: 12, 5: 1}
-    groups = fresh_groups(list(lens), lens)
-    assert groups == [[0, 1, 3, 4, 2], [5]]  # (5 more would pass the bound)
-    for group in groups:  # no group computes more than PAD_WASTE times what it needs
-        top = lens[group[0]]
-        assert len(group) * top * top <= PAD_WASTE * sum(lens[s] ** 2 for s in group)
-
-
-@pytest.fixture
-def batched_prefill(monkeypatch):
-    """Prompts starting in a step take the batched path whatever torch's thread count."""
-    monkeypatch.setattr(prefill, "MIN_THREADS", 1)
-
-
-def test_fresh_prompts_batched_read_only_their_own_slots(batched_prefill):
-    # Garbage (NaN) everywhere but the prompts' own slots: padding must not read past them.
-    case = make_case([(20, 20), (37, 37), (33, 33)], seed=5, extra_blocks=6)
-    want = naive_attention(**case)
-    owned = torch.zeros(case["k_cache"].shape[:2], dtype=torch.bool)
-    for s, length in enumerate((20, 37, 33)):
-        for j in range(length):
-            owned[int(case["block_tables"][s, j // 16]), j % 16] = True
-    for name in ("k_cache", "v_cache"):
-        case[name][~owned] = float("nan")
-    assert_close(backend.paged_attention(**case), want, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -8,9 +8,7 @@ CUDA kernels are tested against. Two paths, both free of per-token Python loops:
   then one masked, batched ``scaled_dot_product_attention``;
 * prefill chunks (q_len > 1, possibly with a cached prefix): one
   ``scaled_dot_product_attention`` call per sequence with the causal mask
-  shifted by the cached-prefix length (``is_causal`` when there is no prefix);
-  prompts that start in the step (no prefix) go together, padded, in one call
-  per group (ops/prefill.py).
+  shifted by the cached-prefix length (``is_causal`` when there is no prefix).
 
 A batch that mixes the two sends its decode sequences down the batched path and
 loops over the prefill sequences only.
@@ -32,7 +30,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from actorllm.ops.checks import check_paged_attention_args, check_write_kv_args
-from actorllm.ops.prefill import fresh_groups, prefill_fresh, worth_batching
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -157,20 +154,13 @@ class TorchBackend:
                             block_tables.index_select(0, seqs), seq_lens.index_select(0, seqs),
                             max_len, scale, extra)
             out.index_copy_(0, rows, o)
-        rest = [s for s in range(num_seqs) if cu[s + 1] - cu[s] > 1]
-        if extra == NO_FEATURES and len(rest) > 1 and worth_batching(q):
-            # Prompts that start in this step go together (ops/prefill.py).
-            fresh = [s for s in rest if cu[s + 1] - cu[s] == lens[s]]
-            done: set[int] = set()
-            for group in fresh_groups(fresh, lens):
-                if len(group) > 1:
-                    prefill_fresh(q, k_cache, v_cache, block_tables, group, cu, lens, scale, out)
-                    done.update(group)
-            rest = [s for s in rest if s not in done]
-        for s in rest:
-            out[cu[s] : cu[s + 1]] = _prefill_one(
-                q[cu[s] : cu[s + 1]], k_cache, v_cache, block_tables[s], lens[s], scale, extra,
-            )
+        for s in range(num_seqs):
+            q_len = cu[s + 1] - cu[s]
+            if q_len > 1:
+                out[cu[s] : cu[s + 1]] = _prefill_one(
+                    q[cu[s] : cu[s + 1]], k_cache, v_cache, block_tables[s], lens[s], scale,
+                    extra,
+                )
         return out
 
     def decode(
