@@ -209,6 +209,33 @@ def test_children_of_one_prompt_prefill_it_once_and_share_its_blocks() -> None:
     assert not s.drain_problems() and s.pool.num_used == 0
 
 
+def test_a_prompt_waiting_on_a_block_in_the_step_does_not_hold_up_the_line() -> None:
+    s = make(budget=64)
+    d = Driver(s)
+    s.handle(req("a", [*SYSTEM, 1, 2, 3]))
+    s.handle(req("b", [*SYSTEM, 4, 5, 6]))  # its first block is a's, computed this step
+    s.handle(req("c", list(range(200, 211))))  # shares nothing
+    d.step()
+    assert [x.rid for x in d.plans[0].seqs] == ["a", "c"], "c starts; b waits a step"
+    assert [seq.rid for seq in s.waiting] == ["b"]
+    d.step()
+    assert d.computed("b")[0] == (8, 3), "then b starts from a's two blocks"
+    d.run()
+    assert sorted(d.finished) == ["a", "b", "c"]
+    assert not s.drain_problems() and s.pool.num_used == 0
+
+
+def test_a_deferred_prompt_keeps_its_place_before_later_arrivals() -> None:
+    s = make(num_blocks=5)  # a takes 3 blocks: c's 3 do not fit beside them
+    d = Driver(s)
+    s.handle(req("a", [*SYSTEM, 1, 2, 3]))
+    s.handle(req("b", [*SYSTEM, 4, 5, 6]))
+    s.handle(req("c", list(range(200, 211))))
+    d.step()
+    assert [x.rid for x in d.plans[0].seqs] == ["a"]
+    assert [seq.rid for seq in s.waiting] == ["b", "c"], "b is still ahead of c"
+
+
 def test_abort_of_one_sharer_keeps_the_blocks_of_the_others() -> None:
     from actorllm.wire.messages import AbortRequest
 
