@@ -48,7 +48,7 @@ from actorllm.worker.pooling import Pooler, pooled_norm
 from actorllm.worker.ranks import RankGroup, RankSpec
 from actorllm.worker.sampler import prompt_logprobs
 from actorllm.worker.sampling_batch import SamplingBatch, SamplingState
-from actorllm.worker.sizing import default_num_blocks, torch_threads
+from actorllm.worker.sizing import default_num_blocks, keep_heap, torch_threads
 from actorllm.worker.speculative import commit_others, verify_drafts
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,7 @@ class ModelRunner:
         num_blocks: int | None = None,
         block_size: int = 16,
         kv_cache_bytes: int | None = None,
-        dtype: torch.dtype | None = None,
-        device: str = "cpu",
+        device: str = "cpu", dtype: torch.dtype | None = None,
         attention_backend: str = "auto",
         num_threads: int | None = None,
         large_step_threads: int | None = None,
@@ -100,6 +99,7 @@ class ModelRunner:
         check_tensor_parallel(config, tensor_parallel_size)
         tp = TensorParallel(0, tensor_parallel_size)  # this runner is rank 0, the driver
         num_threads = torch_threads(tp, self.device, num_threads)
+        keep_heap(self.device)  # the next step reuses this one's pages (worker/sizing.py)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         with single_threaded():  # the probe's ops start no OpenMP team in this thread
             check_device_dtype(self.device, self.dtype)  # one line, not a failure mid-load
