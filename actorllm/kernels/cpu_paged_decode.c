@@ -90,7 +90,7 @@ static inline float exp_le0(float x) {
 }
 
 #ifdef __AVX512F__
-#include <immintrin.h>
+#include "cpu_exp16.h" /* exp16_le0, lanes_left; includes immintrin.h */
 
 /* Sums the four lanes of each 128-bit quarter of a, b, c and d: quarter p of the result
  * holds a's, b's, c's and d's sums of their quarter p. */
@@ -137,28 +137,6 @@ static inline __attribute__((always_inline)) void score_x4(
         }
     }
 }
-/* exp_le0 on sixteen lanes, the same steps (2^n applied by scalef). */
-static inline __m512 exp16_le0(__m512 x) {
-    const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_floor_ps(
-        _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f)));
-    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
-                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
-}
-
-static inline __mmask16 lanes_left(int64_t left) {
-    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-}
-
 /* One head's online-softmax update over the n scores of a chunk, sixteen at a time: the
  * scores become their weights exp(s - max), m and l the running maximum and sum. Returns
  * the factor that rescales what was accumulated before the chunk. gcc left the scalar

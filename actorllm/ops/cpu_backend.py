@@ -67,8 +67,8 @@ def _cpu_key() -> str:
 def build_library(source: str, compiler: str, flags: Sequence[str],
                   libs: Sequence[str] = (), cache_dir: Path | None = None,
                   timeout: float = 120) -> Path:
-    """Compile ``actorllm/kernels/<source>`` into a shared object, once per source text,
-    compiler, flags and CPU, and return its path in the cache.
+    """Compile ``actorllm/kernels/<source>`` into a shared object, once per source text
+    (with the headers beside it), compiler, flags and CPU, and return its path in the cache.
 
     ``compiler`` is a path or a name on ``PATH``; ``libs`` come after the source on the
     command line. ``CpuKernelError`` says in one line why a build failed.
@@ -76,7 +76,8 @@ def build_library(source: str, compiler: str, flags: Sequence[str],
     src = _source(source)
     if not src.is_file():
         raise CpuKernelError(f"kernel source {src} is missing")
-    code = src.read_bytes()
+    # The headers beside the sources (cpu_exp16.h) are part of what is built.
+    code = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))
     key = " ".join((compiler, *flags, *libs, _cpu_key())).encode()
     digest = hashlib.sha256(code + key).hexdigest()
     cache = cache_dir or Path(os.environ.get("ACTORLLM_CACHE_DIR")
