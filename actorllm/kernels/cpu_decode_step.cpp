@@ -11,9 +11,9 @@
 // It computes what actorllm/model/llama.py computes for a batch of one new token per
 // sequence, op for op (the Python module stays the reference and the path for prefill,
 // other dtypes and tensor parallelism): the same RMSNorm, the oneDNN packed linears with
-// rows padded to the same buckets (ops/cpu_linear.py) and the decode attention of the C
-// kernel (cpu_paged_decode.c), whose address the caller passes in. RoPE, the KV write
-// and q's copy are one loop here (rope_and_write_kv) that rounds as the module's ops do.
+// rows padded to the same buckets (ops/cpu_linear.py) and the decode attention, windowed
+// per layer, of the C kernel (cpu_paged_decode.c), whose address the caller passes in.
+// RoPE, the KV write and q's copy are one loop (rope_and_write_kv) rounding as the module's do.
 // Tests compare it with the module bit for bit (tests/test_cpu_step.py).
 //
 // Built by actorllm/ops/cpu_step.py against the installed torch's headers.
@@ -47,7 +47,7 @@ using at::Tensor;
 
 using DecodeFn = int (*)(const float*, const float*, const float*, const int32_t*,
                          const int32_t*, float*, int64_t, int64_t, int64_t, int64_t,
-                         int64_t, int64_t, float, int);
+                         int64_t, int64_t, float, int64_t, float, int);
 
 // PackedLinear.forward for a 2-D input of `rows` rows padded to `padded` (the caller's
 // ops/cpu_linear.bucket_rows, so the same oneDNN kernels run), through the boxed
@@ -120,15 +120,15 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
                     at::TensorList v_caches, const Tensor& inv_freq, double rope_scaling,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
                     double scale, int64_t padded_rows, int64_t decode_fn,
-                    const std::optional<Tensor>& final_norm,
+                    at::IntArrayRef windows, const std::optional<Tensor>& final_norm,
                     const std::optional<Tensor>& lm_head,
                     const std::optional<Tensor>& temperature, double greedy_below) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 1 + kWeightsPerLayer * layers,
               "llama_decode: expected ", 1 + kWeightsPerLayer * layers, " weights, got ",
               weights.size());
-  TORCH_CHECK(static_cast<int64_t>(biases.size()) == kBiasesPerLayer * layers,
-              "llama_decode: expected ", kBiasesPerLayer * layers, " biases");
+  TORCH_CHECK(std::ssize(biases) == kBiasesPerLayer * layers && std::ssize(windows) == layers,
+              "llama_decode: expected ", kBiasesPerLayer * layers, " biases and a window a layer");
   TORCH_CHECK(input_ids.dim() == 1 && input_ids.size(0) == block_tables.size(0),
               "llama_decode: one token per sequence");
   TORCH_CHECK(padded_rows >= input_ids.size(0), "llama_decode: padded_rows below the rows");
@@ -164,12 +164,11 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
     Tensor q = at::empty({tokens, num_heads, head_dim}, qkv.options());
     rope_and_write_kv(qkv, cos, sin, slots.data_ptr<int64_t>(), q, k_cache, v_cache);
     Tensor attn = at::empty_like(q);
-    const int rc = decode(q.data_ptr<float>(), k_cache.data_ptr<float>(),
-                          v_cache.data_ptr<float>(), block_tables.data_ptr<int32_t>(),
-                          seq_lens.data_ptr<int32_t>(), attn.data_ptr<float>(), tokens,
-                          num_heads, num_kv_heads, head_dim, k_cache.size(1),
-                          block_tables.size(1), static_cast<float>(scale),
-                          at::get_num_threads());
+    const int rc = decode(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                          block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                          attn.data_ptr<float>(), tokens, num_heads, num_kv_heads, head_dim,
+                          k_cache.size(1), block_tables.size(1), static_cast<float>(scale),
+                          windows[l], 0.0f, at::get_num_threads());
     TORCH_CHECK(rc == 0, "llama_decode: the decode kernel refused the shape");
     h = h.add(packed_linear(linear_op, attn.view({tokens, q_size}), w[2], biases.get(b + 1),
                             padded_rows));
@@ -387,8 +386,8 @@ TORCH_LIBRARY(actorllm, m) {
         "Tensor block_tables, Tensor seq_lens, Tensor[] weights, Tensor?[] biases, "
         "Tensor[] k_caches, Tensor[] v_caches, Tensor inv_freq, float rope_scaling, "
         "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, "
-        "int padded_rows, int decode_fn, Tensor? final_norm=None, Tensor? lm_head=None, "
-        "Tensor? temperature=None, float greedy_below=0.0) -> Tensor");
+        "int padded_rows, int decode_fn, int[] windows, Tensor? final_norm=None, "
+        "Tensor? lm_head=None, Tensor? temperature=None, float greedy_below=0.0) -> Tensor");
   m.def("sample_rows(Tensor logits, Tensor temperature, Tensor? uniforms, "
         "float greedy_below) -> Tensor");
 }

@@ -9,9 +9,10 @@ at saturation. :class:`DecodeStep` runs the same ops from C++, called once throu
 
 It covers what most steps of a busy server are: one new token for every sequence, fp32,
 one rank, every linear packed for oneDNN (:mod:`actorllm.ops.cpu_linear`) and the C
-decode kernel for attention (:mod:`actorllm.ops.cpu_backend`). The Python model in
-:mod:`actorllm.model.llama` stays the reference and runs every other step (prefill and
-mixed steps, other dtypes, tensor parallelism); tests compare the two
+decode kernel for attention (:mod:`actorllm.ops.cpu_backend`), each layer with its own
+sliding window (Mistral windows every layer, Qwen2's ``layer_types`` some). The Python
+model in :mod:`actorllm.model.llama` stays the reference and runs every other step
+(prefill and mixed steps, other dtypes, tensor parallelism); tests compare the two
 (``tests/test_cpu_step.py``).
 
 The op is compiled on first use with the machine's C++ compiler (``$CXX``, else
@@ -109,8 +110,6 @@ def why_not(model: torch.nn.Module, backend: object) -> str | None:
     attn = layer.self_attn
     if any(layer.self_attn.q_norm is not None for layer in model.model.layers):
         return "the model normalises q and k per head (Qwen3)"
-    if any(layer.self_attn.sliding_window is not None for layer in model.model.layers):
-        return "the model attends over a sliding window"
     if attn.head_dim > _MAX_HEAD_DIM or attn.num_heads // attn.num_kv_heads > _MAX_GROUP:
         return "the decode kernel does not take this head shape"
     for layer in model.model.layers:
@@ -151,6 +150,8 @@ class DecodeStep:
         self.inv_freq: Tensor = model.rotary.inv_freq
         self.rope_scaling = float(model.rotary.attention_scaling)
         self.kernel = backend.kernel_address
+        # Each layer's own window (Qwen2's layer_types window only some): 0 for none.
+        self.windows: list[int] = [layer.self_attn.sliding_window or 0 for layer in layers]
         # The final norm and LM head, for steps whose every row samples (logits=True).
         head = model.lm_head
         self.final_norm: Tensor = model.model.norm.weight.detach()
@@ -184,7 +185,7 @@ class DecodeStep:
             batch.seq_lens, self.weights, self.biases, [k for k, _ in kv_caches],
             [v for _, v in kv_caches], self.inv_freq, self.rope_scaling, self.num_heads,
             self.num_kv_heads, self.head_dim, self.eps, self.scale,
-            bucket_rows(batch.input_ids.shape[0]), self.kernel,
+            bucket_rows(batch.input_ids.shape[0]), self.kernel, self.windows,
             self.final_norm if logits else None, head, temperature, greedy_below)
 
 
