@@ -18,6 +18,7 @@ import pytest
 import torch
 from helpers import build_tiny_model, hf_greedy, hf_model
 from steps import Plans, execute
+from test_models_families import build_family
 
 from actorllm.model import ForwardBatch
 from actorllm.model.llama import LlamaForCausalLM
@@ -68,11 +69,20 @@ def tiny_qwen2_windowed_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_
                             sliding_window=WINDOW, max_window_layers=1)
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3_windowed_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+                            ) -> Path:
+    """Qwen3 (q and k normed per head, random norm weights), second layer windowed."""
+    return build_family(tmp_path_factory.mktemp("tiny-qwen3-window"), "qwen3", tokenizer_dir,
+                        seed=4, use_sliding_window=True, sliding_window=WINDOW,
+                        max_window_layers=1)
+
+
 @pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_dir", "tiny_mistral_dir",
-                                        "tiny_qwen2_windowed_dir"])
+                                        "tiny_qwen2_windowed_dir", "tiny_qwen3_windowed_dir"])
 def runner(request: pytest.FixtureRequest) -> ModelRunner:
     """Llama (no biases, untied), Qwen2 (qkv bias, tied embeddings), Mistral (every layer
-    windowed) and Qwen2 with one windowed layer."""
+    windowed), Qwen2 with one windowed layer and Qwen3 (q/k norms) with one."""
     return ModelRunner(request.getfixturevalue(request.param), num_blocks=200,
                        block_size=BLOCK)
 
@@ -85,6 +95,7 @@ def test_the_op_takes_each_layers_window(runner: ModelRunner) -> None:
     name = Path(runner._model_dir).name
     want = {"mistral": [WINDOW, WINDOW], "window": [None, WINDOW]}
     assert windows == next((w for key, w in want.items() if key in name), [None, None])
+    assert len(runner.decode_step.qk_norms) == (4 if "qwen3" in name else 0)  # two a layer
 
 
 @pytest.mark.parametrize("num_seqs", [1, 7, 9, 64, 65])  # 9 and 65 pad to a bucket

@@ -57,14 +57,8 @@ Tensor packed_linear(const c10::OperatorHandle& op, const Tensor& x, const Tenso
                      const std::optional<Tensor>& bias, int64_t padded) {
   const int64_t rows = x.size(0);
   Tensor in = padded == rows ? x : at::constant_pad_nd(x, {0, 0, 0, padded - rows}, 0);
-  std::vector<c10::IValue> stack;
-  stack.reserve(6);
-  stack.emplace_back(in);
-  stack.emplace_back(weight);
-  stack.emplace_back(bias);
-  stack.emplace_back(std::string("none"));
-  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
-  stack.emplace_back(std::string(""));
+  std::vector<c10::IValue> stack{in, weight, bias, std::string("none"),
+                                 c10::List<std::optional<at::Scalar>>(), std::string("")};
   op.callBoxed(&stack);
   Tensor out = stack[0].toTensor();
   return padded == rows ? out : out.narrow(0, 0, rows);
@@ -120,8 +114,8 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
                     at::TensorList v_caches, const Tensor& inv_freq, double rope_scaling,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
                     double scale, int64_t padded_rows, int64_t decode_fn,
-                    at::IntArrayRef windows, const std::optional<Tensor>& final_norm,
-                    const std::optional<Tensor>& lm_head,
+                    at::IntArrayRef windows, at::TensorList qk_norms,
+                    const std::optional<Tensor>& final_norm, const std::optional<Tensor>& lm_head,
                     const std::optional<Tensor>& temperature, double greedy_below) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 1 + kWeightsPerLayer * layers,
@@ -129,6 +123,7 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
               weights.size());
   TORCH_CHECK(std::ssize(biases) == kBiasesPerLayer * layers && std::ssize(windows) == layers,
               "llama_decode: expected ", kBiasesPerLayer * layers, " biases and a window a layer");
+  TORCH_CHECK(qk_norms.empty() || std::ssize(qk_norms) == 2 * layers, "llama_decode: q/k norms");
   TORCH_CHECK(input_ids.dim() == 1 && input_ids.size(0) == block_tables.size(0),
               "llama_decode: one token per sequence");
   TORCH_CHECK(padded_rows >= input_ids.size(0), "llama_decode: padded_rows below the rows");
@@ -159,6 +154,11 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
     Tensor x = at::rms_norm(h, norm_shape, w[0], eps);
     Tensor qkv = packed_linear(linear_op, x, w[1], biases.get(b), padded_rows)
                      .view({tokens, num_heads + 2 * num_kv_heads, head_dim});
+    if (!qk_norms.empty())  // Qwen3: RMSNorm on each q and k head before RoPE, as the module
+      qkv = at::cat({at::rms_norm(qkv.narrow(1, 0, num_heads), {head_dim}, qk_norms[2 * l], eps),
+                     at::rms_norm(qkv.narrow(1, num_heads, num_kv_heads), {head_dim},
+                                  qk_norms[2 * l + 1], eps),
+                     qkv.narrow(1, num_heads + num_kv_heads, num_kv_heads)}, 1);
     const Tensor& k_cache = k_caches[l];
     const Tensor& v_cache = v_caches[l];
     Tensor q = at::empty({tokens, num_heads, head_dim}, qkv.options());
@@ -386,8 +386,9 @@ TORCH_LIBRARY(actorllm, m) {
         "Tensor block_tables, Tensor seq_lens, Tensor[] weights, Tensor?[] biases, "
         "Tensor[] k_caches, Tensor[] v_caches, Tensor inv_freq, float rope_scaling, "
         "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, "
-        "int padded_rows, int decode_fn, int[] windows, Tensor? final_norm=None, "
-        "Tensor? lm_head=None, Tensor? temperature=None, float greedy_below=0.0) -> Tensor");
+        "int padded_rows, int decode_fn, int[] windows, Tensor[] qk_norms, "
+        "Tensor? final_norm=None, Tensor? lm_head=None, Tensor? temperature=None, "
+        "float greedy_below=0.0) -> Tensor");
   m.def("sample_rows(Tensor logits, Tensor temperature, Tensor? uniforms, "
         "float greedy_below) -> Tensor");
 }
