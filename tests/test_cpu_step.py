@@ -2,7 +2,8 @@
 
 The op runs the ops of ``LlamaForCausalLM.forward`` in the same order on the same
 tensors, so its hidden states and the K/V it writes must be *equal* to the module's, not
-merely close; greedy parity with transformers through the runner is checked on top.
+merely close; greedy parity with transformers through the runner is checked on top, for
+windowed models too (contexts past the window: prompts longer than it, decoding beyond).
 The op is built with the machine's C++ compiler against torch's headers (g++ is part of
 the project's machines); where it cannot be built the runner keeps the module, which
 the last tests check.
@@ -15,8 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import hf_greedy, hf_model
+from helpers import build_tiny_model, hf_greedy, hf_model
 from steps import Plans, execute
+from test_models_families import build_family
 
 from actorllm.model import ForwardBatch
 from actorllm.model.llama import LlamaForCausalLM
@@ -27,6 +29,9 @@ from actorllm.wire.messages import NewSeqData, SamplingParams, ScheduledSeq, Ste
 from actorllm.worker.runner import ModelRunner
 
 BLOCK = 4
+# Under the tests' longest contexts (12 in the bit-for-bit test, 30 in the parity one) and
+# not a multiple of BLOCK, so a window starts inside a block.
+WINDOW = 5
 cpu_step.load_op_library()  # raises, saying why, where the op cannot be built here
 
 
@@ -48,11 +53,49 @@ def _decode_batch(lens: list[int], tables: list[list[int]], vocab: int, seed: in
         max_seqlen_q=1, max_seqlen_k=max(lens), slots_valid=True)
 
 
-@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.fixture(scope="module")
+def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """Mistral: Llama's shape with a sliding window on every layer."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-mistral"), "mistral",
+                            tokenizer_dir=tokenizer_dir, seed=2, sliding_window=WINDOW)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_windowed_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+                            ) -> Path:
+    """Qwen2 whose ``layer_types`` window the second layer only."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-window"), "qwen2",
+                            tokenizer_dir=tokenizer_dir, seed=3, use_sliding_window=True,
+                            sliding_window=WINDOW, max_window_layers=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_windowed_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+                            ) -> Path:
+    """Qwen3 (q and k normed per head, random norm weights), second layer windowed."""
+    return build_family(tmp_path_factory.mktemp("tiny-qwen3-window"), "qwen3", tokenizer_dir,
+                        seed=4, use_sliding_window=True, sliding_window=WINDOW,
+                        max_window_layers=1)
+
+
+@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_dir", "tiny_mistral_dir",
+                                        "tiny_qwen2_windowed_dir", "tiny_qwen3_windowed_dir"])
 def runner(request: pytest.FixtureRequest) -> ModelRunner:
-    """Llama (no biases, untied) and Qwen2 (qkv bias, tied embeddings)."""
+    """Llama (no biases, untied), Qwen2 (qkv bias, tied embeddings), Mistral (every layer
+    windowed), Qwen2 with one windowed layer and Qwen3 (q/k norms) with one."""
     return ModelRunner(request.getfixturevalue(request.param), num_blocks=200,
                        block_size=BLOCK)
+
+
+def test_the_op_takes_each_layers_window(runner: ModelRunner) -> None:
+    """The windows the op passes are the module's, layer by layer (0 for none)."""
+    assert runner.decode_step is not None
+    windows = [layer.self_attn.sliding_window for layer in runner.model.model.layers]
+    assert runner.decode_step.windows == [w or 0 for w in windows]
+    name = Path(runner._model_dir).name
+    want = {"mistral": [WINDOW, WINDOW], "window": [None, WINDOW]}
+    assert windows == next((w for key, w in want.items() if key in name), [None, None])
+    assert len(runner.decode_step.qk_norms) == (4 if "qwen3" in name else 0)  # two a layer
 
 
 @pytest.mark.parametrize("num_seqs", [1, 7, 9, 64, 65])  # 9 and 65 pad to a bucket

@@ -11,9 +11,9 @@
 // It computes what actorllm/model/llama.py computes for a batch of one new token per
 // sequence, op for op (the Python module stays the reference and the path for prefill,
 // other dtypes and tensor parallelism): the same RMSNorm, the oneDNN packed linears with
-// rows padded to the same buckets (ops/cpu_linear.py) and the decode attention of the C
-// kernel (cpu_paged_decode.c), whose address the caller passes in. RoPE, the KV write
-// and q's copy are one loop here (rope_and_write_kv) that rounds as the module's ops do.
+// rows padded to the same buckets (ops/cpu_linear.py) and the decode attention, windowed
+// per layer, of the C kernel (cpu_paged_decode.c), whose address the caller passes in.
+// RoPE, the KV write and q's copy are one loop (rope_and_write_kv) rounding as the module's do.
 // Tests compare it with the module bit for bit (tests/test_cpu_step.py).
 //
 // Built by actorllm/ops/cpu_step.py against the installed torch's headers.
@@ -47,7 +47,7 @@ using at::Tensor;
 
 using DecodeFn = int (*)(const float*, const float*, const float*, const int32_t*,
                          const int32_t*, float*, int64_t, int64_t, int64_t, int64_t,
-                         int64_t, int64_t, float, int);
+                         int64_t, int64_t, float, int64_t, float, int);
 
 // PackedLinear.forward for a 2-D input of `rows` rows padded to `padded` (the caller's
 // ops/cpu_linear.bucket_rows, so the same oneDNN kernels run), through the boxed
@@ -57,14 +57,8 @@ Tensor packed_linear(const c10::OperatorHandle& op, const Tensor& x, const Tenso
                      const std::optional<Tensor>& bias, int64_t padded) {
   const int64_t rows = x.size(0);
   Tensor in = padded == rows ? x : at::constant_pad_nd(x, {0, 0, 0, padded - rows}, 0);
-  std::vector<c10::IValue> stack;
-  stack.reserve(6);
-  stack.emplace_back(in);
-  stack.emplace_back(weight);
-  stack.emplace_back(bias);
-  stack.emplace_back(std::string("none"));
-  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
-  stack.emplace_back(std::string(""));
+  std::vector<c10::IValue> stack{in, weight, bias, std::string("none"),
+                                 c10::List<std::optional<at::Scalar>>(), std::string("")};
   op.callBoxed(&stack);
   Tensor out = stack[0].toTensor();
   return padded == rows ? out : out.narrow(0, 0, rows);
@@ -120,15 +114,16 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
                     at::TensorList v_caches, const Tensor& inv_freq, double rope_scaling,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
                     double scale, int64_t padded_rows, int64_t decode_fn,
-                    const std::optional<Tensor>& final_norm,
-                    const std::optional<Tensor>& lm_head,
+                    at::IntArrayRef windows, at::TensorList qk_norms,
+                    const std::optional<Tensor>& final_norm, const std::optional<Tensor>& lm_head,
                     const std::optional<Tensor>& temperature, double greedy_below) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 1 + kWeightsPerLayer * layers,
               "llama_decode: expected ", 1 + kWeightsPerLayer * layers, " weights, got ",
               weights.size());
-  TORCH_CHECK(static_cast<int64_t>(biases.size()) == kBiasesPerLayer * layers,
-              "llama_decode: expected ", kBiasesPerLayer * layers, " biases");
+  TORCH_CHECK(std::ssize(biases) == kBiasesPerLayer * layers && std::ssize(windows) == layers,
+              "llama_decode: expected ", kBiasesPerLayer * layers, " biases and a window a layer");
+  TORCH_CHECK(qk_norms.empty() || std::ssize(qk_norms) == 2 * layers, "llama_decode: q/k norms");
   TORCH_CHECK(input_ids.dim() == 1 && input_ids.size(0) == block_tables.size(0),
               "llama_decode: one token per sequence");
   TORCH_CHECK(padded_rows >= input_ids.size(0), "llama_decode: padded_rows below the rows");
@@ -159,17 +154,21 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
     Tensor x = at::rms_norm(h, norm_shape, w[0], eps);
     Tensor qkv = packed_linear(linear_op, x, w[1], biases.get(b), padded_rows)
                      .view({tokens, num_heads + 2 * num_kv_heads, head_dim});
+    if (!qk_norms.empty())  // Qwen3: RMSNorm on each q and k head before RoPE, as the module
+      qkv = at::cat({at::rms_norm(qkv.narrow(1, 0, num_heads), {head_dim}, qk_norms[2 * l], eps),
+                     at::rms_norm(qkv.narrow(1, num_heads, num_kv_heads), {head_dim},
+                                  qk_norms[2 * l + 1], eps),
+                     qkv.narrow(1, num_heads + num_kv_heads, num_kv_heads)}, 1);
     const Tensor& k_cache = k_caches[l];
     const Tensor& v_cache = v_caches[l];
     Tensor q = at::empty({tokens, num_heads, head_dim}, qkv.options());
     rope_and_write_kv(qkv, cos, sin, slots.data_ptr<int64_t>(), q, k_cache, v_cache);
     Tensor attn = at::empty_like(q);
-    const int rc = decode(q.data_ptr<float>(), k_cache.data_ptr<float>(),
-                          v_cache.data_ptr<float>(), block_tables.data_ptr<int32_t>(),
-                          seq_lens.data_ptr<int32_t>(), attn.data_ptr<float>(), tokens,
-                          num_heads, num_kv_heads, head_dim, k_cache.size(1),
-                          block_tables.size(1), static_cast<float>(scale),
-                          at::get_num_threads());
+    const int rc = decode(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                          block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                          attn.data_ptr<float>(), tokens, num_heads, num_kv_heads, head_dim,
+                          k_cache.size(1), block_tables.size(1), static_cast<float>(scale),
+                          windows[l], 0.0f, at::get_num_threads());
     TORCH_CHECK(rc == 0, "llama_decode: the decode kernel refused the shape");
     h = h.add(packed_linear(linear_op, attn.view({tokens, q_size}), w[2], biases.get(b + 1),
                             padded_rows));
@@ -387,8 +386,9 @@ TORCH_LIBRARY(actorllm, m) {
         "Tensor block_tables, Tensor seq_lens, Tensor[] weights, Tensor?[] biases, "
         "Tensor[] k_caches, Tensor[] v_caches, Tensor inv_freq, float rope_scaling, "
         "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, "
-        "int padded_rows, int decode_fn, Tensor? final_norm=None, Tensor? lm_head=None, "
-        "Tensor? temperature=None, float greedy_below=0.0) -> Tensor");
+        "int padded_rows, int decode_fn, int[] windows, Tensor[] qk_norms, "
+        "Tensor? final_norm=None, Tensor? lm_head=None, Tensor? temperature=None, "
+        "float greedy_below=0.0) -> Tensor");
   m.def("sample_rows(Tensor logits, Tensor temperature, Tensor? uniforms, "
         "float greedy_below) -> Tensor");
 }

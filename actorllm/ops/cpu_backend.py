@@ -127,16 +127,15 @@ class CpuBackend(TorchBackend):
 
     def __init__(self, library: Path, num_threads: int | None = None) -> None:
         lib = ctypes.CDLL(str(library))
-        plain = lib.paged_decode_f32
         fn = lib.paged_decode_f32_ex
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [
             ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
         self.num_threads = num_threads
-        #: The plain kernel's entry point (no window, no soft-cap), for C++ that calls it
-        #: directly (ops/cpu_step.py).
-        self.kernel_address: int = ctypes.cast(plain, ctypes.c_void_p).value or 0
+        #: The kernel's entry point (``paged_decode_f32_ex``: window and soft-cap arguments),
+        #: for C++ that calls it directly (ops/cpu_step.py).
+        self.kernel_address: int = ctypes.cast(fn, ctypes.c_void_p).value or 0
 
     def decode(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,

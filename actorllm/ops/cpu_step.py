@@ -9,10 +9,11 @@ at saturation. :class:`DecodeStep` runs the same ops from C++, called once throu
 
 It covers what most steps of a busy server are: one new token for every sequence, fp32,
 one rank, every linear packed for oneDNN (:mod:`actorllm.ops.cpu_linear`) and the C
-decode kernel for attention (:mod:`actorllm.ops.cpu_backend`). The Python model in
-:mod:`actorllm.model.llama` stays the reference and runs every other step (prefill and
-mixed steps, other dtypes, tensor parallelism); tests compare the two
-(``tests/test_cpu_step.py``).
+decode kernel for attention (:mod:`actorllm.ops.cpu_backend`), each layer with its own
+sliding window (Mistral windows every layer, Qwen2's ``layer_types`` some) and Qwen3's
+per-head q and k norms. The Python model in :mod:`actorllm.model.llama` stays the
+reference and runs every other step (prefill and mixed steps, other dtypes, tensor
+parallelism); tests compare the two (``tests/test_cpu_step.py``).
 
 The op is compiled on first use with the machine's C++ compiler (``$CXX``, else
 ``c++``/``g++``) against the installed torch's headers (8 s here, once: it is cached
@@ -107,10 +108,12 @@ def why_not(model: torch.nn.Module, backend: object) -> str | None:
         return "the rotary embedding is not the default one"
     layer = model.model.layers[0]
     attn = layer.self_attn
-    if any(layer.self_attn.q_norm is not None for layer in model.model.layers):
-        return "the model normalises q and k per head (Qwen3)"
-    if any(layer.self_attn.sliding_window is not None for layer in model.model.layers):
-        return "the model attends over a sliding window"
+    eps = layer.input_layernorm.eps
+    norms = [n for layer in model.model.layers
+             for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
+    if any(n is not None and n.eps != eps for n in norms) \
+            or 0 < sum(n is None for n in norms) < len(norms):
+        return "the q/k norms are not on every layer at the other norms' eps"
     if attn.head_dim > _MAX_HEAD_DIM or attn.num_heads // attn.num_kv_heads > _MAX_GROUP:
         return "the decode kernel does not take this head shape"
     for layer in model.model.layers:
@@ -151,6 +154,12 @@ class DecodeStep:
         self.inv_freq: Tensor = model.rotary.inv_freq
         self.rope_scaling = float(model.rotary.attention_scaling)
         self.kernel = backend.kernel_address
+        # Each layer's own window (Qwen2's layer_types window only some): 0 for none.
+        self.windows: list[int] = [layer.self_attn.sliding_window or 0 for layer in layers]
+        # Qwen3's per-head norms of q and k, two a layer; none for the other families.
+        self.qk_norms: list[Tensor] = [n.weight.detach() for layer in layers
+                                       for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)
+                                       if n is not None]
         # The final norm and LM head, for steps whose every row samples (logits=True).
         head = model.lm_head
         self.final_norm: Tensor = model.model.norm.weight.detach()
@@ -184,7 +193,7 @@ class DecodeStep:
             batch.seq_lens, self.weights, self.biases, [k for k, _ in kv_caches],
             [v for _, v in kv_caches], self.inv_freq, self.rope_scaling, self.num_heads,
             self.num_kv_heads, self.head_dim, self.eps, self.scale,
-            bucket_rows(batch.input_ids.shape[0]), self.kernel,
+            bucket_rows(batch.input_ids.shape[0]), self.kernel, self.windows, self.qk_norms,
             self.final_norm if logits else None, head, temperature, greedy_below)
 
 
