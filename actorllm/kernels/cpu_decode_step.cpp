@@ -238,28 +238,9 @@ double row_weights_plain(const float* x, int64_t n, float inv, float* e, double*
 #if defined(__x86_64__) && defined(__GNUC__)
 #define ACTORLLM_AVX512 __attribute__((target("avx512f,avx512dq,fma")))
 
-// exp(x) for x <= 0 on sixteen lanes, as cpu_paged_decode.c's exp16_le0 (0 below -87,
-// relative error a few 1e-7); NaN lanes are the caller's concern.
-ACTORLLM_AVX512 inline __m512 exp16_le0(__m512 x) {
-  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 k = _mm512_floor_ps(
-      _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f)));
-  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f),
-                                   _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), xc));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, k));
-}
-
-ACTORLLM_AVX512 inline __mmask16 lanes_left(int64_t left) {
-  return left >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << left) - 1);
-}
+// exp16_le0 and lanes_left, shared with the decode kernel; here they target AVX-512 alone.
+#define ACTORLLM_EXP16_TARGET ACTORLLM_AVX512
+#include "cpu_exp16.h"
 
 // row_weights_plain sixteen tokens at a time (the op library is built for any x86-64,
 // so this function alone targets AVX-512, taken where the CPU has it).

@@ -16,8 +16,8 @@
  * defines them (the torch reference is the oracle): a sliding window W lets the query
  * (at position len - 1) see only the last W keys, so the walk simply starts at
  * len - W; a soft-cap c maps each scaled score s to c * tanh(s / c) before the softmax
- * (Gemma 2). Both are arguments of paged_decode_f32_ex; paged_decode_f32 is the plain
- * call (no window, no cap) that cpu_decode_step.cpp makes.
+ * (Gemma 2). Both are arguments of paged_decode_f32_ex, the call cpu_decode_step.cpp
+ * makes (a window per layer); paged_decode_f32 is the plain call (no window, no cap).
  *
  * The query heads that share a KV head (GQA) are processed together, so each key and
  * value row is loaded once per group. The context is walked in chunks of up to
