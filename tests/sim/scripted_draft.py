@@ -79,14 +79,8 @@ class DraftingWorker(ScriptedWorker):
         known = [last[1] if t == FEED_LAST_SAMPLE and last is not None else t
                  for t in s.token_ids[:n - d]]
         if not stale:
-            for p in range(s.start_pos):
-                got = self.draft_kv.get(self._slot(table, p))
-                if got != tuple(ctx[:p + 1]):
-                    self.kv_errors.append(
-                        f"step {step}: the draft model reads {s.rid!r}'s position {p} "
-                        f"from block {table[p // self.block_size]}, which holds its K/V "
-                        f"of {got} instead of {tuple(ctx[:p + 1])}")
-                    break
+            self._check_reads(self.draft_kv, table, ctx, s.start_pos,
+                              f"step {step}: the draft model of {s.rid!r}")
         tokens = [*ctx[:s.start_pos], *known, *proposals]
         return [(self._slot(table, p), None if stale else tuple(tokens[:p + 1]))
                 for p in range(s.start_pos, s.start_pos + self._written(n, d))]

@@ -241,6 +241,18 @@ class ScriptedWorker:
     def _slot(self, table: Sequence[int], position: int) -> int:
         return table[position // self.block_size] * self.block_size + position % self.block_size
 
+    def _check_reads(self, kv: dict[int, tuple[int, ...] | None], table: Sequence[int],
+                     ctx: Sequence[int], upto: int, reader: str) -> None:
+        """A kv error for the first of positions ``0 .. upto - 1`` whose K/V in ``kv`` (the
+        target's cache, or a draft model's) was not computed over ``ctx`` up to it."""
+        for p in range(upto):
+            got = kv.get(self._slot(table, p))
+            if got != tuple(ctx[: p + 1]):
+                self.kv_errors.append(
+                    f"{reader} reads position {p} from block {table[p // self.block_size]}, "
+                    f"which holds the K/V of {got} instead of {tuple(ctx[: p + 1])}")
+                return
+
     def _run_kv(self, plan: StepPlan, tables: dict[str, tuple[int, ...]],
                 failed: bool = False) -> None:
         """Check what the step reads against the reference KV cache, then write its new
@@ -273,14 +285,9 @@ class ScriptedWorker:
             # A rid a failed step named (its stand-in, -1): the Scheduler failed it, and a
             # step planned ahead still runs it on whatever the cache holds (dropped unread).
             failed = self.last_sample.get(s.rid, (0, 0))[1] == -1
-            for p in range(0 if failed else s.start_pos):
-                got = self.kv.get(self._slot(table, p))
-                if got != tuple(ctx[: p + 1]):
-                    self.kv_errors.append(
-                        f"step {plan.step_id}: {s.rid!r} reads position {p} from block "
-                        f"{table[p // self.block_size]}, which holds the K/V of "
-                        f"{got} instead of {tuple(ctx[: p + 1])}")
-                    break
+            if not failed:
+                self._check_reads(self.kv, table, ctx, s.start_pos,
+                                  f"step {plan.step_id}: {s.rid!r}")
             for i in range(len(s.token_ids)):
                 p = s.start_pos + i
                 writes.append((self._slot(table, p),
