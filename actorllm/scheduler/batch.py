@@ -195,12 +195,12 @@ class Batch:
         """Propose drafts for a decode row whose tokens are all known; they take token
         budget and blocks (never by preempting: without room it runs without drafts).
         Returns the row's token count."""
+        assert self.speculation is not None
         if seq.samples_in_flight:
             # Planned ahead (its last token is still being sampled): a row in back-off.
             # The back-off counts its steps, planned ahead or not.
-            seq.spec_skip = max(seq.spec_skip - 1, 0)
+            self.speculation.step_without_proposal(seq)
             return 1
-        assert self.speculation is not None
         drafts = self.speculation.propose(seq, budget - 1)
         if drafts and blocks.reserve(self.pool, seq, 1 + len(drafts)):
             seq.drafts = drafts

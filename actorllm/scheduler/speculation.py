@@ -93,11 +93,16 @@ class Speculation:
         return not seq.spec_skip and left >= 1 and self.per_row(running) >= 1 \
             and may_speculate(seq)
 
+    def step_without_proposal(self, seq: Sequence) -> None:
+        """``seq`` runs a decode step with no proposal asked for (in back-off, or planned
+        ahead under overlap): one step of its back-off passes."""
+        seq.spec_skip = max(seq.spec_skip - 1, 0)
+
     def propose(self, seq: Sequence, room: int) -> list[int]:
         """Drafts for ``seq``'s next decode row (at most ``room`` tokens); [] for none.
         Never past ``max_tokens``: a step emits at most drafts + 1 tokens."""
         if seq.spec_skip:
-            seq.spec_skip -= 1
+            self.step_without_proposal(seq)
             return []
         k = min(self.config.num_speculative_tokens, room,
                 seq.max_tokens - len(seq.output_ids) - 1)
