@@ -10,8 +10,8 @@
 //
 // It computes what actorllm/model/llama.py computes for a batch of one new token per
 // sequence, op for op (the Python module stays the reference and the path for prefill,
-// other dtypes and tensor parallelism): the same RMSNorm, the oneDNN packed linears with
-// rows padded to the same buckets (ops/cpu_linear.py) and the decode attention, windowed
+// other dtypes and tensor parallelism): the same RMSNorm, the same mm on the linears' [in,
+// out] weights (ops/cpu_linear.py) and the decode attention, windowed
 // per layer, of the C kernel (cpu_paged_decode.c), whose address the caller passes in.
 // RoPE, the KV write and q's copy are one loop (rope_and_write_kv) rounding as the module's do.
 // Tests compare it with the module bit for bit (tests/test_cpu_step.py).
@@ -19,9 +19,11 @@
 // Built by actorllm/ops/cpu_step.py against the installed torch's headers.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/embedding.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/rand.h>
@@ -49,12 +51,18 @@ using DecodeFn = int (*)(const float*, const float*, const float*, const int32_t
                          const int32_t*, float*, int64_t, int64_t, int64_t, int64_t,
                          int64_t, int64_t, float, int64_t, float, int);
 
-// PackedLinear.forward for a 2-D input of `rows` rows padded to `padded` (the caller's
-// ops/cpu_linear.bucket_rows, so the same oneDNN kernels run), through the boxed
-// dispatcher call (the op's schema has types whose unboxed C++ spelling has changed
-// between torch releases).
-Tensor packed_linear(const c10::OperatorHandle& op, const Tensor& x, const Tensor& weight,
-                     const std::optional<Tensor>& bias, int64_t padded) {
+// PackedLinear.forward for a 2-D input. An fp32 weight is laid out [in, out] and the
+// linear is one mm (addmm with a bias), the module's call. A oneDNN weight (kept for
+// interface's sake: the Python side packs only bf16 so, and the op runs fp32) takes
+// `rows` padded to `padded` (ops/cpu_linear.bucket_rows, so the same oneDNN kernels run)
+// through the boxed dispatcher call (the op's schema has types whose unboxed C++ spelling
+// has changed between torch releases).
+Tensor packed_linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                     int64_t padded) {
+  if (!weight.is_mkldnn())
+    return bias.has_value() ? at::addmm(*bias, x, weight) : at::mm(x, weight);
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   const int64_t rows = x.size(0);
   Tensor in = padded == rows ? x : at::constant_pad_nd(x, {0, 0, 0, padded - rows}, 0);
   std::vector<c10::IValue> stack{in, weight, bias, std::string("none"),
@@ -130,8 +138,6 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
               "llama_decode: block tables and lengths must be contiguous int32");
-  static const c10::OperatorHandle linear_op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   const auto decode = reinterpret_cast<DecodeFn>(decode_fn);
   const int64_t tokens = input_ids.size(0);
   const int64_t hidden_size = weights[0].size(1);
@@ -152,7 +158,7 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
     const int64_t b = kBiasesPerLayer * l;
     // Attention.
     Tensor x = at::rms_norm(h, norm_shape, w[0], eps);
-    Tensor qkv = packed_linear(linear_op, x, w[1], biases.get(b), padded_rows)
+    Tensor qkv = packed_linear(x, w[1], biases.get(b), padded_rows)
                      .view({tokens, num_heads + 2 * num_kv_heads, head_dim});
     if (!qk_norms.empty())  // Qwen3: RMSNorm on each q and k head before RoPE, as the module
       qkv = at::cat({at::rms_norm(qkv.narrow(1, 0, num_heads), {head_dim}, qk_norms[2 * l], eps),
@@ -170,20 +176,20 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
                           k_cache.size(1), block_tables.size(1), static_cast<float>(scale),
                           windows[l], 0.0f, at::get_num_threads());
     TORCH_CHECK(rc == 0, "llama_decode: the decode kernel refused the shape");
-    h = h.add(packed_linear(linear_op, attn.view({tokens, q_size}), w[2], biases.get(b + 1),
+    h = h.add(packed_linear(attn.view({tokens, q_size}), w[2], biases.get(b + 1),
                             padded_rows));
     // MLP.
     x = at::rms_norm(h, norm_shape, w[3], eps);
     auto gate_up =
-        packed_linear(linear_op, x, w[4], biases.get(b + 2), padded_rows).chunk(2, -1);
-    h = h.add(packed_linear(linear_op, at::silu(gate_up[0]).mul(gate_up[1]), w[5],
+        packed_linear(x, w[4], biases.get(b + 2), padded_rows).chunk(2, -1);
+    h = h.add(packed_linear(at::silu(gate_up[0]).mul(gate_up[1]), w[5],
                             biases.get(b + 3), padded_rows));
   }
   if (!lm_head.has_value()) return h;
   // LlamaForCausalLM.compute_logits for every row (the caller asks only when every row
   // samples): two ops here instead of three calls from Python, each a GIL hand-off.
   TORCH_CHECK(final_norm.has_value(), "llama_decode: lm_head without final_norm");
-  Tensor logits = packed_linear(linear_op, at::rms_norm(h, norm_shape, *final_norm, eps),
+  Tensor logits = packed_linear(at::rms_norm(h, norm_shape, *final_norm, eps),
                                 *lm_head, std::nullopt, padded_rows);
   // With temperatures, the step's tokens: its sampling too under the same GIL release.
   if (!temperature.has_value()) return logits;
@@ -374,7 +380,7 @@ TORCH_LIBRARY(actorllm, m) {
         "float greedy_below) -> Tensor");
 }
 
-// Not CPU alone: the packed weights are oneDNN tensors (the MkldnnCPU dispatch key).
+// Not CPU alone: packed bf16 weights are oneDNN tensors (the MkldnnCPU dispatch key).
 TORCH_LIBRARY_IMPL(actorllm, CompositeExplicitAutograd, m) {
   m.impl("llama_decode", &llama_decode);
   m.impl("sample_rows", &sample_rows);

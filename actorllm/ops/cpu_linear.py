@@ -1,17 +1,23 @@
-"""Linear layers on the CPU with weights that oneDNN has laid out for its own GEMM.
+"""Linear layers on the CPU with weights laid out once, at load, for the GEMM that runs them.
 
-``F.linear`` on the CPU goes to MKL's sgemm, which repacks the weight on every call;
-for the small batches of a decode step (8 to 64 rows against a 256 x 1408 weight) that
-packing is a large share of the work, and MKL's threading gained nothing on this
-machine. oneDNN's ``_linear_pointwise`` with a weight reordered once at load time
-(``_reorder_linear_weight``, what inductor's CPU backend uses) skips both: measured on
-the embedded model's 25 matmuls of one step, 2 threads, 1.7x faster at 8 rows and 1.3x
-at 64, and no slower for a 2048-token prefill. The results differ from MKL's in the
-last bits (summation order), like any two GEMMs.
+fp32 (every native model on the CPU): the weight is stored transposed, ``[in, out]``
+row-major, and a linear is one ``torch.mm`` (``addmm`` with a bias). ``F.linear`` hands
+MKL the ``[out, in]`` weight to be read transposed, and MKL repacks it on every call; for
+the small batches of a decode step that packing is a large share of the work. oneDNN's
+``_linear_pointwise`` with a weight it had reordered (what this module did until issue
+28) skipped the repacking but costs ~18 us a call before any arithmetic: on torch 2.13
+with one thread, the embedded model's shapes ran 10-35 % slower than ``mm`` on the
+transposed weight at 32 to 240 rows and 2-3x slower at 8, and the near-zero-compute
+model's (hidden 64) 3-8x slower (docs/architecture.md, "Speed on the CPU"). ``mm`` needs
+no row buckets either: MKL keeps no kernel per row count.
+
+bf16 keeps oneDNN's packed weight, rows padded to :func:`bucket_rows` (oneDNN compiles
+and caches a kernel per row count). The results differ from ``F.linear``'s in the last
+bits (summation order), like any two GEMMs.
 
 :func:`pack_linears` swaps the model's ``nn.Linear`` modules for :class:`PackedLinear`
-where the op exists (a torch built with oneDNN) and the weights are fp32 or bf16 on
-the CPU; elsewhere it changes nothing.
+where the weights are fp32 or bf16 on the CPU (bf16 only with a torch built with
+oneDNN); elsewhere it changes nothing.
 """
 
 from __future__ import annotations
@@ -43,28 +49,39 @@ def bucket_rows(rows: int) -> int:
 
 
 def packing_available(weight: Tensor) -> bool:
-    """Whether oneDNN's packed linear can take this weight."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available()
+    """Whether :class:`PackedLinear` can take this weight: fp32 on the CPU, or bf16 where
+    oneDNN's packed linear exists."""
+    if weight.device.type != "cpu":
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return (weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 class PackedLinear(nn.Module):
-    """``nn.Linear`` for inference, its weight in oneDNN's blocked layout."""
+    """``nn.Linear`` for inference, its weight laid out for the GEMM: ``[in, out]`` for
+    ``torch.mm`` in fp32, oneDNN's blocked layout in bf16 (``onednn``)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        self.onednn = weight.dtype != torch.float32
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
-                                                             _BATCH_HINT)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT) \
+                if self.onednn else weight.t().contiguous()
         self.register_buffer("packed_weight", packed, persistent=False)
         bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if not self.onednn:  # the op (kernels/cpu_decode_step.cpp) makes the same call
+            out = torch.mm(flat, self.packed_weight) if self.bias is None \
+                else torch.addmm(self.bias, flat, self.packed_weight)
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
         rows = flat.shape[0]
         padded = bucket_rows(rows)
         if padded != rows:

@@ -8,7 +8,7 @@ at saturation. :class:`DecodeStep` runs the same ops from C++, called once throu
 ``torch.ops``, whose binding releases the GIL for the whole call.
 
 It covers what most steps of a busy server are: one new token for every sequence, fp32,
-one rank, every linear packed for oneDNN (:mod:`actorllm.ops.cpu_linear`) and the C
+one rank, every linear a :class:`~actorllm.ops.cpu_linear.PackedLinear` and the C
 decode kernel for attention (:mod:`actorllm.ops.cpu_backend`), each layer with its own
 sliding window (Mistral windows every layer, Qwen2's ``layer_types`` some) and Qwen3's
 per-head q and k norms. The Python model in :mod:`actorllm.model.llama` stays the
@@ -120,7 +120,7 @@ def why_not(model: torch.nn.Module, backend: object) -> str | None:
         linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                    layer.mlp.gate_up_proj, layer.mlp.down_proj)
         if not all(isinstance(m, PackedLinear) for m in linears):
-            return "the linears are not packed for oneDNN"
+            return "the linears are not PackedLinear"
     return None
 
 
