@@ -164,3 +164,21 @@ def test_the_decode_op_draws_only_rows_nothing_else_touches(
     plain = SamplingBatch(32, torch.device("cpu"), (3,))
     plain.add(0, SamplingState(SamplingParams(temperature=1.0), [5]))
     assert plain.op_temperatures(np.arange(1)) is None  # no op: never
+
+
+def test_greedy_rows_match_argmax_at_every_lane_of_a_wide_row() -> None:
+    """The vectorized argmax: a top value, a tie or a NaN in each lane position, the tail
+    of a vocabulary that is not a multiple of sixteen, and zeros of both signs."""
+    g = torch.Generator().manual_seed(5)
+    vocab = 4099
+    logits = torch.randn(40, vocab, generator=g)
+    for row, j in enumerate([0, 1, 15, 16, 17, 31, 4095, 4096, 4098, 2047]):
+        logits[row, j] = 9.0  # a unique top
+        logits[10 + row, j] = logits[10 + row, (j + 33) % vocab] = 9.0  # a tie
+        logits[20 + row, j] = float("nan")
+    logits[30] = -INF
+    logits[31] = 0.0
+    logits[31, 5] = -0.0
+    logits[32, 100] = logits[32, 50] = INF
+    logits[33, 4098] = logits[33, 3] = float("nan")
+    assert torch.equal(_greedy(logits), logits.argmax(dim=-1))

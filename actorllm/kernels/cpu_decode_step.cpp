@@ -196,134 +196,7 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
   return sample_rows(logits, *temperature, std::nullopt, greedy_below);
 }
 
-// The index of a row's largest value, the first of equals, as torch.argmax: a NaN counts
-// as the largest (the first NaN wins).
-int64_t row_argmax(const float* x, int64_t n) {
-  int64_t best = 0;
-  float top = x[0];
-  if (std::isnan(top)) return 0;
-  for (int64_t j = 1; j < n; ++j) {
-    const float v = x[j];
-    if (v > top) {
-      top = v;
-      best = j;
-    } else if (std::isnan(v)) {
-      return j;
-    }
-  }
-  return best;
-}
-
-constexpr int64_t kChunk = 64;
-
-// A row's unnormalized weights e_j = exp(x_j * inv - max_k x_k * inv) (softmax at
-// temperature 1 / inv without the division), their sums per kChunk tokens, and their
-// total; -1 where the row has a NaN. Two passes (the maximum; the weights and sums) where
-// at::softmax and then chunk sums took four and an op dispatch.
-double row_weights_plain(const float* x, int64_t n, float inv, float* e, double* sums) {
-  float top = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) {
-    if (std::isnan(x[j])) return -1;
-    top = std::max(top, x[j]);
-  }
-  const float m = top * inv;  // x * inv is monotonic in x for inv > 0: the same maximum
-  double total = 0;
-  for (int64_t c = 0; c * kChunk < n; ++c) {
-    const int64_t end = std::min(n, (c + 1) * kChunk);
-    float sum = 0;
-    for (int64_t j = c * kChunk; j < end; ++j) {
-      e[j] = std::exp(x[j] * inv - m);
-      sum += e[j];
-    }
-    sums[c] = sum;
-    total += sum;
-  }
-  return total;
-}
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#define ACTORLLM_AVX512 __attribute__((target("avx512f,avx512dq,fma")))
-
-// exp16_le0 and lanes_left, shared with the decode kernel; here they target AVX-512 alone.
-#define ACTORLLM_EXP16_TARGET ACTORLLM_AVX512
-#include "cpu_exp16.h"
-
-// row_weights_plain sixteen tokens at a time (the op library is built for any x86-64,
-// so this function alone targets AVX-512, taken where the CPU has it).
-ACTORLLM_AVX512 double row_weights_avx512(const float* x, int64_t n, float inv, float* e,
-                                          double* sums) {
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  __mmask16 nan = 0;
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 k = lanes_left(n - j);
-    const __m512 v = _mm512_maskz_loadu_ps(k, x + j);
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    top = _mm512_mask_max_ps(top, k, top, v);
-  }
-  if (nan) return -1;
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top) * inv), vinv = _mm512_set1_ps(inv);
-  double total = 0;
-  for (int64_t c = 0; c * kChunk < n; ++c) {
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = c * kChunk; j < std::min(n, (c + 1) * kChunk); j += 16) {
-      const __mmask16 k = lanes_left(n - j);
-      const __m512 w = _mm512_maskz_mov_ps(
-          k, exp16_le0(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + j), vinv), m)));
-      _mm512_mask_storeu_ps(e + j, k, w);
-      sum = _mm512_add_ps(sum, w);
-    }
-    sums[c] = _mm512_reduce_add_ps(sum);
-    total += sums[c];
-  }
-  return total;
-}
-
-bool has_avx512() {
-  static const bool yes = [] {
-    __builtin_cpu_init();  // may run before libgcc's own initialisation did
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-  }();
-  return yes;
-}
-#endif
-
-double row_weights(const float* x, int64_t n, float inv, float* e, double* sums) {
-#ifdef ACTORLLM_AVX512
-  if (has_avx512()) return row_weights_avx512(x, n, inv, e, sums);
-#endif
-  return row_weights_plain(x, n, inv, e, sums);
-}
-
-// The inverse-CDF draw of filters.draw over one row of logits x at temperature 1 / inv:
-// the first j whose cumulative weight reaches u * total, u in (0, 1]. Chunk sums find the
-// chunk and a scan inside it the token, so a row costs two passes, not a full cumsum. A
-// token of weight 0 is never drawn (the mass before it already fell short). -1 where the
-// row has no finite positive total (a NaN, +inf, every token masked): the caller takes
-// the argmax, as it did when softmax gave NaNs.
-int64_t row_draw(const float* x, int64_t n, float inv, float u, float* e, double* sums) {
-  const double total = row_weights(x, n, inv, e, sums);
-  if (!(total > 0) || !std::isfinite(total)) return -1;
-  const double target = static_cast<double>(u) * total;
-  double acc = 0;
-  int64_t last = -1;  // the last token of positive weight seen, should rounding fall short
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  for (int64_t c = 0; c < chunks; ++c) {
-    if (acc + sums[c] < target) {
-      acc += sums[c];
-      continue;
-    }
-    const int64_t end = std::min(n, (c + 1) * kChunk);
-    for (int64_t j = c * kChunk; j < end; ++j) {
-      if (e[j] > 0) last = j;
-      acc += e[j];
-      if (acc >= target && e[j] > 0) return j;
-    }
-  }
-  if (last >= 0) return last;
-  for (int64_t j = n - 1; j >= 0; --j)
-    if (e[j] > 0) return j;
-  return -1;
-}
+#include "cpu_sample_rows.h"
 
 // One token per row of fp32 logits [rows, vocab]: the argmax where temperature[row] is
 // below greedy_below, else a draw from softmax(logits / temperature) with uniform
@@ -360,7 +233,7 @@ Tensor sample_rows(const Tensor& logits, const Tensor& temperature,
       if (t[i] >= greedy_below)
         tok = row_draw(xs + i * vocab, vocab, 1.0f / t[i], 1.0f - us[i],
                        weights.data(), sums.data());
-      o[i] = tok >= 0 ? tok : row_argmax(xs + i * vocab, vocab);
+      o[i] = tok >= 0 ? tok : row_argmax_fast(xs + i * vocab, vocab);
     }
   });
   return out;
