@@ -367,3 +367,15 @@ def set_hop_hooks(wiring: Wiring, tracer: Tracer | None) -> None:
     if tracer is not None and tracer.hops:
         for box in wiring.inboxes.values():
             box.hop_hook = lambda name, kind, msg: tracer.hop(name, name, kind, msg)
+
+
+def waits_for_loop(actors: dict[str, Any], mailboxes: dict[str, Mailbox[Any]]) -> bool:
+    """Whether the engine waits for this process's event loop now: the Worker placed here
+    has no plan to run, or a step's outputs wait in this process's Detokenizer or Frontend
+    inbox (the loop is behind the steps). Only then does holding a stream's write
+    (``server/pacing.py``) give the engine anything."""
+    worker = actors.get("worker")
+    if worker is not None and worker.waiting_for_plan:
+        return True
+    return any(box.depth for name in ("detokenizer", "frontend")
+               if (box := mailboxes.get(name)) is not None)
