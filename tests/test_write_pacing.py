@@ -170,7 +170,7 @@ def test_a_reader_is_held_only_while_the_engine_waits_for_the_loop():
     _run(main)
 
 
-def test_the_engine_waits_for_the_loop_when_the_worker_has_no_plan_or_outputs_wait():
+def test_the_engine_waits_for_the_loop_when_the_worker_has_no_plan_or_work_waits():
     class Worker:
         waiting_for_plan = False
 
@@ -187,7 +187,11 @@ def test_the_engine_waits_for_the_loop_when_the_worker_has_no_plan_or_outputs_wa
     worker.waiting_for_plan = False
     detok.send_nowait(TokenBatch.of([]))  # a step's outputs wait for the loop
     assert waits_for_loop(actors, boxes)
-    assert waits_for_loop({}, {"detokenizer": detok})  # `engine`: no Worker here
+    tok: Mailbox[StepPlan] = Mailbox("tokenizer", StepPlan, capacity=4)  # (any type)
+    tok.send_nowait(StepPlan(2))  # requests wait to be tokenized: a burst arriving
+    assert waits_for_loop(actors, {"tokenizer": tok})
+    # `engine`'s parent (no Worker here): pacing by the debt alone, as before.
+    assert waits_for_loop({}, {})
 
 
 class _HeldUntilReleased(WritePacer):
