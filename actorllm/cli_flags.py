@@ -167,9 +167,10 @@ def _slow_client_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stream-timeout", type=float, default=30.0, metavar="S",
                    help="cancel a request whose client reads nothing for this long")
     g.add_argument("--max-stream-hold", type=float, default=0.1, metavar="S",
-                   help="while writing streams is a large share of the server's time, hold "
-                   "a stream's next write up to this long so that one write carries the "
-                   "tokens of several steps (server/pacing.py); 0: write every step")
+                   help="while the engine waits for the server's loop and writing streams is "
+                   "a large share of that loop's time, hold a stream's next write up to "
+                   "this long so that one write carries the tokens of several steps "
+                   "(server/pacing.py); 0: write every step")
     g.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
                    help="408 when a request body has not fully arrived after this long")
     g.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",

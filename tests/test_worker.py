@@ -416,3 +416,31 @@ def test_cancelling_the_worker_drops_plans_the_thread_has_not_started():
 
     trio.run(main)
     assert runner.started == [1]
+
+
+def test_the_worker_says_when_its_thread_waits_for_a_plan():
+    """``waiting_for_plan`` (read by the write pacing, server/pacing.py) is True while the
+    step thread has nothing to run and False while it runs a step."""
+    runner = _GatedRunner()
+
+    async def main() -> None:
+        plans: Mailbox[StepPlan] = Mailbox("worker", StepPlan, capacity=4)
+        results: Mailbox[StepResult] = Mailbox("scheduler", StepResult, capacity=4)
+        worker = Worker(runner, plans, results)  # type: ignore[arg-type]
+        assert not worker.waiting_for_plan
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(worker.run)
+                while not worker.waiting_for_plan:  # started, and no plan yet
+                    await trio.sleep(0.001)
+                await plans.send(StepPlan(1))
+                while runner.started != [1]:
+                    await trio.sleep(0.001)
+                assert not worker.waiting_for_plan  # step 1 runs
+                runner.gates.setdefault(1, threading.Event()).set()
+                assert (await results.receive()).step_id == 1
+                while not worker.waiting_for_plan:  # step 1 done: waiting again
+                    await trio.sleep(0.001)
+                plans.close()
+
+    trio.run(main)

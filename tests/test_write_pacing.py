@@ -6,6 +6,7 @@ loses nothing and merges what came meanwhile."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import trio
 import trio.testing
@@ -14,6 +15,9 @@ from helpers import Call, app_for
 from actorllm.engine.async_engine import AsyncEngine
 from actorllm.server import pacing
 from actorllm.server.pacing import WritePacer
+from actorllm.topology.placement import waits_for_loop
+from actorllm.wire.mailbox import Mailbox
+from actorllm.wire.messages import StepPlan, TokenBatch
 
 
 def _run(fn: object) -> None:
@@ -147,6 +151,47 @@ def test_a_reader_held_later_goes_with_the_first():
         assert pacer.held == 2 and len(set(woke)) == 1
 
     _run(main)
+
+
+def test_a_reader_is_held_only_while_the_engine_waits_for_the_loop():
+    async def main() -> None:
+        waits = False
+        pacer = WritePacer(engine_waits=lambda: waits)
+        await trio.sleep(1.0)
+        pacer.charge(0.001)
+        start = trio.current_time()
+        await pacer.turn()  # owes, but the Worker has a plan to run: holding wins nothing
+        assert pacer.held == 0 and trio.current_time() == start
+        waits = True  # now the engine waits for the loop: the debt is paid first
+        pacer.charge(0.001)
+        await pacer.turn()
+        assert pacer.held == 1 and trio.current_time() > start
+
+    _run(main)
+
+
+def test_the_engine_waits_for_the_loop_when_the_worker_has_no_plan_or_work_waits():
+    class Worker:
+        waiting_for_plan = False
+
+    worker = Worker()
+    detok: Mailbox[TokenBatch] = Mailbox("detokenizer", TokenBatch, capacity=4)
+    other: Mailbox[StepPlan] = Mailbox("worker", StepPlan, capacity=4)
+    actors: dict[str, Any] = {"worker": worker}
+    boxes: dict[str, Mailbox[Any]] = {"detokenizer": detok, "worker": other}
+    assert not waits_for_loop(actors, boxes)
+    other.send_nowait(StepPlan(1))  # a plan waiting for the Worker is not the loop's work
+    assert not waits_for_loop(actors, boxes)
+    worker.waiting_for_plan = True
+    assert waits_for_loop(actors, boxes)
+    worker.waiting_for_plan = False
+    detok.send_nowait(TokenBatch.of([]))  # a step's outputs wait for the loop
+    assert waits_for_loop(actors, boxes)
+    tok: Mailbox[StepPlan] = Mailbox("tokenizer", StepPlan, capacity=4)  # (any type)
+    tok.send_nowait(StepPlan(2))  # requests wait to be tokenized: a burst arriving
+    assert waits_for_loop(actors, {"tokenizer": tok})
+    # `engine`'s parent (no Worker here): pacing by the debt alone, as before.
+    assert waits_for_loop({}, {})
 
 
 class _HeldUntilReleased(WritePacer):

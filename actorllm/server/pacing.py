@@ -20,6 +20,14 @@ loop's time, and the rest goes to the engine's steps. A lightly loaded server ow
 little: a reader is held only when its output comes before the debt of the last writes
 is paid, that is when writing is a large part of a step.
 
+A hold pays only where the engine waits for this loop, so a reader that owes is held
+only then (``engine_waits``, :func:`actorllm.topology.placement.waits_for_loop`): while
+the Worker's thread has no plan to run, or requests or a step's outputs wait in this
+process's Tokenizer, Detokenizer or Frontend inbox; always in ``engine``'s parent, whose
+loop shares the cores with the child's Worker but cannot see it wait. Where the loop
+keeps up with the steps (a model whose forward is most of a step, in ``single``) every
+step writes, and the stream's gaps stay one step long.
+
 Only the time between writes changes, never what is written: the chunks of a stream
 merge exactly as they do for a slow client (``Merged.add``). The wait is cancellable by
 the drain cut like any wait for output, and is bounded by ``--max-stream-hold``
@@ -27,6 +35,8 @@ the drain cut like any wait for output, and is bounded by ``--max-stream-hold``
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import trio
 
@@ -47,9 +57,13 @@ MAX_CHARGE = 0.002
 class WritePacer:
     """The loop's debt of writing time, shared by the server's streamed responses."""
 
-    def __init__(self, max_hold: float = MAX_HOLD) -> None:
+    def __init__(self, max_hold: float = MAX_HOLD,
+                 engine_waits: Callable[[], bool] | None = None) -> None:
+        """``engine_waits``: whether the engine waits for this loop now (None: always
+        assumed, the pacing by the debt alone)."""
         # The longest a reader is held (``--max-stream-hold``); 0: never, every step writes.
         self.max_hold = max_hold
+        self.engine_waits = engine_waits
         # When the debt is paid (trio time): writing since then is within its share.
         self.paid_at = 0.0
         # When the readers held now are let go together (trio time).
@@ -65,13 +79,17 @@ class WritePacer:
         self.paid_at = min(max(self.paid_at, t - seconds) + PACE * seconds, t + self.max_hold)
 
     async def turn(self) -> None:
-        """Return once the loop owes no writing time (at once when it owes none).
+        """Return once the loop owes no writing time (at once when it owes none, or when
+        the engine is not waiting for the loop: holding the write would win it nothing).
 
         The readers held meanwhile all sleep until the same instant, the debt as the first
         of them found it, so trio wakes them in one batch and their writes go together."""
         now = trio.current_time()
         if now >= self.paid_at:
             return
+        if now >= self._release_at and self.engine_waits is not None and (
+                not self.engine_waits()):
+            return  # (a reader joining a batch already held goes with it)
         if now >= self._release_at:  # the first reader held since the last release
             self._release_at = self.paid_at
         self.held += 1

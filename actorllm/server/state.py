@@ -8,6 +8,7 @@ that one call), and its refusal becomes an API error in :func:`refusal_error` on
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from actorllm.server.logprobs import TokenTexts
 from actorllm.server.pacing import WritePacer
 from actorllm.server.response_store import ResponseStore
 from actorllm.tokenizer.actor import PromptEncoder
+from actorllm.topology.placement import waits_for_loop
 from actorllm.wire.messages import InvalidRequest, RefusalCode
 
 DEFAULT_MAX_PENDING = 1024
@@ -73,8 +75,10 @@ class ServerState:
         # Generation responses still sending (their engine work may be done, their client
         # still reading): the drain waits for these too.
         self.responding = 0
-        # The streamed responses' share of the loop (server/pacing.py).
-        self.pacer = WritePacer()
+        # The streamed responses' share of the loop (server/pacing.py), taken only while
+        # the engine waits for the loop.
+        self.pacer = WritePacer(engine_waits=functools.partial(
+            waits_for_loop, engine.actors, engine.mailboxes))
         self.created = int(time.time())
         self.texts = TokenTexts(engine.tokenizer)
         # /tokenize refuses and templates exactly as the Tokenizer actor does.

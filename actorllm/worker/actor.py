@@ -28,6 +28,10 @@ class Worker:
         self.runner = runner
         self.inbox = inbox
         self.results = results
+        # True while the step thread has no plan to run: the engine waits for the loop
+        # (the Scheduler's next plan). Written by that thread, read by the loop's write
+        # pacing (server/pacing.py); a bool, so no lock.
+        self.waiting_for_plan = False
 
     async def run(self) -> None:
         """Serve plans until the inbox closes, in a thread of their own that runs them back
@@ -77,8 +81,18 @@ class Worker:
         token = trio.lowlevel.current_trio_token()
         ranks = self.runner.ranks
 
+        def next_plan() -> StepPlan | None:
+            try:
+                return plans.get_nowait()
+            except queue.Empty:
+                self.waiting_for_plan = True
+                try:
+                    return plans.get()
+                finally:
+                    self.waiting_for_plan = False
+
         def loop() -> None:
-            while (plan := plans.get()) is not None:
+            while (plan := next_plan()) is not None:
                 token.run_sync_soon(done.send_nowait, self.runner.execute(plan))
                 if ranks is not None and ranks.broken is not None:
                     return  # the ranks are out of step: no further step may run
