@@ -80,3 +80,8 @@ def test_a_forward_that_does_not_reproduce_is_not_used(monkeypatch) -> None:
 
     monkeypatch.setattr(hf_experts, "_forward", wrong)
     assert hf_experts.lean_experts(_mixtral(top_k=2)) == 0
+
+
+def test_experts_off_the_cpu_are_left_alone() -> None:
+    model = _mixtral(top_k=2).to("meta")
+    assert lean_experts(model) == 0

@@ -67,7 +67,10 @@ def _eligible(module: nn.Module) -> bool:
             and not getattr(module, "is_transposed", True)
             and not getattr(module, "_is_expert_parallel", True)
             and isinstance(getattr(module, "num_experts", None), int)
-            and all(isinstance(w, Tensor) and w.dim() == 3 for w in weights)
+            # Measured on the CPU only; on a GPU transformers' own checks choose the kernel
+            # (grouped_mm's dtype and alignment needs there).
+            and all(isinstance(w, Tensor) and w.dim() == 3 and w.device.type == "cpu"
+                    for w in weights)
             and callable(getattr(module, "_apply_gate", None)))
 
 
@@ -93,8 +96,9 @@ def _reproduces(module: nn.Module, forward: Callable[..., Tensor], top_k: int) -
 
 
 def lean_experts(model: nn.Module) -> int:
-    """Give every fused-experts module of ``model`` that routes through transformers'
-    ``grouped_mm`` forward the lean one; returns how many took it. Idempotent."""
+    """Give every fused-experts module of ``model`` on the CPU that routes through
+    transformers' ``grouped_mm`` forward the lean one; returns how many took it.
+    Idempotent."""
     mm = _grouped_mm()
     config = getattr(model, "config", None)
     if mm is None or getattr(config, "_experts_implementation", None) != "grouped_mm":
