@@ -131,11 +131,11 @@ def test_expert_gates_give_what_the_default_gate_gives(dtype: torch.dtype) -> No
         assert torch.equal(experts(x, index, weights), original(x, index, weights))
 
 
-@pytest.mark.parametrize(("family", "mlps", "gates"), [
-    ("phi3", 2, 0), ("olmo2", 2, 0), ("gemma2", 2, 0), ("mixtral", 0, 2),
+@pytest.mark.parametrize(("family", "mlps", "gates", "experts"), [
+    ("phi3", 2, 0, 0), ("olmo2", 2, 0, 0), ("gemma2", 2, 0, 0), ("mixtral", 0, 2, 2),
 ])
 def test_the_loader_swaps_every_mlp_and_expert_gate(family: str, mlps: int, gates: int,
-                                                    tmp_path: Path,
+                                                    experts: int, tmp_path: Path,
                                                     tokenizer_dir: Path) -> None:
     from test_models_families import build_family
 
@@ -147,5 +147,7 @@ def test_the_loader_swaps_every_mlp_and_expert_gate(family: str, mlps: int, gate
     assert config.num_hidden_layers == 2
     swapped = [m for m in model.modules() if "forward" in m.__dict__
                and hasattr(m, "down_proj")]
-    assert len(swapped) == mlps
+    lean = [m for m in swapped if getattr(m, "_actorllm_lean_experts", False)]
+    assert len(swapped) - len(lean) == mlps
+    assert len(lean) == experts  # model/hf_experts.py's forward
     assert sum("_apply_gate" in m.__dict__ for m in model.modules()) == gates

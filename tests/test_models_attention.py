@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actorllm.ops import TorchBackend, select_backend
+from actorllm.ops import TorchBackend, select_backend, torch_backend
 from tests.test_ops_reference import make_case
 
 
@@ -47,6 +47,18 @@ SPECS = [
 @pytest.mark.parametrize("window,cap", [(7, None), (None, 5.0), (16, 3.0), (1, None)])
 def test_torch_reference(specs, window, cap):
     case = make_case(specs, num_heads=4, num_kv_heads=2, seed=len(specs))
+    got = TorchBackend().paged_attention(**case, sliding_window=window, softcap=cap)
+    want = naive(**case, window=window, cap=cap)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window,cap", [(7, None), (40, None), (16, 3.0)])
+def test_long_windowed_prefill_in_blocks(window, cap, monkeypatch):
+    # Past window + WINDOW_BLOCK keys a windowed prefill runs in query blocks that read
+    # only their window's keys; a small block makes these prompts take several, with
+    # blocks whose keys start at 0 and past it, over a cached prefix and without one.
+    monkeypatch.setattr(torch_backend, "WINDOW_BLOCK", 16)
+    case = make_case([(90, 90), (100, 37), (70, 1)], num_heads=4, num_kv_heads=2, seed=5)
     got = TorchBackend().paged_attention(**case, sliding_window=window, softcap=cap)
     want = naive(**case, window=window, cap=cap)
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)

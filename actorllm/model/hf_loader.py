@@ -21,7 +21,9 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from actorllm.model.hf_backend import ATTN_IMPLEMENTATION, HFCausalLM, register_attention
+from actorllm.model.hf_experts import lean_experts
 from actorllm.model.hf_kernels import fuse_rms_norms
+from actorllm.model.hf_layout import transpose_weights
 from actorllm.model.hf_mlp import fuse_expert_gates, fuse_gated_mlps
 
 log = logging.getLogger(__name__)
@@ -153,11 +155,15 @@ def load_hf_model(model_dir: str | Path, config: PretrainedConfig, *, dtype: tor
         raise ValueError(f"{str(path)!r}: {arch} uses attention sinks, which the paged "
                          "attention op does not implement")
     model = model.to(device).eval()
-    # After the move: a fused forward keeps the device tensors it was built with.
+    # After the move: a fused forward keeps the device tensors it was built with; the
+    # weights re-laid first, since Phi-3's fused MLP takes views of its gate/up weight.
+    layout = transpose_weights(model)
     norms, mlps = fuse_rms_norms(model), fuse_gated_mlps(model)
-    log.info("loaded %s from %s through transformers (%s, %s; RMSNorms in one op: %d "
-             "Llama-kind, %d Gemma-kind, %d kept; gated MLPs in one forward: %d, "
-             "%d kept; expert gates in place: %d)", arch, path, dtype, device,
+    log.info("loaded %s from %s through transformers (%s, %s; weights stored transposed: "
+             "%d linear, %d expert; RMSNorms in one op: %d Llama-kind, %d Gemma-kind, "
+             "%d kept; gated MLPs in one forward: %d, %d kept; expert gates in place: %d; "
+             "lean experts forwards: %d)",
+             arch, path, dtype, device, layout["linear"], layout["experts"],
              norms["llama"], norms["gemma"], norms["kept"], mlps["fused"], mlps["kept"],
-             fuse_expert_gates(model))
+             fuse_expert_gates(model), lean_experts(model))
     return HFCausalLM(model)

@@ -204,23 +204,50 @@ def _decode(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
+# Queries a windowed prefill attends per call (at least the window): each block reads
+# only the keys its window reaches (block + window - 1 of them) instead of the whole
+# context under a mask. One thread, the benchmark's Mistral (window 32, 4 layers): a
+# 512-token prompt's forward 63-64 ms in one masked call a layer, 55-56 ms in blocks of
+# 128 (64 gave the same; at 128 tokens blocks of 64 cost 1-4 % more than one call).
+WINDOW_BLOCK = 128
+
+
 def _prefill_one(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_len: int, scale: float,
     extra: Features = NO_FEATURES,
 ) -> Tensor:
     """One sequence's query chunk ``[q_len, H, D]`` against its first ``seq_len`` cached keys."""
-    q_len, num_heads, head_dim = q.shape
+    q_len, _, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     blocks = block_table[: _cdiv(seq_len, block_size)].long()
     k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
     v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
+    first = seq_len - q_len  # the first query's position: the cached prefix's length
+    window = extra.sliding_window
+    step = max(WINDOW_BLOCK, window or 0)
+    if window is None or seq_len <= window + step:
+        return _attend_span(q, k, v, first, 0, scale, extra)
+    out = torch.empty_like(q)
+    for a in range(0, q_len, step):
+        b = min(a + step, q_len)
+        lo = max(0, first + a - window + 1)  # the oldest key the block's first query sees
+        out[a:b] = _attend_span(q[a:b], k[lo : first + b], v[lo : first + b], first + a, lo,
+                                scale, extra)
+    return out
 
+
+def _attend_span(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, scale: float,
+                 extra: Features) -> Tensor:
+    """Queries ``[Lq, H, D]`` at positions ``q_start...`` against the keys ``[Lk, Hkv, D]``
+    at positions ``k_start...``: causal, with the window and soft-cap of ``extra``."""
+    q_len, num_heads, _ = q.shape
+    num_kv_heads = k.shape[1]
     mask = None
     window = extra.sliding_window
-    if q_len != seq_len or window is not None or extra.softcap is not None:
-        # The causal diagonal is shifted by the cached prefix's length.
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+    if q_start != k_start or q_len != k.shape[0] or extra.any:
+        # The causal diagonal is shifted by the keys before the first query.
+        q_pos = torch.arange(q_start, q_start + q_len, device=q.device)[:, None]
+        k_pos = torch.arange(k_start, k_start + k.shape[0], device=q.device)[None, :]
         mask = k_pos <= q_pos
         if window is not None:
             mask = mask & (k_pos > q_pos - window)
