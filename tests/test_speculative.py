@@ -31,7 +31,13 @@ from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.llm import collect
 from actorllm.ops.cpu_step import DecodeStep
 from actorllm.scheduler.sequence import Sequence
-from actorllm.scheduler.speculation import Speculation, propose_ngram
+from actorllm.scheduler.speculation import (
+    DRAFT_COST,
+    Speculation,
+    best_drafts,
+    draft_gain,
+    propose_ngram,
+)
 from actorllm.wire.messages import FEED_LAST_SAMPLE, SamplingParams, ScheduledSeq, StepPlan
 from actorllm.worker.packing import BlockTables, one_token_rows, pack_plan
 from actorllm.worker.runner import ModelRunner
@@ -69,6 +75,20 @@ def test_propose_ngram_equals_the_naive_reference(tokens: list[int], k: int, n_m
                                                   extra: int) -> None:
     n_max = n_min + extra
     assert propose_ngram(tokens, k, n_min, n_max) == naive_ngram(tokens, k, n_min, n_max)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.integers(1, 16),
+       st.sampled_from(sorted(DRAFT_COST.values())))
+def test_drafts_grow_with_acceptance_and_only_when_they_pay(a: float, b: float, cap: int,
+                                                             cost: float) -> None:
+    """The policy's draft count: never above the cap, never fewer for a higher estimate,
+    and none unless the expected gain is positive."""
+    lo, hi = sorted((a, b))
+    k_lo, k_hi = best_drafts(lo, cap, cost), best_drafts(hi, cap, cost)
+    assert 0 <= k_lo <= k_hi <= cap
+    assert (k_lo == 0) == all(draft_gain(lo, k, cost) <= 0 for k in range(1, cap + 1))
+    assert best_drafts(1.0, cap, DRAFT_COST["ngram"]) == cap  # all accepted: the most
 
 
 def test_proposals_stop_short_of_max_tokens_skip_logprob_rows_and_back_off() -> None:
