@@ -1,5 +1,6 @@
 """Speculative decoding's Scheduler side: n-gram proposals (prompt lookup), when a row
-may carry them, and the counters of what the Worker accepted. With a draft model the
+may carry them and how many (a per-row policy by expected gain), and the counters of
+what the Worker accepted. With a draft model the
 proposals are placeholders: the Worker's draft fills them (worker/draft.py).
 
 The Scheduler owns each sequence's tokens, so proposals are made here, while planning: a
