@@ -118,6 +118,10 @@ class Speculation:
         self.accepted_tokens = 0  # ... and accepted
         self.num_drafts = 0  # rows that carried proposals (mean accepted length's divisor)
         self.accepted_per_pos = [0] * config.num_speculative_tokens
+        self.backoffs = 0  # times a row backed off (the simulation checks it is reached)
+        # A new row's estimate: PRIOR_HITS of PRIOR_TRIES (the simulation starts its rows
+        # more pessimistic, so that one miss backs a row off and hypothesis reaches it).
+        self.prior = (PRIOR_HITS, PRIOR_TRIES)
 
     def per_row(self, running: int) -> int:
         """The most drafts a row may carry with ``running`` sequences in the batch (0:
@@ -169,8 +173,8 @@ class Speculation:
         k = best_drafts(self._alpha(seq, n), cap, self._cost)
         if not k:  # a kind of match that does not pay now: passed over, and forgiven a bit
             hits, tries = seq.spec_hits, seq.spec_tries
-            hits[n] += RECOVER * (PRIOR_HITS - hits[n])
-            tries[n] += RECOVER * (PRIOR_TRIES - tries[n])
+            hits[n] += RECOVER * (self.prior[0] - hits[n])
+            tries[n] += RECOVER * (self.prior[1] - tries[n])
             return []
         seq.spec_n = n
         return drafts[:k]
@@ -184,7 +188,7 @@ class Speculation:
         if not seq.spec_tries:
             c = self.config
             size = 1 if c.method == "draft_model" else c.prompt_lookup_max + 1
-            seq.spec_hits, seq.spec_tries = [PRIOR_HITS] * size, [PRIOR_TRIES] * size
+            seq.spec_hits, seq.spec_tries = [self.prior[0]] * size, [self.prior[1]] * size
         return seq.spec_hits[n] / seq.spec_tries[n]
 
     def verdict(self, seq: Sequence, drafted: int, accepted: int) -> None:
@@ -205,12 +209,13 @@ class Speculation:
             return
         # Only if no kind of match it has tried pays: a short match failing must not
         # stop a long one that pays (a miss of the lookup costs nothing anyway).
-        tried = [m for m, t in enumerate(seq.spec_tries) if t != PRIOR_TRIES]
+        tried = [m for m, t in enumerate(seq.spec_tries) if t != self.prior[1]]
         if not any(best_drafts(seq.spec_hits[m] / seq.spec_tries[m],
                                self.config.num_speculative_tokens, self._cost)
                    for m in tried):
             seq.spec_misses += 1
             seq.spec_skip = min(2 ** seq.spec_misses, MAX_BACKOFF)
+            self.backoffs += 1
 
 
 def count_error(plan: StepPlan, result: StepResult) -> str | None:
