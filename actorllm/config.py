@@ -9,7 +9,7 @@ from pathlib import Path
 
 import attrs
 
-from actorllm.draft_config import METHOD_KEYS, check_draft_model, draft_dir
+from actorllm.draft_config import METHOD_KEYS, TEXT_KEYS, check_draft_model, draft_dir
 
 TOPOLOGIES = ("single", "engine", "pipeline")
 CPU_DRAFT_TOKENS_PER_STEP = 8  # SpeculativeConfig.max_draft_tokens_per_step's CPU default
@@ -47,7 +47,7 @@ class SpeculativeConfig:
     lookup): the Scheduler proposes up to ``num_speculative_tokens`` tokens that followed
     the latest earlier occurrence of the sequence's last n tokens, n from
     ``prompt_lookup_max`` down to ``prompt_lookup_min``. ``draft_model``: the Worker's
-    draft ``model`` (a directory) proposes them (docs/architecture.md, "Speculative
+    draft ``model`` (a directory or a hub id) proposes them (docs/architecture.md, "Speculative
     decoding")."""
 
     method: str = "ngram"
@@ -56,7 +56,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     # vLLM's: no proposals while this many sequences or more run (None: no limit).
     disable_by_batch_size: int | None = None
-    model: str | None = None  # draft_model: the draft's directory
+    model: str | None = None  # draft_model: the draft's directory (a hub id resolved)
     # A step's draft tokens, shared evenly (a row gets this // running); None: for_device.
     max_draft_tokens_per_step: int | None = None
 
@@ -82,7 +82,7 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in raw:
             raise ValueError("--speculative-config: num_speculative_tokens is required")
         model = draft_dir(raw) if method == "draft_model" else None
-        fields = {k: raw[k] for k in raw if k not in ("method", "model")}
+        fields = {k: raw[k] for k in raw if k not in TEXT_KEYS}
         for k, v in fields.items():
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"--speculative-config: {k} must be a positive integer, "

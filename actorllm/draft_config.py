@@ -8,27 +8,54 @@ again on what it loads). docs/architecture.md, "Speculative decoding".
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from actorllm.hub import hub_cache_dir, hub_offline, resolve_model
 
 _COMMON = frozenset({"method", "num_speculative_tokens", "disable_by_batch_size",
                      "max_draft_tokens_per_step"})
 #: The keys each method takes.
 METHOD_KEYS: dict[str, frozenset[str]] = {
     "ngram": _COMMON | {"prompt_lookup_max", "prompt_lookup_min"},
-    "draft_model": _COMMON | {"model"},
+    "draft_model": _COMMON | {"model", "revision"},
 }
+#: The keys that are not positive integers (checked by their own code).
+TEXT_KEYS = frozenset({"method", "model", "revision"})
 
 
 def draft_dir(raw: Mapping[str, object]) -> str:
-    """The ``model`` of a draft_model config: a directory with a config.json."""
-    model = raw.get("model")
+    """The ``model`` of a draft_model config as a directory with a config.json: a
+    directory as it is, a hub id (at ``revision``, vLLM's key) through the hub cache as
+    ``--model`` is (``hub.resolve_model``: ``HF_HUB_OFFLINE``, ``HF_HUB_CACHE``)."""
+    model, revision = raw.get("model"), raw.get("revision")
     if not isinstance(model, str) or not model:
-        raise ValueError("--speculative-config: draft_model needs \"model\": a directory")
-    _text_config(model)
-    return model
+        raise ValueError("--speculative-config: draft_model needs \"model\": a directory "
+                         "or a hub id")
+    if revision is not None and (not isinstance(revision, str) or not revision):
+        raise ValueError(f"--speculative-config: revision must be a non-empty string, got "
+                         f"{revision!r}")
+    if revision is not None and Path(model).expanduser().is_dir():
+        raise ValueError(f"--speculative-config: revision applies to a hub id, and "
+                         f"{model!r} is a directory")
+    try:
+        path = _resolve(model, revision, str(hub_cache_dir()), hub_offline())
+    except ValueError as exc:
+        raise ValueError(f"--speculative-config: draft {exc}") from None
+    _text_config(path)
+    return path
+
+
+@functools.lru_cache(maxsize=16)
+def _resolve(model: str, revision: str | None, cache: str, offline: bool) -> str:
+    # The config is parsed again by each actor that needs it: online, one look-up each
+    # would ask the hub again for the same snapshot. ``cache`` and ``offline`` are in the
+    # key only so that a changed environment is looked up afresh.
+    del cache, offline
+    return resolve_model(model, revision)
 
 
 def check_draft_model(draft: str, target: str, tensor_parallel_size: int) -> None:

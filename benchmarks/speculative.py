@@ -1,16 +1,19 @@
 """Speculative decoding (n-gram prompt lookup), on against off, in one run.
 
     python benchmarks/speculative.py [--model DIR] [--concurrency 1 4 16] [--requests 16]
-                                     [--max-tokens 128] [--num-speculative-tokens 4]
+                                     [--max-tokens 128] [--num-speculative-tokens 8]
                                      [--temperature 0] [--draft-model DIR|random]
                                      [--max-draft-tokens-per-step N] [--repeats 1] [--no-save]
-                                     [--prompt-lookup-min 2] [--prompt-lookup-max 4]
+                                     [--prompt-lookup-min 1] [--prompt-lookup-max 4]
                                      [--workloads repeat random] [--async-scheduling]
 
 Two workloads through the embedded model (or ``--model``): ``repeat``, prompts that ask
 for a given passage to be repeated or edited (where prompt lookup pays), and ``random``,
-prompts of random words (where it does not, and the engine must not lose: rows whose
-proposals keep failing stop proposing, docs/architecture.md "Speculative decoding").
+prompts of random words (where it does not, and the engine must not lose: a row drafts
+only as many tokens as its recent acceptance pays for, docs/architecture.md
+"Speculative decoding"). The defaults, K = 8 and ``prompt_lookup_min`` 1 (the config's),
+are the most the adaptive policy may use; ``--num-speculative-tokens 4
+--prompt-lookup-min 2`` is what this benchmark ran before it.
 For each workload and concurrency C, ``--requests`` requests run C at a time (each of the
 C slots starts its next request when one ends), with speculation off and then on, on
 the same weights (one ``Resources``, two engines). Reported per cell: output tokens/s
@@ -137,12 +140,12 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--requests", type=int, default=16, help="per cell")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--num-speculative-tokens", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--draft-model", default=None, metavar="DIR|random",
                     help="the draft_model method with this draft instead of n-gram")
     ap.add_argument("--max-draft-tokens-per-step", type=int, default=None)
-    ap.add_argument("--prompt-lookup-min", type=int, default=2)
+    ap.add_argument("--prompt-lookup-min", type=int, default=1)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                     default=None, help="overlap scheduling (default: the engine's, off "

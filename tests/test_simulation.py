@@ -161,13 +161,14 @@ def test_lifecycle_speculative(tiny_tokenizer: Any) -> None:
     freed only after the fence, and hashes cover accepted tokens only."""
     explore(tiny_tokenizer, SPECULATIVE, 300,
             {"drafts verified", "draft rejected", "draft accepted", "aborted", "preempted",
-             "stop string matched", "step failed", "prefix cache hit"}, "Speculative")
+             "stop string matched", "step failed", "prefix cache hit", "row backed off"},
+            "Speculative")
 
 
 def test_lifecycle_speculative_one_step(tiny_tokenizer: Any) -> None:
     explore(tiny_tokenizer, SPECULATIVE_ONE_STEP, 120,
-            {"drafts verified", "draft rejected", "draft accepted", "preempted"},
-            "SpeculativeOneStep")
+            {"drafts verified", "draft rejected", "draft accepted", "preempted",
+             "row backed off"}, "SpeculativeOneStep")
 
 
 def test_lifecycle_draft_model(tiny_tokenizer: Any) -> None:
@@ -179,7 +180,7 @@ def test_lifecycle_draft_model(tiny_tokenizer: Any) -> None:
     explore(tiny_tokenizer, DRAFT_MODEL, 200,
             {"drafts filled by the draft model", "draft rejected", "draft accepted",
              "all drafts accepted", "ended between proposal and verdict", "preempted",
-             "stop string matched", "step failed"}, "DraftModel")
+             "stop string matched", "step failed", "row backed off"}, "DraftModel")
 
 
 def test_lifecycle_roomy(tiny_tokenizer: Any) -> None:

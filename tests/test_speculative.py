@@ -31,7 +31,13 @@ from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.llm import collect
 from actorllm.ops.cpu_step import DecodeStep
 from actorllm.scheduler.sequence import Sequence
-from actorllm.scheduler.speculation import Speculation, propose_ngram
+from actorllm.scheduler.speculation import (
+    DRAFT_COST,
+    Speculation,
+    best_drafts,
+    draft_gain,
+    propose_ngram,
+)
 from actorllm.wire.messages import FEED_LAST_SAMPLE, SamplingParams, ScheduledSeq, StepPlan
 from actorllm.worker.packing import BlockTables, one_token_rows, pack_plan
 from actorllm.worker.runner import ModelRunner
@@ -53,7 +59,12 @@ def naive_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
         suffix = tokens[-n:]
         for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence
             if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
+                # The text is guessed to go on copying itself from there: one token at a
+                # time, each the one ``len(tokens) - (start + n)`` before it.
+                text = list(tokens)
+                for _ in range(k):
+                    text.append(text[start + n + len(text) - len(tokens)])
+                return text[len(tokens):]
     return []
 
 
@@ -66,6 +77,20 @@ def test_propose_ngram_equals_the_naive_reference(tokens: list[int], k: int, n_m
     assert propose_ngram(tokens, k, n_min, n_max) == naive_ngram(tokens, k, n_min, n_max)
 
 
+@settings(max_examples=examples(200), deadline=None)
+@given(st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.integers(1, 16),
+       st.sampled_from(sorted(DRAFT_COST.values())))
+def test_drafts_grow_with_acceptance_and_only_when_they_pay(a: float, b: float, cap: int,
+                                                             cost: float) -> None:
+    """The policy's draft count: never above the cap, never fewer for a higher estimate,
+    and none unless the expected gain is positive."""
+    lo, hi = sorted((a, b))
+    k_lo, k_hi = best_drafts(lo, cap, cost), best_drafts(hi, cap, cost)
+    assert 0 <= k_lo <= k_hi <= cap
+    assert (k_lo == 0) == all(draft_gain(lo, k, cost) <= 0 for k in range(1, cap + 1))
+    assert best_drafts(1.0, cap, DRAFT_COST["ngram"]) == cap  # all accepted: the most
+
+
 def test_proposals_stop_short_of_max_tokens_skip_logprob_rows_and_back_off() -> None:
     spec = Speculation(SpeculativeConfig(num_speculative_tokens=4))
     seq = Sequence("a", [1, 2, 3, 1, 2], SamplingParams(max_tokens=3), 3, frozenset())
@@ -73,10 +98,19 @@ def test_proposals_stop_short_of_max_tokens_skip_logprob_rows_and_back_off() -> 
     assert spec.propose(seq, 1) == [3]  # the token budget's room
     lp = Sequence("b", [1, 2, 3, 1, 2], SamplingParams(logprobs=1), 16, frozenset())
     assert spec.propose(lp, 10) == []
-    spec.verdict(seq, 2, 0)  # nothing accepted: two steps without proposals
-    assert [spec.propose(seq, 10) for _ in range(3)] == [[], [], [3, 1]]
-    spec.verdict(seq, 2, 1)
-    assert seq.spec_misses == 0 and spec.accepted_per_pos == [2 - 1, 0, 0, 0]
+    spec.verdict(seq, 2, 0)  # one miss: the estimate (0.3 from a prior of 0.5) still pays
+    assert seq.spec_skip == 0 and spec.propose(seq, 10) == [3, 1]
+    spec.verdict(seq, 2, 0)
+    spec.verdict(seq, 2, 0)  # now nothing pays: two steps without proposals
+    assert seq.spec_skip == 2 and seq.spec_misses == 1
+    assert [spec.propose(seq, 10) for _ in range(2)] == [[], []]
+    assert spec.propose(seq, 10) == []  # and a match of that length is passed over ...
+    for _ in range(6):
+        spec.propose(seq, 10)
+    assert spec.propose(seq, 10) == [3]  # ... until it has recovered: a probe of one draft
+    spec.verdict(seq, 1, 1)
+    assert seq.spec_misses == 0 and spec.accepted_per_pos == [1, 0, 0, 0]
+    assert spec.propose(seq, 10) == [3, 1]  # an accepted draft raises the estimate
     assert spec.per_row(100) == 4  # no cap
     capped = Speculation(SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=4))
     assert (capped.per_row(3), capped.per_row(4)) == (2, 0)
@@ -589,8 +623,9 @@ def test_under_overlap_a_row_that_may_speculate_waits_and_one_in_back_off_runs_a
         ) -> None:
     """Two steps may be in flight. A decoding row that may speculate is not planned while
     its token is in flight, then gets a proposal; once a proposal has nothing accepted
-    the row backs off, is planned ahead (no drafts) and its back-off counts those steps
-    down, after which it waits for its verdicts again."""
+    and its kind of match no longer pays, the row backs off, is planned ahead (no
+    drafts) and its back-off counts those steps down, after which it waits for its
+    verdicts again."""
     from actorllm.wire.messages import SequenceRequest, StepResult
 
     s = _scheduler(max_steps_in_flight=2)
@@ -601,8 +636,9 @@ def test_under_overlap_a_row_that_may_speculate_waits_and_one_in_back_off_runs_a
     plan = s.schedule()
     assert plan is not None and plan.num_drafts == (3,)  # 5 6 7, after "5 6 7"
     assert s.schedule() is None, "drafts in flight"
-    s.handle(StepResult(plan.step_id, (9,), num_sampled=(1,)))  # none accepted: back-off 2
     seq = s.seqs["a"]
+    seq.spec_hits[seq.spec_n] = 0.0  # drafts from such matches have failed it before
+    s.handle(StepResult(plan.step_id, (9,), num_sampled=(1,)))  # none accepted: back-off 2
     assert seq.spec_skip == 2
     steps = [s.schedule()]  # no proposal (back-off), and then one planned ahead
     steps.append(s.schedule())
@@ -630,8 +666,11 @@ def test_under_overlap_rows_that_may_speculate_are_not_split_between_two_steps()
     assert s.schedule() is None
     s.handle(StepResult(prefill.step_id, (7, 20)))
     plan = s.schedule()
-    assert plan is not None and plan.num_drafts == (3, 2)
-    # a accepts its first draft (5) then emits 10; b rejects all and emits 30.
+    assert plan is not None and plan.num_drafts == (3, 3)  # b: 20 21 20, its text repeating
+    # a accepts its first draft (5) then emits 10; b rejects all and emits 30, and such
+    # matches have failed b before: it backs off.
+    b = s.seqs["b"]
+    b.spec_hits[b.spec_n] = 0.0
     s.handle(StepResult(plan.step_id, (5, 10, 30), num_sampled=(2, 1)))
     assert s.seqs["b"].spec_skip > 0 and not s.seqs["a"].spec_skip
     for i in range(3):

@@ -262,15 +262,19 @@ def test_a_bad_draft_model_is_one_line_and_exit_2(tiny_llama_dir: Path, other_vo
 def test_draft_model_rows_carry_placeholders_and_back_off(tiny_llama_dir: Path) -> None:
     """The Scheduler plans a draft_model row like an n-gram one without knowing the
     tokens: K placeholders, never past max_tokens, none for logprob rows, and the same
-    back-off after a proposal of which nothing was accepted."""
+    back-off once proposals of which nothing was accepted bring the estimate below
+    paying."""
     spec = Speculation(SpeculativeConfig("draft_model", 4, model=str(tiny_llama_dir)))
     seq = Sequence("a", [9, 8, 7], SamplingParams(max_tokens=3), 3, frozenset())
     assert spec.propose(seq, 10) == [DRAFT_PLACEHOLDER] * 2
     assert spec.propose(seq, 1) == [DRAFT_PLACEHOLDER]
     lp = Sequence("b", [9, 8, 7], SamplingParams(logprobs=1), 16, frozenset())
     assert spec.propose(lp, 10) == []
-    spec.verdict(seq, 2, 0)
-    assert [len(spec.propose(seq, 10)) for _ in range(3)] == [0, 0, 2]
+    spec.verdict(seq, 2, 0)  # the estimate, 0.3, still pays ...
+    assert seq.spec_skip == 0
+    spec.verdict(seq, 2, 0)  # ... 0.2 does not: back-off, then a probe of one draft
+    assert seq.spec_skip == 2
+    assert [len(spec.propose(seq, 10)) for _ in range(5)] == [0, 0, 0, 0, 1]
 
 
 async def test_resources_built_without_the_draft_are_refused(tiny_llama_dir: Path,

@@ -65,12 +65,17 @@ class Sequence:
     pooled: tuple[float, ...] = ()  # a pooling request's vector, once the Worker sent it
     # Speculative decoding (scheduler/speculation.py): the drafts the next schedule_into
     # sends, whether a step in flight carries drafts for it (then nothing is planned
-    # ahead for it: how many tokens it yields is unknown until it returns), and the
-    # backoff of a row whose proposals keep failing.
+    # ahead for it: how many tokens it yields is unknown until it returns), the
+    # backoff of a row whose proposals do not pay, and its acceptance estimates: decayed
+    # counts of drafts accepted and tried, per n-gram match length (index 0: a draft
+    # model's), and the match length of its proposal in flight.
     drafts: list[int] = attrs.Factory(list)
     drafting: bool = False
     spec_misses: int = 0
     spec_skip: int = 0
+    spec_hits: list[float] = attrs.Factory(list)
+    spec_tries: list[float] = attrs.Factory(list)
+    spec_n: int = 0
     # The Scheduler's view of the rid (``status`` reads it); the Scheduler passes its
     # ledger's, a Sequence built alone gets a fresh one.
     view: View = attrs.Factory(lambda self: View(load_spec(), "scheduler", self.rid),

@@ -1,5 +1,6 @@
 """Speculative decoding's Scheduler side: n-gram proposals (prompt lookup), when a row
-may carry them, and the counters of what the Worker accepted. With a draft model the
+may carry them and how many (a per-row policy by expected gain), and the counters of
+what the Worker accepted. With a draft model the
 proposals are placeholders: the Worker's draft fills them (worker/draft.py).
 
 The Scheduler owns each sequence's tokens, so proposals are made here, while planning: a
@@ -20,20 +21,65 @@ from actorllm.config import SpeculativeConfig
 from actorllm.scheduler.sequence import Sequence
 from actorllm.wire.steps import StepPlan, StepResult
 
-#: After a proposal of which nothing was accepted, a row proposes nothing for 2, 4, 8, ...
-#: steps (at most this many): text the proposer cannot predict costs few drafting steps.
+#: A row whose proposals do not pay (no draft count gains by :func:`draft_gain`) proposes
+#: nothing for 2, 4, 8, ... steps (at most this many): text nothing predicts costs few
+#: drafting steps.
 MAX_BACKOFF = 64
 #: What a draft_model row carries where its drafts go: the Scheduler never knows them.
 DRAFT_PLACEHOLDER = 0
+#: The cost model, in plain decode steps of a row (measured on the CPU with the embedded
+#: model at concurrency 1, docs/architecture.md "Speculative decoding"; how a batch
+#: shares its drafts is ``max_draft_tokens_per_step``'s business): a step that verifies
+#: drafts costs this much more ...
+VERIFY_COST = 0.12
+#: ... and each draft token this much (a draft model's also runs a pass of the draft) ...
+DRAFT_COST = {"ngram": 0.03, "draft_model": 0.1}
+#: ... and each 8 tokens past the first of the row: the CPU's linears run on rows padded
+#: to multiples of 8, so ``[t, d1 .. d8]`` costs a step of 16 rows (measured at one row:
+#: about 1.3 plain steps against 1.15-1.2 for up to 7 drafts).
+PAD_COST, PAD_ROWS = 0.12, 8
+#: A row's acceptance estimate: drafts accepted / tried, counted with this decay per
+#: verdict (so it follows the row's recent text), from a prior of PRIOR_HITS / PRIOR_TRIES.
+DECAY = 0.75
+PRIOR_HITS, PRIOR_TRIES = 1.0, 2.0
+#: An estimate that does not pay moves this far back towards the prior each time its
+#: proposal is passed over, so a row probes again after a while.
+RECOVER = 0.1
+
+
+def draft_gain(alpha: float, k: int, draft_cost: float) -> float:
+    """Expected steps saved minus the extra cost (in plain steps) of ``k`` drafts on a
+    row whose drafts are each accepted with probability ``alpha`` once the previous one
+    was: each accepted draft saves the row a step."""
+    accepted = sum(alpha ** j for j in range(1, k + 1))
+    return accepted - VERIFY_COST - draft_cost * k - PAD_COST * (k // PAD_ROWS)
+
+
+def best_drafts(alpha: float, cap: int, draft_cost: float) -> int:
+    """The draft count in [0, cap] with the largest :func:`draft_gain` (0: none pays)."""
+    best, gain = 0, 0.0
+    for k in range(1, cap + 1):
+        g = draft_gain(alpha, k, draft_cost)
+        if g > gain:
+            best, gain = k, g
+    return best
 
 
 def propose_ngram(tokens: Seq[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Prompt lookup: for n from ``n_max`` down to ``n_min``, the tokens (at most ``k``)
-    that followed the latest earlier occurrence of the last n tokens; [] if none occurs."""
+    """Prompt lookup: for n from ``n_max`` down to ``n_min``, ``k`` tokens continuing the
+    latest earlier occurrence of the last n tokens; [] if none occurs."""
+    return lookup_ngram(tokens, k, n_min, n_max)[0]
+
+
+def lookup_ngram(tokens: Seq[int], k: int, n_min: int, n_max: int) -> tuple[list[int], int]:
+    """:func:`propose_ngram`'s drafts and the match length n (0: none). The continuation
+    of the occurrence, ``tokens[i:]``, is taken to repeat past the end (period
+    ``len(tokens) - i``), so a row repeating a short phrase gets ``k`` drafts, not only
+    the few tokens between the occurrence and the end."""
     length = len(tokens)
     top = min(n_max, length - 1)
     if k < 1 or top < max(n_min, 1):
-        return []
+        return [], 0
     arr = np.asarray(tokens, dtype=np.int64)
     # Every occurrence of a suffix ends at an earlier copy of the last token: only those
     # are extended backwards (a row pays this every step, usually for no proposal).
@@ -49,9 +95,10 @@ def propose_ngram(tokens: Seq[int], k: int, n_min: int, n_max: int) -> list[int]
         run[idx[same]] += 1
         alive[idx] = same & (at >= 1)
     if not len(run) or run.max() < n_min:
-        return []
-    i = int(ends[np.flatnonzero(run == run.max())[-1]]) + 1
-    return arr[i:i + k].tolist()
+        return [], 0
+    n = int(run.max())
+    i = int(ends[np.flatnonzero(run == n)[-1]]) + 1
+    return arr[i + np.arange(k) % (length - i)].tolist(), n
 
 
 def may_speculate(seq: Sequence) -> bool:
@@ -71,6 +118,10 @@ class Speculation:
         self.accepted_tokens = 0  # ... and accepted
         self.num_drafts = 0  # rows that carried proposals (mean accepted length's divisor)
         self.accepted_per_pos = [0] * config.num_speculative_tokens
+        self.backoffs = 0  # times a row backed off (the simulation checks it is reached)
+        # A new row's estimate: PRIOR_HITS of PRIOR_TRIES (the simulation starts its rows
+        # more pessimistic, so that one miss backs a row off and hypothesis reaches it).
+        self.prior = (PRIOR_HITS, PRIOR_TRIES)
 
     def per_row(self, running: int) -> int:
         """The most drafts a row may carry with ``running`` sequences in the batch (0:
@@ -100,32 +151,71 @@ class Speculation:
 
     def propose(self, seq: Sequence, room: int) -> list[int]:
         """Drafts for ``seq``'s next decode row (at most ``room`` tokens); [] for none.
-        Never past ``max_tokens``: a step emits at most drafts + 1 tokens."""
+        As many as pay by the row's acceptance estimate for this kind of match
+        (:func:`best_drafts`), at most K; never past ``max_tokens``: a step emits at most
+        drafts + 1 tokens."""
         if seq.spec_skip:
             self.step_without_proposal(seq)
             return []
-        k = min(self.config.num_speculative_tokens, room,
-                seq.max_tokens - len(seq.output_ids) - 1)
-        if k < 1 or not may_speculate(seq):
+        cap = min(self.config.num_speculative_tokens, room,
+                  seq.max_tokens - len(seq.output_ids) - 1)
+        if cap < 1 or not may_speculate(seq):
             return []
         if self.config.method == "draft_model":
             # The Worker's draft model fills these placeholders before the target runs.
-            return [DRAFT_PLACEHOLDER] * k
-        return propose_ngram(seq.prompt_ids + seq.output_ids, k,
-                             self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+            drafts, n = [DRAFT_PLACEHOLDER] * cap, 0
+        else:
+            drafts, n = lookup_ngram(seq.prompt_ids + seq.output_ids, cap,
+                                     self.config.prompt_lookup_min,
+                                     self.config.prompt_lookup_max)
+            if not drafts:
+                return []
+        k = best_drafts(self._alpha(seq, n), cap, self._cost)
+        if not k:  # a kind of match that does not pay now: passed over, and forgiven a bit
+            hits, tries = seq.spec_hits, seq.spec_tries
+            hits[n] += RECOVER * (self.prior[0] - hits[n])
+            tries[n] += RECOVER * (self.prior[1] - tries[n])
+            return []
+        seq.spec_n = n
+        return drafts[:k]
+
+    @property
+    def _cost(self) -> float:
+        return DRAFT_COST[self.config.method]
+
+    def _alpha(self, seq: Sequence, n: int) -> float:
+        """The row's estimate that a draft from a match of length ``n`` is accepted."""
+        if not seq.spec_tries:
+            c = self.config
+            size = 1 if c.method == "draft_model" else c.prompt_lookup_max + 1
+            seq.spec_hits, seq.spec_tries = [self.prior[0]] * size, [self.prior[1]] * size
+        return seq.spec_hits[n] / seq.spec_tries[n]
 
     def verdict(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """Count a row's verdict; a row whose proposals keep failing backs off."""
+        """Count a row's verdict and update its estimate; a row whose proposal had nothing
+        accepted and none of whose kinds of match tried so far pays backs off."""
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
         self.num_drafts += 1
         for p in range(accepted):
             self.accepted_per_pos[p] += 1
+        n = seq.spec_n
+        self._alpha(seq, n)
+        # Tried: the accepted drafts and the first rejected one (the rest were not reached).
+        seq.spec_hits[n] = DECAY * seq.spec_hits[n] + accepted
+        seq.spec_tries[n] = DECAY * seq.spec_tries[n] + accepted + (accepted < drafted)
         if accepted:
             seq.spec_misses = 0
-        else:
+            return
+        # Only if no kind of match it has tried pays: a short match failing must not
+        # stop a long one that pays (a miss of the lookup costs nothing anyway).
+        tried = [m for m, t in enumerate(seq.spec_tries) if t != self.prior[1]]
+        if not any(best_drafts(seq.spec_hits[m] / seq.spec_tries[m],
+                               self.config.num_speculative_tokens, self._cost)
+                   for m in tried):
             seq.spec_misses += 1
             seq.spec_skip = min(2 ** seq.spec_misses, MAX_BACKOFF)
+            self.backoffs += 1
 
 
 def count_error(plan: StepPlan, result: StepResult) -> str | None:

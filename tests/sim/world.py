@@ -137,6 +137,11 @@ class World(Watches, Checks):
                                    speculative=(DRAFT_MODEL if cfg.draft_model else
                                                 SPECULATIVE) if cfg.speculative else None,
                                    tracer=self.rec)  # type: ignore[arg-type]
+        if self.scheduler.batch.speculation is not None:
+            # Rows start at an estimate (0.25; 0.35 with a draft model, whose drafts cost
+            # more) at which they propose, one miss backs them off (a planned-ahead row
+            # beside speculating ones), and a hit keeps them going.
+            self.scheduler.batch.speculation.prior = (0.7 if cfg.draft_model else 0.5, 2.0)
         worker = DraftingWorker if cfg.draft_model else ScriptedWorker
         self.worker = cls("worker", worker)(b["worker"], b["scheduler"].edge("worker"),
                                             text.vocab, text.eos_id, cfg.block_size)
@@ -477,6 +482,8 @@ class World(Watches, Checks):
             "drafts filled by the draft model": getattr(self.worker, "drafts_filled", 0) > 0,
             "draft accepted": s.batch.speculation is not None
             and s.batch.speculation.accepted_tokens > 0,
+            "row backed off": s.batch.speculation is not None
+            and s.batch.speculation.backoffs > 0,
         }
         return [name for name, hit in reached.items() if hit]
 
