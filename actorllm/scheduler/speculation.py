@@ -32,12 +32,10 @@ DRAFT_PLACEHOLDER = 0
 #: shares its drafts is ``max_draft_tokens_per_step``'s business): a step that verifies
 #: drafts costs this much more ...
 VERIFY_COST = 0.12
-#: ... and each draft token this much (a draft model's also runs a pass of the draft) ...
+#: ... and each draft token this much (a draft model's also runs a pass of the draft).
+#: The fp32 linears cost ~30 us a row at one row on the embedded model (ops/cpu_linear.py:
+#: ``torch.mm``, no row padding), about 0.013 of a plain step; the rest is the verify.
 DRAFT_COST = {"ngram": 0.03, "draft_model": 0.1}
-#: ... and each 8 tokens past the first of the row: the CPU's linears run on rows padded
-#: to multiples of 8, so ``[t, d1 .. d8]`` costs a step of 16 rows (measured at one row:
-#: about 1.3 plain steps against 1.15-1.2 for up to 7 drafts).
-PAD_COST, PAD_ROWS = 0.12, 8
 #: A row's acceptance estimate: drafts accepted / tried, counted with this decay per
 #: verdict (so it follows the row's recent text), from a prior of PRIOR_HITS / PRIOR_TRIES.
 DECAY = 0.75
@@ -52,7 +50,7 @@ def draft_gain(alpha: float, k: int, draft_cost: float) -> float:
     row whose drafts are each accepted with probability ``alpha`` once the previous one
     was: each accepted draft saves the row a step."""
     accepted = sum(alpha ** j for j in range(1, k + 1))
-    return accepted - VERIFY_COST - draft_cost * k - PAD_COST * (k // PAD_ROWS)
+    return accepted - VERIFY_COST - draft_cost * k
 
 
 def best_drafts(alpha: float, cap: int, draft_cost: float) -> int:
