@@ -29,7 +29,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from sim import ControlledMailbox, InvariantViolation, SimConfig, TextModel, World, make_machine
 from sim.common import VOCAB_TEXTS
 from sim.machine import LifecycleMachine
-from sim.profiles import sim_settings
+from sim.profiles import examples_independent_of_loaded_modules, sim_settings
 from sim.scripted_worker import scripted_token
 
 from actorllm.frontend.readers import FlowLimits
@@ -92,7 +92,8 @@ def explore(tokenizer: Any, config: SimConfig | None, examples: int,
     """``name``: the machine's, which seeds CI's fixed examples (one per configuration)."""
     machine = make_machine(tokenizer, config, name=name)
     chosen = sim_settings(examples)
-    run_state_machine_as_test(machine, settings=chosen)
+    with examples_independent_of_loaded_modules():
+        run_state_machine_as_test(machine, settings=chosen)
     # The CI budget is a promise (>= 2,000 examples in all): hold hypothesis to it.
     assert machine.reached["examples"] >= chosen.max_examples, dict(machine.reached)
     missed = corners - set(machine.reached)
