@@ -125,3 +125,16 @@ def cleanup() -> Iterator[list[Any]]:
                 t.wait()
         else:
             t.close()
+
+
+@pytest.fixture
+def hub(tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A hub cache holding ``tiny-org/tiny-llama`` (main and v2), offline."""
+    from test_hub import fill_cache  # the layout huggingface_hub writes
+
+    cache = tmp_path / "hub"
+    fill_cache(cache, tmp_path, tokenizer_dir)
+    monkeypatch.delenv("HF_HOME", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache

@@ -37,17 +37,6 @@ def fill_cache(cache: Path, tmp_path: Path, tokenizer_dir: Path) -> None:
         (repo / "refs" / ref).write_text(commit)
 
 
-@pytest.fixture
-def hub(tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A hub cache holding ``tiny-org/tiny-llama`` (main and v2), offline."""
-    cache = tmp_path / "hub"
-    fill_cache(cache, tmp_path, tokenizer_dir)
-    monkeypatch.delenv("HF_HOME", raising=False)
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return cache
-
-
 def test_an_id_in_the_cache_resolves_to_its_snapshot(hub: Path) -> None:
     path = Path(resolve_model("tiny-org/tiny-llama"))
     assert path == hub / "models--tiny-org--tiny-llama" / "snapshots" / COMMIT

@@ -11,24 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_hub import COMMIT, V2, fill_cache
+from test_hub import COMMIT, V2
 
 from actorllm.config import EngineConfig, SpeculativeConfig
 from actorllm.llm import LLM
 from actorllm.wire.messages import SamplingParams
 
 ID = "tiny-org/tiny-llama"
-
-
-@pytest.fixture
-def hub(tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A hub cache holding ``tiny-org/tiny-llama`` (main and v2), offline."""
-    cache = tmp_path / "hub"
-    fill_cache(cache, tmp_path, tokenizer_dir)
-    monkeypatch.delenv("HF_HOME", raising=False)
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return cache
 
 
 def spec(model: str, **more: object) -> dict[str, object]:

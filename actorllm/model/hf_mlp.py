@@ -88,15 +88,23 @@ def _forward(halves: Halves, down: nn.Linear,
 def _reproduces(module: nn.Module, forward: Callable[..., Tensor], width: int) -> bool:
     weight = module.down_proj.weight
     probe = torch.randn(2, 3, width, dtype=weight.dtype, device=weight.device)
+    return same_output(module, forward, (probe,), weight.dtype)
+
+
+def same_output(module: nn.Module, forward: Callable[..., Tensor], args: tuple[Tensor, ...],
+                dtype: torch.dtype) -> bool:
+    """Whether ``forward``, bound to ``module``, gives the module's own output on ``args``
+    (within float rounding for ``dtype``): the check every swapped forward passes before
+    it is used. False where either raises (another signature or layout)."""
     try:
         with torch.inference_mode():
-            want = module(probe)
-            got = MethodType(forward, module)(probe)
-    except Exception:  # another signature: not ours to replace
+            want = module(*args)
+            got = MethodType(forward, module)(*args)
+    except Exception:  # another signature or layout: not ours to replace
         return False
     if not isinstance(want, Tensor) or want.shape != got.shape or want.dtype != got.dtype:
         return False
-    tol = 1e-5 if weight.dtype == torch.float32 else 2e-2
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     scale = want.abs().max().item() or 1.0
     return torch.allclose(got, want, rtol=tol, atol=tol * scale)
 
