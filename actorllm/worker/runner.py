@@ -49,7 +49,7 @@ from actorllm.worker.ranks import RankGroup, RankSpec
 from actorllm.worker.sampler import prompt_logprobs
 from actorllm.worker.sampling_batch import SamplingBatch, SamplingState
 from actorllm.worker.sizing import default_num_blocks, keep_heap, torch_threads
-from actorllm.worker.speculative import commit_others, verify_drafts
+from actorllm.worker.speculative import commit_others, no_draw, verify_drafts
 
 log = logging.getLogger(__name__)
 
@@ -297,8 +297,8 @@ class ModelRunner:
         """Sample the step's sampling rows (slots ``slots``), unless the op ``drawn`` them,
         and record their tokens; the rows in ``verified`` (speculation) were committed
         already and emit those tokens."""
-        tokens, token_ids, lp_rows, lps = self.sampling.sample(logits, slots, inplace=True) \
-            if drawn is None else (drawn, drawn.tolist(), [], [])
+        tokens, token_ids, lp_rows, lps = (drawn, drawn.tolist(), [], []) if drawn is not None \
+            else no_draw(slots, verified) or self.sampling.sample(logits, slots, inplace=True)
         refused, ids, num_sampled = commit_others(self.sampling, slots, tokens, token_ids,
                                                   verified)
         return StepResult(

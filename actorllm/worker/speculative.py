@@ -98,6 +98,18 @@ def spliced(token_ids: tuple[int, ...], verified: dict[int, list[int]]
     return tuple(t for row in rows for t in row), tuple(len(row) for row in rows)
 
 
+def no_draw(slots: np.ndarray, verified: dict[int, list[int]]
+            ) -> tuple[Tensor, list[int], list[int], list[object]] | None:
+    """What the sampler would give for a step whose every sampling row was verified
+    (placeholders that :func:`commit_others` replaces by the verified tokens), so that
+    its draw at each row's last position, which verification discards, is not made;
+    None while some row still needs the sampler. Seeded rows draw by ``(seed,
+    position)``, so skipping a draw changes no later one."""
+    if not verified or len(verified) < len(slots):
+        return None
+    return torch.zeros(len(slots), dtype=torch.long), [0] * len(slots), [], []
+
+
 def commit_others(batch: SamplingBatch, slots: np.ndarray, tokens: Tensor, token_ids: list[int],
                   verified: dict[int, list[int]]
                   ) -> tuple[list[tuple[int, str]], tuple[int, ...], tuple[int, ...]]:
