@@ -51,25 +51,10 @@ using DecodeFn = int (*)(const float*, const float*, const float*, const int32_t
                          const int32_t*, float*, int64_t, int64_t, int64_t, int64_t,
                          int64_t, int64_t, float, int64_t, float, int);
 
-// PackedLinear.forward for a 2-D input. An fp32 weight is laid out [in, out] and the
-// linear is one mm (addmm with a bias), the module's call. A oneDNN weight (kept for
-// interface's sake: the Python side packs only bf16 so, and the op runs fp32) takes
-// `rows` padded to `padded` (ops/cpu_linear.bucket_rows, so the same oneDNN kernels run)
-// through the boxed dispatcher call (the op's schema has types whose unboxed C++ spelling
-// has changed between torch releases).
-Tensor packed_linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
-                     int64_t padded) {
-  if (!weight.is_mkldnn())
-    return bias.has_value() ? at::addmm(*bias, x, weight) : at::mm(x, weight);
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  const int64_t rows = x.size(0);
-  Tensor in = padded == rows ? x : at::constant_pad_nd(x, {0, 0, 0, padded - rows}, 0);
-  std::vector<c10::IValue> stack{in, weight, bias, std::string("none"),
-                                 c10::List<std::optional<at::Scalar>>(), std::string("")};
-  op.callBoxed(&stack);
-  Tensor out = stack[0].toTensor();
-  return padded == rows ? out : out.narrow(0, 0, rows);
+// PackedLinear.forward for a 2-D fp32 input (the only dtype the op runs): the weight is
+// laid out [in, out] and the linear is one mm (addmm with a bias), the module's call.
+Tensor packed_linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
+  return bias.has_value() ? at::addmm(*bias, x, weight) : at::mm(x, weight);
 }
 
 Tensor sample_rows(const Tensor& logits, const Tensor& temperature,
@@ -121,7 +106,7 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
                     const c10::List<std::optional<Tensor>>& biases, at::TensorList k_caches,
                     at::TensorList v_caches, const Tensor& inv_freq, double rope_scaling,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                    double scale, int64_t padded_rows, int64_t decode_fn,
+                    double scale, int64_t decode_fn,
                     at::IntArrayRef windows, at::TensorList qk_norms,
                     const std::optional<Tensor>& final_norm, const std::optional<Tensor>& lm_head,
                     const std::optional<Tensor>& temperature, double greedy_below) {
@@ -134,7 +119,6 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
   TORCH_CHECK(qk_norms.empty() || std::ssize(qk_norms) == 2 * layers, "llama_decode: q/k norms");
   TORCH_CHECK(input_ids.dim() == 1 && input_ids.size(0) == block_tables.size(0),
               "llama_decode: one token per sequence");
-  TORCH_CHECK(padded_rows >= input_ids.size(0), "llama_decode: padded_rows below the rows");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
               "llama_decode: block tables and lengths must be contiguous int32");
@@ -158,7 +142,7 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
     const int64_t b = kBiasesPerLayer * l;
     // Attention.
     Tensor x = at::rms_norm(h, norm_shape, w[0], eps);
-    Tensor qkv = packed_linear(x, w[1], biases.get(b), padded_rows)
+    Tensor qkv = packed_linear(x, w[1], biases.get(b))
                      .view({tokens, num_heads + 2 * num_kv_heads, head_dim});
     if (!qk_norms.empty())  // Qwen3: RMSNorm on each q and k head before RoPE, as the module
       qkv = at::cat({at::rms_norm(qkv.narrow(1, 0, num_heads), {head_dim}, qk_norms[2 * l], eps),
@@ -176,21 +160,18 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
                           k_cache.size(1), block_tables.size(1), static_cast<float>(scale),
                           windows[l], 0.0f, at::get_num_threads());
     TORCH_CHECK(rc == 0, "llama_decode: the decode kernel refused the shape");
-    h = h.add(packed_linear(attn.view({tokens, q_size}), w[2], biases.get(b + 1),
-                            padded_rows));
+    h = h.add(packed_linear(attn.view({tokens, q_size}), w[2], biases.get(b + 1)));
     // MLP.
     x = at::rms_norm(h, norm_shape, w[3], eps);
-    auto gate_up =
-        packed_linear(x, w[4], biases.get(b + 2), padded_rows).chunk(2, -1);
-    h = h.add(packed_linear(at::silu(gate_up[0]).mul(gate_up[1]), w[5],
-                            biases.get(b + 3), padded_rows));
+    auto gate_up = packed_linear(x, w[4], biases.get(b + 2)).chunk(2, -1);
+    h = h.add(packed_linear(at::silu(gate_up[0]).mul(gate_up[1]), w[5], biases.get(b + 3)));
   }
   if (!lm_head.has_value()) return h;
   // LlamaForCausalLM.compute_logits for every row (the caller asks only when every row
   // samples): two ops here instead of three calls from Python, each a GIL hand-off.
   TORCH_CHECK(final_norm.has_value(), "llama_decode: lm_head without final_norm");
-  Tensor logits = packed_linear(at::rms_norm(h, norm_shape, *final_norm, eps),
-                                *lm_head, std::nullopt, padded_rows);
+  Tensor logits =
+      packed_linear(at::rms_norm(h, norm_shape, *final_norm, eps), *lm_head, std::nullopt);
   // With temperatures, the step's tokens: its sampling too under the same GIL release.
   if (!temperature.has_value()) return logits;
   return sample_rows(logits, *temperature, std::nullopt, greedy_below);
@@ -246,14 +227,15 @@ TORCH_LIBRARY(actorllm, m) {
         "Tensor block_tables, Tensor seq_lens, Tensor[] weights, Tensor?[] biases, "
         "Tensor[] k_caches, Tensor[] v_caches, Tensor inv_freq, float rope_scaling, "
         "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, "
-        "int padded_rows, int decode_fn, int[] windows, Tensor[] qk_norms, "
+        "int decode_fn, int[] windows, Tensor[] qk_norms, "
         "Tensor? final_norm=None, Tensor? lm_head=None, Tensor? temperature=None, "
         "float greedy_below=0.0) -> Tensor");
   m.def("sample_rows(Tensor logits, Tensor temperature, Tensor? uniforms, "
         "float greedy_below) -> Tensor");
 }
 
-// Not CPU alone: packed bf16 weights are oneDNN tensors (the MkldnnCPU dispatch key).
+// One kernel for every dispatch key: the op runs dense fp32 CPU tensors only, and the
+// Python side (ops/cpu_step.why_not) gives it no others.
 TORCH_LIBRARY_IMPL(actorllm, CompositeExplicitAutograd, m) {
   m.impl("llama_decode", &llama_decode);
   m.impl("sample_rows", &sample_rows);

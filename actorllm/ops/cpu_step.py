@@ -41,7 +41,7 @@ from actorllm.model.llama import (
     RotaryEmbedding,
 )
 from actorllm.ops.cpu_backend import CpuBackend, CpuKernelError, build_library
-from actorllm.ops.cpu_linear import PackedLinear, bucket_rows
+from actorllm.ops.cpu_linear import PackedLinear
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class DecodeStep:
             batch.seq_lens, self.weights, self.biases, [k for k, _ in kv_caches],
             [v for _, v in kv_caches], self.inv_freq, self.rope_scaling, self.num_heads,
             self.num_kv_heads, self.head_dim, self.eps, self.scale,
-            bucket_rows(batch.input_ids.shape[0]), self.kernel, self.windows, self.qk_norms,
+            self.kernel, self.windows, self.qk_norms,
             self.final_norm if logits else None, head, temperature, greedy_below)
 
 

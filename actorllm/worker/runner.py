@@ -150,7 +150,7 @@ class ModelRunner:
                  "of %d tokens (%.1f MiB per rank)", config.architectures[0],
                  model_impl_of(config), self.device, tp.world,
                  self.dtype, self.backend_name,
-                 "oneDNN packed linears" if self.packed_linears else "torch linears",
+                 "linears laid out at load" if self.packed_linears else "torch linears",
                  ", decode steps in one op" if self.decode_step is not None else "",
                  num_blocks, block_size, num_blocks * block_bytes / 2**20)
 
