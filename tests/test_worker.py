@@ -418,29 +418,34 @@ def test_cancelling_the_worker_drops_plans_the_thread_has_not_started():
     assert runner.started == [1]
 
 
-def test_the_worker_says_when_its_thread_waits_for_a_plan():
-    """``waiting_for_plan`` (read by the write pacing, server/pacing.py) is True while the
-    step thread has nothing to run and False while it runs a step."""
+def test_the_worker_says_in_its_result_when_its_thread_waited_for_the_plan():
+    """``StepResult.plan_wait_s`` (passed on by the Scheduler to the write pacing,
+    server/pacing.py) is 0 for a plan queued while the previous step ran, and positive for
+    one the idle step thread had to wait for."""
     runner = _GatedRunner()
 
     async def main() -> None:
         plans: Mailbox[StepPlan] = Mailbox("worker", StepPlan, capacity=4)
         results: Mailbox[StepResult] = Mailbox("scheduler", StepResult, capacity=4)
-        worker = Worker(runner, plans, results)  # type: ignore[arg-type]
-        assert not worker.waiting_for_plan
-        with trio.fail_after(5):
+        with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(worker.run)
-                while not worker.waiting_for_plan:  # started, and no plan yet
-                    await trio.sleep(0.001)
+                nursery.start_soon(Worker(runner, plans, results).run)  # type: ignore[arg-type]
                 await plans.send(StepPlan(1))
                 while runner.started != [1]:
                     await trio.sleep(0.001)
-                assert not worker.waiting_for_plan  # step 1 runs
+                await plans.send(StepPlan(2))  # queued while step 1 runs
                 runner.gates.setdefault(1, threading.Event()).set()
+                runner.gates.setdefault(2, threading.Event()).set()
                 assert (await results.receive()).step_id == 1
-                while not worker.waiting_for_plan:  # step 1 done: waiting again
-                    await trio.sleep(0.001)
+                second = await results.receive()
+                assert second.step_id == 2 and second.plan_wait_s == 0.0
+                # Nothing queued after step 2: the thread blocks on its queue. (The pause
+                # only lets it get there first; the figure asserted is not a duration.)
+                await trio.sleep(0.2)
+                runner.gates.setdefault(3, threading.Event()).set()
+                await plans.send(StepPlan(3))
+                third = await results.receive()
+                assert third.step_id == 3 and third.plan_wait_s > 0.0
                 plans.close()
 
     trio.run(main)

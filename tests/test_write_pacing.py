@@ -8,16 +8,19 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 from helpers import Call, app_for
 
 from actorllm.engine.async_engine import AsyncEngine
+from actorllm.scheduler.totals import StepTotals
 from actorllm.server import pacing
 from actorllm.server.pacing import WritePacer
 from actorllm.topology.placement import waits_for_loop
+from actorllm.wire.codec import decode, encode
 from actorllm.wire.mailbox import Mailbox
-from actorllm.wire.messages import StepPlan, TokenBatch
+from actorllm.wire.messages import SchedulerStats, StepPlan, StepResult, TokenBatch
 
 
 def _run(fn: object) -> None:
@@ -170,28 +173,45 @@ def test_a_reader_is_held_only_while_the_engine_waits_for_the_loop():
     _run(main)
 
 
-def test_the_engine_waits_for_the_loop_when_the_worker_has_no_plan_or_work_waits():
-    class Worker:
-        waiting_for_plan = False
-
-    worker = Worker()
+def test_the_engine_waits_for_the_loop_when_a_worker_waited_for_its_plan_or_work_waits():
+    """The signal comes by message: the Scheduler's latest stats, as the Frontend got them
+    (the same in ``single`` and across ZeroMQ in ``engine``), or this process's inboxes."""
+    stats = SchedulerStats()
     detok: Mailbox[TokenBatch] = Mailbox("detokenizer", TokenBatch, capacity=4)
     other: Mailbox[StepPlan] = Mailbox("worker", StepPlan, capacity=4)
-    actors: dict[str, Any] = {"worker": worker}
     boxes: dict[str, Mailbox[Any]] = {"detokenizer": detok, "worker": other}
-    assert not waits_for_loop(actors, boxes)
+
+    def waits() -> bool:
+        return waits_for_loop(lambda: stats, boxes)
+
+    assert not waits()
     other.send_nowait(StepPlan(1))  # a plan waiting for the Worker is not the loop's work
-    assert not waits_for_loop(actors, boxes)
-    worker.waiting_for_plan = True
-    assert waits_for_loop(actors, boxes)
-    worker.waiting_for_plan = False
+    assert not waits()
+    stats = SchedulerStats(worker_waited=1)  # the latest step's plan came late
+    assert waits()
+    stats = SchedulerStats(worker_waited=0, plan_wait_s=3.0)  # (a total: not "now")
+    assert not waits()
     detok.send_nowait(TokenBatch.of([]))  # a step's outputs wait for the loop
-    assert waits_for_loop(actors, boxes)
+    assert waits()
     tok: Mailbox[StepPlan] = Mailbox("tokenizer", StepPlan, capacity=4)  # (any type)
     tok.send_nowait(StepPlan(2))  # requests wait to be tokenized: a burst arriving
-    assert waits_for_loop(actors, {"tokenizer": tok})
-    # `engine`'s parent (no Worker here): pacing by the debt alone, as before.
-    assert waits_for_loop({}, {})
+    assert waits_for_loop(lambda: stats, {"tokenizer": tok})
+
+
+def test_the_worker_waited_flag_travels_from_the_step_result_to_the_frontend():
+    """The Worker's ``plan_wait_s`` reaches the stats the pacing reads: the Scheduler's
+    totals keep the latest step's flag (and the running sum), and the codec carries both
+    across ZeroMQ for ``engine``."""
+    totals = StepTotals()
+    totals.add_result(StepResult(1, plan_wait_s=0.004), rows=3)
+    assert totals.fields()["worker_waited"] == 1
+    totals.add_result(StepResult(2), rows=3)  # the next plan was queued in time
+    stats = SchedulerStats(**totals.fields())
+    assert stats.worker_waited == 0 and stats.plan_wait_s == 0.004
+    totals.add_result(StepResult(3, plan_wait_s=0.001), rows=3)
+    batch = TokenBatch.of([], stats=SchedulerStats(**totals.fields()))
+    back = decode(encode(batch))
+    assert back.stats.worker_waited == 1 and back.stats.plan_wait_s == pytest.approx(0.005)
 
 
 class _HeldUntilReleased(WritePacer):

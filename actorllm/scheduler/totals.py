@@ -20,6 +20,8 @@ class StepTotals:
     pack_s: float = 0.0  # the Worker's three, from each StepResult
     plan_s: float = 0.0
     commit_s: float = 0.0  # the Scheduler's own two
+    plan_wait_s: float = 0.0  # the Worker idle between steps, waiting for a plan
+    worker_waited: int = 0  # 1: it waited for the latest step's plan (not a total)
 
     def add_result(self, result: StepResult, rows: int) -> None:
         """A step of ``rows`` sequences came back."""
@@ -28,6 +30,8 @@ class StepTotals:
         self.forward_s += result.forward_s
         self.sample_s += result.sample_s
         self.pack_s += result.pack_s
+        self.plan_wait_s += result.plan_wait_s
+        self.worker_waited = int(result.plan_wait_s > 0)
 
     def fields(self) -> dict[str, Any]:
         """As ``SchedulerStats`` keyword arguments."""

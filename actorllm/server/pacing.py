@@ -22,11 +22,13 @@ is paid, that is when writing is a large part of a step.
 
 A hold pays only where the engine waits for this loop, so a reader that owes is held
 only then (``engine_waits``, :func:`actorllm.topology.placement.waits_for_loop`): while
-the Worker's thread has no plan to run, or requests or a step's outputs wait in this
-process's Tokenizer, Detokenizer or Frontend inbox; always in ``engine``'s parent, whose
-loop shares the cores with the child's Worker but cannot see it wait. Where the loop
-keeps up with the steps (a model whose forward is most of a step, in ``single``) every
-step writes, and the stream's gaps stay one step long.
+the Worker waited for the plan of its latest step (it says so in its ``StepResult``, and
+the Scheduler passes it on in the stats that reach the Frontend with every step's
+outputs: a message, so it holds alike in ``single`` and in ``engine``'s parent, whose
+Worker is in the child), or requests or a step's outputs wait in this process's
+Tokenizer, Detokenizer or Frontend inbox. Where the loop keeps up with the steps (a
+model whose forward is most of a step) every step writes, and the stream's gaps stay one
+step long.
 
 Only the time between writes changes, never what is written: the chunks of a stream
 merge exactly as they do for a slow client (``Merged.add``). The wait is cancellable by

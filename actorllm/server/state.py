@@ -76,9 +76,10 @@ class ServerState:
         # still reading): the drain waits for these too.
         self.responding = 0
         # The streamed responses' share of the loop (server/pacing.py), taken only while
-        # the engine waits for the loop.
+        # the engine waits for the loop: the Scheduler's latest stats say whether a
+        # Worker waited for its plan (by message, so the same in every topology).
         self.pacer = WritePacer(engine_waits=functools.partial(
-            waits_for_loop, engine.actors, engine.mailboxes))
+            waits_for_loop, lambda: engine.frontend.stats, engine.mailboxes))
         self.created = int(time.time())
         self.texts = TokenTexts(engine.tokenizer)
         # /tokenize refuses and templates exactly as the Tokenizer actor does.

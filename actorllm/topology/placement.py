@@ -23,6 +23,7 @@ that process loaded. So the actors do not know where their peers live.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -37,6 +38,7 @@ from actorllm.wire.messages import (
     FrontendInput,
     MailboxStat,
     SchedulerInput,
+    SchedulerStats,
     TokenizerInput,
     WorkerInput,
 )
@@ -369,15 +371,15 @@ def set_hop_hooks(wiring: Wiring, tracer: Tracer | None) -> None:
             box.hop_hook = lambda name, kind, msg: tracer.hop(name, name, kind, msg)
 
 
-def waits_for_loop(actors: dict[str, Any], mailboxes: dict[str, Mailbox[Any]]) -> bool:
+def waits_for_loop(stats: Callable[[], SchedulerStats],
+                   mailboxes: dict[str, Mailbox[Any]]) -> bool:
     """Whether the engine waits for this process's event loop now, for the write pacing
-    (``server/pacing.py``): the Worker placed here has no plan to run, or work waits in
-    this process's Tokenizer, Detokenizer or Frontend inbox (the loop is behind the
-    requests or the steps). Where no Worker is placed here (``engine``: the parent) the
-    answer is always yes: the child's Worker shares the cores with this loop, and
-    holding writes there measured better throughput and time to first token."""
-    worker = actors.get("worker")
-    if worker is None or worker.waiting_for_plan:
+    (``server/pacing.py``): a Worker waited for the plan of its latest step (``stats()``,
+    the Scheduler's latest ``SchedulerStats`` as the Frontend received them: the Worker
+    says so in its ``StepResult`` and the Scheduler passes it on, in this process or
+    across ZeroMQ alike), or work waits in this process's Tokenizer, Detokenizer or
+    Frontend inbox (the loop is behind the requests or the steps)."""
+    if stats().worker_waited:
         return True
     return any(box.depth for name in ("tokenizer", "detokenizer", "frontend")
                if (box := mailboxes.get(name)) is not None)

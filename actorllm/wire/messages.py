@@ -209,6 +209,11 @@ class SchedulerStats:
     plan_s: float = 0.0  # Scheduler time planning steps (schedule())
     commit_s: float = 0.0  # ... and taking their results (on_result)
     detokenize_s: float = 0.0  # Detokenizer time on this replica's batches
+    # Worker time idle waiting for a plan between steps, summed; and whether it waited
+    # for the latest step's plan (1; 0 if that plan was queued in time). Summed over
+    # replicas: how many replicas' Workers wait now (the write pacing reads it).
+    plan_wait_s: float = 0.0
+    worker_waited: int = 0
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache, at admissions
     prefix_cache_hits: int = 0  # ... and found there
     replica: int = 0  # which data-parallel replica's Scheduler (0 without data parallelism)

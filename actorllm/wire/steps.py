@@ -184,6 +184,11 @@ class StepResult:
     # Speculative decoding (empty: one token per sampling row): per sampling row, how many
     # of ``token_ids`` are its (the accepted drafts, then the Worker's own token).
     num_sampled: tuple[int, ...] = ()
+    # Seconds the Worker's thread sat idle waiting for this plan after its previous step
+    # (0: the plan was queued before that step ended). The Scheduler passes it on in its
+    # stats, so the write pacing (server/pacing.py) learns by message that the engine
+    # waits for the loop that plans, in any topology.
+    plan_wait_s: float = 0.0
 
     def sampled(self, plan: StepPlan) -> tuple[SampledToken, ...]:
         """The tokens as objects with their rids (tests and tools), given the step's plan

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import math
 import queue
+import time
 
+import attrs
 import trio
 
 from actorllm.wire.mailbox import Inbox, Outbox
@@ -28,10 +30,6 @@ class Worker:
         self.runner = runner
         self.inbox = inbox
         self.results = results
-        # True while the step thread has no plan to run: the engine waits for the loop
-        # (the Scheduler's next plan). Written by that thread, read by the loop's write
-        # pacing (server/pacing.py); a bool, so no lock.
-        self.waiting_for_plan = False
 
     async def run(self) -> None:
         """Serve plans until the inbox closes, in a thread of their own that runs them back
@@ -81,19 +79,22 @@ class Worker:
         token = trio.lowlevel.current_trio_token()
         ranks = self.runner.ranks
 
-        def next_plan() -> StepPlan | None:
+        def next_plan() -> tuple[StepPlan | None, float]:
             try:
-                return plans.get_nowait()
+                return plans.get_nowait(), 0.0
             except queue.Empty:
-                self.waiting_for_plan = True
-                try:
-                    return plans.get()
-                finally:
-                    self.waiting_for_plan = False
+                t0 = time.perf_counter()
+                return plans.get(), time.perf_counter() - t0
 
         def loop() -> None:
-            while (plan := next_plan()) is not None:
-                token.run_sync_soon(done.send_nowait, self.runner.execute(plan))
+            while True:
+                plan, waited = next_plan()
+                if plan is None:
+                    return
+                result = self.runner.execute(plan)
+                if waited:  # said in the result, not shared: the pacing hears it by message
+                    result = attrs.evolve(result, plan_wait_s=waited)
+                token.run_sync_soon(done.send_nowait, result)
                 if ranks is not None and ranks.broken is not None:
                     return  # the ranks are out of step: no further step may run
 
