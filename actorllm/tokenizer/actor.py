@@ -27,6 +27,7 @@ from actorllm.config import ModelInfo
 from actorllm.lifecycle.table import Ledger
 from actorllm.lifecycle.trace import Tracer
 from actorllm.text.structured import LLGuidanceBackend
+from actorllm.tokenizer.direct import DirectEncoder
 from actorllm.wire.mailbox import Inbox, Outbox, batches, send_soon
 from actorllm.wire.messages import (
     AbortRequest,
@@ -82,6 +83,9 @@ class PromptEncoder:
         self.tok = hf_tokenizer
         self.info = info
         self._grammars: LLGuidanceBackend | None = None  # built on the first grammar
+        # Short inputs encoded keeping the GIL (tokenizer/direct.py): the loop of `single`
+        # otherwise waits for the Worker's thread once per request.
+        self.direct = DirectEncoder(hf_tokenizer, max_chars=2 * INLINE_CHARS)
 
     def encode(self, req: GenerateRequest) -> SequenceRequest:
         """Validate and tokenize; raises InvalidRequest with a clear message."""
@@ -159,6 +163,9 @@ class PromptEncoder:
         if not is_text(prompt):
             raise InvalidRequest("prompt must be valid Unicode text (it holds a lone "
                                  "surrogate)", "prompt")
+        ids = self.direct.text(prompt, add_special_tokens)
+        if ids is not None:
+            return ids
         return list(self.tok(prompt, add_special_tokens=add_special_tokens).input_ids)
 
     def _chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
@@ -180,6 +187,9 @@ class PromptEncoder:
         if tools:
             kwargs["tools"] = tools
         try:
+            direct = self.direct.chat(convo, add_generation_prompt, **kwargs)
+            if direct is not None:
+                return direct
             out = self.tok.apply_chat_template(
                 convo, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
             )
