@@ -78,7 +78,7 @@ class EngineMetrics:
         self._flow_series(r, p)
         self._replica_series(r, p)
         self._replica_totals: dict[tuple[int, str], float] = {}
-        self._totals = {"steps": 0.0, "forward_s": 0.0, "sample_s": 0.0,
+        self._totals = {"steps": 0.0, "forward_s": 0.0, "sample_s": 0.0, "plan_wait_s": 0.0,
                         "num_preemptions": 0.0, "prefix_cache_queries": 0.0,
                         "prefix_cache_hits": 0.0, "late_results_dropped": 0.0,
                         "seq_steps": 0.0, "spec_draft_tokens": 0.0,
@@ -131,6 +131,10 @@ class EngineMetrics:
                                               "Worker time in forward passes", registry=r)
         self.worker_sample_seconds = Counter(p + "worker_sample_seconds",
                                              "Worker time in sampling", registry=r)
+        # Idle between steps for want of a plan: the engine waiting on the Scheduler's loop.
+        self.worker_plan_wait_seconds = Counter(
+            p + "worker_plan_wait_seconds",
+            "Worker time idle between steps waiting for the next plan", registry=r)
         # Host cost per step (issue 28): each phase's seconds, summed over steps, and the
         # sequence-steps they served, so seconds / sequence-steps is a phase's cost per
         # sequence per step. Every actor times a step once (a perf_counter pair), never
@@ -230,6 +234,7 @@ class EngineMetrics:
         for name, counter in (("steps", self.engine_steps),
                               ("forward_s", self.worker_forward_seconds),
                               ("sample_s", self.worker_sample_seconds),
+                              ("plan_wait_s", self.worker_plan_wait_seconds),
                               ("num_preemptions", self.num_preemptions),
                               ("prefix_cache_queries", self.prefix_cache_queries),
                               ("prefix_cache_hits", self.prefix_cache_hits),

@@ -30,10 +30,11 @@ def test_scheduler_totals_become_counters():
     m.on_stats(SchedulerStats(steps=3, forward_s=0.5, sample_s=0.25, num_preemptions=1,
                               late_results_dropped=1))
     m.on_stats(SchedulerStats(steps=7, forward_s=1.5, sample_s=0.25, num_preemptions=2,
-                              late_results_dropped=3, num_paused=2))
+                              late_results_dropped=3, num_paused=2, plan_wait_s=0.75))
     assert value(m, "engine_steps") == 7
     assert value(m, "worker_forward_seconds") == 1.5
     assert value(m, "worker_sample_seconds") == 0.25
+    assert value(m, "worker_plan_wait_seconds") == 0.75
     assert value(m, "num_preemptions") == 2
     assert value(m, "late_results_dropped") == 3
     assert m.registry.get_sample_value("actorllm:num_requests_paused") == 2
