@@ -10,6 +10,13 @@ import attrs
 
 from actorllm.wire.steps import StepResult
 
+# A Worker "waited" for a step's plan (SchedulerStats.worker_waited, which the write
+# pacing reads) when it sat idle for more than this share of the step's own time. Without
+# overlap scheduling (`engine` on the CPU) every plan is made after the last result, so a
+# short wait is the Scheduler's commit and plan, not a loop that starves the Worker;
+# holding writes could win back at most the wait, not worth a step of latency.
+WAITED_SHARE = 0.25
+
 
 @attrs.define
 class StepTotals:
@@ -21,7 +28,7 @@ class StepTotals:
     plan_s: float = 0.0
     commit_s: float = 0.0  # the Scheduler's own two
     plan_wait_s: float = 0.0  # the Worker idle between steps, waiting for a plan
-    worker_waited: int = 0  # 1: it waited for the latest step's plan (not a total)
+    worker_waited: int = 0  # 1: it waited long for the latest step's plan (not a total)
 
     def add_result(self, result: StepResult, rows: int) -> None:
         """A step of ``rows`` sequences came back."""
@@ -31,7 +38,8 @@ class StepTotals:
         self.sample_s += result.sample_s
         self.pack_s += result.pack_s
         self.plan_wait_s += result.plan_wait_s
-        self.worker_waited = int(result.plan_wait_s > 0)
+        busy = result.pack_s + result.forward_s + result.sample_s
+        self.worker_waited = int(result.plan_wait_s > WAITED_SHARE * busy)
 
     def fields(self) -> dict[str, Any]:
         """As ``SchedulerStats`` keyword arguments."""
