@@ -63,6 +63,8 @@ class DirectEncoder:
             log.info("tokenizer: direct encoding not checked; transformers' path kept",
                      exc_info=True)
             return None
+        if getattr(backend, "truncation", None) or getattr(backend, "padding", None):
+            return None  # transformers sets these per call; encode would apply them as set
         return backend
 
     def _chat_agrees(self) -> bool:
