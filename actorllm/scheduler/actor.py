@@ -132,7 +132,8 @@ class Scheduler:
         while True:
             await self._wake.wait()
             self._wake = trio.Event()
-            # Plan first: the next step runs while the Detokenizer and Frontend work.
+            # Plan first: the next step runs while the Detokenizer and Frontend work (the
+            # checkpoint lets the Worker take the plan before they wake: Worker._feed).
             while len(self.in_flight) < self.max_steps_in_flight:
                 t0 = time.perf_counter()  # the step's plan phase (SchedulerStats.plan_s)
                 plan = self.schedule()
@@ -140,6 +141,7 @@ class Scheduler:
                 if plan is None:
                     break
                 await send_soon(self.worker, plan)
+                await trio.lowlevel.checkpoint()
             await self.flush()
 
     async def flush(self) -> None:
@@ -172,9 +174,7 @@ class Scheduler:
     def worker_drops(self) -> list[str]:
         return self.batch.worker_drops
 
-    @property
-    def num_preemptions(self) -> int:
-        return self.batch.num_preemptions
+    num_preemptions = property(lambda self: self.batch.num_preemptions)
 
     def handle(self, msg: Any) -> None:
         """Apply one message to the Scheduler's state. Never blocks."""

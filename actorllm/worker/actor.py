@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import queue
+import threading
 
 import trio
 
@@ -17,6 +18,11 @@ from actorllm.wire.mailbox import Inbox, Outbox
 from actorllm.wire.messages import StepPlan, StepResult
 from actorllm.worker.ranks import RankDied
 from actorllm.worker.runner import ModelRunner
+
+# How long the loop waits, at most, for an idle step thread to take the plan it was just
+# given (Worker._feed): the GIL hand-off. Longer only when the OS is slow to wake the
+# thread; then the loop goes on and the thread waits for the GIL as before.
+HANDOFF_S = 0.002
 
 
 class Worker:
@@ -32,6 +38,8 @@ class Worker:
         # (the Scheduler's next plan). Written by that thread, read by the loop's write
         # pacing (server/pacing.py); a bool, so no lock.
         self.waiting_for_plan = False
+        # Set by the step thread when it takes a plan (see _feed).
+        self._plan_taken = threading.Event()
 
     async def run(self) -> None:
         """Serve plans until the inbox closes, in a thread of their own that runs them back
@@ -65,9 +73,21 @@ class Worker:
             raise first from group
 
     async def _feed(self, plans: queue.SimpleQueue[StepPlan | None]) -> None:
+        """Pass each plan to the step thread. One given to a thread that waits for it is
+        handed over with the GIL: the loop blocks (GIL released) until the thread has it,
+        at most HANDOFF_S. Why: the thread needs the GIL to pack the plan before its
+        forward pass lets go of it, and a loop that went straight on to the Detokenizer's
+        and Frontend's work for the step before held it all that while (CPython passes
+        the GIL to a waiting thread only when its holder blocks, or after the 5 ms switch
+        interval), so that work ran between the plan and the forward pass instead of
+        during it (issue 28)."""
         try:
             async for plan in self.inbox:
+                idle = self.waiting_for_plan
+                self._plan_taken.clear()
                 plans.put(plan)
+                if idle:
+                    self._plan_taken.wait(HANDOFF_S)
         except BaseException:  # cancelled or failed: the thread stops after its step
             with contextlib.suppress(queue.Empty):
                 while True:
@@ -90,6 +110,7 @@ class Worker:
                     return plans.get()
                 finally:
                     self.waiting_for_plan = False
+                    self._plan_taken.set()
 
         def loop() -> None:
             while (plan := next_plan()) is not None:
