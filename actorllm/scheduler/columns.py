@@ -6,12 +6,9 @@ freezes the lists into a ``StepPlan``. No object per row is built on the way.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from actorllm.wire.messages import FEED_LAST_SAMPLE, NewSeqData, StepPlan
-
-if TYPE_CHECKING:
-    from actorllm.scheduler.sequence import Sequence
 
 
 class PlanColumns:
@@ -34,8 +31,9 @@ class PlanColumns:
         self.lp_from: list[int] = []
         self.num_drafts: list[int] = []  # filled only once a row speculates
 
-    def fill(self, planned: list[tuple[Sequence, int]]) -> None:
-        """Append each planned (sequence, tokens) row, as ``Sequence.schedule_into`` does.
+    def fill(self, planned: list[tuple[Any, int]]) -> None:
+        """Append each planned (Sequence, tokens) row, as ``Sequence.schedule_into`` does
+        (sequence.py imports this module: hence ``Any``).
 
         A plain decode row (one token, no drafts, known to the Worker, no prompt logprobs
         owed: nearly every row of a busy step) is written here in one go; any other goes
