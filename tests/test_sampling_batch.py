@@ -237,3 +237,21 @@ def test_a_row_without_top_k_does_not_lift_the_others_top_k() -> None:
         tokens = batch.sample(logits, np.arange(3))[1]
         assert tokens[1] == int(logits[1].argmax())
         assert tokens[2] in logits[2].topk(3).indices.tolist()
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(rows=st.lists(_row, min_size=1, max_size=8), data=st.data())
+def test_the_plain_column_shortcut_decides_as_the_full_checks(
+        rows: list[tuple[SamplingParams, list[int], list[int]]], data: st.DataObject) -> None:
+    """op_temperatures' shortcut (every row ``plain``) gives what its full checks give."""
+    batch = SamplingBatch(VOCAB, CPU, (EOS,), fused=lambda *a: None)
+    for slot, (p, prompt, output) in enumerate(rows):
+        batch.add(slot, SamplingState(p, prompt, output))
+    order = data.draw(st.permutations(range(len(rows))))
+    cases = [np.array(order, dtype=np.int64)] + [np.array([s]) for s in range(len(rows))]
+    got = [batch.op_temperatures(slots) for slots in cases]
+    batch.cols["plain"][:] = False  # the full checks alone
+    for slots, mine in zip(cases, got, strict=True):
+        full = batch.op_temperatures(slots)
+        assert (mine is None) == (full is None), rows[int(slots[0])][0]
+        assert mine is None or np.array_equal(mine, full)

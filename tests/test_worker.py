@@ -449,3 +449,33 @@ def test_the_worker_says_in_its_result_when_its_thread_waited_for_the_plan():
                 plans.close()
 
     trio.run(main)
+
+
+def test_a_plan_for_an_idle_thread_is_handed_over_before_the_loop_goes_on(monkeypatch):
+    """The feed waits (GIL released) until the idle step thread has taken its plan, so the
+    thread packs it before the loop's other actors run (issue 28). The bound is raised so
+    that a slow wake-up on a busy host cannot end the wait first."""
+    import actorllm.worker.actor as worker_actor
+
+    monkeypatch.setattr(worker_actor, "HANDOFF_S", 30.0)
+    runner = _GatedRunner()
+
+    async def main() -> None:
+        plans: Mailbox[StepPlan] = Mailbox("worker", StepPlan, capacity=4)
+        results: Mailbox[StepResult] = Mailbox("scheduler", StepResult, capacity=4)
+        worker = Worker(runner, plans, results)  # type: ignore[arg-type]
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(worker.run)
+                while not worker._thread_idle:
+                    await trio.sleep(0.001)
+                await plans.send(StepPlan(1))
+                # Only the loop's own work (no sleep): the feed has run, and with it the
+                # hand-over, by the time every task is blocked again.
+                await trio.testing.wait_all_tasks_blocked()
+                assert not worker._thread_idle  # the thread has the plan already
+                runner.gates.setdefault(1, threading.Event()).set()
+                assert (await results.receive()).step_id == 1
+                plans.close()
+
+    trio.run(main)

@@ -102,8 +102,7 @@ class Scheduler:
         self.in_flight: deque[StepPlan] = deque()  # sent, result not yet back; oldest first
         self.next_step_id = 0
         self.next_incarnation = 0
-        self.outgoing = Outgoing()
-        self.lp_live = 0  # live sequences that asked for prompt logprobs (commit reads it)
+        self.outgoing, self.lp_live = Outgoing(), 0  # lp_live: live rids asking prompt logprobs
         self._wake = trio.Event()
         # Counters (exported through SchedulerStats); ahead_tokens_dropped: rows planned
         # ahead for a sequence that ended meanwhile.
@@ -132,7 +131,8 @@ class Scheduler:
         while True:
             await self._wake.wait()
             self._wake = trio.Event()
-            # Plan first: the next step runs while the Detokenizer and Frontend work.
+            # Plan first: the next step runs while the Detokenizer and Frontend work (the
+            # checkpoint lets the Worker take the plan before they wake: Worker._feed).
             while len(self.in_flight) < self.max_steps_in_flight:
                 t0 = time.perf_counter()  # the step's plan phase (SchedulerStats.plan_s)
                 plan = self.schedule()
@@ -140,6 +140,7 @@ class Scheduler:
                 if plan is None:
                     break
                 await send_soon(self.worker, plan)
+                await trio.lowlevel.checkpoint()
             await self.flush()
 
     async def flush(self) -> None:
@@ -172,9 +173,7 @@ class Scheduler:
     def worker_drops(self) -> list[str]:
         return self.batch.worker_drops
 
-    @property
-    def num_preemptions(self) -> int:
-        return self.batch.num_preemptions
+    num_preemptions = property(lambda self: self.batch.num_preemptions)
 
     def handle(self, msg: Any) -> None:
         """Apply one message to the Scheduler's state. Never blocks."""
@@ -260,8 +259,7 @@ class Scheduler:
             # Nothing to run, but the Worker still holds state for freed rids: an empty
             # step tells it to let go, so a drained engine holds nothing anywhere.
         cols = PlanColumns()
-        for seq, n in planned:
-            seq.schedule_into(cols, n)
+        cols.fill(planned)
         plan = cols.freeze(self.next_step_id, self.batch.take_worker_drops())
         self.next_step_id += 1
         self.in_flight.append(plan)
@@ -286,13 +284,14 @@ class Scheduler:
                                    plan.sampled_rids(), row_tokens(result), strict=False)],
                                error=error, forward_s=result.forward_s)
         seqs = [self.seqs.get(rid) for rid in plan.rids]
+        ok, running, computed = error is None, State.RUNNING, self.batch.computed
         for seq, n, sampled, drafts in zip(seqs, plan.num_tokens, plan.sample,
                                            drafts_of(plan), strict=True):
             if seq is None:
                 continue
             seq.step_returned(sampled, drafts)
-            if error is None and seq.status is State.RUNNING:
-                self.batch.computed(seq, n - drafts)  # accepted drafts: in _commit
+            if ok and seq.view.local is running:
+                computed(seq, n - drafts)  # accepted drafts: in _commit
         if self._pass_fence():  # freed ones are gone: look the rids up again
             seqs = [self.seqs.get(rid) for rid in plan.rids]
         if error is not None:
@@ -340,7 +339,8 @@ class Scheduler:
             if refused and j in refused:  # its grammar refused the draw (a masking bug)
                 self._finish(seq, "fail", "error", error=refused[j])
                 continue
-            piece, lp = pieces.pop(seq.rid, None) if pieces else None, logprobs.get(j)
+            piece = pieces.pop(seq.rid, None) if pieces else None  # (rare: both)
+            lp = logprobs.get(j) if logprobs else None
             if type(tokens) is int:  # the hot path: no object for the row
                 reason, stop_reason = seq.finish_after(tokens)
                 out.token(seq, tokens, lp, piece)

@@ -16,6 +16,7 @@ preempt, the plan is empty and the pipeline drains to one step.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from actorllm.lifecycle.table import Ledger, State
 from actorllm.scheduler import seq_blocks as blocks
@@ -151,10 +152,11 @@ class Batch:
         budget = self.max_num_batched_tokens
         planned: Chunks = []
         # Victims come from the end: the newest (fcfs) or the lowest priority, then newest.
-        queue = sorted(self.running, key=order) if self.priority else list(self.running)
+        queue = deque(sorted(self.running, key=order) if self.priority else self.running)
         preempted = False
+        block_size = self.pool.block_size
         while queue and budget > 0:
-            seq = queue.pop(0)
+            seq = queue.popleft()
             if ahead and (not seq.may_plan_ahead() or seq.rid in self.flow.wanted):
                 continue  # (a pause waits for the steps that name it to return)
             n = min(seq.num_unscheduled, budget)
@@ -163,7 +165,9 @@ class Batch:
             if n == 1 and self.speculation is not None and (
                     room := self.speculation.per_row(len(self.running))):
                 n = self._draft(seq, min(budget, 1 + room))
-            while not self.reserve(seq, n):
+            # (most rows fit in the blocks they hold: no call for those)
+            while seq.num_scheduled + n > len(seq.block_table) * block_size \
+                    and not self.reserve(seq, n):
                 if ahead:
                     # No preemption while a step runs. Rather than run younger sequences
                     # past an older one, plan nothing: the pipeline drains to one step

@@ -6,7 +6,9 @@ freezes the lists into a ``StepPlan``. No object per row is built on the way.
 
 from __future__ import annotations
 
-from actorllm.wire.messages import NewSeqData, StepPlan
+from typing import Any
+
+from actorllm.wire.messages import FEED_LAST_SAMPLE, NewSeqData, StepPlan
 
 
 class PlanColumns:
@@ -28,6 +30,47 @@ class PlanColumns:
         self.lp_rows: list[int] = []
         self.lp_from: list[int] = []
         self.num_drafts: list[int] = []  # filled only once a row speculates
+
+    def fill(self, planned: list[tuple[Any, int]]) -> None:
+        """Append each planned (Sequence, tokens) row, as ``Sequence.schedule_into`` does
+        (sequence.py imports this module: hence ``Any``).
+
+        A plain decode row (one token, no drafts, known to the Worker, no prompt logprobs
+        owed: nearly every row of a busy step) is written here in one go; any other goes
+        through ``schedule_into``. Why: at 256 rows a step, the general method's checks
+        and calls were about a third of planning (issue 28). Both must write the same
+        row (the simulation and scheduler tests drive both)."""
+        rids, num_tokens, token_ids = self.rids, self.num_tokens, self.token_ids
+        start_pos, sample, num_new, new_blocks = (
+            self.start_pos, self.sample, self.num_new_blocks, self.new_blocks)
+        for seq, n in planned:
+            if n != 1 or seq.drafts or not seq.worker_knows \
+                    or seq.params.prompt_logprobs is not None:
+                seq.schedule_into(self, n)
+                continue
+            start = seq.num_scheduled
+            prompt = seq.prompt_ids
+            p = len(prompt)
+            known = p + len(seq.output_ids)
+            if start < known:
+                token_ids.append(prompt[start] if start < p else seq.output_ids[start - p])
+            else:  # the token a step in flight samples (planned ahead)
+                assert start == known and seq.samples_in_flight, seq
+                token_ids.append(FEED_LAST_SAMPLE)
+            flies = seq.samples_in_flight
+            sampled = start + 1 == known + flies and seq.max_tokens > 0
+            seq.num_scheduled = start + 1
+            seq.in_flight += 1
+            seq.samples_in_flight = flies + sampled
+            rids.append(seq.rid)
+            num_tokens.append(1)
+            start_pos.append(start)
+            sample.append(sampled)
+            table, sent = seq.block_table, seq.blocks_sent
+            num_new.append(len(table) - sent)
+            if len(table) > sent:
+                new_blocks.extend(table[sent:])
+                seq.blocks_sent = len(table)
 
     def freeze(self, step_id: int, drop: tuple[str, ...]) -> StepPlan:
         """The finished plan."""

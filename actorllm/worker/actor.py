@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import queue
+import threading
 import time
 
 import attrs
@@ -19,6 +20,11 @@ from actorllm.wire.mailbox import Inbox, Outbox
 from actorllm.wire.messages import StepPlan, StepResult
 from actorllm.worker.ranks import RankDied
 from actorllm.worker.runner import ModelRunner
+
+# How long the loop waits, at most, for an idle step thread to take the plan it was just
+# given (Worker._feed): the GIL hand-off. Longer only when the OS is slow to wake the
+# thread; then the loop goes on and the thread waits for the GIL as before.
+HANDOFF_S = 0.002
 
 
 class Worker:
@@ -30,6 +36,12 @@ class Worker:
         self.runner = runner
         self.inbox = inbox
         self.results = results
+        # True while the step thread waits for a plan. The Worker's own: written by its
+        # thread, read by its feed task for the hand-over (_feed); a bool, so no lock.
+        # Other actors hear of the wait by message (StepResult.plan_wait_s).
+        self._thread_idle = False
+        # Set by the step thread when it takes a plan (see _feed).
+        self._plan_taken = threading.Event()
 
     async def run(self) -> None:
         """Serve plans until the inbox closes, in a thread of their own that runs them back
@@ -63,9 +75,21 @@ class Worker:
             raise first from group
 
     async def _feed(self, plans: queue.SimpleQueue[StepPlan | None]) -> None:
+        """Pass each plan to the step thread. One given to a thread that waits for it is
+        handed over with the GIL: the loop blocks (GIL released) until the thread has it,
+        at most HANDOFF_S. Why: the thread needs the GIL to pack the plan before its
+        forward pass lets go of it, and a loop that went straight on to the Detokenizer's
+        and Frontend's work for the step before held it all that while (CPython passes
+        the GIL to a waiting thread only when its holder blocks, or after the 5 ms switch
+        interval), so that work ran between the plan and the forward pass instead of
+        during it (issue 28)."""
         try:
             async for plan in self.inbox:
+                idle = self._thread_idle
+                self._plan_taken.clear()
                 plans.put(plan)
+                if idle:
+                    self._plan_taken.wait(HANDOFF_S)
         except BaseException:  # cancelled or failed: the thread stops after its step
             with contextlib.suppress(queue.Empty):
                 while True:
@@ -84,7 +108,12 @@ class Worker:
                 return plans.get_nowait(), 0.0
             except queue.Empty:
                 t0 = time.perf_counter()
-                return plans.get(), time.perf_counter() - t0
+                self._thread_idle = True
+                try:
+                    return plans.get(), time.perf_counter() - t0
+                finally:
+                    self._thread_idle = False
+                    self._plan_taken.set()
 
         def loop() -> None:
             while True:

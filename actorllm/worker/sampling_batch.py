@@ -78,6 +78,7 @@ _COLUMNS: dict[str, tuple[type, float]] = {
     "frequency": (np.float32, 0.0), "seeded": (np.bool_, 0), "min_tokens": (np.int64, 0),
     "num_out": (np.int64, 0), "prompt_len": (np.int64, 0), "last_token": (np.int64, -1),
     "logprobs": (np.int64, -1), "biased": (np.bool_, 0), "constrained": (np.bool_, 0),
+    "plain": (np.bool_, 0),
 }
 
 
@@ -149,6 +150,7 @@ class SamplingBatch:
         }
         for name, value in values.items():
             cols[name][slot] = value
+        cols["plain"][slot] = self._plain(slot)
         self.joined[slot], self.grammars[slot] = state, state.grammar
         self.seeds[slot] = p.seed or 0
         dev = self.device
@@ -288,13 +290,24 @@ class SamplingBatch:
         these slots' rows from their raw logits, or None where something else must run:
         no op, a seeded row, a filter, logprobs, a grammar, min_tokens, a bias or a
         penalty. The decode op then draws the step's tokens in the same call."""
-        cols = self.cols
-        greedy = cols["greedy"][slots]
-        if self.fused is None or (cols["seeded"][slots] & ~greedy).any() \
-                or (cols["logprobs"][slots] >= 0).any() or cols["constrained"][slots].any() \
-                or not self._unfiltered(slots, ~greedy) or self.needs_processing(slots):
+        if self.fused is None:
+            return None
+        cols, greedy = self.cols, self.cols["greedy"][slots]
+        if not cols["plain"][slots].all() and (  # (plain: nearly every step, _plain)
+                (cols["seeded"][slots] & ~greedy).any()
+                or (cols["logprobs"][slots] >= 0).any() or cols["constrained"][slots].any()
+                or not self._unfiltered(slots, ~greedy) or self.needs_processing(slots)):
             return None
         return np.where(greedy, 0.0, cols["temperature"][slots]).astype(np.float32)
+
+    def _plain(self, slot: int) -> bool:
+        """Whether ``slot``'s row passes op_temperatures' checks for good (issue 28)."""
+        c = {name: col[slot] for name, col in self.cols.items()}
+        return bool(not c["min_tokens"] and c["logprobs"] < 0 and not c["constrained"]
+                    and not c["biased"] and c["repetition"] == 1.0 and c["presence"] == 0
+                    and c["frequency"] == 0 and (c["greedy"] or (
+                        not c["seeded"] and c["top_k"] >= self.vocab
+                        and not c["top_p"] < 1.0 and not c["min_p"] > 0.0)))
 
     def _unfiltered(self, slots: np.ndarray, rows: np.ndarray) -> bool:
         """Whether no row where ``rows`` holds asks for top_k, top_p or min_p."""
