@@ -36,6 +36,7 @@ from actorllm.scheduler.speculation import (
     Speculation,
     best_drafts,
     draft_gain,
+    plain_step,
     propose_ngram,
 )
 from actorllm.wire.messages import FEED_LAST_SAMPLE, SamplingParams, ScheduledSeq, StepPlan
@@ -89,6 +90,34 @@ def test_drafts_grow_with_acceptance_and_only_when_they_pay(a: float, b: float, 
     assert 0 <= k_lo <= k_hi <= cap
     assert (k_lo == 0) == all(draft_gain(lo, k, cost) <= 0 for k in range(1, cap + 1))
     assert best_drafts(1.0, cap, DRAFT_COST["ngram"]) == cap  # all accepted: the most
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.floats(0.0, 1.0), st.integers(1, 16), st.integers(1, 64), st.integers(0, 64),
+       st.sampled_from(sorted(DRAFT_COST.values())))
+def test_drafts_shrink_as_the_batch_grows(alpha: float, cap: int, rows: int, more: int,
+                                          cost: float) -> None:
+    """Beside more rows a saved step is worth less (``plain_step(rows) / rows``) and a
+    draft costs at least as much, so a row never carries more drafts in a bigger batch;
+    and it carries one only if that draft alone, or more, gains more than they cost."""
+    k, k_more = best_drafts(alpha, cap, cost, rows), best_drafts(alpha, cap, cost, rows + more)
+    assert 0 <= k_more <= k <= cap
+    assert plain_step(rows + more) / (rows + more) <= plain_step(rows) / rows
+    if k:
+        assert draft_gain(alpha, k, cost, rows) > 0
+        assert all(draft_gain(alpha, j, cost, rows) <= draft_gain(alpha, k, cost, rows)
+                   for j in range(1, cap + 1))
+
+
+def test_the_cost_model_drafts_alone_and_not_where_drafting_broke_even() -> None:
+    """Measured on the CPU (docs/architecture.md): one row drafts deep at the benchmark's
+    acceptance; 4 rows at acceptance 0.63 broke even with 2 drafts a row, so the model
+    gives them none, while a row whose drafts are nearly always accepted still drafts."""
+    ngram = DRAFT_COST["ngram"]
+    assert best_drafts(0.63, 8, ngram, 1) >= 4
+    assert best_drafts(0.63, 2, ngram, 4) == 0
+    assert best_drafts(0.9, 2, ngram, 4) == 2
+    assert best_drafts(0.9, 8, ngram, 16) <= 1
 
 
 def test_proposals_stop_short_of_max_tokens_skip_logprob_rows_and_back_off() -> None:
