@@ -327,6 +327,48 @@ def test_plain_greedy_rows_verified_at_once_match_row_by_row_verification() -> N
         assert (together.cols[col] == ref.cols[col]).all(), col
 
 
+@settings(max_examples=examples(100), deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=5),
+       st.integers(0, 2 ** 16))
+def test_plain_greedy_rows_alone_are_verified_and_committed_at_once(
+        rows: list[tuple[int, int]], seed: int) -> None:
+    """A batch of plain greedy rows only (no penalty table): each row's accepted drafts,
+    its own token and the batch's columns are verify_slot's, whether the first rejection
+    comes early, late or never (the bonus token)."""
+    vocab, g = 9, torch.Generator().manual_seed(seed)
+    drafts = [d for d, _ in rows]
+    logits = torch.randn(sum(d + 1 for d in drafts), vocab, generator=g)
+    tokens, at = [], 0
+    for d, wrong in rows:
+        best = logits[at:at + d].argmax(-1).tolist()
+        if wrong < d:  # the draft at ``wrong`` is not the argmax: rejected there
+            best[wrong] = (best[wrong] + 1) % vocab
+        tokens += [1, *best]
+        at += d + 1
+
+    def batch() -> SamplingBatch:
+        b = SamplingBatch(vocab, torch.device("cpu"), (1,), 8)
+        for i in range(len(rows)):
+            b.add(i, SamplingState(SamplingParams(temperature=0.0), [7, 8], [3] * i))
+        return b
+
+    n = len(rows)
+    plan = StepPlan(1, rids=tuple(f"r{i}" for i in range(n)),
+                    num_tokens=tuple(d + 1 for d in drafts), token_ids=tuple(tokens),
+                    start_pos=(4,) * n, sample=(True,) * n, num_drafts=tuple(drafts))
+    got, _ = verify_drafts(logits, plan, np.arange(n), (together := batch()))
+    ref, at = batch(), 0
+    for j, (d, wrong) in enumerate(rows):
+        if d:
+            want = verify_slot(ref, j, logits[at:at + d + 1], tokens[at + 1:at + d + 1])
+            assert got[j] == want and len(want) == min(wrong, d) + 1, j
+        at += d + 1
+    assert set(got) == {j for j, d in enumerate(drafts) if d}
+    assert together.seen is None
+    for col in ("num_out", "last_token"):
+        assert (together.cols[col] == ref.cols[col]).all(), col
+
+
 # --- end to end ----------------------------------------------------------------------------
 
 
