@@ -11,6 +11,7 @@ its own (``StepResult.num_sampled``). docs/architecture.md, "Speculative decodin
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 from itertools import repeat
@@ -69,19 +70,30 @@ def draft_gain(alpha: float, k: int, draft_cost: float, rows: int = 1) -> float:
     each accepted with probability ``alpha`` once the previous one was, and each accepted
     one saves the row a step. ``draft_cost``: what a draft costs beyond the target's
     token (``DRAFT_COST``)."""
-    accepted = sum(alpha ** j for j in range(1, k + 1))
-    extra = VERIFY_COST + (draft_cost + token_cost(rows)) * k
-    return accepted - extra * max(rows, 1) / plain_step(rows)
+    if k < 1:
+        return 0.0
+    return deque(_gains(alpha, k, draft_cost, rows), maxlen=1)[0]
 
 
 def best_drafts(alpha: float, cap: int, draft_cost: float, rows: int = 1) -> int:
     """The draft count in [0, cap] with the largest :func:`draft_gain` (0: none pays)."""
-    best, gain = 0, 0.0
-    for k in range(1, cap + 1):
-        g = draft_gain(alpha, k, draft_cost, rows)
-        if g > gain:
-            best, gain = k, g
+    best, top = 0, 0.0
+    for k, gain in enumerate(_gains(alpha, cap, draft_cost, rows), 1):
+        if gain > top:
+            best, top = k, gain
     return best
+
+
+def _gains(alpha: float, cap: int, draft_cost: float, rows: int) -> Iterator[float]:
+    """:func:`draft_gain` for k = 1 .. cap, the sum of powers grown a term at a time (it
+    runs for every proposal and, on a miss, for each kind of match the row tried)."""
+    scale = max(rows, 1) / plain_step(rows)
+    verify, per_draft = VERIFY_COST * scale, (draft_cost + token_cost(rows)) * scale
+    accepted, power = 0.0, 1.0
+    for k in range(1, cap + 1):
+        power *= alpha
+        accepted += power
+        yield accepted - verify - per_draft * k
 
 
 def propose_ngram(tokens: Seq[int], k: int, n_min: int, n_max: int) -> list[int]:
