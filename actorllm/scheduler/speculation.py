@@ -200,6 +200,8 @@ class Speculation:
             # The Worker's draft model fills these placeholders before the target runs.
             drafts, n = [DRAFT_PLACEHOLDER] * cap, 0
         else:
+            if not self._may_pay(seq, cap, rows):
+                return []
             drafts, n = lookup_ngram(seq.prompt_ids + seq.output_ids, cap,
                                      self.config.prompt_lookup_min,
                                      self.config.prompt_lookup_max)
@@ -217,6 +219,23 @@ class Speculation:
             return []
         seq.spec_n = n
         return drafts[:k]
+
+    def _may_pay(self, seq: Sequence, cap: int, rows: int) -> bool:
+        """Whether some kind of n-gram match could give ``seq`` drafts now: one never
+        tried, or one whose estimate pays beside ``rows`` rows. If none can, the lookup
+        is skipped (each row pays it every step, and beside many rows most estimates do
+        not pay) and every kind is forgiven a bit, as a passed-over one is."""
+        self._alpha(seq, 0)  # (the counts, on a row's first proposal)
+        c, (prior_hits, prior_tries) = self.config, self.prior
+        hits, tries = seq.spec_hits, seq.spec_tries
+        kinds = range(c.prompt_lookup_min, c.prompt_lookup_max + 1)
+        if any(tries[m] == prior_tries or best_drafts(hits[m] / tries[m], cap, self._cost, rows)
+               for m in kinds):
+            return True
+        for m in kinds:
+            hits[m] += RECOVER * (prior_hits - hits[m])
+            tries[m] += RECOVER * (prior_tries - tries[m])
+        return False
 
     @property
     def _cost(self) -> float:
