@@ -120,6 +120,44 @@ def test_the_cost_model_drafts_alone_and_not_where_drafting_broke_even() -> None
     assert best_drafts(0.9, 8, ngram, 16) <= 1
 
 
+def test_beside_many_rows_a_row_probes_each_kind_once_then_skips_the_lookup(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 4 rows the prior does not pay: each kind of match gets one probe draft; once
+    every kind was tried and none pays, the row stops looking up n-grams (each lookup
+    costs it a scan of its history every step), and its estimates drift back towards
+    the prior meanwhile. Alone, the same row proposes again at once."""
+    import actorllm.scheduler.speculation as speculation
+
+    lookups: list[int] = []
+
+    def counted(tokens: Any, k: int, n_min: int, n_max: int) -> tuple[list[int], int]:
+        lookups.append(k)
+        return real(tokens, k, n_min, n_max)
+
+    real = speculation.lookup_ngram
+    monkeypatch.setattr(speculation, "lookup_ngram", counted)
+    spec = Speculation(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2))
+    seq = Sequence("a", [5, 6, 7, 5, 6, 7, 5], SamplingParams(max_tokens=100), 100,
+                   frozenset())
+    assert spec.propose(seq, 2, 4) == [6]  # a 2-gram match, never tried: a probe of one
+    spec.verdict(seq, 1, 0)
+    assert seq.spec_skip and lookups == [2]  # nothing it tried pays: back-off
+    while seq.spec_skip:
+        assert spec.propose(seq, 2, 4) == []
+    seq.output_ids += [9, 5]  # [.. 5, 9, 5]: (9, 5) never occurred, 5 alone matches
+    assert spec.propose(seq, 2, 4) == [9]  # the untried 1-gram kind: a probe
+    spec.verdict(seq, 1, 0)
+    while seq.spec_skip:
+        spec.propose(seq, 2, 4)
+    before = len(lookups)
+    tries = list(seq.spec_tries)
+    assert [spec.propose(seq, 2, 4) for _ in range(5)] == [[]] * 5
+    assert len(lookups) == before  # every kind tried, none pays: no lookup
+    assert all(abs(t - 2.0) < abs(b - 2.0) for t, b in zip(seq.spec_tries[1:], tries[1:],
+                                                            strict=True))
+    assert spec.propose(seq, 4, 1) and len(lookups) == before + 1  # alone it pays again
+
+
 def test_proposals_stop_short_of_max_tokens_skip_logprob_rows_and_back_off() -> None:
     spec = Speculation(SpeculativeConfig(num_speculative_tokens=4))
     seq = Sequence("a", [1, 2, 3, 1, 2], SamplingParams(max_tokens=3), 3, frozenset())
