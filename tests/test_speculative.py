@@ -136,7 +136,8 @@ def test_beside_many_rows_a_row_probes_each_kind_once_then_skips_the_lookup(
 
     real = speculation.lookup_ngram
     monkeypatch.setattr(speculation, "lookup_ngram", counted)
-    spec = Speculation(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2))
+    spec = Speculation(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2,
+                                         max_draft_tokens_per_step=8))
     seq = Sequence("a", [5, 6, 7, 5, 6, 7, 5], SamplingParams(max_tokens=100), 100,
                    frozenset())
     assert spec.propose(seq, 2, 4) == [6]  # a 2-gram match, never tried: a probe of one
@@ -156,6 +157,10 @@ def test_beside_many_rows_a_row_probes_each_kind_once_then_skips_the_lookup(
     assert all(abs(t - 2.0) < abs(b - 2.0) for t, b in zip(seq.spec_tries[1:], tries[1:],
                                                             strict=True))
     assert spec.propose(seq, 4, 1) and len(lookups) == before + 1  # alone it pays again
+    unbounded = Speculation(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2))
+    fresh = Sequence("b", [5, 6, 7, 5, 6, 7, 5], SamplingParams(max_tokens=100), 100,
+                     frozenset())
+    assert unbounded.propose(fresh, 4, 4) == [6, 7, 5, 6]  # a GPU's default: as if alone
 
 
 def test_proposals_stop_short_of_max_tokens_skip_logprob_rows_and_back_off() -> None:

@@ -196,6 +196,9 @@ class Speculation:
                   seq.max_tokens - len(seq.output_ids) - 1)
         if cap < 1 or not may_speculate(seq):
             return []
+        # The batch's rows enter the cost model where the step's drafts are bounded: the
+        # CPU, where it was measured; unbounded (a GPU's default) a row counts as alone.
+        rows = rows if self.config.max_draft_tokens_per_step is not None else 1
         if self.config.method == "draft_model":
             # The Worker's draft model fills these placeholders before the target runs.
             drafts, n = [DRAFT_PLACEHOLDER] * cap, 0
