@@ -163,6 +163,31 @@ def test_beside_many_rows_a_row_probes_each_kind_once_then_skips_the_lookup(
     assert unbounded.propose(fresh, 4, 4) == [6, 7, 5, 6]  # a GPU's default: as if alone
 
 
+def test_under_overlap_a_row_nothing_of_which_pays_is_not_held_back() -> None:
+    """``wants`` (a row not planned ahead, waiting for its verdict or token) only while
+    some kind of its matches may pay: beside 4 rows, once its kinds were tried and
+    failed, the row may run ahead again, and each step planned ahead forgives its
+    estimates a bit. Unbounded drafts (a GPU) cost a row as alone: it still wants."""
+    bounded = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=1,
+                                max_draft_tokens_per_step=8)
+    spec = Speculation(bounded)
+    seq = Sequence("a", [5, 6, 5], SamplingParams(max_tokens=100), 100, frozenset())
+    assert spec.wants(seq, 4)  # the 1-gram kind never tried: a probe may come
+    assert spec.propose(seq, 2, 4) == [6]
+    spec.verdict(seq, 1, 0)
+    seq.spec_skip = 0
+    assert not spec.wants(seq, 4) and spec.wants(seq, 1)  # alone the estimate pays
+    before = seq.spec_tries[1]
+    spec.step_without_proposal(seq)
+    assert abs(seq.spec_tries[1] - 2.0) < abs(before - 2.0)
+    unbounded = Speculation(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=1))
+    other = Sequence("b", [5, 6, 5], SamplingParams(max_tokens=100), 100, frozenset())
+    unbounded.propose(other, 4, 4)
+    unbounded.verdict(other, 4, 0)
+    other.spec_skip = 0
+    assert unbounded.wants(other, 4)
+
+
 def test_proposals_stop_short_of_max_tokens_skip_logprob_rows_and_back_off() -> None:
     spec = Speculation(SpeculativeConfig(num_speculative_tokens=4))
     seq = Sequence("a", [1, 2, 3, 1, 2], SamplingParams(max_tokens=3), 3, frozenset())

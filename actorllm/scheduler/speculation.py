@@ -171,17 +171,23 @@ class Speculation:
     def wants(self, seq: Sequence, running: int) -> bool:
         """Whether ``seq``'s next decode row would carry drafts once its tokens are all
         known (with ``running`` sequences): not in back-off, a share of the step's draft
-        budget, room before ``max_tokens``. Under overlap such a row is not planned ahead
-        (``Batch._plan_running``): planned ahead, its last token in flight, it could not
-        get a proposal."""
+        budget, room before ``max_tokens``, a kind of match that may pay. Under overlap
+        such a row is not planned ahead (``Batch._plan_running``): planned ahead, its last
+        token in flight, it could not get a proposal; one that nothing of pays is, and
+        keeps the overlap (``step_without_proposal`` forgives it meanwhile)."""
         left = seq.max_tokens - len(seq.output_ids) - seq.samples_in_flight - 1
-        return not seq.spec_skip and left >= 1 and self.per_row(running) >= 1 \
-            and may_speculate(seq)
+        cap = min(self.config.num_speculative_tokens, self.per_row(running), left)
+        return not seq.spec_skip and cap >= 1 and may_speculate(seq) \
+            and self._pays(seq, cap, self._rows(running))
 
     def step_without_proposal(self, seq: Sequence) -> None:
         """``seq`` runs a decode step with no proposal asked for (in back-off, or planned
-        ahead under overlap): one step of its back-off passes."""
-        seq.spec_skip = max(seq.spec_skip - 1, 0)
+        ahead under overlap, where it may be because nothing of it pays): one step of
+        its back-off passes, or its estimates are forgiven a bit."""
+        if seq.spec_skip:
+            seq.spec_skip -= 1
+        elif seq.spec_tries:
+            self._forgive(seq)
 
     def propose(self, seq: Sequence, room: int, rows: int = 1) -> list[int]:
         """Drafts for ``seq``'s next decode row (at most ``room`` tokens) in a step of
@@ -196,14 +202,15 @@ class Speculation:
                   seq.max_tokens - len(seq.output_ids) - 1)
         if cap < 1 or not may_speculate(seq):
             return []
-        # The batch's rows enter the cost model where the step's drafts are bounded: the
-        # CPU, where it was measured; unbounded (a GPU's default) a row counts as alone.
-        rows = rows if self.config.max_draft_tokens_per_step is not None else 1
+        rows = self._rows(rows)
         if self.config.method == "draft_model":
             # The Worker's draft model fills these placeholders before the target runs.
             drafts, n = [DRAFT_PLACEHOLDER] * cap, 0
         else:
-            if not self._may_pay(seq, cap, rows):
+            if not self._pays(seq, cap, rows):
+                # Nothing can pay: the lookup (a scan of the row's history, every step) is
+                # skipped, and the estimates forgiven a bit, as a passed-over kind's.
+                self._forgive(seq)
                 return []
             drafts, n = lookup_ngram(seq.prompt_ids + seq.output_ids, cap,
                                      self.config.prompt_lookup_min,
@@ -223,22 +230,36 @@ class Speculation:
         seq.spec_n = n
         return drafts[:k]
 
-    def _may_pay(self, seq: Sequence, cap: int, rows: int) -> bool:
-        """Whether some kind of n-gram match could give ``seq`` drafts now: one never
-        tried, or one whose estimate pays beside ``rows`` rows. If none can, the lookup
-        is skipped (each row pays it every step, and beside many rows most estimates do
-        not pay) and every kind is forgiven a bit, as a passed-over one is."""
+    def _pays(self, seq: Sequence, cap: int, rows: int) -> bool:
+        """Whether some kind of match could give ``seq`` drafts now (at most ``cap``,
+        beside ``rows`` rows): one never tried, or one whose estimate pays."""
         self._alpha(seq, 0)  # (the counts, on a row's first proposal)
-        c, (prior_hits, prior_tries) = self.config, self.prior
         hits, tries = seq.spec_hits, seq.spec_tries
-        kinds = range(c.prompt_lookup_min, c.prompt_lookup_max + 1)
-        if any(tries[m] == prior_tries or best_drafts(hits[m] / tries[m], cap, self._cost, rows)
-               for m in kinds):
-            return True
-        for m in kinds:
-            hits[m] += RECOVER * (prior_hits - hits[m])
-            tries[m] += RECOVER * (prior_tries - tries[m])
-        return False
+        return any(tries[m] == self.prior[1]
+                   or best_drafts(hits[m] / tries[m], cap, self._cost, rows)
+                   for m in self._kinds)
+
+    def _forgive(self, seq: Sequence) -> None:
+        """Move every kind's estimate a bit back towards the prior (a row none of whose
+        kinds pays proposes nothing, so it would never try one again)."""
+        self._alpha(seq, 0)
+        hits, tries = seq.spec_hits, seq.spec_tries
+        for m in self._kinds:
+            hits[m] += RECOVER * (self.prior[0] - hits[m])
+            tries[m] += RECOVER * (self.prior[1] - tries[m])
+
+    @property
+    def _kinds(self) -> range:
+        """The kinds of match a row keeps estimates for: n-gram lengths, or the draft's."""
+        c = self.config
+        return range(1) if c.method == "draft_model" else range(
+            c.prompt_lookup_min, c.prompt_lookup_max + 1)
+
+    def _rows(self, rows: int) -> int:
+        """The batch's rows as the cost model sees them: only where a step's drafts are
+        bounded (the CPU, where it was measured); unbounded (a GPU's default) a row
+        counts as alone."""
+        return rows if self.config.max_draft_tokens_per_step is not None else 1
 
     @property
     def _cost(self) -> float:
