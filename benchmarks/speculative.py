@@ -10,10 +10,11 @@
 Two workloads through the embedded model (or ``--model``): ``repeat``, prompts that ask
 for a given passage to be repeated or edited (where prompt lookup pays), and ``random``,
 prompts of random words (where it does not, and the engine must not lose: a row drafts
-only as many tokens as its recent acceptance pays for, docs/architecture.md
-"Speculative decoding"). The defaults, K = 8 and ``prompt_lookup_min`` 1 (the config's),
-are the most the adaptive policy may use; ``--num-speculative-tokens 4
---prompt-lookup-min 2`` is what this benchmark ran before it.
+only as many tokens as its recent acceptance pays for beside the batch's other rows,
+docs/architecture.md "Speculative decoding"). The defaults, K = 8 and
+``prompt_lookup_min`` 1 (the config's), are the most the adaptive policy may use;
+``--num-speculative-tokens 4 --prompt-lookup-min 2`` is what this benchmark ran before
+it.
 For each workload and concurrency C, ``--requests`` requests run C at a time (each of the
 C slots starts its next request when one ends), with speculation off and then on, on
 the same weights (one ``Resources``, two engines). Reported per cell: output tokens/s

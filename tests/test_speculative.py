@@ -36,6 +36,7 @@ from actorllm.scheduler.speculation import (
     Speculation,
     best_drafts,
     draft_gain,
+    plain_step,
     propose_ngram,
 )
 from actorllm.wire.messages import FEED_LAST_SAMPLE, SamplingParams, ScheduledSeq, StepPlan
@@ -89,6 +90,102 @@ def test_drafts_grow_with_acceptance_and_only_when_they_pay(a: float, b: float, 
     assert 0 <= k_lo <= k_hi <= cap
     assert (k_lo == 0) == all(draft_gain(lo, k, cost) <= 0 for k in range(1, cap + 1))
     assert best_drafts(1.0, cap, DRAFT_COST["ngram"]) == cap  # all accepted: the most
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.floats(0.0, 1.0), st.integers(1, 16), st.integers(1, 64), st.integers(0, 64),
+       st.sampled_from(sorted(DRAFT_COST.values())))
+def test_drafts_shrink_as_the_batch_grows(alpha: float, cap: int, rows: int, more: int,
+                                          cost: float) -> None:
+    """Beside more rows a saved step is worth less (``plain_step(rows) / rows``) and a
+    draft costs at least as much, so a row never carries more drafts in a bigger batch;
+    and it carries one only if that draft alone, or more, gains more than they cost."""
+    k, k_more = best_drafts(alpha, cap, cost, rows), best_drafts(alpha, cap, cost, rows + more)
+    assert 0 <= k_more <= k <= cap
+    assert plain_step(rows + more) / (rows + more) <= plain_step(rows) / rows
+    if k:
+        assert draft_gain(alpha, k, cost, rows) > 0
+        assert all(draft_gain(alpha, j, cost, rows) <= draft_gain(alpha, k, cost, rows)
+                   for j in range(1, cap + 1))
+
+
+def test_the_cost_model_drafts_alone_and_not_where_drafting_broke_even() -> None:
+    """Measured on the CPU (docs/architecture.md): one row drafts deep at the benchmark's
+    acceptance; 4 rows at acceptance 0.63 broke even with 2 drafts a row, so the model
+    gives them none, while a row whose drafts are nearly always accepted still drafts."""
+    ngram = DRAFT_COST["ngram"]
+    assert best_drafts(0.63, 8, ngram, 1) >= 4
+    assert best_drafts(0.63, 2, ngram, 4) == 0
+    assert best_drafts(0.9, 2, ngram, 4) == 2
+    assert best_drafts(0.9, 8, ngram, 16) <= 1
+
+
+def test_beside_many_rows_a_row_probes_each_kind_once_then_skips_the_lookup(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 4 rows the prior does not pay: each kind of match gets one probe draft; once
+    every kind was tried and none pays, the row stops looking up n-grams (each lookup
+    costs it a scan of its history every step), and its estimates drift back towards
+    the prior meanwhile. Alone, the same row proposes again at once."""
+    import actorllm.scheduler.speculation as speculation
+
+    lookups: list[int] = []
+
+    def counted(tokens: Any, k: int, n_min: int, n_max: int) -> tuple[list[int], int]:
+        lookups.append(k)
+        return real(tokens, k, n_min, n_max)
+
+    real = speculation.lookup_ngram
+    monkeypatch.setattr(speculation, "lookup_ngram", counted)
+    spec = Speculation(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2,
+                                         max_draft_tokens_per_step=8))
+    seq = Sequence("a", [5, 6, 7, 5, 6, 7, 5], SamplingParams(max_tokens=100), 100,
+                   frozenset())
+    assert spec.propose(seq, 2, 4) == [6]  # a 2-gram match, never tried: a probe of one
+    spec.verdict(seq, 1, 0)
+    assert seq.spec_skip and lookups == [2]  # nothing it tried pays: back-off
+    while seq.spec_skip:
+        assert spec.propose(seq, 2, 4) == []
+    seq.output_ids += [9, 5]  # [.. 5, 9, 5]: (9, 5) never occurred, 5 alone matches
+    assert spec.propose(seq, 2, 4) == [9]  # the untried 1-gram kind: a probe
+    spec.verdict(seq, 1, 0)
+    while seq.spec_skip:
+        spec.propose(seq, 2, 4)
+    before = len(lookups)
+    tries = list(seq.spec_tries)
+    assert [spec.propose(seq, 2, 4) for _ in range(5)] == [[]] * 5
+    assert len(lookups) == before  # every kind tried, none pays: no lookup
+    assert all(abs(t - 2.0) < abs(b - 2.0) for t, b in zip(seq.spec_tries[1:], tries[1:],
+                                                            strict=True))
+    assert spec.propose(seq, 4, 1) and len(lookups) == before + 1  # alone it pays again
+    unbounded = Speculation(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2))
+    fresh = Sequence("b", [5, 6, 7, 5, 6, 7, 5], SamplingParams(max_tokens=100), 100,
+                     frozenset())
+    assert unbounded.propose(fresh, 4, 4) == [6, 7, 5, 6]  # a GPU's default: as if alone
+
+
+def test_under_overlap_a_row_nothing_of_which_pays_is_not_held_back() -> None:
+    """``wants`` (a row not planned ahead, waiting for its verdict or token) only while
+    some kind of its matches may pay: beside 4 rows, once its kinds were tried and
+    failed, the row may run ahead again, and each step planned ahead forgives its
+    estimates a bit. Unbounded drafts (a GPU) cost a row as alone: it still wants."""
+    bounded = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=1,
+                                max_draft_tokens_per_step=8)
+    spec = Speculation(bounded)
+    seq = Sequence("a", [5, 6, 5], SamplingParams(max_tokens=100), 100, frozenset())
+    assert spec.wants(seq, 4)  # the 1-gram kind never tried: a probe may come
+    assert spec.propose(seq, 2, 4) == [6]
+    spec.verdict(seq, 1, 0)
+    seq.spec_skip = 0
+    assert not spec.wants(seq, 4) and spec.wants(seq, 1)  # alone the estimate pays
+    before = seq.spec_tries[1]
+    spec.step_without_proposal(seq)
+    assert abs(seq.spec_tries[1] - 2.0) < abs(before - 2.0)
+    unbounded = Speculation(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=1))
+    other = Sequence("b", [5, 6, 5], SamplingParams(max_tokens=100), 100, frozenset())
+    unbounded.propose(other, 4, 4)
+    unbounded.verdict(other, 4, 0)
+    other.spec_skip = 0
+    assert unbounded.wants(other, 4)
 
 
 def test_proposals_stop_short_of_max_tokens_skip_logprob_rows_and_back_off() -> None:
@@ -294,6 +391,48 @@ def test_plain_greedy_rows_verified_at_once_match_row_by_row_verification() -> N
         at += d + 1
     assert 1 < len(got[0]) < 4 and set(got) == {0, 1, 2, 3}
     assert torch.equal(last, logits[[3, 6, 10, 15, 16]])
+    for col in ("num_out", "last_token"):
+        assert (together.cols[col] == ref.cols[col]).all(), col
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=5),
+       st.integers(0, 2 ** 16))
+def test_plain_greedy_rows_alone_are_verified_and_committed_at_once(
+        rows: list[tuple[int, int]], seed: int) -> None:
+    """A batch of plain greedy rows only (no penalty table): each row's accepted drafts,
+    its own token and the batch's columns are verify_slot's, whether the first rejection
+    comes early, late or never (the bonus token)."""
+    vocab, g = 9, torch.Generator().manual_seed(seed)
+    drafts = [d for d, _ in rows]
+    logits = torch.randn(sum(d + 1 for d in drafts), vocab, generator=g)
+    tokens, at = [], 0
+    for d, wrong in rows:
+        best = logits[at:at + d].argmax(-1).tolist()
+        if wrong < d:  # the draft at ``wrong`` is not the argmax: rejected there
+            best[wrong] = (best[wrong] + 1) % vocab
+        tokens += [1, *best]
+        at += d + 1
+
+    def batch() -> SamplingBatch:
+        b = SamplingBatch(vocab, torch.device("cpu"), (1,), 8)
+        for i in range(len(rows)):
+            b.add(i, SamplingState(SamplingParams(temperature=0.0), [7, 8], [3] * i))
+        return b
+
+    n = len(rows)
+    plan = StepPlan(1, rids=tuple(f"r{i}" for i in range(n)),
+                    num_tokens=tuple(d + 1 for d in drafts), token_ids=tuple(tokens),
+                    start_pos=(4,) * n, sample=(True,) * n, num_drafts=tuple(drafts))
+    got, _ = verify_drafts(logits, plan, np.arange(n), (together := batch()))
+    ref, at = batch(), 0
+    for j, (d, wrong) in enumerate(rows):
+        if d:
+            want = verify_slot(ref, j, logits[at:at + d + 1], tokens[at + 1:at + d + 1])
+            assert got[j] == want and len(want) == min(wrong, d) + 1, j
+        at += d + 1
+    assert set(got) == {j for j, d in enumerate(drafts) if d}
+    assert together.seen is None
     for col in ("num_out", "last_token"):
         assert (together.cols[col] == ref.cols[col]).all(), col
 

@@ -205,7 +205,7 @@ class Batch:
             # The back-off counts its steps, planned ahead or not.
             self.speculation.step_without_proposal(seq)
             return 1
-        drafts = self.speculation.propose(seq, budget - 1)
+        drafts = self.speculation.propose(seq, budget - 1, len(self.running))
         if drafts and blocks.reserve(self.pool, seq, 1 + len(drafts)):
             seq.drafts = drafts
             return 1 + len(drafts)

@@ -11,6 +11,7 @@ its own (``StepResult.num_sampled``). docs/architecture.md, "Speculative decodin
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 from itertools import repeat
@@ -27,15 +28,23 @@ from actorllm.wire.steps import StepPlan, StepResult
 MAX_BACKOFF = 64
 #: What a draft_model row carries where its drafts go: the Scheduler never knows them.
 DRAFT_PLACEHOLDER = 0
-#: The cost model, in plain decode steps of a row (measured on the CPU with the embedded
-#: model at concurrency 1, docs/architecture.md "Speculative decoding"; how a batch
-#: shares its drafts is ``max_draft_tokens_per_step``'s business): a step that verifies
-#: drafts costs this much more ...
+#: The cost model, in plain decode steps of one row (1.7 ms on the CPU with the embedded
+#: model; docs/architecture.md "Speculative decoding", "The cost model sees the batch").
+#: Each row a plain step carries beyond the first adds this much (its forward share and
+#: the host's work per row: TPOT 1.8, 2.3 and 4.4 ms at 1, 4 and 16 rows), so a step a
+#: row saves is worth ``plain_step(rows) / rows``: 1 alone, 0.32 of 4 rows.
+ROW_COST = 0.09
+#: A draft token's forward, alone and beside other rows: a lone row's drafts ride on
+#: the weight reads its token pays anyway (one row and 8 drafts: +0.33 ms, 0.03 each);
+#: beside other rows each costs about a row (4 rows of 2 drafts at acceptance 0.63 broke
+#: even in the quiet runs: ~0.15 a draft once the verification is counted apart).
+TOKEN_COST = (0.03, 0.15)
+#: A row that verifies drafts costs this much more (the verification, its share of the
+#: sampler, the lookup) ...
 VERIFY_COST = 0.12
-#: ... and each draft token this much (a draft model's also runs a pass of the draft).
-#: The fp32 linears cost ~30 us a row at one row on the embedded model (ops/cpu_linear.py:
-#: ``torch.mm``, no row padding), about 0.013 of a plain step; the rest is the verify.
-DRAFT_COST = {"ngram": 0.03, "draft_model": 0.1}
+#: ... and each of its drafts this much on top of the target's token: a draft model's
+#: pass of the draft.
+DRAFT_COST = {"ngram": 0.0, "draft_model": 0.07}
 #: A row's acceptance estimate: drafts accepted / tried, counted with this decay per
 #: verdict (so it follows the row's recent text), from a prior of PRIOR_HITS / PRIOR_TRIES.
 DECAY = 0.75
@@ -45,22 +54,46 @@ PRIOR_HITS, PRIOR_TRIES = 1.0, 2.0
 RECOVER = 0.1
 
 
-def draft_gain(alpha: float, k: int, draft_cost: float) -> float:
-    """Expected steps saved minus the extra cost (in plain steps) of ``k`` drafts on a
-    row whose drafts are each accepted with probability ``alpha`` once the previous one
-    was: each accepted draft saves the row a step."""
-    accepted = sum(alpha ** j for j in range(1, k + 1))
-    return accepted - VERIFY_COST - draft_cost * k
+def plain_step(rows: int) -> float:
+    """What a plain decode step of ``rows`` rows costs, in plain steps of one row."""
+    return 1.0 + ROW_COST * (max(rows, 1) - 1)
 
 
-def best_drafts(alpha: float, cap: int, draft_cost: float) -> int:
+def token_cost(rows: int) -> float:
+    """What a draft token adds to a step of ``rows`` rows, in plain steps of one row."""
+    return TOKEN_COST[0] if rows <= 1 else TOKEN_COST[1]
+
+
+def draft_gain(alpha: float, k: int, draft_cost: float, rows: int = 1) -> float:
+    """Expected steps a row saves minus the extra cost of its ``k`` drafts, in steps of
+    that row (``plain_step(rows) / rows``) in a batch of ``rows`` rows: its drafts are
+    each accepted with probability ``alpha`` once the previous one was, and each accepted
+    one saves the row a step. ``draft_cost``: what a draft costs beyond the target's
+    token (``DRAFT_COST``)."""
+    if k < 1:
+        return 0.0
+    return deque(_gains(alpha, k, draft_cost, rows), maxlen=1)[0]
+
+
+def best_drafts(alpha: float, cap: int, draft_cost: float, rows: int = 1) -> int:
     """The draft count in [0, cap] with the largest :func:`draft_gain` (0: none pays)."""
-    best, gain = 0, 0.0
-    for k in range(1, cap + 1):
-        g = draft_gain(alpha, k, draft_cost)
-        if g > gain:
-            best, gain = k, g
+    best, top = 0, 0.0
+    for k, gain in enumerate(_gains(alpha, cap, draft_cost, rows), 1):
+        if gain > top:
+            best, top = k, gain
     return best
+
+
+def _gains(alpha: float, cap: int, draft_cost: float, rows: int) -> Iterator[float]:
+    """:func:`draft_gain` for k = 1 .. cap, the sum of powers grown a term at a time (it
+    runs for every proposal and, on a miss, for each kind of match the row tried)."""
+    scale = max(rows, 1) / plain_step(rows)
+    verify, per_draft = VERIFY_COST * scale, (draft_cost + token_cost(rows)) * scale
+    accepted, power = 0.0, 1.0
+    for k in range(1, cap + 1):
+        power *= alpha
+        accepted += power
+        yield accepted - verify - per_draft * k
 
 
 def propose_ngram(tokens: Seq[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -120,6 +153,9 @@ class Speculation:
         # A new row's estimate: PRIOR_HITS of PRIOR_TRIES (the simulation starts its rows
         # more pessimistic, so that one miss backs a row off and hypothesis reaches it).
         self.prior = (PRIOR_HITS, PRIOR_TRIES)
+        # The batch's rows at the latest proposal: what a verdict's "does any kind still
+        # pay" is judged against.
+        self.rows = 1
 
     def per_row(self, running: int) -> int:
         """The most drafts a row may carry with ``running`` sequences in the batch (0:
@@ -135,21 +171,28 @@ class Speculation:
     def wants(self, seq: Sequence, running: int) -> bool:
         """Whether ``seq``'s next decode row would carry drafts once its tokens are all
         known (with ``running`` sequences): not in back-off, a share of the step's draft
-        budget, room before ``max_tokens``. Under overlap such a row is not planned ahead
-        (``Batch._plan_running``): planned ahead, its last token in flight, it could not
-        get a proposal."""
+        budget, room before ``max_tokens``, a kind of match that may pay. Under overlap
+        such a row is not planned ahead (``Batch._plan_running``): planned ahead, its last
+        token in flight, it could not get a proposal; one that nothing of pays is, and
+        keeps the overlap (``step_without_proposal`` forgives it meanwhile)."""
         left = seq.max_tokens - len(seq.output_ids) - seq.samples_in_flight - 1
-        return not seq.spec_skip and left >= 1 and self.per_row(running) >= 1 \
-            and may_speculate(seq)
+        cap = min(self.config.num_speculative_tokens, self.per_row(running), left)
+        return not seq.spec_skip and cap >= 1 and may_speculate(seq) \
+            and self._pays(seq, cap, self._rows(running))
 
     def step_without_proposal(self, seq: Sequence) -> None:
         """``seq`` runs a decode step with no proposal asked for (in back-off, or planned
-        ahead under overlap): one step of its back-off passes."""
-        seq.spec_skip = max(seq.spec_skip - 1, 0)
+        ahead under overlap, where it may be because nothing of it pays): one step of
+        its back-off passes, or its estimates are forgiven a bit."""
+        if seq.spec_skip:
+            seq.spec_skip -= 1
+        elif seq.spec_tries:
+            self._forgive(seq)
 
-    def propose(self, seq: Sequence, room: int) -> list[int]:
-        """Drafts for ``seq``'s next decode row (at most ``room`` tokens); [] for none.
-        As many as pay by the row's acceptance estimate for this kind of match
+    def propose(self, seq: Sequence, room: int, rows: int = 1) -> list[int]:
+        """Drafts for ``seq``'s next decode row (at most ``room`` tokens) in a step of
+        ``rows`` rows; [] for none. As many as pay by the row's acceptance estimate for
+        this kind of match and by what drafts cost beside that many rows
         (:func:`best_drafts`), at most K; never past ``max_tokens``: a step emits at most
         drafts + 1 tokens."""
         if seq.spec_skip:
@@ -159,16 +202,26 @@ class Speculation:
                   seq.max_tokens - len(seq.output_ids) - 1)
         if cap < 1 or not may_speculate(seq):
             return []
+        rows = self._rows(rows)
         if self.config.method == "draft_model":
             # The Worker's draft model fills these placeholders before the target runs.
             drafts, n = [DRAFT_PLACEHOLDER] * cap, 0
         else:
+            if not self._pays(seq, cap, rows):
+                # Nothing can pay: the lookup (a scan of the row's history, every step) is
+                # skipped, and the estimates forgiven a bit, as a passed-over kind's.
+                self._forgive(seq)
+                return []
             drafts, n = lookup_ngram(seq.prompt_ids + seq.output_ids, cap,
                                      self.config.prompt_lookup_min,
                                      self.config.prompt_lookup_max)
             if not drafts:
                 return []
-        k = best_drafts(self._alpha(seq, n), cap, self._cost)
+        self.rows = rows
+        k = best_drafts(self._alpha(seq, n), cap, self._cost, rows)
+        if not k and seq.spec_tries[n] == self.prior[1]:
+            k = 1  # a kind of match never tried: one draft probes it (beside many rows
+            # the prior alone does not pay, and an estimate only moves by trying)
         if not k:  # a kind of match that does not pay now: passed over, and forgiven a bit
             hits, tries = seq.spec_hits, seq.spec_tries
             hits[n] += RECOVER * (self.prior[0] - hits[n])
@@ -176,6 +229,37 @@ class Speculation:
             return []
         seq.spec_n = n
         return drafts[:k]
+
+    def _pays(self, seq: Sequence, cap: int, rows: int) -> bool:
+        """Whether some kind of match could give ``seq`` drafts now (at most ``cap``,
+        beside ``rows`` rows): one never tried, or one whose estimate pays."""
+        self._alpha(seq, 0)  # (the counts, on a row's first proposal)
+        hits, tries = seq.spec_hits, seq.spec_tries
+        return any(tries[m] == self.prior[1]
+                   or best_drafts(hits[m] / tries[m], cap, self._cost, rows)
+                   for m in self._kinds)
+
+    def _forgive(self, seq: Sequence) -> None:
+        """Move every kind's estimate a bit back towards the prior (a row none of whose
+        kinds pays proposes nothing, so it would never try one again)."""
+        self._alpha(seq, 0)
+        hits, tries = seq.spec_hits, seq.spec_tries
+        for m in self._kinds:
+            hits[m] += RECOVER * (self.prior[0] - hits[m])
+            tries[m] += RECOVER * (self.prior[1] - tries[m])
+
+    @property
+    def _kinds(self) -> range:
+        """The kinds of match a row keeps estimates for: n-gram lengths, or the draft's."""
+        c = self.config
+        return range(1) if c.method == "draft_model" else range(
+            c.prompt_lookup_min, c.prompt_lookup_max + 1)
+
+    def _rows(self, rows: int) -> int:
+        """The batch's rows as the cost model sees them: only where a step's drafts are
+        bounded (the CPU, where it was measured); unbounded (a GPU's default) a row
+        counts as alone."""
+        return rows if self.config.max_draft_tokens_per_step is not None else 1
 
     @property
     def _cost(self) -> float:
@@ -209,7 +293,7 @@ class Speculation:
         # stop a long one that pays (a miss of the lookup costs nothing anyway).
         tried = [m for m, t in enumerate(seq.spec_tries) if t != self.prior[1]]
         if not any(best_drafts(seq.spec_hits[m] / seq.spec_tries[m],
-                               self.config.num_speculative_tokens, self._cost)
+                               self.config.num_speculative_tokens, self._cost, self.rows)
                    for m in tried):
             seq.spec_misses += 1
             seq.spec_skip = min(2 ** seq.spec_misses, MAX_BACKOFF)

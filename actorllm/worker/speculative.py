@@ -74,20 +74,54 @@ def _plain_greedy(batch: SamplingBatch, slot: int) -> bool:
 def _verify_plain_greedy(logits: Tensor, rows: list[tuple[int, int, list[int]]],
                          slots: np.ndarray, batch: SamplingBatch) -> dict[int, list[int]]:
     """:func:`verify_slot` for plain greedy rows (:func:`_plain_greedy`), all at once: one
-    argmax over the step's logits, then the tokens committed position by position (a
-    row's in order, the rows together), not a few small ops per row and position."""
-    best = logits.argmax(dim=-1).tolist()
-    out: dict[int, list[int]] = {}
-    for j, at, drafts in rows:
-        a = 0
-        while a < len(drafts) and best[at + a] == drafts[a]:
-            a += 1
-        out[j] = [*drafts[:a], best[at + a]]
-    for p in range(max(len(t) for t in out.values())):
-        js = [j for j, t in out.items() if len(t) > p]
-        tokens = [out[j][p] for j in js]
-        batch.commit(slots[js], torch.tensor(tokens, device=logits.device), tokens)
+    argmax over the step's logits, each row's drafts compared with it in a few whole-array
+    ops (its accepted count: the drafts before its first mismatch), and the tokens
+    committed together (:func:`_commit_runs`), with no work per row and position."""
+    best = argmax_rows(logits)
+    at = np.fromiter((r[1] for r in rows), dtype=np.int64, count=len(rows))
+    lens = np.fromiter((len(r[2]) for r in rows), dtype=np.int64, count=len(rows))
+    starts = np.cumsum(lens) - lens
+    drafts = np.concatenate([np.asarray(r[2], dtype=np.int64) for r in rows])
+    # Position p of row r is logits row at[r] + p; a row's drafts are all >= 1 long.
+    within = np.arange(len(drafts)) - np.repeat(starts, lens)
+    miss = best[np.repeat(at, lens) + within] != drafts
+    seen = np.cumsum(miss)  # mismatches so far, over all rows: a row's own from its start
+    clean = seen - np.repeat(seen[starts] - miss[starts], lens) == 0
+    accepted = np.add.reduceat(clean, starts)
+    last = best[at + accepted]
+    out = {j: [*d[:a], t] for (j, _, d), a, t in zip(rows, accepted.tolist(), last.tolist(),
+                                                      strict=True)}
+    _commit_runs(batch, slots[[j for j, _, _ in rows]], out)
     return out
+
+
+def argmax_rows(logits: Tensor) -> np.ndarray:
+    """Each row's argmax (the first of ties, as ``Tensor.argmax``). On the CPU through
+    numpy: torch's argmax over the last dimension took 54 us for 9 rows of a 4096-token
+    vocabulary on this machine's CPUs (one thread), numpy's 3 us; at one row with 8
+    drafts that was a third of the verification."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return logits.numpy().argmax(axis=-1)
+    return logits.argmax(dim=-1).cpu().numpy()
+
+
+def _commit_runs(batch: SamplingBatch, at: np.ndarray, runs: dict[int, list[int]]) -> None:
+    """Commit each run of tokens to its slot (``at[i]`` gets the i-th run, in order), as
+    ``SamplingBatch.commit`` one position at a time would. Without penalty tables or
+    grammars to feed (plain greedy rows in a batch that has none) a commit only counts
+    the tokens and keeps the last, so a run is written at once; otherwise position by
+    position, the rows together."""
+    tokens = list(runs.values())
+    cols = batch.cols
+    if batch.seen is None and batch.counts is None and not cols["constrained"][at].any():
+        cols["num_out"][at] += np.fromiter(map(len, tokens), dtype=cols["num_out"].dtype,
+                                           count=len(tokens))
+        cols["last_token"][at] = [t[-1] for t in tokens]
+        return
+    for p in range(max(map(len, tokens))):
+        i = [r for r, t in enumerate(tokens) if len(t) > p]
+        step = [tokens[r][p] for r in i]
+        batch.commit(at[i], torch.tensor(step, device=batch.device), step)
 
 
 def spliced(token_ids: tuple[int, ...], verified: dict[int, list[int]]
