@@ -72,6 +72,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from sim import InvariantViolation, SimConfig, TextModel, World, make_machine
 from sim.bugs import COLLECTOR_BUGS
 from sim.bugs import PLANTED as PLANTED_BUGS
+from sim.profiles import examples_independent_of_loaded_modules
 
 from actorllm.frontend.collector import OutputCollector
 from actorllm.frontend.readers import FlowLimits
@@ -139,7 +140,7 @@ def test_planted_bug_is_caught(tiny_tokenizer: Any, seam: str, invariant: str) -
     flow = FLOW if seam in FLOW_BUGS else None
     config = SimConfig(bugs=frozenset({seam}), **{"flow": flow, **EXTRA.get(seam, {})})
     machine = make_machine(tiny_tokenizer, config, name=f"Planted_{seam.replace('.', '_')}")
-    with pytest.raises(InvariantViolation) as found:
+    with pytest.raises(InvariantViolation) as found, examples_independent_of_loaded_modules():
         run_state_machine_as_test(machine, settings=FIND)
     assert found.value.invariant == invariant, str(found.value)
 
