@@ -60,6 +60,9 @@ what they break (``EXTRA`` below: big prompts through the Tokenizer's thread hop
 death, a stream timeout, the priority policy).
 
 Each run stops at the first counterexample (no shrinking: only finding it matters here).
+The searches run on the simulation's pinned constants (``sim.profiles``), so they explore
+the same examples whatever else the process has imported; a control shows that, with the
+checks silenced, the examples that caught a bug pass.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from sim import InvariantViolation, SimConfig, TextModel, World, make_machine
 from sim.bugs import COLLECTOR_BUGS
 from sim.bugs import PLANTED as PLANTED_BUGS
+from sim.profiles import examples_independent_of_loaded_modules
 
 from actorllm.frontend.collector import OutputCollector
 from actorllm.frontend.readers import FlowLimits
@@ -139,7 +143,7 @@ def test_planted_bug_is_caught(tiny_tokenizer: Any, seam: str, invariant: str) -
     flow = FLOW if seam in FLOW_BUGS else None
     config = SimConfig(bugs=frozenset({seam}), **{"flow": flow, **EXTRA.get(seam, {})})
     machine = make_machine(tiny_tokenizer, config, name=f"Planted_{seam.replace('.', '_')}")
-    with pytest.raises(InvariantViolation) as found:
+    with pytest.raises(InvariantViolation) as found, examples_independent_of_loaded_modules():
         run_state_machine_as_test(machine, settings=FIND)
     assert found.value.invariant == invariant, str(found.value)
 
@@ -166,3 +170,22 @@ def test_every_bug_is_planted_and_only_where_asked(tiny_tokenizer: Any) -> None:
             world.close()
     with pytest.raises(ValueError, match="no planted bug"):
         World(tiny_tokenizer, TextModel(tiny_tokenizer), SimConfig(bugs=frozenset({"x.bug_y"})))
+
+
+def test_a_planted_bug_escapes_when_nothing_checks(
+        tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control: every check reports through ``World.report``; silence it, and the very
+    examples that caught a planted bug pass, so what catches the bugs above is the checks
+    (not a crash the bug happens to cause)."""
+    seam, invariant = "frontend.bug_reuse_live_rid", "2"
+    config = SimConfig(bugs=frozenset({seam}))
+    machine = make_machine(tiny_tokenizer, config, name=f"Planted_{seam.replace('.', '_')}")
+    with pytest.raises(InvariantViolation) as found, examples_independent_of_loaded_modules():
+        run_state_machine_as_test(machine, settings=FIND)
+    assert found.value.invariant == invariant, str(found.value)
+    needed = machine.reached["examples"] + 1  # those that passed, then the one that failed
+    monkeypatch.setattr(World, "report", lambda self, invariant, message: None)
+    machine = make_machine(tiny_tokenizer, config, name=f"Planted_{seam.replace('.', '_')}")
+    with examples_independent_of_loaded_modules():
+        run_state_machine_as_test(machine, settings=settings(FIND, max_examples=needed))
+    assert machine.reached["examples"] == needed  # the same examples ran, and passed

@@ -21,7 +21,7 @@ from steps import Tables
 
 from actorllm.config import EngineConfig
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
-from actorllm.llm import collect
+from actorllm.llm import GenerationResult, collect, make_request
 from actorllm.scheduler.actor import Scheduler
 from actorllm.scheduler.kv_pool import BlockPool, hash_block
 from actorllm.wire.mailbox import Mailbox
@@ -37,6 +37,7 @@ from actorllm.wire.messages import (
     TokenBatch,
     TokenLogprob,
 )
+from actorllm.wire.outputs import Merged, RequestError, merge_all
 
 EOS = 1
 BS = 4
@@ -347,6 +348,13 @@ def test_priority_under_kv_pressure_the_lowest_priority_is_preempted() -> None:
 _resources: dict[str, Resources] = {}
 
 
+async def until(cond: Any, timeout: float = 30.0) -> None:
+    """Wait for ``cond()`` (looked at every 5 ms; the timeout only guards against a hang)."""
+    with trio.fail_after(timeout):
+        while not cond():
+            await trio.sleep(0.005)
+
+
 @asynccontextmanager
 async def engine_for(model: Path, max_model_len: int = 160,
                      **kw: Any) -> AsyncIterator[AsyncEngine]:
@@ -365,17 +373,42 @@ QUESTIONS = ["what is a river?", "name a colour", "count to three", "why is the 
              "hello"]
 
 
+async def _one(engine: AsyncEngine, rid: str, prompt: str, params: SamplingParams,
+               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+               ) -> GenerationResult:
+    """``collect``, streamed: ``task_status.started()`` once the first tokens are out (the
+    whole prompt was computed, so its full blocks are in the prefix cache)."""
+    choices: dict[int, Merged] = {}
+    n_prompt = 0
+    try:
+        async for out in engine.generate(make_request(rid, prompt, params)):
+            merge_all(choices, out)
+            n_prompt = out.num_prompt_tokens or n_prompt
+            if len(choices) == params.n:  # every choice has its first token
+                task_status.started()
+                task_status = trio.TASK_STATUS_IGNORED
+    except RequestError as exc:
+        task_status.started()
+        return GenerationResult(rid, prompt, (), n_prompt, error=str(exc))
+    outputs = tuple(choices[i].output(i) for i in sorted(choices))
+    return GenerationResult(rid, prompt, outputs, n_prompt)
+
+
 async def _generate_all(engine: AsyncEngine, prompts: list[str],
                         params: list[SamplingParams]) -> list[Any]:
+    """Every prompt at once, but the first ahead: the rest arrive once its prompt is
+    computed, so they find its blocks (an event, not a pause that a slow machine
+    outlasts)."""
     results: list[Any] = [None] * len(prompts)
 
-    async def one(i: int) -> None:
-        results[i] = await collect(engine, f"r{i}", prompts[i], params[i])
+    async def one(i: int, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        results[i] = await _one(engine, f"r{i}", prompts[i], params[i], task_status)
 
     async with trio.open_nursery() as nursery:
-        for i in range(len(prompts)):
+        await nursery.start(one, 0)
+        for i in range(1, len(prompts)):
             nursery.start_soon(one, i)
-            await trio.sleep(0.01)  # later arrivals find earlier ones' blocks
     return results
 
 
@@ -452,8 +485,11 @@ async def test_http_priority_is_honoured_with_the_priority_policy(tiny_llama_dir
             order.append(name)
 
         async with trio.open_nursery() as nursery:
+            # In order: each low one arrives once the Scheduler holds the one before (it
+            # runs low0 and queues the rest), then the urgent one.
             for i in range(3):
                 nursery.start_soon(one, f"low{i}", 5, 120)
-                await trio.sleep(0.02)
+                await until(lambda i=i: engine.frontend.stats.num_running == 1
+                            and engine.frontend.stats.num_waiting == i)
             nursery.start_soon(one, "high", -5, 2)
         assert order[0] == "high", order

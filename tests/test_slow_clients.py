@@ -24,14 +24,29 @@ def long_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
                             max_position_embeddings=LONG_CONTEXT)
 
 
+def _serve(request: pytest.FixtureRequest, model: Path, log_dir: Path,
+           stream_timeout: float) -> Any:
+    srv = ServerProcess(model, "--topology", request.param, "--max-pending", "4",
+                        "--max-pending-bytes-per-request", "65536",
+                        "--stream-timeout", str(stream_timeout),
+                        "--body-timeout", "1", "--keep-alive-timeout", "1", log_dir=log_dir)
+    yield from srv.serve_module()
+
+
 @pytest.fixture(scope="module", params=["single", "engine"])
 def server(request: pytest.FixtureRequest, long_llama_dir: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Any:
-    srv = ServerProcess(long_llama_dir, "--topology", request.param, "--max-pending", "4",
-                        "--max-pending-bytes-per-request", "65536", "--stream-timeout", "2",
-                        "--body-timeout", "1", "--keep-alive-timeout", "1",
-                        log_dir=tmp_path_factory.mktemp("slow"))
-    yield from srv.serve_module()
+    """A server whose stalled streams are cut after 2 s."""
+    yield from _serve(request, long_llama_dir, tmp_path_factory.mktemp("slow"), 2.0)
+
+
+@pytest.fixture(scope="module", params=["single", "engine"])
+def patient_server(request: pytest.FixtureRequest, long_llama_dir: Path,
+                   tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The same, but a stalled stream is cut only after 600 s (a guard against a hang):
+    for a test that needs stalled output to stay put while it works, however long a
+    loaded machine takes (2 s was a race against the whole test)."""
+    yield from _serve(request, long_llama_dir, tmp_path_factory.mktemp("patient"), 600.0)
 
 
 def _addr(base: str) -> tuple[str, int]:
@@ -81,8 +96,8 @@ def stream_events(base: str, max_tokens: int = 40) -> list[dict[str, Any]]:
 
 
 def test_stalled_clients_give_their_slots_back_and_do_not_hold_up_others(
-        server: Any) -> None:
-    base = server.url
+        patient_server: Any) -> None:
+    base = patient_server.url
     before = metrics(base)
     done0 = before.get("actorllm:request_success_total", 0.0)
     # Four clients that never read fill --max-pending 4 ...

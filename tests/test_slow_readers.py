@@ -4,6 +4,7 @@ by a reader that keeps up, token for token."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from helpers import Call, app_for
 
 from actorllm.config import EngineConfig
@@ -58,13 +60,26 @@ async def reference(model: Path, prompt: str, params: SamplingParams = GREEDY) -
     return list(res.outputs[0].token_ids)
 
 
+async def until_frozen(cond: Any, polls: int = 6000) -> None:
+    """``until`` for a test on a frozen mock clock, where ``trio.sleep`` never returns: look
+    every 5 ms of real time (in a thread, off trio's clock), for ``polls`` looks at most."""
+    for _ in range(polls):
+        if cond():
+            return
+        await trio.to_thread.run_sync(time.sleep, 0.005)
+    raise AssertionError(f"still false after {polls} looks")
+
+
 async def test_stalled_reader_is_paused_then_cancelled_after_the_timeout(
-        tiny_llama_dir: Path) -> None:
+        tiny_llama_dir: Path, mock_clock: trio.testing.MockClock) -> None:
+    """The stream timeout is judged on trio's clock, here a mock one that stands still until
+    the test moves it: however slow the machine, the request is paused (and checked) before
+    any of the timeout has passed, lives on at half of it, and is cancelled at all of it."""
     params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
     async with engine_for(tiny_llama_dir, max_pending_bytes_per_request=16,
                           stream_timeout=0.5) as engine:
         col = await engine.submit(GenerateRequest("stall", params, prompt="a stalled reader"))
-        await until(lambda: engine.frontend.stats.num_paused == 1)
+        await until_frozen(lambda: engine.frontend.stats.num_paused == 1)
         # The stats that say "paused" left the Scheduler after the pause: every token made
         # before it has arrived, and no step runs it any more.
         held = col.pending_tokens
@@ -74,7 +89,15 @@ async def test_stalled_reader_is_paused_then_cancelled_after_the_timeout(
         assert sample(engine, "num_requests_paused") == 1
         assert sample(engine, "pending_output_bytes") == col.pending_bytes
         assert sample(engine, "pending_output_bytes_max") == col.pending_bytes
-        assert sample(engine, "oldest_undelivered_output_seconds") > 0
+        assert sample(engine, "oldest_undelivered_output_seconds") == 0  # no time passed
+        mock_clock.jump(0.25)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not col.engine_done.is_set()  # half the timeout: still alive
+        assert sample(engine, "oldest_undelivered_output_seconds") == pytest.approx(0.25)
+        mock_clock.jump(0.25)
+        # From here on nothing is timed: let the clock run, so the guards below (and the
+        # engine's drain on leaving) wait as they would on a real one.
+        mock_clock.rate = 1.0
         with trio.fail_after(10):
             await col.engine_done.wait()  # the stream timeout ran out
         assert col.pending_tokens == held  # nothing generated while paused

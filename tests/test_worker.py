@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import trio
+import trio.testing
 from helpers import hf_greedy, hf_model
 from steps import Plans, Ran, execute
 
@@ -378,7 +379,9 @@ def test_the_step_thread_starts_a_queued_plan_without_the_event_loop():
             await plans.send(StepPlan(2))
             while runner.started != [1]:
                 await trio.sleep(0.001)
-            await trio.sleep(0.05)  # plan 2 is queued for the thread by now
+            # Once every task waits, the Worker has moved plan 2 to the thread's queue.
+            await trio.testing.wait_all_tasks_blocked()
+            assert plans.depth == 0
             runner.gates[1].set()
             deadline = time.monotonic() + 5
             while runner.started != [1, 2] and time.monotonic() < deadline:
@@ -406,12 +409,13 @@ def test_cancelling_the_worker_drops_plans_the_thread_has_not_started():
                     await plans.send(StepPlan(i))
                 while runner.started != [1]:
                     await trio.sleep(0.001)
-                await trio.sleep(0.05)
+                await trio.testing.wait_all_tasks_blocked()  # plans 2 and 3 wait in the
+                assert plans.depth == 0  # thread's queue, not in the mailbox
                 nursery.cancel_scope.cancel()
                 # Let the Worker's tasks see the cancellation before the running step ends:
                 # a plan taken before then was not dropped by the cancel, it preceded it.
                 with trio.CancelScope(shield=True):
-                    await trio.sleep(0.05)
+                    await trio.testing.wait_all_tasks_blocked()
                 runner.gates.setdefault(1, threading.Event()).set()  # the running step ends
 
     trio.run(main)
