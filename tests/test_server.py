@@ -140,6 +140,16 @@ def http(url: str, method: str = "GET", body: Any = None, headers: dict[str, str
         return err.code, {k.lower(): v for k, v in err.headers.items()}, err.read()
 
 
+def wait_draining(base: str, within: float = 60.0) -> None:
+    """Wait until the server says it is shutting down (``/health`` answers 503): the event
+    a test sends SIGTERM for, not a guess at how long the signal takes to land. The
+    deadline is a hang guard only."""
+    deadline = time.monotonic() + within
+    while http(base + "/health")[0] != 503:
+        assert time.monotonic() < deadline, "the server never began to drain"
+        time.sleep(0.01)
+
+
 def metrics(base: str) -> dict[str, float]:
     """``/metrics`` parsed with prometheus-client's parser: sample name -> sum over labels."""
     status, _, text = http(base + "/metrics")

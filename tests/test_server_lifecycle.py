@@ -7,12 +7,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import openai
 import pytest
-from test_server import CONTEXT, ServerProcess, http
+from test_server import CONTEXT, ServerProcess, http, wait_draining
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess[str]:
@@ -83,7 +82,7 @@ def test_overload_env_key_and_graceful_drain(tiny_llama_dir: Path, tmp_path: Pat
         assert info.value.status_code == 503 and info.value.code == "overloaded"
 
         srv.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        wait_draining(base)
         # Still accepting, but refusing new work with a 503 that says why.
         with pytest.raises(openai.InternalServerError) as info:
             client.completions.create(model="m", prompt="Hi", max_tokens=2)

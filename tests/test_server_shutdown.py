@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from helpers import build_tiny_model, sse_events
-from test_server import ServerProcess, http
+from test_server import ServerProcess, http, wait_draining
 
 LONG_CONTEXT = 8192
 KV_BLOCKS = LONG_CONTEXT // 16  # ServerProcess passes --num-kv-blocks 512: exactly one
@@ -150,7 +150,7 @@ def test_drain_answers_503_then_cuts_with_an_error(long_llama_dir: Path, topolog
         base = srv.wait_ready()
         stream, whole = _in_flight(base)
         srv.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        wait_draining(base)
         # Still accepting: a new connection is answered, and told the server is stopping.
         status, headers, body = http(base + "/v1/completions", "POST", {"prompt": "Hi"})
         assert status == 503 and _error_of(body)["code"] == "shutting_down"
