@@ -33,18 +33,20 @@ from actorllm.ops import AttentionBackend
 log = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "actorllm_paged"
-_STEP_KWARG = "actorllm_step"
+STEP_KWARG = "actorllm_step"
 _registered = False
 
 
 class Step:
     """What the attention function needs from the step in flight."""
 
-    __slots__ = ("backend", "batch", "kv_caches")
+    __slots__ = ("backend", "batch", "kv_caches", "rope")
 
     def __init__(self, batch: ForwardBatch, kv_caches: list[KVCache],
                  backend: AttentionBackend) -> None:
         self.batch, self.kv_caches, self.backend = batch, kv_caches, backend
+        # RoPE tables in the paged op's layout, built once a step (``hf_attention``).
+        self.rope: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
 
 
 def paged_attention_forward(
@@ -65,7 +67,7 @@ def paged_attention_forward(
     any q/k norm); returns ``([1, T, H, D], None)`` as transformers' SDPA function does.
     ``attention_mask`` is ignored: causality per sequence comes from the batch.
     """
-    step: Step | None = kwargs.get(_STEP_KWARG)
+    step: Step | None = kwargs.get(STEP_KWARG)
     if step is None:
         raise RuntimeError(f"{type(module).__name__}: {ATTN_IMPLEMENTATION} attention called "
                            "outside a step (the model must run through HFCausalLM)")
@@ -125,7 +127,7 @@ class HFCausalLM(nn.Module):
             input_ids=batch.input_ids[None],
             position_ids=batch.positions[None],
             use_cache=False,
-            **{_STEP_KWARG: Step(batch, kv_caches, backend)},
+            **{STEP_KWARG: Step(batch, kv_caches, backend)},
         )
         return out.last_hidden_state[0]
 

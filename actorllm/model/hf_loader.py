@@ -20,6 +20,7 @@ import transformers
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from actorllm.model.hf_attention import lean_attention
 from actorllm.model.hf_backend import ATTN_IMPLEMENTATION, HFCausalLM, register_attention
 from actorllm.model.hf_experts import lean_experts
 from actorllm.model.hf_kernels import fuse_rms_norms
@@ -159,11 +160,13 @@ def load_hf_model(model_dir: str | Path, config: PretrainedConfig, *, dtype: tor
     # weights re-laid first, since Phi-3's fused MLP takes views of its gate/up weight.
     layout = transpose_weights(model)
     norms, mlps = fuse_rms_norms(model), fuse_gated_mlps(model)
+    attention = lean_attention(model)
     log.info("loaded %s from %s through transformers (%s, %s; weights stored transposed: "
              "%d linear, %d expert; RMSNorms in one op: %d Llama-kind, %d Gemma-kind, "
-             "%d kept; gated MLPs in one forward: %d, %d kept; expert gates in place: %d; "
-             "lean experts forwards: %d)",
+             "%d kept; gated MLPs in one forward: %d, %d kept; lean attention forwards: "
+             "%d, %d kept; expert gates in place: %d; lean experts forwards: %d)",
              arch, path, dtype, device, layout["linear"], layout["experts"],
              norms["llama"], norms["gemma"], norms["kept"], mlps["fused"], mlps["kept"],
-             fuse_expert_gates(model), lean_experts(model))
+             attention["lean"], attention["kept"], fuse_expert_gates(model),
+             lean_experts(model))
     return HFCausalLM(model)
