@@ -50,7 +50,7 @@ class _Recorder(TorchBackend):
         super().__init__()
         self.asked: list[tuple[float, int | None, float | None]] = []
 
-    def paged_attention(self, q: Tensor, *args: Any, **kwargs: Any) -> Tensor:  # noqa: D102
+    def paged_attention(self, q: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         scale = args[5] if len(args) > 5 else kwargs["scale"]
         self.asked.append((scale, kwargs.get("sliding_window"), kwargs.get("softcap")))
         return super().paged_attention(q, *args, **kwargs)
@@ -221,8 +221,8 @@ def lean_attention(model: nn.Module) -> dict[str, int]:
     config = model.config
     counts = {"lean": 0, "kept": 0}
     for name, module in model.named_modules():
-        if getattr(module, _LEAN, False) or not isinstance(getattr(module, "layer_idx", None), int) \
-                or _linear(module, "o_proj") is None \
+        if getattr(module, _LEAN, False) or _linear(module, "o_proj") is None \
+                or not isinstance(getattr(module, "layer_idx", None), int) \
                 or not isinstance(getattr(module, "head_dim", None), int):
             continue
         heads = getattr(config, "num_attention_heads", None)
