@@ -4,7 +4,7 @@ Every benchmark family's attention modules take the lean forward; inside a step 
 what the module's own forward gives (hidden states and the K/V it writes), over a packed
 prefill of two prompts longer than the window and a decode step after it; a forward
 that does not reproduce the module's own on the probe is not used; outside a step the
-module's own forward runs.
+module's own forward runs. And a whole slice of a base model's layers is the list itself.
 """
 
 from __future__ import annotations
@@ -112,3 +112,23 @@ def test_outside_a_step_the_module_runs_its_own_forward(tmp_path: Path,
     # The module's own forward reaches the paged attention function, which needs a step.
     with pytest.raises(RuntimeError, match="outside a step"), torch.inference_mode():
         model.hf(input_ids=ids)
+
+
+def test_a_whole_slice_of_the_layers_is_the_list_itself() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from actorllm.model.hf_backend import whole_layer_slices
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=50)).eval()
+    ids = torch.randint(0, 50, (1, 7))
+    with torch.inference_mode():
+        want = model(input_ids=ids).logits
+    assert whole_layer_slices(model.model)
+    layers = model.model.layers
+    assert layers[:3] is layers and layers[:8] is layers  # what the base model's forward takes
+    assert [*layers[:2]] == [*layers][:2] and layers[1] is [*layers][1]
+    with torch.inference_mode():
+        assert torch.equal(model(input_ids=ids).logits, want)
