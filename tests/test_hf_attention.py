@@ -4,7 +4,8 @@ Every benchmark family's attention modules take the lean forward; inside a step 
 what the module's own forward gives (hidden states and the K/V it writes), over a packed
 prefill of two prompts longer than the window and a decode step after it; a forward
 that does not reproduce the module's own on the probe is not used; outside a step the
-module's own forward runs. And a whole slice of a base model's layers is the list itself.
+module's own forward runs. And a whole slice of a base model's layers is the list itself;
+dropouts return their input unless training.
 """
 
 from __future__ import annotations
@@ -132,3 +133,18 @@ def test_a_whole_slice_of_the_layers_is_the_list_itself() -> None:
     assert [*layers[:2]] == [*layers][:2] and layers[1] is [*layers][1]
     with torch.inference_mode():
         assert torch.equal(model(input_ids=ids).logits, want)
+
+
+def test_dropouts_return_their_input_unless_training(tmp_path: Path,
+                                                     tokenizer_dir: Path) -> None:
+    from actorllm.model.hf_backend import skip_eval_dropouts
+
+    model = _load("phi3", tmp_path, tokenizer_dir)
+    dropouts = [m for m in model.modules() if type(m) is torch.nn.Dropout]
+    assert dropouts and all("forward" in m.__dict__ for m in dropouts)  # Phi-3's residual ones
+    assert skip_eval_dropouts(model) == 0  # idempotent
+    dropout = torch.nn.Dropout(0.5)
+    assert skip_eval_dropouts(dropout) == 1
+    x = torch.ones(1000)
+    assert dropout.eval()(x) is x
+    assert (dropout.train()(x) == 0).any()  # training still drops

@@ -20,6 +20,7 @@ for (``masking_utils._preprocess_mask_arguments``), so the packed batch costs no
 from __future__ import annotations
 
 import logging
+from types import MethodType
 from typing import Any
 
 import torch
@@ -119,6 +120,23 @@ def whole_layer_slices(base: nn.Module) -> bool:
         return False
     layers.__class__ = _WholeSlices
     return True
+
+
+def _no_dropout(self: nn.Module, x: Tensor) -> Tensor:
+    # ``F.dropout`` with ``training=False`` returns its input; its Python checks are skipped.
+    return x if not self.training else type(self).forward(self, x)
+
+
+def skip_eval_dropouts(model: nn.Module) -> int:
+    """Give every ``nn.Dropout`` of ``model`` a forward that returns its input unless the
+    module is training (Phi-3's two residual dropouts a layer); returns how many. The
+    output is the same tensor ``F.dropout`` returns in eval. Idempotent."""
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Dropout and "forward" not in module.__dict__:
+            module.forward = MethodType(_no_dropout, module)
+            count += 1
+    return count
 
 
 class HFCausalLM(nn.Module):

@@ -21,7 +21,12 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from actorllm.model.hf_attention import lean_attention
-from actorllm.model.hf_backend import ATTN_IMPLEMENTATION, HFCausalLM, register_attention
+from actorllm.model.hf_backend import (
+    ATTN_IMPLEMENTATION,
+    HFCausalLM,
+    register_attention,
+    skip_eval_dropouts,
+)
 from actorllm.model.hf_experts import lean_experts
 from actorllm.model.hf_kernels import fuse_rms_norms
 from actorllm.model.hf_layout import transpose_weights
@@ -161,6 +166,7 @@ def load_hf_model(model_dir: str | Path, config: PretrainedConfig, *, dtype: tor
     layout = transpose_weights(model)
     norms, mlps = fuse_rms_norms(model), fuse_gated_mlps(model)
     attention = lean_attention(model)
+    skip_eval_dropouts(model)
     log.info("loaded %s from %s through transformers (%s, %s; weights stored transposed: "
              "%d linear, %d expert; RMSNorms in one op: %d Llama-kind, %d Gemma-kind, "
              "%d kept; gated MLPs in one forward: %d, %d kept; lean attention forwards: "
