@@ -5,7 +5,7 @@ what the module's own forward gives (hidden states and the K/V it writes), over 
 prefill of two prompts longer than the window and a decode step after it; a forward
 that does not reproduce the module's own on the probe is not used; outside a step the
 module's own forward runs. And a whole slice of a base model's layers is the list itself;
-dropouts return their input unless training.
+dropouts return their input unless training; decoder layers skip their inert wrappers.
 """
 
 from __future__ import annotations
@@ -148,3 +148,25 @@ def test_dropouts_return_their_input_unless_training(tmp_path: Path,
     x = torch.ones(1000)
     assert dropout.eval()(x) is x
     assert (dropout.train()(x) == 0).any()  # training still drops
+
+
+def test_decoder_layers_run_their_own_forward_without_the_inert_wrappers() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from actorllm.model.hf_backend import direct_layer_forwards
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=50)).eval()
+    ids = torch.randint(0, 50, (1, 7))
+    with torch.inference_mode():
+        want = model(input_ids=ids).logits
+    assert direct_layer_forwards(model) == 2
+    assert direct_layer_forwards(model) == 0  # idempotent
+    layer = model.model.layers[0]
+    assert layer.forward.__func__.__code__.co_qualname == "LlamaDecoderLayer.forward"
+    with torch.inference_mode():
+        assert torch.equal(model(input_ids=ids).logits, want)
+    training = LlamaForCausalLM(model.config).train()
+    assert direct_layer_forwards(training) == 0  # checkpointing may apply: left wrapped

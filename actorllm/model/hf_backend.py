@@ -139,6 +139,35 @@ def skip_eval_dropouts(model: nn.Module) -> int:
     return count
 
 
+# The wrappers around a decoder layer's forward that do nothing in inference: gradient
+# checkpointing (training only) and renaming a deprecated keyword our forward never passes.
+_INERT_WRAPPERS = ("forward_with_checkpointing", "deprecate_kwarg.")
+
+
+def direct_layer_forwards(model: nn.Module) -> int:
+    """Bind each decoder layer's own forward, without the wrappers of ``_INERT_WRAPPERS``,
+    to the layer instance; returns how many. A layer whose forward is wrapped by anything
+    else, or that is training, keeps its class's forward. Idempotent."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, GradientCheckpointingLayer) or "forward" in module.__dict__ \
+                or module.training or module.gradient_checkpointing:
+            continue
+        forward, wrappers = type(module).forward, 0
+        while hasattr(forward, "__wrapped__"):
+            # functools.wraps copies the name; the code object keeps the wrapper's own.
+            if not any(w in forward.__code__.co_qualname for w in _INERT_WRAPPERS):
+                break
+            forward, wrappers = forward.__wrapped__, wrappers + 1
+        else:
+            if wrappers:
+                module.forward = MethodType(forward, module)
+                count += 1
+    return count
+
+
 class HFCausalLM(nn.Module):
     """A transformers causal LM behind the runner's model contract.
 

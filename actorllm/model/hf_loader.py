@@ -24,6 +24,7 @@ from actorllm.model.hf_attention import lean_attention
 from actorllm.model.hf_backend import (
     ATTN_IMPLEMENTATION,
     HFCausalLM,
+    direct_layer_forwards,
     register_attention,
     skip_eval_dropouts,
 )
@@ -167,6 +168,7 @@ def load_hf_model(model_dir: str | Path, config: PretrainedConfig, *, dtype: tor
     norms, mlps = fuse_rms_norms(model), fuse_gated_mlps(model)
     attention = lean_attention(model)
     skip_eval_dropouts(model)
+    direct_layer_forwards(model)
     log.info("loaded %s from %s through transformers (%s, %s; weights stored transposed: "
              "%d linear, %d expert; RMSNorms in one op: %d Llama-kind, %d Gemma-kind, "
              "%d kept; gated MLPs in one forward: %d, %d kept; lean attention forwards: "
