@@ -11,6 +11,7 @@ dropouts return their input unless training; decoder layers skip their inert wra
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -115,18 +116,24 @@ def test_outside_a_step_the_module_runs_its_own_forward(tmp_path: Path,
         model.hf(input_ids=ids)
 
 
-def test_a_whole_slice_of_the_layers_is_the_list_itself() -> None:
+def _tiny_llama(layers: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """A seeded tiny transformers Llama, a prompt, and its logits before any change."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from actorllm.model.hf_backend import whole_layer_slices
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=50)).eval()
+        hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=50)).eval()
     ids = torch.randint(0, 50, (1, 7))
     with torch.inference_mode():
         want = model(input_ids=ids).logits
+    return model, ids, want
+
+
+def test_a_whole_slice_of_the_layers_is_the_list_itself() -> None:
+    from actorllm.model.hf_backend import whole_layer_slices
+
+    model, ids, want = _tiny_llama(3)
     assert whole_layer_slices(model.model)
     layers = model.model.layers
     assert layers[:3] is layers and layers[:8] is layers  # what the base model's forward takes
@@ -151,22 +158,14 @@ def test_dropouts_return_their_input_unless_training(tmp_path: Path,
 
 
 def test_decoder_layers_run_their_own_forward_without_the_inert_wrappers() -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from actorllm.model.hf_backend import direct_layer_forwards
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=50)).eval()
-    ids = torch.randint(0, 50, (1, 7))
-    with torch.inference_mode():
-        want = model(input_ids=ids).logits
+    model, ids, want = _tiny_llama(2)
     assert direct_layer_forwards(model) == 2
     assert direct_layer_forwards(model) == 0  # idempotent
     layer = model.model.layers[0]
     assert layer.forward.__func__.__code__.co_qualname == "LlamaDecoderLayer.forward"
     with torch.inference_mode():
         assert torch.equal(model(input_ids=ids).logits, want)
-    training = LlamaForCausalLM(model.config).train()
+    training = type(model)(model.config).train()
     assert direct_layer_forwards(training) == 0  # checkpointing may apply: left wrapped
