@@ -163,6 +163,31 @@ def test_beside_many_rows_a_row_probes_each_kind_once_then_skips_the_lookup(
     assert unbounded.propose(fresh, 4, 4) == [6, 7, 5, 6]  # a GPU's default: as if alone
 
 
+def test_beside_many_rows_a_few_rows_probe_a_kind_for_the_rest() -> None:
+    """A kind of match no row has tried is probed beside 4 rows; once the rows' verdicts
+    on it add up to a prior's worth and say it does not pay there, a fresh row spends no
+    probe on it (and skips the lookup); verdicts that say it pays bring the probes back."""
+    spec = Speculation(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=1,
+                                         max_draft_tokens_per_step=8))
+
+    def fresh(i: int) -> Sequence:
+        return Sequence(f"r{i}", [5, 6, 5], SamplingParams(max_tokens=100), 100, frozenset())
+
+    probed = 0
+    for i in range(10):
+        seq = fresh(i)
+        if spec.propose(seq, 2, 4) == [6]:
+            probed += 1
+            spec.verdict(seq, 1, 0)
+    assert probed == 3, probed  # 1, 1.75, 2.31 tries: two rows' misses were not enough
+    assert not spec.wants(fresh(10), 4) and spec.wants(fresh(10), 1)  # alone: the prior
+    for i in range(4):  # rows alone find the kind paying
+        seq = fresh(20 + i)
+        assert spec.propose(seq, 4, 1)
+        spec.verdict(seq, 1, 1)
+    assert spec.propose(fresh(30), 2, 4) == [6]
+
+
 def test_under_overlap_a_row_nothing_of_which_pays_is_not_held_back() -> None:
     """``wants`` (a row not planned ahead, waiting for its verdict or token) only while
     some kind of its matches may pay: beside 4 rows, once its kinds were tried and
@@ -669,7 +694,8 @@ async def test_speculation_metrics_on_the_metrics_registry(
 
 
 async def test_sampled_outputs_follow_the_same_distribution_with_speculation(
-        looping_llama_dir: Path, loop_prompts: list[list[int]]) -> None:
+        looping_llama_dir: Path, loop_prompts: list[list[int]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """400 seeded requests (seed i: each run is deterministic), top-k 3 at temperature
     1.5: the joint distribution of the first two tokens (the second is where a draft is
     verified by rejection) with speculation on against off, a chi-square test of
@@ -680,7 +706,10 @@ async def test_sampled_outputs_follow_the_same_distribution_with_speculation(
     for spec in (False, True):
         params = [SamplingParams(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True,
                                  seed=i) for i in range(n)]
-        # Every one of the 128 rows may draft (the CPU's default shares 8 draft tokens).
+        # Every one of the 128 rows may draft (the CPU's default shares 8 draft tokens),
+        # and each is costed as alone (as on a GPU), so that the policy drafts in this
+        # batch: beside 128 rows on the CPU it would, rightly, hardly ever.
+        monkeypatch.setattr(Speculation, "_rows", lambda self, rows: 1)
         async with spec_engine(looping_llama_dir, max_num_seqs=128, spec={
                 **NGRAM, "max_draft_tokens_per_step": 4 * 128} if spec else None) as engine:
             results: list[Any] = [None] * n
