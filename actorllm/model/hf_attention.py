@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from actorllm.model.hf_backend import STEP_KWARG, Step
+from actorllm.model.hf_mlp import close, swap_forward
 from actorllm.model.llama import ForwardBatch
 from actorllm.ops import TorchBackend
 
@@ -203,14 +204,9 @@ def _check(module: nn.Module, kv_heads: int, head_dim: int,
             got, _ = MethodType(forward, module)(x, rope, None, **{STEP_KWARG: lean_step})
     except Exception:  # another signature or layout: not ours to replace
         return None
-    tol = 1e-5 if weight.dtype == torch.float32 else 2e-2
     pairs = [(got, want), *zip(lean_step.kv_caches[module.layer_idx],
                                own_step.kv_caches[module.layer_idx], strict=True)]
-    for a, b in pairs:
-        if a.shape != b.shape or a.dtype != b.dtype or not torch.allclose(
-                a, b, rtol=tol, atol=tol * (b.abs().max().item() or 1.0)):
-            return None
-    return forward
+    return forward if all(close(a, b, weight.dtype) for a, b in pairs) else None
 
 
 def lean_attention(model: nn.Module) -> dict[str, int]:
@@ -237,7 +233,6 @@ def lean_attention(model: nn.Module) -> dict[str, int]:
             log.debug("%s (%s) keeps its own forward", name, type(module).__name__)
             counts["kept"] += 1
             continue
-        module.forward = MethodType(forward, module)
-        setattr(module, _LEAN, True)
+        swap_forward(module, forward, _LEAN)
         counts["lean"] += 1
     return counts

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from types import MethodType
 
 import torch
 from torch import Tensor, nn
 
-from actorllm.model.hf_mlp import same_output
+from actorllm.model.hf_mlp import same_output, swap_forward
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +103,6 @@ def lean_experts(model: nn.Module) -> int:
         if not _reproduces(module, forward, min(top_k, module.num_experts)):
             log.debug("%s (%s) keeps its own forward", name, type(module).__name__)
             continue
-        module.forward = MethodType(forward, module)
-        setattr(module, _LEAN, True)
+        swap_forward(module, forward, _LEAN)
         count += 1
     return count
