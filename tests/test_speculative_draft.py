@@ -103,6 +103,9 @@ async def test_greedy_equals_transformers_with_a_draft_model(
         hits = engine.frontend.stats.prefix_cache_hits
         second = await collect(engine, "again1", prompts[5], params)
         hits = engine.frontend.stats.prefix_cache_hits - hits
+        # A row alone drafts up to K once its drafts are accepted; beside other rows the
+        # cost model drafts fewer, by how the rows happened to share steps.
+        alone = engine.frontend.stats
     # With the one-op decode step the target verifies in it too, as one-token rows.
     assert (runner.one_op_draft_steps > one_op) == (runner.decode_step is not None)
     assert stats.num_preemptions > 0, "the test must exercise preemption"
@@ -115,7 +118,8 @@ async def test_greedy_equals_transformers_with_a_draft_model(
         assert stats.spec_accepted_tokens < stats.spec_draft_tokens / 2, "mostly rejected"
     else:  # the same model drafts what it then verifies (fp32: no near-ties expected)
         assert stats.spec_accepted_tokens == stats.spec_draft_tokens
-        assert stats.spec_accepted_per_pos[K - 1] > 0, "full acceptance: the bonus token"
+        assert alone.spec_accepted_tokens == alone.spec_draft_tokens
+        assert alone.spec_accepted_per_pos[K - 1] > 0, "full acceptance: the bonus token"
     for prompt, res, want in zip(prompts, results, expected(tiny_llama_dir, prompts, max_new),
                                  strict=True):
         (out,) = res.outputs
