@@ -104,9 +104,12 @@ def test_stalled_clients_give_their_slots_back_and_do_not_hold_up_others(
     socks = [stalled(base, {"prompt": f"stalled {i}", "max_tokens": 200, "ignore_eos": True})
              for i in range(4)]
     try:
-        # ... until the engine has finished them (their clients have read nothing).
-        stuck = wait_metric(base, lambda m: m.get("actorllm:request_success_total", 0)
-                            >= done0 + 4 and m["actorllm:pending_output_bytes"] > 0)
+        # ... until the engine has finished them (their clients have read nothing). Their
+        # unread output waits in the collectors or in the kernel's socket buffers: on
+        # loopback a server socket takes up to ~4 MiB (tcp_wmem) before a write blocks,
+        # more than these streams hold, so how much the server still holds is up to
+        # timing and not asserted (tests/test_slow_readers.py covers the collectors).
+        wait_metric(base, lambda m: m.get("actorllm:request_success_total", 0) >= done0 + 4)
         # The slots are back: a request for all four sequences is taken, not 503.
         status, _, body = http(base + "/v1/completions", "POST",
                                {"prompt": "hello", "max_tokens": 4, "n": 4})
@@ -118,8 +121,6 @@ def test_stalled_clients_give_their_slots_back_and_do_not_hold_up_others(
         assert events[-1]["usage"]["completion_tokens"] == 40
         assert [c["finish_reason"] for e in events for c in e["choices"]
                 if c["finish_reason"]] == ["length"]
-        still = metrics(base)
-        assert still["actorllm:pending_output_bytes"] > 0, (stuck, still)
     finally:
         for s in socks:
             s.close()

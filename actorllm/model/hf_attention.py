@@ -25,7 +25,6 @@ forward runs.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from types import MethodType
 from typing import Any
@@ -34,11 +33,9 @@ import torch
 from torch import Tensor, nn
 
 from actorllm.model.hf_backend import STEP_KWARG, Step
-from actorllm.model.hf_mlp import close, swap_forward
+from actorllm.model.hf_mlp import close, swap_or_keep
 from actorllm.model.llama import ForwardBatch
 from actorllm.ops import TorchBackend
-
-log = logging.getLogger(__name__)
 
 _LEAN = "_actorllm_lean_attention"
 _SEPARATE = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -229,10 +226,5 @@ def lean_attention(model: nn.Module) -> dict[str, int]:
         forward = None if project is None else _check(
             module, kv_heads, module.head_dim,
             lambda asked, p=project, m=module, o=own: _forward(p, m.o_proj, asked, o))
-        if forward is None:
-            log.debug("%s (%s) keeps its own forward", name, type(module).__name__)
-            counts["kept"] += 1
-            continue
-        swap_forward(module, forward, _LEAN)
-        counts["lean"] += 1
+        swap_or_keep(counts, "lean", name, module, forward, _LEAN)
     return counts

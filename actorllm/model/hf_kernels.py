@@ -18,7 +18,6 @@ another signature) keeps its forward.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from types import MethodType
 
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-log = logging.getLogger(__name__)
+from actorllm.model.hf_mlp import swap_or_keep
 
 _FUSED = "_actorllm_fused_norm"  # marks a module whose forward was swapped
 
@@ -91,18 +90,21 @@ def fuse_rms_norms(model: nn.Module) -> dict[str, int]:
                 or any(True for _ in module.children()):
             counts["kept"] += 1
             continue
-        for kind, forward in _candidates(module, eps):
-            key = (type(module), kind)
-            if checked.get(key) is False:
-                continue
-            if not _reproduces(module, forward):
-                checked[key] = False
-                continue
-            module.forward = MethodType(forward, module)
-            setattr(module, _FUSED, True)
-            counts[kind] += 1
-            break
-        else:
-            log.debug("%s (%s) keeps its own forward", name, type(module).__name__)
-            counts["kept"] += 1
+        kind, forward = _first_reproducing(module, eps, checked)
+        swap_or_keep(counts, kind, name, module, forward, _FUSED)
     return counts
+
+
+def _first_reproducing(module: nn.Module, eps: float,
+                       checked: dict[tuple[type, str], bool]
+                       ) -> tuple[str, Callable[..., Tensor] | None]:
+    """The first kind of forward that reproduces ``module`` and that forward, or
+    ``("kept", None)``; a kind that failed once for the class is not probed again."""
+    for kind, forward in _candidates(module, eps):
+        key = (type(module), kind)
+        if checked.get(key) is False:
+            continue
+        if _reproduces(module, forward):
+            return kind, forward
+        checked[key] = False
+    return "kept", None

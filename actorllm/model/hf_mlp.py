@@ -123,6 +123,18 @@ def swap_forward(module: nn.Module, forward: Callable[..., Any], marker: str) ->
     setattr(module, marker, True)
 
 
+def swap_or_keep(counts: dict[str, int], key: str, name: str, module: nn.Module,
+                 forward: Callable[..., Any] | None, marker: str) -> None:
+    """Swap in ``forward`` (counted under ``key``) or, where its probe failed (``None``),
+    keep the module's own (counted under ``"kept"``): the end of every swapping pass."""
+    if forward is None:
+        log.debug("%s (%s) keeps its own forward", name, type(module).__name__)
+        counts["kept"] += 1
+        return
+    swap_forward(module, forward, marker)
+    counts[key] += 1
+
+
 def fuse_gated_mlps(model: nn.Module) -> dict[str, int]:
     """Swap the forward of every gated MLP in ``model`` for one of direct functional calls.
 
@@ -143,12 +155,9 @@ def fuse_gated_mlps(model: nn.Module) -> dict[str, int]:
             continue
         halves, _ = gate_up
         forward = _forward(halves, down, _DIRECT.get(type(act).__name__, act))
-        if not _reproduces(module, forward, down.out_features):
-            log.debug("%s (%s) keeps its own forward", name, type(module).__name__)
-            counts["kept"] += 1
-            continue
-        swap_forward(module, forward, _FUSED)
-        counts["fused"] += 1
+        swap_or_keep(counts, "fused", name, module,
+                     forward if _reproduces(module, forward, down.out_features) else None,
+                     _FUSED)
     return counts
 
 
