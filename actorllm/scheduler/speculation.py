@@ -144,6 +144,9 @@ class Speculation:
         # one does (_paying), so that asking "does any kind pay" of every row at every
         # step costs a comparison per kind, not a cost-model evaluation.
         self._bounds: dict[tuple[int, int], tuple[float, float]] = {}
+        # The kinds of match a row keeps estimates for: n-gram lengths, or the draft's.
+        self._kinds = range(1) if config.method == "draft_model" else range(
+            config.prompt_lookup_min, config.prompt_lookup_max + 1)
 
     def per_row(self, running: int) -> int:
         """The most drafts a row may carry with ``running`` sequences in the batch (0:
@@ -222,11 +225,15 @@ class Speculation:
         """Whether some kind of match could give ``seq`` drafts now (at most ``cap``,
         beside ``rows`` rows): one never tried that is worth a probe, or one whose
         estimate pays."""
-        self._alpha(seq, 0)  # (the counts, on a row's first proposal)
+        if not seq.spec_tries:
+            self._alpha(seq, 0)  # (the counts, on a row's first proposal)
         hits, tries = seq.spec_hits, seq.spec_tries
         prior = self.prior[1]
-        return any((tries[m] == prior and self._probes(m, cap, rows))
-                   or self._paying(hits[m] / tries[m], cap, rows) for m in self._kinds)
+        for m in self._kinds:
+            if (tries[m] == prior and self._probes(m, cap, rows)) \
+                    or self._paying(hits[m] / tries[m], cap, rows):
+                return True
+        return False
 
     def _probes(self, n: int, cap: int, rows: int) -> bool:
         """Whether a row spends a probe draft on a kind of match it never tried (length
@@ -253,18 +260,12 @@ class Speculation:
     def _forgive(self, seq: Sequence) -> None:
         """Move every kind's estimate a bit back towards the prior (a row none of whose
         kinds pays proposes nothing, so it would never try one again)."""
-        self._alpha(seq, 0)
+        if not seq.spec_tries:
+            self._alpha(seq, 0)
         hits, tries = seq.spec_hits, seq.spec_tries
         for m in self._kinds:
             hits[m] += RECOVER * (self.prior[0] - hits[m])
             tries[m] += RECOVER * (self.prior[1] - tries[m])
-
-    @property
-    def _kinds(self) -> range:
-        """The kinds of match a row keeps estimates for: n-gram lengths, or the draft's."""
-        c = self.config
-        return range(1) if c.method == "draft_model" else range(
-            c.prompt_lookup_min, c.prompt_lookup_max + 1)
 
     def _rows(self, rows: int) -> int:
         """The batch's rows as the cost model sees them: only where a step's drafts are
