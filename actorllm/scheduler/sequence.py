@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import numpy as np
 
 from actorllm.lifecycle.table import State, View, load_spec
 from actorllm.scheduler.columns import PlanColumns
@@ -68,7 +69,8 @@ class Sequence:
     # ahead for it: how many tokens it yields is unknown until it returns), the
     # backoff of a row whose proposals do not pay, and its acceptance estimates: decayed
     # counts of drafts accepted and tried, per n-gram match length (index 0: a draft
-    # model's), and the match length of its proposal in flight.
+    # model's), the match length of its proposal in flight, and its tokens as an array
+    # for the n-gram lookup (``speculation.history``: the first ``spec_known`` of it).
     drafts: list[int] = attrs.Factory(list)
     drafting: bool = False
     spec_misses: int = 0
@@ -76,6 +78,8 @@ class Sequence:
     spec_hits: list[float] = attrs.Factory(list)
     spec_tries: list[float] = attrs.Factory(list)
     spec_n: int = 0
+    spec_history: np.ndarray = attrs.Factory(lambda: np.empty(0, dtype=np.int64))
+    spec_known: int = 0
     # The Scheduler's view of the rid (``status`` reads it); the Scheduler passes its
     # ledger's, a Sequence built alone gets a fresh one.
     view: View = attrs.Factory(lambda self: View(load_spec(), "scheduler", self.rid),

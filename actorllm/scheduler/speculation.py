@@ -13,12 +13,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator
-from collections.abc import Sequence as Seq
 from itertools import repeat
 
-import numpy as np
-
 from actorllm.config import SpeculativeConfig
+from actorllm.scheduler.ngram import history, lookup_ngram
 from actorllm.scheduler.sequence import Sequence
 from actorllm.wire.steps import StepPlan, StepResult
 
@@ -84,6 +82,24 @@ def best_drafts(alpha: float, cap: int, draft_cost: float, rows: int = 1) -> int
     return best
 
 
+def pays_from(cap: int, draft_cost: float, rows: int) -> tuple[float, float]:
+    """``(lo, hi)``: :func:`best_drafts` is 0 at every estimate up to ``lo`` and > 0 from
+    ``hi`` on (a draft's gain grows with its acceptance), ``hi - lo`` a float's rounding
+    apart; ``(1.0, inf)`` where no estimate pays (an estimate is at most 1)."""
+    lo, hi = 0.0, 1.0
+    if not best_drafts(hi, cap, draft_cost, rows):
+        return 1.0, float("inf")
+    for _ in range(64):
+        mid = (lo + hi) / 2
+        if mid in (lo, hi):
+            break
+        if best_drafts(mid, cap, draft_cost, rows):
+            hi = mid
+        else:
+            lo = mid
+    return lo, hi
+
+
 def _gains(alpha: float, cap: int, draft_cost: float, rows: int) -> Iterator[float]:
     """:func:`draft_gain` for k = 1 .. cap, the sum of powers grown a term at a time (it
     runs for every proposal and, on a miss, for each kind of match the row tried)."""
@@ -94,42 +110,6 @@ def _gains(alpha: float, cap: int, draft_cost: float, rows: int) -> Iterator[flo
         power *= alpha
         accepted += power
         yield accepted - verify - per_draft * k
-
-
-def propose_ngram(tokens: Seq[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Prompt lookup: for n from ``n_max`` down to ``n_min``, ``k`` tokens continuing the
-    latest earlier occurrence of the last n tokens; [] if none occurs."""
-    return lookup_ngram(tokens, k, n_min, n_max)[0]
-
-
-def lookup_ngram(tokens: Seq[int], k: int, n_min: int, n_max: int) -> tuple[list[int], int]:
-    """:func:`propose_ngram`'s drafts and the match length n (0: none). The continuation
-    of the occurrence, ``tokens[i:]``, is taken to repeat past the end (period
-    ``len(tokens) - i``), so a row repeating a short phrase gets ``k`` drafts, not only
-    the few tokens between the occurrence and the end."""
-    length = len(tokens)
-    top = min(n_max, length - 1)
-    if k < 1 or top < max(n_min, 1):
-        return [], 0
-    arr = np.asarray(tokens, dtype=np.int64)
-    # Every occurrence of a suffix ends at an earlier copy of the last token: only those
-    # are extended backwards (a row pays this every step, usually for no proposal).
-    ends = np.flatnonzero(arr[:-1] == arr[-1])
-    run = np.ones(len(ends), dtype=np.int64)  # each one's match length, up to ``top``
-    alive = ends >= 1
-    for m in range(1, top):
-        idx = np.flatnonzero(alive)
-        if not len(idx):
-            break
-        at = ends[idx] - m
-        same = arr[at] == arr[length - 1 - m]
-        run[idx[same]] += 1
-        alive[idx] = same & (at >= 1)
-    if not len(run) or run.max() < n_min:
-        return [], 0
-    n = int(run.max())
-    i = int(ends[np.flatnonzero(run == n)[-1]]) + 1
-    return arr[i + np.arange(k) % (length - i)].tolist(), n
 
 
 def may_speculate(seq: Sequence) -> bool:
@@ -160,6 +140,13 @@ class Speculation:
         # kind a row never tried is worth a probe draft beside many rows (_probes).
         size = 1 if config.method == "draft_model" else config.prompt_lookup_max + 1
         self.seen_hits, self.seen_tries = [0.0] * size, [0.0] * size
+        # Per (cap, rows): the estimates below which no draft count pays and above which
+        # one does (_paying), so that asking "does any kind pay" of every row at every
+        # step costs a comparison per kind, not a cost-model evaluation.
+        self._bounds: dict[tuple[int, int], tuple[float, float]] = {}
+        # The kinds of match a row keeps estimates for: n-gram lengths, or the draft's.
+        self._kinds = range(1) if config.method == "draft_model" else range(
+            config.prompt_lookup_min, config.prompt_lookup_max + 1)
 
     def per_row(self, running: int) -> int:
         """The most drafts a row may carry with ``running`` sequences in the batch (0:
@@ -216,9 +203,9 @@ class Speculation:
                 # skipped, and the estimates forgiven a bit, as a passed-over kind's.
                 self._forgive(seq)
                 return []
-            drafts, n = lookup_ngram(seq.prompt_ids + seq.output_ids, cap,
-                                     self.config.prompt_lookup_min,
-                                     self.config.prompt_lookup_max)
+            tokens, arr = history(seq)
+            drafts, n = lookup_ngram(tokens, cap, self.config.prompt_lookup_min,
+                                     self.config.prompt_lookup_max, arr)
             if not drafts:
                 return []
         self.rows = rows
@@ -238,11 +225,15 @@ class Speculation:
         """Whether some kind of match could give ``seq`` drafts now (at most ``cap``,
         beside ``rows`` rows): one never tried that is worth a probe, or one whose
         estimate pays."""
-        self._alpha(seq, 0)  # (the counts, on a row's first proposal)
+        if not seq.spec_tries:
+            self._alpha(seq, 0)  # (the counts, on a row's first proposal)
         hits, tries = seq.spec_hits, seq.spec_tries
-        return any((tries[m] == self.prior[1] and self._probes(m, cap, rows))
-                   or best_drafts(hits[m] / tries[m], cap, self._cost, rows)
-                   for m in self._kinds)
+        prior = self.prior[1]
+        for m in self._kinds:
+            if (tries[m] == prior and self._probes(m, cap, rows)) \
+                    or self._paying(hits[m] / tries[m], cap, rows):
+                return True
+        return False
 
     def _probes(self, n: int, cap: int, rows: int) -> bool:
         """Whether a row spends a probe draft on a kind of match it never tried (length
@@ -252,24 +243,29 @@ class Speculation:
         benchmark's random prompts, 6-9 % of its throughput for no gain); a workload's
         rows mostly share their acceptance, so a few rows' probes speak for the rest."""
         tries = self.seen_tries[n]
-        return tries < self.prior[1] or bool(
-            best_drafts(self.seen_hits[n] / tries, cap, self._cost, rows))
+        return tries < self.prior[1] or self._paying(self.seen_hits[n] / tries, cap, rows)
+
+    def _paying(self, alpha: float, cap: int, rows: int) -> bool:
+        """``best_drafts(alpha, cap, cost, rows) > 0``: a draft count pays at this
+        estimate. The gain of every count grows with ``alpha``, so it does above one
+        estimate and not below: that bound, found once per (cap, rows), settles almost
+        every call."""
+        bounds = self._bounds.get((cap, rows))
+        if bounds is None:
+            bounds = self._bounds[cap, rows] = pays_from(cap, self._cost, rows)
+        if alpha <= bounds[0]:
+            return False
+        return alpha >= bounds[1] or bool(best_drafts(alpha, cap, self._cost, rows))
 
     def _forgive(self, seq: Sequence) -> None:
         """Move every kind's estimate a bit back towards the prior (a row none of whose
         kinds pays proposes nothing, so it would never try one again)."""
-        self._alpha(seq, 0)
+        if not seq.spec_tries:
+            self._alpha(seq, 0)
         hits, tries = seq.spec_hits, seq.spec_tries
         for m in self._kinds:
             hits[m] += RECOVER * (self.prior[0] - hits[m])
             tries[m] += RECOVER * (self.prior[1] - tries[m])
-
-    @property
-    def _kinds(self) -> range:
-        """The kinds of match a row keeps estimates for: n-gram lengths, or the draft's."""
-        c = self.config
-        return range(1) if c.method == "draft_model" else range(
-            c.prompt_lookup_min, c.prompt_lookup_max + 1)
 
     def _rows(self, rows: int) -> int:
         """The batch's rows as the cost model sees them: only where a step's drafts are
@@ -310,8 +306,8 @@ class Speculation:
         # Only if no kind of match it has tried pays: a short match failing must not
         # stop a long one that pays (a miss of the lookup costs nothing anyway).
         tried = [m for m, t in enumerate(seq.spec_tries) if t != self.prior[1]]
-        if not any(best_drafts(seq.spec_hits[m] / seq.spec_tries[m],
-                               self.config.num_speculative_tokens, self._cost, self.rows)
+        if not any(self._paying(seq.spec_hits[m] / seq.spec_tries[m],
+                                self.config.num_speculative_tokens, self.rows)
                    for m in tried):
             seq.spec_misses += 1
             seq.spec_skip = min(2 ** seq.spec_misses, MAX_BACKOFF)

@@ -61,13 +61,20 @@ def verify_drafts(logits: Tensor, plan: StepPlan, slots: np.ndarray, batch: Samp
         if j not in verified:
             verified[j] = verify_slot(batch, int(slots[j]), logits[at:at + 1 + len(drafts)],
                                       drafts)
+    if len(slots) == 1:  # (one sampling row: its last position is the last logits row)
+        return verified, logits[-1:]
     return verified, logits[last_rows(plan).to(logits.device)]
 
 
 def _plain_greedy(batch: SamplingBatch, slot: int) -> bool:
     """Greedy with nothing that depends on the history (no penalty, bias or min_tokens
     still to reach): its distribution at every position is the raw logits'."""
-    return bool(batch.cols["greedy"][slot]) and not batch.needs_processing(
+    cols = batch.cols
+    if not cols["greedy"][slot]:
+        return False
+    # ("plain": no penalty, bias, min_tokens, logprobs or grammar, for good: nearly
+    # every row, settled without the check's five column reads)
+    return bool(cols["plain"][slot]) or not batch.needs_processing(
         np.array([slot], dtype=np.int64))
 
 
@@ -78,6 +85,16 @@ def _verify_plain_greedy(logits: Tensor, rows: list[tuple[int, int, list[int]]],
     ops (its accepted count: the drafts before its first mismatch), and the tokens
     committed together (:func:`_commit_runs`), with no work per row and position."""
     best = argmax_rows(logits)
+    if sum(len(r[2]) for r in rows) <= FEW_DRAFTS:
+        out = {}
+        for j, at, drafts in rows:  # a few rows: compared in Python, no array built
+            ahead = best[at:at + len(drafts) + 1].tolist()
+            a = 0
+            while a < len(drafts) and ahead[a] == drafts[a]:
+                a += 1
+            out[j] = [*drafts[:a], ahead[a]]
+        _commit_runs(batch, slots[[j for j, _, _ in rows]], out)
+        return out
     at = np.fromiter((r[1] for r in rows), dtype=np.int64, count=len(rows))
     lens = np.fromiter((len(r[2]) for r in rows), dtype=np.int64, count=len(rows))
     starts = np.cumsum(lens) - lens
@@ -93,6 +110,11 @@ def _verify_plain_greedy(logits: Tensor, rows: list[tuple[int, int, list[int]]],
                                                       strict=True)}
     _commit_runs(batch, slots[[j for j, _, _ in rows]], out)
     return out
+
+
+#: Up to this many drafts in a step, plain greedy rows are compared with the argmax in
+#: Python (one row of 8: ~10 us); beyond, in whole-array ops (a few us each, any count).
+FEW_DRAFTS = 16
 
 
 def argmax_rows(logits: Tensor) -> np.ndarray:
@@ -152,6 +174,8 @@ def commit_others(batch: SamplingBatch, slots: np.ndarray, tokens: Tensor, token
     with each verified row's spliced in, and the count per row (empty: one each)."""
     if not verified:
         return batch.commit(slots, tokens, token_ids), tuple(token_ids), ()
+    if len(verified) == len(slots):  # nothing left to commit
+        return [], *spliced(tuple(token_ids), verified)
     index = np.flatnonzero([j not in verified for j in range(len(slots))])
     refused = [(int(index[i]), why) for i, why in batch.commit(
         slots[index], tokens[torch.from_numpy(index).to(tokens.device)],
