@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import trio
 
-from actorllm.config import EngineConfig
+from actorllm.config import EngineConfig, read_model_info
 from actorllm.engine.async_engine import Resources, open_engine
 from actorllm.llm import collect
 from actorllm.topology import warmup
@@ -81,3 +81,14 @@ def test_a_served_engine_warms_up_once_and_answers_as_hf(
 
     assert trio.run(main) == list(want)
     assert calls == [512]
+
+
+def test_no_warm_up_offline_with_ranks_or_when_switched_off(
+        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    served = EngineConfig(model=str(tiny_llama_dir), serving_http=True)
+    info = read_model_info(str(tiny_llama_dir))
+    assert warmup.warmup_for(served, info, runner=None) is not None
+    assert large_step_threads(EngineConfig(model=str(tiny_llama_dir))) is None  # offline
+    assert warmup.warmup_for(served, None, runner=None) is None
+    monkeypatch.setenv("ACTORLLM_WARMUP", "0")
+    assert warmup.warmup_for(served, info, runner=None) is None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -83,8 +84,10 @@ def warm_up(runner: Any, tokens: int, *, block_size: int, max_model_len: int,
 def warmup_for(config: EngineConfig, info: ModelInfo | None,
                runner: Any) -> Callable[[], object] | None:
     """The Worker's start-up step for ``config`` (``Worker(warmup=...)``), or None: one
-    rank, no draft model (neither measured), and a model whose limits are known."""
-    if info is None or config.speculative is not None or config.tensor_parallel_size > 1:
+    rank, no draft model (neither measured), a model whose limits are known, and no
+    ``ACTORLLM_WARMUP=0`` in the environment (for A/B runs, as ``ACTORLLM_KEEP_HEAP``)."""
+    if info is None or config.speculative is not None or config.tensor_parallel_size > 1 \
+            or os.environ.get("ACTORLLM_WARMUP") == "0":
         return None
     return lambda: warm_up(runner, config.max_num_batched_tokens,
                            block_size=config.block_size, max_model_len=info.max_model_len,
