@@ -1197,6 +1197,55 @@ def server_threads(server: Server) -> dict[str, Any]:
 # --- the run ----------------------------------------------------------------------------------
 
 
+# What each server's engine did in a scenario, from its /metrics (cumulative counters:
+# a scenario's figure is the difference from the file before it). Both servers name them
+# alike: vLLM's prefix is ``vllm:``, actorllm's ``actorllm:``; a step is vLLM's
+# ``iteration_tokens_total`` observation, actorllm's ``engine_steps_total``.
+ENGINE_COUNTERS: dict[str, tuple[str, ...]] = {
+    "prompt_tokens": ("prompt_tokens_total",),
+    "prefix_cache_hit_tokens": ("prefix_cache_hits_total",),
+    "steps": ("iteration_tokens_total_count", "engine_steps_total"),
+    "queue_time_s": ("request_queue_time_seconds_sum",),
+    "requests": ("request_queue_time_seconds_count",),
+}
+
+
+def read_counters(text: str) -> dict[str, float]:
+    """The :data:`ENGINE_COUNTERS` in a Prometheus text page, summed over label sets."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        metric = name.split("{", 1)[0].split(":", 1)[-1]
+        for key, names in ENGINE_COUNTERS.items():
+            if metric in names:
+                with contextlib.suppress(ValueError):
+                    out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def engine_counts(before: str, after: str) -> dict[str, float]:
+    """A scenario's engine counts: prompt tokens, prefix-cache hits (tokens), steps,
+    requests (warm-ups included) and mean queue time, from /metrics before and after."""
+    a, b = read_counters(before), read_counters(after)
+    d = {k: round(b[k] - a.get(k, 0.0), 3) for k in b}
+    if d.get("requests"):
+        d["mean_queue_ms"] = round(1e3 * d.pop("queue_time_s", 0.0) / d["requests"], 1)
+    d.pop("queue_time_s", None)
+    return d
+
+
+def fetch_metrics(server: Server) -> str:
+    """The server's /metrics page ("" if it has none or does not answer)."""
+    try:
+        with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=10) as resp:
+            return resp.read().decode(errors="replace")
+    except (OSError, urllib.error.URLError) as e:
+        log.debug("no /metrics from %s: %s", server.spec.name, e)
+        return ""
+
+
 def run_servers(specs: list[ServerSpec], scenarios: list[Scenario], settings: Settings,
                 rounds: int) -> dict[str, Any]:
     """Every server in turn (order rotated each round), every scenario on each."""
@@ -1215,11 +1264,16 @@ def run_servers(specs: list[ServerSpec], scenarios: list[Scenario], settings: Se
                 if r == 0:
                     runs[spec.name]["probe"] = probe(server)
                     runs[spec.name]["log"] = str(server.log_path)
+                before = fetch_metrics(server)
                 for scenario in (sc for sc in scenarios if spec.runs(sc)):
                     tag = f"r{r}-{spec.name}-{scenario.name.replace('@', '-at-')}"
                     raw = CLIENTS[scenario.client](server, scenario, settings, result_dir,
                                                    tag)
+                    after = fetch_metrics(server)
+                    (settings.log_dir / f"metrics-{tag}.txt").write_text(after)
                     row = summarize_serve(raw)
+                    row["engine"] = engine_counts(before, after) if after else {}
+                    before = after
                     row["raw_file"] = str(result_dir / f"{tag}.json")
                     row["client_warnings"] = raw.get("client_warnings", [])
                     runs[spec.name]["scenarios"][scenario.name].append(row)
@@ -1343,6 +1397,26 @@ def fmt(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
+def engine_counts_markdown(result: dict[str, Any]) -> list[str]:
+    """What each engine did per scenario (first round, from /metrics; warm-ups included)."""
+    rows = [(name, server, runs["scenarios"][name][0]["engine"])
+            for server, runs in result["servers"].items()
+            for name in runs["scenarios"]
+            if runs["scenarios"][name] and runs["scenarios"][name][0].get("engine")]
+    if not rows:
+        return []
+    lines = ["", "What each engine did in a scenario (round 1, from its /metrics; warm-up and "
+             "probe requests included): prompt tokens, of them prefix-cache hits, steps, "
+             "mean queue time (arrival to first step).", "",
+             "| scenario | server | requests | prompt tokens | cache hits | steps | "
+             "queue ms (mean) |", "|---|---|---:|---:|---:|---:|---:|"]
+    for name, server, e in rows:
+        lines.append(f"| {name} | {server} | {fmt(e.get('requests'))} | "
+                     f"{fmt(e.get('prompt_tokens'))} | {fmt(e.get('prefix_cache_hit_tokens'))} "
+                     f"| {fmt(e.get('steps'))} | {fmt(e.get('mean_queue_ms'))} |")
+    return lines
+
+
 def markdown(result: dict[str, Any]) -> str:
     env, cfg = result["environment"], result["config"]
     extra_env = "".join(f", {side} also with {' '.join(f'{k}={v}' for k, v in e.items())}"
@@ -1401,6 +1475,7 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{fmt(r['request_throughput'], 2)}x | {fmt(r['median_ttft_ms'], 2)}x "
                          f"| {fmt(r['median_tpot_ms'], 2)}x | {fmt(r['median_itl_ms'], 2)}x |")
     lines += slow_readers_markdown(result)
+    lines += engine_counts_markdown(result)
     lines += ["", "Start-up (spawn to first 200 on /health, median over rounds): " + ", ".join(
         f"{name} {fmt(statistics.median(v['startup_s']))} s"
         for name, v in result["servers"].items() if v["startup_s"]) + "."]
@@ -1569,6 +1644,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not LD_PRELOAD tcmalloc (default: both servers use it if found)")
     p.add_argument("--actorllm-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for every actorllm process (repeatable)")
+    p.add_argument("--actorllm-arg", action="append", default=[], metavar="FLAG",
+                   help="an extra flag for every actorllm server (repeat; e.g. "
+                        "--actorllm-arg=--trace=/tmp/t.jsonl --actorllm-arg=--trace-hops)")
     p.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for every vLLM process (repeatable)")
     p.add_argument("--num-warmups", type=int, default=8)
@@ -1688,8 +1766,9 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     log.info("matmul %.1f GFLOP/s (%s threads); %.2f MFLOP per generated token",
              limit_before["limit_gflops"], limit_before["torch_threads"],
              fl["flops_per_generated_token"] / 1e6)
+    extra = tuple(args.actorllm_arg)
     specs = ([] if args.skip_vllm else [ServerSpec("vllm", "vllm")]) + [
-        ServerSpec(f"actorllm-{t}", "actorllm", t) for t in args.topologies]
+        ServerSpec(f"actorllm-{t}", "actorllm", t, extra_args=extra) for t in args.topologies]
     # Tensor parallelism (issue 17): the first topology again with N ranks sharing the
     # pinned cores (--cpu-threads defaults to cores / N per rank).
     specs += [ServerSpec(f"actorllm-{args.topologies[0]}-tp{n}", "actorllm", args.topologies[0],

@@ -24,10 +24,11 @@ Times = dict[str, float]
 
 
 def read(path: Path) -> tuple[dict[str, Times], dict[int, Any], dict[int, Any]]:
-    """(per-span times by rid, plans by step, results by step) from a trace file."""
+    """(per-span times by rid, plans by step, results by step) from a trace file; the
+    spans hold ``prompt tokens`` too (a count by rid, not a time)."""
     spans: dict[str, Times] = {k: {} for k in (
         "register", "tokenizer in", "tokenizer out", "enqueue", "schedule", "planned",
-        "result", "frontend")}
+        "result", "frontend", "prompt tokens")}
     plans: dict[int, Any] = {}
     results: dict[int, Any] = {}
 
@@ -39,6 +40,8 @@ def read(path: Path) -> tuple[dict[str, Times], dict[int, Any], dict[int, Any]]:
         kind, t = d.get("kind"), d.get("t")
         if kind is None and d.get("event") in ("register", "enqueue", "schedule"):
             first(d["event"], d["rid"], t)
+            if d["event"] == "enqueue":
+                first("prompt tokens", d["rid"], d["prompt_tokens"])
         elif kind in ("recv", "send") and d["message"] in ("GenerateRequest",
                                                              "SequenceRequest"):
             span = "tokenizer in" if kind == "recv" and d["mailbox"] == "tokenizer" else (
@@ -66,6 +69,20 @@ def report(path: Path, last: int, num_steps: int) -> None:
     rids = sorted(reg, key=reg.__getitem__)[-last:]
     t0 = min(reg[r] for r in rids)
     print(f"{len(rids)} requests, registered over {(max(reg[r] for r in rids) - t0) * 1e3:.0f} ms")
+    prompt = spans.pop("prompt tokens")
+    computed = {r: 0 for r in rids}  # prompt tokens each request's steps computed
+    sampled: set[str] = set()  # a row after the one that samples first is a decode row
+    for step in sorted(plans):
+        for rid, n, sample in plans[step][1]:
+            if rid in computed and rid not in sampled:
+                computed[rid] += n
+                if sample:
+                    sampled.add(rid)
+    total = sum(prompt.get(r, 0) for r in rids)
+    print(f"  prompt tokens {total} (p50 {statistics.median(prompt.get(r, 0) for r in rids)}"
+          f" a request), computed {sum(computed.values())}: prefix-cache hits "
+          f"{total - sum(computed.values())} tokens in "
+          f"{sum(computed[r] < prompt.get(r, 0) for r in rids)} requests")
     names = [name for name in spans if spans[name]]  # (the hop spans need --trace-hops)
     for a, b in [*itertools.pairwise(names), (names[0], names[-1])]:
         got = [(spans[b][r] - spans[a][r]) * 1e3 for r in rids

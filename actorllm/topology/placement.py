@@ -345,9 +345,14 @@ def build_actors(role: str, wiring: Wiring, config: EngineConfig, parts: Parts,
         )
         actors["scheduler"].replica = replica or 0
     if place["worker"] == role:
+        from actorllm.topology.warmup import warmup_for
         from actorllm.worker.actor import Worker  # torch: only where a Worker lives
 
-        actors["worker"] = Worker(parts.runner, inbox["worker"], out("worker", "scheduler"))
+        # Only where a server's first burst pays for a cold step (its large-step team).
+        warmup = warmup_for(config, parts.info, parts.runner) \
+            if large_step_threads(config) is not None else None
+        actors["worker"] = Worker(parts.runner, inbox["worker"], out("worker", "scheduler"),
+                                  warmup=warmup)
     if place["detokenizer"] == role:
         actors["detokenizer"] = Detokenizer(parts.decode, inbox["detokenizer"],
                                             out("detokenizer", "frontend"),

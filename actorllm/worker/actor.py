@@ -12,6 +12,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -31,9 +32,13 @@ class Worker:
     """The Worker actor: runs each StepPlan from its inbox and sends the StepResult on."""
 
     def __init__(
-        self, runner: ModelRunner, inbox: Inbox[StepPlan], results: Outbox[StepResult]
+        self, runner: ModelRunner, inbox: Inbox[StepPlan], results: Outbox[StepResult],
+        warmup: Callable[[], object] | None = None,
     ) -> None:
+        """``warmup``: run once in the step thread before its first plan (the thread whose
+        heap arena and OpenMP team the steps use: topology/warmup.py)."""
         self.runner = runner
+        self.warmup = warmup
         self.inbox = inbox
         self.results = results
         # True while the step thread waits for a plan. The Worker's own: written by its
@@ -116,6 +121,8 @@ class Worker:
                     self._plan_taken.set()
 
         def loop() -> None:
+            if self.warmup is not None:
+                self.warmup()
             while True:
                 plan, waited = next_plan()
                 if plan is None:
