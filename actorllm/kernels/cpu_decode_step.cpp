@@ -59,6 +59,8 @@ Tensor packed_linear(const Tensor& x, const Tensor& weight, const std::optional<
 
 Tensor sample_rows(const Tensor& logits, const Tensor& temperature,
                    const std::optional<Tensor>& uniforms, double greedy_below);
+Tensor head_and_sample(const Tensor& x, const Tensor& head, const Tensor& temperature,
+                       double greedy_below);
 
 // RoPE on q and k, q into its own tensor, k and v into the caches at their slots: what
 // the module does with a mul, a roll, a mul and an add on [T, H + KV, D], two index_copy_
@@ -170,14 +172,51 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
   // LlamaForCausalLM.compute_logits for every row (the caller asks only when every row
   // samples): two ops here instead of three calls from Python, each a GIL hand-off.
   TORCH_CHECK(final_norm.has_value(), "llama_decode: lm_head without final_norm");
-  Tensor logits =
-      packed_linear(at::rms_norm(h, norm_shape, *final_norm, eps), *lm_head, std::nullopt);
-  // With temperatures, the step's tokens: its sampling too under the same GIL release.
-  if (!temperature.has_value()) return logits;
-  return sample_rows(logits, *temperature, std::nullopt, greedy_below);
+  const Tensor normed = at::rms_norm(h, norm_shape, *final_norm, eps);
+  // With temperatures, the step's tokens: its sampling too under the same GIL release,
+  // each block of rows drawn from while its logits are in cache.
+  if (temperature.has_value()) return head_and_sample(normed, *lm_head, *temperature, greedy_below);
+  return packed_linear(normed, *lm_head, std::nullopt);
 }
 
 #include "cpu_sample_rows.h"
+
+// The temperatures of a step's rows as fp32, and its uniforms where any row draws (given,
+// or from torch's default generator: one call of rows values, whichever caller).
+struct Draws {
+  Tensor temp, u;
+  const float* t = nullptr;
+  const float* us = nullptr;
+  bool any_drawn = false;
+};
+
+Draws step_draws(const Tensor& temperature, const std::optional<Tensor>& uniforms,
+                 int64_t rows, double greedy_below, const at::TensorOptions& options) {
+  Draws d;
+  d.temp = temperature.to(at::kFloat).contiguous();
+  TORCH_CHECK(d.temp.dim() == 1 && d.temp.size(0) == rows, "sample_rows: one temperature a row");
+  d.t = d.temp.data_ptr<float>();
+  for (int64_t i = 0; i < rows; ++i) d.any_drawn |= d.t[i] >= greedy_below;
+  if (d.any_drawn) {
+    d.u = uniforms.has_value() ? uniforms->to(at::kFloat).contiguous() : at::rand({rows}, options);
+    TORCH_CHECK(d.u.dim() == 1 && d.u.size(0) == rows, "sample_rows: one uniform a row");
+    d.us = d.u.data_ptr<float>();
+  }
+  return d;
+}
+
+// Rows [begin, end) of a step, their logits at xs (row `begin` first): one token each.
+// `weights` holds vocab floats where any row draws, `sums` a chunk sum per kChunk tokens.
+void sample_block(const float* xs, int64_t begin, int64_t end, int64_t vocab, const Draws& d,
+                  double greedy_below, float* weights, double* sums, int64_t* o) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float* x = xs + (i - begin) * vocab;
+    int64_t tok = -1;
+    if (d.t[i] >= greedy_below)
+      tok = row_draw(x, vocab, 1.0f / d.t[i], 1.0f - d.us[i], weights, sums);
+    o[i] = tok >= 0 ? tok : row_argmax_fast(x, vocab);
+  }
+}
 
 // One token per row of fp32 logits [rows, vocab]: the argmax where temperature[row] is
 // below greedy_below, else a draw from softmax(logits / temperature) with uniform
@@ -191,30 +230,48 @@ Tensor sample_rows(const Tensor& logits, const Tensor& temperature,
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   TORCH_CHECK(vocab > 0, "sample_rows: an empty vocabulary");
   const Tensor x = logits.contiguous();
-  const Tensor temp = temperature.to(at::kFloat).contiguous();
-  TORCH_CHECK(temp.dim() == 1 && temp.size(0) == rows, "sample_rows: one temperature a row");
+  const Draws d = step_draws(temperature, uniforms, rows, greedy_below, x.options());
   Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
-  const float* t = temp.data_ptr<float>();
-  bool any_drawn = false;
-  for (int64_t i = 0; i < rows; ++i) any_drawn |= t[i] >= greedy_below;
-  Tensor u;
-  if (any_drawn) {
-    u = uniforms.has_value() ? uniforms->to(at::kFloat).contiguous()
-                             : at::rand({rows}, x.options());
-    TORCH_CHECK(u.dim() == 1 && u.size(0) == rows, "sample_rows: one uniform a row");
-  }
   const float* xs = x.data_ptr<float>();
-  const float* us = any_drawn ? u.data_ptr<float>() : nullptr;
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<double> sums((vocab + kChunk - 1) / kChunk);
-    std::vector<float> weights(any_drawn ? vocab : 0);
-    for (int64_t i = begin; i < end; ++i) {
-      int64_t tok = -1;
-      if (t[i] >= greedy_below)
-        tok = row_draw(xs + i * vocab, vocab, 1.0f / t[i], 1.0f - us[i],
-                       weights.data(), sums.data());
-      o[i] = tok >= 0 ? tok : row_argmax_fast(xs + i * vocab, vocab);
+    std::vector<float> weights(d.any_drawn ? vocab : 0);
+    sample_block(xs + begin * vocab, begin, end, vocab, d, greedy_below, weights.data(),
+                 sums.data(), o);
+  });
+  return out;
+}
+
+// Rows a block of the LM head and the draw (head_and_sample): 32 rows of a 4,096-token
+// vocabulary are 512 KiB of logits, which stay in L2 beside the head's weight (1 MiB at
+// hidden 64) between the mm and the draw's two passes; 16 measured the same, and each
+// mm call has a cost of its own (MKL packs the weight again).
+constexpr int64_t kHeadRows = 32;
+
+// sample_rows(x @ head, ...), a block of rows at a time (issue 28): each block's logits
+// are sampled while they are in cache, instead of [rows, vocab] floats written to memory
+// by one mm and read back twice by the draw; one parallel region does both, each thread
+// its own rows (the mm of a block runs on the thread's own, as a nested region would).
+// An mm of some rows gives the same values as those rows of the whole mm (the sum over
+// the hidden size is in the same order), so the tokens are sample_rows' on the step's
+// logits, with the same uniforms (tests/test_cpu_step.py).
+Tensor head_and_sample(const Tensor& x, const Tensor& head, const Tensor& temperature,
+                       double greedy_below) {
+  const int64_t rows = x.size(0), vocab = head.size(1);
+  const Draws d = step_draws(temperature, std::nullopt, rows, greedy_below, x.options());
+  Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, kHeadRows, [&](int64_t begin, int64_t end) {
+    std::vector<double> sums((vocab + kChunk - 1) / kChunk);
+    std::vector<float> weights(d.any_drawn ? vocab : 0);
+    Tensor block = at::empty({std::min(kHeadRows, end - begin), vocab}, x.options());
+    for (int64_t b = begin; b < end; b += kHeadRows) {
+      const int64_t n = std::min(kHeadRows, end - b);
+      Tensor logits = block.narrow(0, 0, n);
+      at::mm_out(logits, x.narrow(0, b, n), head);
+      sample_block(logits.data_ptr<float>(), b, b + n, vocab, d, greedy_below, weights.data(),
+                   sums.data(), o);
     }
   });
   return out;
