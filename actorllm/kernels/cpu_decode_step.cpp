@@ -33,6 +33,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -251,8 +252,10 @@ constexpr int64_t kHeadRows = 32;
 
 // sample_rows(x @ head, ...), a block of rows at a time (issue 28): each block's logits
 // are sampled while they are in cache, instead of [rows, vocab] floats written to memory
-// by one mm and read back twice by the draw; one parallel region does both, each thread
-// its own rows (the mm of a block runs on the thread's own, as a nested region would).
+// by one mm and read back twice by the draw. One parallel region does both; its threads
+// take blocks as they come free (an atomic counter), not fixed halves, so a thread pushed
+// off its core by the event loop's thread or a neighbour holds back one block, not half
+// the step. A block's mm runs on the thread that took it (MKL inside a parallel region).
 // An mm of some rows gives the same values as those rows of the whole mm (the sum over
 // the hidden size is in the same order), so the tokens are sample_rows' on the step's
 // logits, with the same uniforms (tests/test_cpu_step.py).
@@ -262,12 +265,15 @@ Tensor head_and_sample(const Tensor& x, const Tensor& head, const Tensor& temper
   const Draws d = step_draws(temperature, std::nullopt, rows, greedy_below, x.options());
   Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, kHeadRows, [&](int64_t begin, int64_t end) {
+  const int64_t blocks = (rows + kHeadRows - 1) / kHeadRows;
+  std::atomic<int64_t> next{0};
+  const int64_t team = std::min<int64_t>(at::get_num_threads(), blocks);
+  at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
     std::vector<double> sums((vocab + kChunk - 1) / kChunk);
     std::vector<float> weights(d.any_drawn ? vocab : 0);
-    Tensor block = at::empty({std::min(kHeadRows, end - begin), vocab}, x.options());
-    for (int64_t b = begin; b < end; b += kHeadRows) {
-      const int64_t n = std::min(kHeadRows, end - b);
+    Tensor block = at::empty({std::min(kHeadRows, rows), vocab}, x.options());
+    for (int64_t i = next++; i < blocks; i = next++) {
+      const int64_t b = i * kHeadRows, n = std::min(kHeadRows, rows - b);
       Tensor logits = block.narrow(0, 0, n);
       at::mm_out(logits, x.narrow(0, b, n), head);
       sample_block(logits.data_ptr<float>(), b, b + n, vocab, d, greedy_below, weights.data(),

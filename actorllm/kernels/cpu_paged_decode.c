@@ -393,8 +393,11 @@ int paged_decode_f32_ex(const float *q, const float *k_cache, const float *v_cac
     const job_t job = {q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs,
                        num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale,
                        window, softcap};
-    /* Static contiguous shares: each thread walks its own run of sequences. */
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+    /* Runs of four items taken as threads come free, not fixed shares: where the team
+     * shares its cores with the event loop's thread (2 cores, a forward during which the
+     * Detokenizer runs) or a neighbour, a thread pushed off its core holds back only the
+     * run it is in, and the others take the rest (issue 28). */
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 4)
     for (int64_t i = 0; i < items; i++) one_item(&job, i);
     return 0;
 }
