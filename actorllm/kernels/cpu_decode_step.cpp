@@ -67,8 +67,9 @@ Tensor head_and_sample(const Tensor& x, const Tensor& head, const Tensor& temper
 // the module does with a mul, a roll, a mul and an add on [T, H + KV, D], two index_copy_
 // and a contiguous copy of q (eight op dispatches a layer, launch-bound at 64 rows), in
 // one loop. Each value is rounded as those ops round it (x * cos, rolled x * sin, their
-// sum; sin already carries its sign), and nothing here targets FMA, so the result is
-// bit-equal to the module's (tests/test_cpu_step.py).
+// sum; cos and sin come as [T, D / 2], the first half's sin negated by subtracting),
+// and nothing here targets FMA, so the result is bit-equal to the module's
+// (tests/test_cpu_step.py).
 void rope_and_write_kv(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
                        const int64_t* slots, Tensor& q, const Tensor& k_cache,
                        const Tensor& v_cache) {
@@ -76,20 +77,21 @@ void rope_and_write_kv(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
               "llama_decode: qkv and the caches must be contiguous");
   const int64_t tokens = qkv.size(0), heads = q.size(1), dim = q.size(2), half = dim / 2;
   const int64_t kv_heads = (qkv.size(1) - heads) / 2, width = qkv.size(1) * dim;
+  TORCH_CHECK(cos.size(-1) == half && sin.size(-1) == half, "llama_decode: rope's half width");
   const float *src = qkv.data_ptr<float>(), *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
   float *qs = q.data_ptr<float>(), *ks = k_cache.data_ptr<float>(), *vs = v_cache.data_ptr<float>();
   for (int64_t t = 0; t < tokens; ++t) {
-    const float *row = src + t * width, *ct = c + t * dim, *st = s + t * dim;
+    const float *row = src + t * width, *ct = c + t * half, *st = s + t * half;
     for (int64_t h = 0; h < heads + kv_heads; ++h) {
       const float* x = row + h * dim;
       float* out = h < heads ? qs + (t * heads + h) * dim
                              : ks + (slots[t] * kv_heads + h - heads) * dim;
-      for (int64_t d = 0; d < half; ++d) {
+      for (int64_t d = 0; d < half; ++d) {  // the module's sin is -sin here
         const float a = x[d] * ct[d], b = x[d + half] * st[d];
-        out[d] = a + b;
+        out[d] = a - b;
       }
       for (int64_t d = half; d < dim; ++d) {
-        const float a = x[d] * ct[d], b = x[d - half] * st[d];
+        const float a = x[d] * ct[d - half], b = x[d - half] * st[d - half];
         out[d] = a + b;
       }
     }
@@ -132,12 +134,18 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
   const std::vector<int64_t> norm_shape{hidden_size};
 
   Tensor h = at::embedding(weights[0], input_ids);
-  // RotaryEmbedding.forward: cos and the signed sin, [T, 1, D].
+  // RotaryEmbedding.forward's cos and sin, [T, D / 2]: the module repeats them to [T, D]
+  // and negates sin's first half; rope_and_write_kv reads each half twice and subtracts
+  // instead (x - y is x + (-y) exactly), four op dispatches fewer. A scaling of 1 is
+  // exact, so its two muls are skipped.
   Tensor freqs = positions.unsqueeze(1).to(at::kFloat).mul(inv_freq.unsqueeze(0));
-  Tensor cos = freqs.cos().mul(rope_scaling);
-  Tensor sin = freqs.sin().mul(rope_scaling);
-  cos = at::cat({cos, cos}, -1).to(h.scalar_type()).contiguous();
-  sin = at::cat({sin.neg(), sin}, -1).to(h.scalar_type()).contiguous();
+  Tensor cos = freqs.cos(), sin = freqs.sin();
+  if (rope_scaling != 1.0) {
+    cos = cos.mul(rope_scaling);
+    sin = sin.mul(rope_scaling);
+  }
+  cos = cos.to(h.scalar_type()).contiguous();
+  sin = sin.to(h.scalar_type()).contiguous();
   const Tensor slots = slot_mapping.to(at::kLong).contiguous();
 
   for (int64_t l = 0; l < layers; ++l) {
