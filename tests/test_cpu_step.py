@@ -98,7 +98,8 @@ def test_the_op_takes_each_layers_window(runner: ModelRunner) -> None:
     assert len(runner.decode_step.qk_norms) == (4 if "qwen3" in name else 0)  # two a layer
 
 
-@pytest.mark.parametrize("num_seqs", [1, 7, 9, 64, 65])  # 9 and 65 pad to a bucket
+@pytest.mark.parametrize("num_seqs", [1, 7, 9, 64, 65, 97])  # 9 and 65 pad to a bucket;
+# 65 and 97 cross the op's blocks of 32 rows for the LM head and the draw (both teams)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_step_equals_the_module_bit_for_bit(runner: ModelRunner, num_seqs: int,
                                                    threads: int) -> None:

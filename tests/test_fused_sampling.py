@@ -182,3 +182,20 @@ def test_greedy_rows_match_argmax_at_every_lane_of_a_wide_row() -> None:
     logits[32, 100] = logits[32, 50] = INF
     logits[33, 4098] = logits[33, 3] = float("nan")
     assert torch.equal(_greedy(logits), logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [64, 1000, 4096])
+def test_a_draw_at_the_top_of_the_cdf_takes_a_token_of_weight_near_the_end(vocab: int) -> None:
+    """1 - u = 1 puts the target at the row's total, where float rounding can leave the
+    scan short of it: the op then takes the last token of positive weight, never a masked
+    one."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(64, vocab, generator=g) * 3
+    logits[:, vocab // 2 :] = -INF  # the tail chunks weigh nothing
+    logits[1, 1:] = -INF  # one token left
+    tokens = sample_rows(logits, torch.ones(64), GREEDY_BELOW, torch.zeros(64))
+    cdf = torch.softmax(logits.double(), dim=-1).cumsum(dim=-1)
+    for i, t in enumerate(tokens.tolist()):
+        assert logits[i, t] > -INF, (i, t)
+        assert float(cdf[i, t]) >= 1 - 1e-5, (i, t)  # what weight lies after t is rounding's
+    assert tokens[1] == 0

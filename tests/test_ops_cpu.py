@@ -171,14 +171,16 @@ def test_decode_kernel_block_size_not_a_multiple_of_its_chunk():
 
 
 # The kernel's AVX-512 steps (where the machine has them) take four query heads a vector
-# for the scores (groups of 4 and 8), eight keys a tile, 64 keys a chunk across blocks,
+# for the scores (groups of 4 and 8; groups of 2 take two heads of eight dimensions a
+# vector, head dims a multiple of 8), eight keys a tile, 64 keys a chunk across blocks,
 # and sixteen lanes of the head dimension for the softmax and the values (head dims 32 to
 # 128); the others take the portable loops. Lengths around each of those edges.
 ODD_LENGTHS = [(1, 1), (7, 1), (8, 1), (9, 1), (63, 1), (64, 1), (65, 1), (129, 1), (203, 1)]
 
 
 @pytest.mark.parametrize(("group", "head_dim"),
-                         [(1, 32), (2, 64), (4, 32), (4, 128), (8, 64), (8, 128), (3, 32)])
+                         [(1, 32), (2, 64), (4, 32), (4, 128), (8, 64), (8, 128), (3, 32),
+                          (2, 32), (2, 8), (2, 128), (2, 12)])
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_decode_kernel_vector_paths_around_tile_and_chunk_edges(group, head_dim, block_size):
     case = make_case(ODD_LENGTHS, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
@@ -189,7 +191,7 @@ def test_decode_kernel_vector_paths_around_tile_and_chunk_edges(group, head_dim,
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("group", "head_dim"), [(4, 32), (8, 64), (1, 128)])
+@pytest.mark.parametrize(("group", "head_dim"), [(4, 32), (8, 64), (1, 128), (2, 32)])
 def test_decode_kernel_vector_paths_with_window_and_softcap(group, head_dim):
     """Windows that start mid-chunk and mid-block, and soft-caps, on the vector steps."""
     case = make_case(ODD_LENGTHS, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,

@@ -33,6 +33,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -59,13 +60,16 @@ Tensor packed_linear(const Tensor& x, const Tensor& weight, const std::optional<
 
 Tensor sample_rows(const Tensor& logits, const Tensor& temperature,
                    const std::optional<Tensor>& uniforms, double greedy_below);
+Tensor head_and_sample(const Tensor& x, const Tensor& head, const Tensor& temperature,
+                       double greedy_below);
 
 // RoPE on q and k, q into its own tensor, k and v into the caches at their slots: what
 // the module does with a mul, a roll, a mul and an add on [T, H + KV, D], two index_copy_
 // and a contiguous copy of q (eight op dispatches a layer, launch-bound at 64 rows), in
 // one loop. Each value is rounded as those ops round it (x * cos, rolled x * sin, their
-// sum; sin already carries its sign), and nothing here targets FMA, so the result is
-// bit-equal to the module's (tests/test_cpu_step.py).
+// sum; cos and sin come as [T, D / 2], the first half's sin negated by subtracting),
+// and nothing here targets FMA, so the result is bit-equal to the module's
+// (tests/test_cpu_step.py).
 void rope_and_write_kv(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
                        const int64_t* slots, Tensor& q, const Tensor& k_cache,
                        const Tensor& v_cache) {
@@ -73,20 +77,21 @@ void rope_and_write_kv(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
               "llama_decode: qkv and the caches must be contiguous");
   const int64_t tokens = qkv.size(0), heads = q.size(1), dim = q.size(2), half = dim / 2;
   const int64_t kv_heads = (qkv.size(1) - heads) / 2, width = qkv.size(1) * dim;
+  TORCH_CHECK(cos.size(-1) == half && sin.size(-1) == half, "llama_decode: rope's half width");
   const float *src = qkv.data_ptr<float>(), *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
   float *qs = q.data_ptr<float>(), *ks = k_cache.data_ptr<float>(), *vs = v_cache.data_ptr<float>();
   for (int64_t t = 0; t < tokens; ++t) {
-    const float *row = src + t * width, *ct = c + t * dim, *st = s + t * dim;
+    const float *row = src + t * width, *ct = c + t * half, *st = s + t * half;
     for (int64_t h = 0; h < heads + kv_heads; ++h) {
       const float* x = row + h * dim;
       float* out = h < heads ? qs + (t * heads + h) * dim
                              : ks + (slots[t] * kv_heads + h - heads) * dim;
-      for (int64_t d = 0; d < half; ++d) {
+      for (int64_t d = 0; d < half; ++d) {  // the module's sin is -sin here
         const float a = x[d] * ct[d], b = x[d + half] * st[d];
-        out[d] = a + b;
+        out[d] = a - b;
       }
       for (int64_t d = half; d < dim; ++d) {
-        const float a = x[d] * ct[d], b = x[d - half] * st[d];
+        const float a = x[d] * ct[d - half], b = x[d - half] * st[d - half];
         out[d] = a + b;
       }
     }
@@ -129,12 +134,18 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
   const std::vector<int64_t> norm_shape{hidden_size};
 
   Tensor h = at::embedding(weights[0], input_ids);
-  // RotaryEmbedding.forward: cos and the signed sin, [T, 1, D].
+  // RotaryEmbedding.forward's cos and sin, [T, D / 2]: the module repeats them to [T, D]
+  // and negates sin's first half; rope_and_write_kv reads each half twice and subtracts
+  // instead (x - y is x + (-y) exactly), four op dispatches fewer. A scaling of 1 is
+  // exact, so its two muls are skipped.
   Tensor freqs = positions.unsqueeze(1).to(at::kFloat).mul(inv_freq.unsqueeze(0));
-  Tensor cos = freqs.cos().mul(rope_scaling);
-  Tensor sin = freqs.sin().mul(rope_scaling);
-  cos = at::cat({cos, cos}, -1).to(h.scalar_type()).contiguous();
-  sin = at::cat({sin.neg(), sin}, -1).to(h.scalar_type()).contiguous();
+  Tensor cos = freqs.cos(), sin = freqs.sin();
+  if (rope_scaling != 1.0) {
+    cos = cos.mul(rope_scaling);
+    sin = sin.mul(rope_scaling);
+  }
+  cos = cos.to(h.scalar_type()).contiguous();
+  sin = sin.to(h.scalar_type()).contiguous();
   const Tensor slots = slot_mapping.to(at::kLong).contiguous();
 
   for (int64_t l = 0; l < layers; ++l) {
@@ -170,14 +181,51 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
   // LlamaForCausalLM.compute_logits for every row (the caller asks only when every row
   // samples): two ops here instead of three calls from Python, each a GIL hand-off.
   TORCH_CHECK(final_norm.has_value(), "llama_decode: lm_head without final_norm");
-  Tensor logits =
-      packed_linear(at::rms_norm(h, norm_shape, *final_norm, eps), *lm_head, std::nullopt);
-  // With temperatures, the step's tokens: its sampling too under the same GIL release.
-  if (!temperature.has_value()) return logits;
-  return sample_rows(logits, *temperature, std::nullopt, greedy_below);
+  const Tensor normed = at::rms_norm(h, norm_shape, *final_norm, eps);
+  // With temperatures, the step's tokens: its sampling too under the same GIL release,
+  // each block of rows drawn from while its logits are in cache.
+  if (temperature.has_value()) return head_and_sample(normed, *lm_head, *temperature, greedy_below);
+  return packed_linear(normed, *lm_head, std::nullopt);
 }
 
 #include "cpu_sample_rows.h"
+
+// The temperatures of a step's rows as fp32, and its uniforms where any row draws (given,
+// or from torch's default generator: one call of rows values, whichever caller).
+struct Draws {
+  Tensor temp, u;
+  const float* t = nullptr;
+  const float* us = nullptr;
+  bool any_drawn = false;
+};
+
+Draws step_draws(const Tensor& temperature, const std::optional<Tensor>& uniforms,
+                 int64_t rows, double greedy_below, const at::TensorOptions& options) {
+  Draws d;
+  d.temp = temperature.to(at::kFloat).contiguous();
+  TORCH_CHECK(d.temp.dim() == 1 && d.temp.size(0) == rows, "sample_rows: one temperature a row");
+  d.t = d.temp.data_ptr<float>();
+  for (int64_t i = 0; i < rows; ++i) d.any_drawn |= d.t[i] >= greedy_below;
+  if (d.any_drawn) {
+    d.u = uniforms.has_value() ? uniforms->to(at::kFloat).contiguous() : at::rand({rows}, options);
+    TORCH_CHECK(d.u.dim() == 1 && d.u.size(0) == rows, "sample_rows: one uniform a row");
+    d.us = d.u.data_ptr<float>();
+  }
+  return d;
+}
+
+// Rows [begin, end) of a step, their logits at xs (row `begin` first): one token each.
+// `weights` holds vocab floats where any row draws, `sums` a chunk sum per kChunk tokens.
+void sample_block(const float* xs, int64_t begin, int64_t end, int64_t vocab, const Draws& d,
+                  double greedy_below, float* weights, double* sums, int64_t* o) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float* x = xs + (i - begin) * vocab;
+    int64_t tok = -1;
+    if (d.t[i] >= greedy_below)
+      tok = row_draw(x, vocab, 1.0f / d.t[i], 1.0f - d.us[i], weights, sums);
+    o[i] = tok >= 0 ? tok : row_argmax_fast(x, vocab);
+  }
+}
 
 // One token per row of fp32 logits [rows, vocab]: the argmax where temperature[row] is
 // below greedy_below, else a draw from softmax(logits / temperature) with uniform
@@ -191,30 +239,53 @@ Tensor sample_rows(const Tensor& logits, const Tensor& temperature,
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   TORCH_CHECK(vocab > 0, "sample_rows: an empty vocabulary");
   const Tensor x = logits.contiguous();
-  const Tensor temp = temperature.to(at::kFloat).contiguous();
-  TORCH_CHECK(temp.dim() == 1 && temp.size(0) == rows, "sample_rows: one temperature a row");
+  const Draws d = step_draws(temperature, uniforms, rows, greedy_below, x.options());
   Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
-  const float* t = temp.data_ptr<float>();
-  bool any_drawn = false;
-  for (int64_t i = 0; i < rows; ++i) any_drawn |= t[i] >= greedy_below;
-  Tensor u;
-  if (any_drawn) {
-    u = uniforms.has_value() ? uniforms->to(at::kFloat).contiguous()
-                             : at::rand({rows}, x.options());
-    TORCH_CHECK(u.dim() == 1 && u.size(0) == rows, "sample_rows: one uniform a row");
-  }
   const float* xs = x.data_ptr<float>();
-  const float* us = any_drawn ? u.data_ptr<float>() : nullptr;
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<double> sums((vocab + kChunk - 1) / kChunk);
-    std::vector<float> weights(any_drawn ? vocab : 0);
-    for (int64_t i = begin; i < end; ++i) {
-      int64_t tok = -1;
-      if (t[i] >= greedy_below)
-        tok = row_draw(xs + i * vocab, vocab, 1.0f / t[i], 1.0f - us[i],
-                       weights.data(), sums.data());
-      o[i] = tok >= 0 ? tok : row_argmax_fast(xs + i * vocab, vocab);
+    std::vector<float> weights(d.any_drawn ? vocab : 0);
+    sample_block(xs + begin * vocab, begin, end, vocab, d, greedy_below, weights.data(),
+                 sums.data(), o);
+  });
+  return out;
+}
+
+// Rows a block of the LM head and the draw (head_and_sample): 32 rows of a 4,096-token
+// vocabulary are 512 KiB of logits, which stay in L2 beside the head's weight (1 MiB at
+// hidden 64) between the mm and the draw's two passes; 16 measured the same, and each
+// mm call has a cost of its own (MKL packs the weight again).
+constexpr int64_t kHeadRows = 32;
+
+// sample_rows(x @ head, ...), a block of rows at a time (issue 28): each block's logits
+// are sampled while they are in cache, instead of [rows, vocab] floats written to memory
+// by one mm and read back twice by the draw. One parallel region does both; its threads
+// take blocks as they come free (an atomic counter), not fixed halves, so a thread pushed
+// off its core by the event loop's thread or a neighbour holds back one block, not half
+// the step. A block's mm runs on the thread that took it (MKL inside a parallel region).
+// An mm of some rows gives the same values as those rows of the whole mm (the sum over
+// the hidden size is in the same order), so the tokens are sample_rows' on the step's
+// logits, with the same uniforms (tests/test_cpu_step.py).
+Tensor head_and_sample(const Tensor& x, const Tensor& head, const Tensor& temperature,
+                       double greedy_below) {
+  const int64_t rows = x.size(0), vocab = head.size(1);
+  const Draws d = step_draws(temperature, std::nullopt, rows, greedy_below, x.options());
+  Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  const int64_t blocks = (rows + kHeadRows - 1) / kHeadRows;
+  std::atomic<int64_t> next{0};
+  const int64_t team = std::min<int64_t>(at::get_num_threads(), blocks);
+  at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
+    std::vector<double> sums((vocab + kChunk - 1) / kChunk);
+    std::vector<float> weights(d.any_drawn ? vocab : 0);
+    Tensor block = at::empty({std::min(kHeadRows, rows), vocab}, x.options());
+    for (int64_t i = next++; i < blocks; i = next++) {
+      const int64_t b = i * kHeadRows, n = std::min(kHeadRows, rows - b);
+      Tensor logits = block.narrow(0, 0, n);
+      at::mm_out(logits, x.narrow(0, b, n), head);
+      sample_block(logits.data_ptr<float>(), b, b + n, vocab, d, greedy_below, weights.data(),
+                   sums.data(), o);
     }
   });
   return out;

@@ -137,6 +137,36 @@ static inline __attribute__((always_inline)) void score_x4(
         }
     }
 }
+/* score_x4 for groups of two heads: lanes (head, dimension) over runs of eight dimensions,
+ * the key's eight broadcast into both halves, so a key costs D / 8 FMAs and no lane is
+ * idle (the portable loop reduced each key's dot product across lanes once per head). Per
+ * KEY_TILE keys, sum_quarters leaves each head's partial sums in two quarters, and one
+ * shuffle pair adds them: quarters (head 0, keys 0-3), (head 1, 0-3), (head 0, 4-7),
+ * (head 1, 4-7). qx holds the query as lanes (head, d % 8) per run of eight. */
+static inline __attribute__((always_inline)) void score_x2(
+    const float *qx, const float *const *kp, int64_t n, const int64_t D,
+    float score[][MAX_CHUNK]) {
+    for (int64_t i0 = 0; i0 < n; i0 += KEY_TILE) {
+        const float *const *k = kp + i0;
+        __m512 a[KEY_TILE];
+        for (int t = 0; t < KEY_TILE; t++) a[t] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < D / 8; b++) {
+            const __m512 q = _mm512_load_ps(qx + 16 * b);
+            for (int t = 0; t < KEY_TILE; t++)
+                a[t] = _mm512_fmadd_ps(
+                    q, _mm512_broadcast_f32x8(_mm256_loadu_ps(k[t] + 8 * b)), a[t]);
+        }
+        const __m512 r1 = sum_quarters(a[0], a[1], a[2], a[3]);
+        const __m512 r2 = sum_quarters(a[4], a[5], a[6], a[7]);
+        const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(r1, r2, _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_f32x4(r1, r2, _MM_SHUFFLE(3, 1, 3, 1)));
+        _mm_storeu_ps(&score[0][i0], _mm512_castps512_ps128(r));
+        _mm_storeu_ps(&score[1][i0], _mm512_extractf32x4_ps(r, 1));
+        _mm_storeu_ps(&score[0][i0 + 4], _mm512_extractf32x4_ps(r, 2));
+        _mm_storeu_ps(&score[1][i0 + 4], _mm512_extractf32x4_ps(r, 3));
+    }
+}
+
 /* One head's online-softmax update over the n scores of a chunk, sixteen at a time: the
  * scores become their weights exp(s - max), m and l the running maximum and sum. Returns
  * the factor that rescales what was accumulated before the chunk. gcc left the scalar
@@ -275,6 +305,7 @@ static inline __attribute__((always_inline)) void item_d(const job_t *j, int64_t
     }
 #ifdef __AVX512F__
     const int fast_scores = group % 4 == 0 && D % 4 == 0, fast_softmax = D % 16 == 0;
+    const int pair_scores = group == 2 && D % 8 == 0;
     /* The query in score_x4's layout: per set of four heads, per run of four dimensions,
      * one vector of lanes (head, dimension). */
     float qx[MAX_GROUP * MAX_HEAD_DIM] __attribute__((aligned(64)));
@@ -282,6 +313,9 @@ static inline __attribute__((always_inline)) void item_d(const job_t *j, int64_t
         for (int64_t h = 0; h < group; h++)
             for (int64_t d = 0; d < D; d++)
                 qx[(h / 4) * 4 * D + (d / 4) * 16 + (h % 4) * 4 + d % 4] = qs[h][d];
+    if (pair_scores)
+        for (int64_t h = 0; h < 2; h++)
+            for (int64_t d = 0; d < D; d++) qx[(d / 8) * 16 + h * 8 + d % 8] = qs[h][d];
     for (int64_t t = 0; t < KEY_TILE; t++) kp[MAX_CHUNK + t] = zero_key;
 #endif
     for (int64_t p0 = first; p0 < len; p0 += MAX_CHUNK) {
@@ -302,6 +336,8 @@ static inline __attribute__((always_inline)) void item_d(const job_t *j, int64_t
         for (int64_t t = n; t < n + KEY_TILE && t < MAX_CHUNK; t++) kp[t] = zero_key;
         if (fast_scores)
             score_x4(qx, kp, n, D, group, score);
+        else if (pair_scores)
+            score_x2(qx, kp, n, D, score);
         else
 #endif
             score_plain(qs, kp, n, D, group, score);
@@ -357,8 +393,11 @@ int paged_decode_f32_ex(const float *q, const float *k_cache, const float *v_cac
     const job_t job = {q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs,
                        num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale,
                        window, softcap};
-    /* Static contiguous shares: each thread walks its own run of sequences. */
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+    /* Runs of four items taken as threads come free, not fixed shares: where the team
+     * shares its cores with the event loop's thread (2 cores, a forward during which the
+     * Detokenizer runs) or a neighbour, a thread pushed off its core holds back only the
+     * run it is in, and the others take the rest (issue 28). */
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 4)
     for (int64_t i = 0; i < items; i++) one_item(&job, i);
     return 0;
 }
