@@ -13,7 +13,7 @@ import pytest
 
 from actorllm import cpus
 from actorllm.cpus import CpuShare, cpu_quota, usable_cpus, worker_share
-from actorllm.ops.threads import LARGE_STEP_TOKENS, StepThreads
+from actorllm.ops.threads import LARGE_STEP_TOKENS, PREFILL_STEP_TOKENS, StepThreads
 
 USER_KNOBS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", cpus.ADAPT_ENV)
 
@@ -182,6 +182,19 @@ def test_the_step_team_is_cut_by_the_share() -> None:
     share.free = 8
     assert [threads.for_tokens(t) for t in (8, 64, LARGE_STEP_TOKENS)] == [1, 2, 4]
     assert StepThreads("cuda", full=2, share=share).share is None
+
+
+def test_a_step_that_prefills_takes_the_large_team_however_few_its_tokens() -> None:
+    """Tokens past one per row are prefill (or drafts): compute for the team, with little
+    output for the event loop; a decode step of as many tokens keeps the ordinary team."""
+    threads = StepThreads("cpu", full=1, large=2)
+    p = PREFILL_STEP_TOKENS
+    assert p + 8 < LARGE_STEP_TOKENS
+    assert threads.for_tokens(p + 8, rows=8) == 2  # 8 decode rows beside a chunk of p
+    assert threads.for_tokens(p + 7, rows=8) == 1  # one token short
+    assert threads.for_tokens(p + 8, rows=p + 8) == 1  # as many decode rows
+    assert threads.for_tokens(p + 8) == 1  # rows not given: counted as decode rows
+    assert threads.for_tokens(LARGE_STEP_TOKENS, rows=LARGE_STEP_TOKENS) == 2
 
 
 def test_the_adapt_switch_turns_the_measure_off() -> None:

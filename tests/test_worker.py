@@ -252,10 +252,10 @@ def test_a_small_step_runs_on_one_thread_and_a_large_one_on_all(
         tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch):
     """Sleeping OpenMP threads cost more to wake than a small step saves
     (ops/threads.py): the step thread's team is 1 below SMALL_STEP_TOKENS tokens, the
-    configured count from there on, ``large_step_threads`` from LARGE_STEP_TOKENS, and
-    each step's outputs do not depend on it."""
+    configured count from there on, ``large_step_threads`` from LARGE_STEP_TOKENS or
+    PREFILL_STEP_TOKENS past one per row, and each step's outputs do not depend on it."""
     from actorllm.cpus import ADAPT_ENV
-    from actorllm.ops.threads import LARGE_STEP_TOKENS, SMALL_STEP_TOKENS
+    from actorllm.ops.threads import LARGE_STEP_TOKENS, PREFILL_STEP_TOKENS, SMALL_STEP_TOKENS
 
     monkeypatch.setenv(ADAPT_ENV, "0")  # the counts as configured, whatever else runs here
 
@@ -274,6 +274,7 @@ def test_a_small_step_runs_on_one_thread_and_a_large_one_on_all(
         s = Script(r)
         big = [0, *range(20, 20 + SMALL_STEP_TOKENS)]
         small = big[:SMALL_STEP_TOKENS - 1]
+        chunk = [0, *range(40, 40 + PREFILL_STEP_TOKENS)]  # one row, PREFILL_STEP_TOKENS past it
         # Four prompts of 128 tokens in one step: LARGE_STEP_TOKENS (the tiny model's
         # context is 256).
         prefills = [[0, *(20 + (i * 7 + k) % 300 for i in range(127))] for k in range(4)]
@@ -287,16 +288,18 @@ def test_a_small_step_runs_on_one_thread_and_a_large_one_on_all(
             results.append(s.step(one("small", small)))
             results.append(s.step(*(one(f"p{k}", ids) for k, ids in enumerate(prefills))))
             results.append(s.step(one("big2", big)))
+            results.append(s.step(one("chunk", chunk)))
 
         assert 4 * 128 == LARGE_STEP_TOKENS
         t = threading.Thread(target=steps)
         t.start()
         t.join()
-        assert seen == [2, 1, 3, 2]
+        assert seen == [2, 1, 3, 2, 3]
         # The same prompts on 1, 2 and 3 threads: the same greedy tokens as transformers.
         hf = hf_model(tiny_llama_dir)
         assert [results[0].tokens[0].token_id] == hf_greedy(hf, big, 1)[0]
         assert [results[1].tokens[0].token_id] == hf_greedy(hf, small, 1)[0]
+        assert [results[4].tokens[0].token_id] == hf_greedy(hf, chunk, 1)[0]
         got = {t.rid: t.token_id for t in results[2].tokens}
         assert [got[f"p{k}"] for k in range(4)] == [hf_greedy(hf, ids, 1)[0][0]
                                                     for ids in prefills]

@@ -14,6 +14,12 @@ saves. So:
   and on 2 cores the idle core is half the machine. ``engine`` at saturation, 2
   threads for such steps and 1 for the rest: median TTFT 452-540 ms against 710-904
   with 1 thread throughout (``placement.large_step_threads``; docs/architecture.md).
+  So does a step with ``PREFILL_STEP_TOKENS`` or more tokens past one per row (a
+  prefill chunk beside decode rows, or a burst's tail of prompts): its work is compute,
+  not output for the loop. On the embedded model under ``serve`` (64 prompts at once),
+  sending such steps to 2 threads too raised output tok/s from 3,069-3,450 to
+  3,450-3,940 and cut TTFT p50 from 527-711 to 426-578 ms; a decode step of as many
+  tokens stays on 1 (2 threads there: 2,330-2,610 tok/s, the loop's work crowded out).
 - Only the step thread has a team. libgomp gives every thread that starts a parallel
   region a pool of its own, and once it manages more threads than there are CPUs it
   cuts every spin to almost nothing ("throttled"), so each region wakes sleeping
@@ -42,6 +48,7 @@ import torch
 
 SMALL_STEP_TOKENS = 32
 LARGE_STEP_TOKENS = 512
+PREFILL_STEP_TOKENS = 64
 
 
 class Share(Protocol):
@@ -62,11 +69,13 @@ class StepThreads:
         self.share = share if self.enabled else None
         self.current: int | None = None
 
-    def for_tokens(self, num_tokens: int) -> int:
-        """The team size for a step of ``num_tokens`` tokens."""
+    def for_tokens(self, num_tokens: int, rows: int | None = None) -> int:
+        """The team size for a step of ``num_tokens`` tokens over ``rows`` sequences
+        (None: as many as tokens, a decode step)."""
         if not self.enabled:
             return self.full
-        if num_tokens >= LARGE_STEP_TOKENS:
+        extra = 0 if rows is None else num_tokens - rows  # tokens past one per row
+        if num_tokens >= LARGE_STEP_TOKENS or extra >= PREFILL_STEP_TOKENS:
             wanted = self.large
         else:
             wanted = 1 if num_tokens < SMALL_STEP_TOKENS else self.full
@@ -74,11 +83,12 @@ class StepThreads:
             return self.share.cap(wanted)
         return wanted
 
-    def use_for(self, num_tokens: int) -> None:
-        """Size the calling thread's team for a step of ``num_tokens`` tokens."""
+    def use_for(self, num_tokens: int, rows: int | None = None) -> None:
+        """Size the calling thread's team for a step of ``num_tokens`` tokens over
+        ``rows`` sequences."""
         if not self.enabled:
             return
-        n = self.for_tokens(num_tokens)
+        n = self.for_tokens(num_tokens, rows)
         if n != self.current:
             torch.set_num_threads(n)
             self.current = n
