@@ -13,7 +13,13 @@ import pytest
 
 from actorllm import cpus
 from actorllm.cpus import CpuShare, cpu_quota, usable_cpus, worker_share
-from actorllm.ops.threads import LARGE_STEP_TOKENS, PREFILL_STEP_TOKENS, StepThreads
+from actorllm.ops.threads import (
+    DRAFT_STEP_TOKENS,
+    LARGE_STEP_TOKENS,
+    PREFILL_STEP_TOKENS,
+    SMALL_STEP_TOKENS,
+    StepThreads,
+)
 
 USER_KNOBS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", cpus.ADAPT_ENV)
 
@@ -195,6 +201,18 @@ def test_a_step_that_prefills_takes_the_large_team_however_few_its_tokens() -> N
     assert threads.for_tokens(p + 8, rows=p + 8) == 1  # as many decode rows
     assert threads.for_tokens(p + 8) == 1  # rows not given: counted as decode rows
     assert threads.for_tokens(LARGE_STEP_TOKENS, rows=LARGE_STEP_TOKENS) == 2
+
+
+def test_a_verify_step_of_one_row_takes_the_whole_team() -> None:
+    """A small step carrying drafts (tokens past one per row) is compute, not the loop's
+    wake-up cost: the ordinary team, not one thread; a small decode step keeps one."""
+    threads = StepThreads("cpu", full=2, large=2)
+    d = DRAFT_STEP_TOKENS
+    assert 1 + d < SMALL_STEP_TOKENS
+    assert threads.for_tokens(1 + d, rows=1) == 2  # one row and its d drafts
+    assert threads.for_tokens(d, rows=1) == 1  # one draft fewer
+    assert threads.for_tokens(1 + d, rows=1 + d) == 1  # as many decode rows
+    assert threads.for_tokens(SMALL_STEP_TOKENS, rows=SMALL_STEP_TOKENS) == 2
 
 
 def test_the_adapt_switch_turns_the_measure_off() -> None:

@@ -251,11 +251,17 @@ def test_cpu_threads_sets_torch_threads(tiny_llama_dir: Path):
 def test_a_small_step_runs_on_one_thread_and_a_large_one_on_all(
         tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch):
     """Sleeping OpenMP threads cost more to wake than a small step saves
-    (ops/threads.py): the step thread's team is 1 below SMALL_STEP_TOKENS tokens, the
-    configured count from there on, ``large_step_threads`` from LARGE_STEP_TOKENS or
-    PREFILL_STEP_TOKENS past one per row, and each step's outputs do not depend on it."""
+    (ops/threads.py): the step thread's team is 1 below SMALL_STEP_TOKENS tokens (unless
+    DRAFT_STEP_TOKENS of them are past one per row), the configured count from there
+    on, ``large_step_threads`` from LARGE_STEP_TOKENS or PREFILL_STEP_TOKENS past one
+    per row, and each step's outputs do not depend on it."""
     from actorllm.cpus import ADAPT_ENV
-    from actorllm.ops.threads import LARGE_STEP_TOKENS, PREFILL_STEP_TOKENS, SMALL_STEP_TOKENS
+    from actorllm.ops.threads import (
+        DRAFT_STEP_TOKENS,
+        LARGE_STEP_TOKENS,
+        PREFILL_STEP_TOKENS,
+        SMALL_STEP_TOKENS,
+    )
 
     monkeypatch.setenv(ADAPT_ENV, "0")  # the counts as configured, whatever else runs here
 
@@ -273,7 +279,7 @@ def test_a_small_step_runs_on_one_thread_and_a_large_one_on_all(
         r.model.forward = recording  # type: ignore[method-assign]
         s = Script(r)
         big = [0, *range(20, 20 + SMALL_STEP_TOKENS)]
-        small = big[:SMALL_STEP_TOKENS - 1]
+        small = big[:DRAFT_STEP_TOKENS]  # (a prompt of more would count as compute)
         chunk = [0, *range(40, 40 + PREFILL_STEP_TOKENS)]  # one row, PREFILL_STEP_TOKENS past it
         # Four prompts of 128 tokens in one step: LARGE_STEP_TOKENS (the tiny model's
         # context is 256).

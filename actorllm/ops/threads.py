@@ -7,6 +7,11 @@ saves. So:
 - A step of fewer than ``SMALL_STEP_TOKENS`` tokens runs on one thread, larger ones
   (prefill chunks, big decode batches) on all the Worker has. One decode step of 4 to
   32 sequences of the embedded model took 20-50 % longer on 2 threads than on 1.
+- A step of fewer tokens takes the whole team too if it carries ``DRAFT_STEP_TOKENS``
+  or more past one per row (a speculative verify step: one row and its drafts). At one
+  row the forward of 9 tokens took ~1.8x that of one on one thread (the linears turn
+  compute-bound); with such steps on 2 threads the n-gram benchmark's concurrency-1
+  cells went from 1.58-1.72x to 1.73-1.78x (two runs each way, quiet), for more CPU.
 - A step of ``LARGE_STEP_TOKENS`` or more (prefill) may take a bigger team than the
   rest (``large``). A Worker with a process of its own leaves one core to the HTTP
   process, because a thread sharing a core with a busy process stalls every region it
@@ -49,6 +54,7 @@ import torch
 SMALL_STEP_TOKENS = 32
 LARGE_STEP_TOKENS = 512
 PREFILL_STEP_TOKENS = 64
+DRAFT_STEP_TOKENS = 4
 
 
 class Share(Protocol):
@@ -78,7 +84,8 @@ class StepThreads:
         if num_tokens >= LARGE_STEP_TOKENS or extra >= PREFILL_STEP_TOKENS:
             wanted = self.large
         else:
-            wanted = 1 if num_tokens < SMALL_STEP_TOKENS else self.full
+            wanted = 1 if num_tokens < SMALL_STEP_TOKENS and extra < DRAFT_STEP_TOKENS \
+                else self.full
         if wanted > 1 and self.share is not None:
             return self.share.cap(wanted)
         return wanted
