@@ -21,15 +21,12 @@ output on a random probe.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
-from actorllm.model.hf_mlp import same_output, swap_forward
-
-log = logging.getLogger(__name__)
+from actorllm.model.hf_mlp import same_output, swap_or_keep
 
 _LEAN = "_actorllm_lean_experts"
 
@@ -95,14 +92,12 @@ def lean_experts(model: nn.Module) -> int:
     if mm is None or getattr(config, "_experts_implementation", None) != "grouped_mm":
         return 0
     top_k = getattr(config, "num_experts_per_tok", None) or 2
-    count = 0
+    counts = {"lean": 0, "kept": 0}
     for name, module in model.named_modules():
         if getattr(module, _LEAN, False) or not _eligible(module):
             continue
         forward = _forward(mm)
-        if not _reproduces(module, forward, min(top_k, module.num_experts)):
-            log.debug("%s (%s) keeps its own forward", name, type(module).__name__)
-            continue
-        swap_forward(module, forward, _LEAN)
-        count += 1
-    return count
+        swap_or_keep(counts, "lean", name, module,
+                     forward if _reproduces(module, forward, min(top_k, module.num_experts))
+                     else None, _LEAN)
+    return counts["lean"]

@@ -70,7 +70,7 @@ class Sequence:
     # backoff of a row whose proposals do not pay, and its acceptance estimates: decayed
     # counts of drafts accepted and tried, per n-gram match length (index 0: a draft
     # model's), the match length of its proposal in flight, and its tokens as an array
-    # for the n-gram lookup (``speculation.history``: the first ``spec_known`` of it).
+    # for the n-gram lookup (``ngram.history``: the first ``spec_known`` of it).
     drafts: list[int] = attrs.Factory(list)
     drafting: bool = False
     spec_misses: int = 0
