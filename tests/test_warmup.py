@@ -86,9 +86,12 @@ def test_a_served_engine_warms_up_once_and_answers_as_hf(
 def test_no_warm_up_offline_with_ranks_or_when_switched_off(
         tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     served = EngineConfig(model=str(tiny_llama_dir), serving_http=True)
+    offline = EngineConfig(model=str(tiny_llama_dir))
     info = read_model_info(str(tiny_llama_dir))
-    assert warmup.warmup_for(served, info, runner=None) is not None
-    assert large_step_threads(EngineConfig(model=str(tiny_llama_dir))) is None  # offline
-    assert warmup.warmup_for(served, None, runner=None) is None
+    large = large_step_threads(served)
+    assert warmup.warmup_for(served, info, None, large) is not None
+    assert large_step_threads(offline) is None  # offline: no team of its own
+    assert warmup.warmup_for(offline, info, None, large_step_threads(offline)) is None
+    assert warmup.warmup_for(served, None, None, large) is None
     monkeypatch.setenv("ACTORLLM_WARMUP", "0")
-    assert warmup.warmup_for(served, info, runner=None) is None
+    assert warmup.warmup_for(served, info, None, large) is None

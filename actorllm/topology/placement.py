@@ -348,9 +348,7 @@ def build_actors(role: str, wiring: Wiring, config: EngineConfig, parts: Parts,
         from actorllm.topology.warmup import warmup_for
         from actorllm.worker.actor import Worker  # torch: only where a Worker lives
 
-        # Only where a server's first burst pays for a cold step (its large-step team).
-        warmup = warmup_for(config, parts.info, parts.runner) \
-            if large_step_threads(config) is not None else None
+        warmup = warmup_for(config, parts.info, parts.runner, large_step_threads(config))
         actors["worker"] = Worker(parts.runner, inbox["worker"], out("worker", "scheduler"),
                                   warmup=warmup)
     if place["detokenizer"] == role:

@@ -81,13 +81,16 @@ def warm_up(runner: Any, tokens: int, *, block_size: int, max_model_len: int,
     return took
 
 
-def warmup_for(config: EngineConfig, info: ModelInfo | None,
-               runner: Any) -> Callable[[], object] | None:
-    """The Worker's start-up step for ``config`` (``Worker(warmup=...)``), or None: one
-    rank, no draft model (neither measured), a model whose limits are known, and no
-    ``ACTORLLM_WARMUP=0`` in the environment (for A/B runs, as ``ACTORLLM_KEEP_HEAP``)."""
-    if info is None or config.speculative is not None or config.tensor_parallel_size > 1 \
-            or os.environ.get("ACTORLLM_WARMUP") == "0":
+def warmup_for(config: EngineConfig, info: ModelInfo | None, runner: Any,
+               large_team: int | None) -> Callable[[], object] | None:
+    """The Worker's start-up step for ``config`` (``Worker(warmup=...)``), or None. Only
+    where a server's first burst pays for a cold step: a Worker with a large-step team
+    of its own (``large_team``: ``placement.large_step_threads``, which is None offline,
+    with ``--cpu-threads`` and off the CPU), one rank, no draft model (neither
+    measured), a model whose limits are known, and no ``ACTORLLM_WARMUP=0`` in the
+    environment (for A/B runs, as ``ACTORLLM_KEEP_HEAP``)."""
+    if large_team is None or info is None or config.speculative is not None \
+            or config.tensor_parallel_size > 1 or os.environ.get("ACTORLLM_WARMUP") == "0":
         return None
     return lambda: warm_up(runner, config.max_num_batched_tokens,
                            block_size=config.block_size, max_model_len=info.max_model_len,
