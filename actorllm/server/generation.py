@@ -103,7 +103,7 @@ class GenerationResponse(Response):
         return self._api_error(self._error)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.out.send = send
+        self.out.send, self.out.scope = send, scope
         self.state.responding += 1
         try:
             with timeouts.watch_writes(scope.get("client"), self._client_took) as watch:
