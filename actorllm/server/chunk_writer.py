@@ -5,7 +5,7 @@ layers (Starlette's, FastAPI's and the edge's), hypercorn's ``HTTPStream.app_sen
 ``H11Protocol.stream_send``, and h11, which frames it as an HTTP/1.1 chunk, before the
 one ``write``. Once the status line is out, none of them does anything to a body chunk
 but pass it on (the wrappers only note the start message), yet together they cost the
-loop about as much again as the write itself (py-spy, embedded model, 64 streams:
+loop about half as much as the ``write`` itself (py-spy, embedded model, 64 streams:
 docs/architecture.md, "Writing's share of the loop").
 
 :func:`direct_writer` gives a response that has sent its headers a writer that frames
