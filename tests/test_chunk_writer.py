@@ -2,8 +2,8 @@
 real hypercorn: the stream must take that path with the hypercorn installed here (this
 fails if an upgrade moves what it relies on), and what reaches the client must be the
 HTTP/1.1 chunked body h11 would have framed, ending so that the connection serves the
-next request. An HTTP/1.0 stream (not chunked) must go the ASGI way. The openai SDK reads the same streams from ``actorllm serve`` in
-tests/test_server.py."""
+next request. An HTTP/1.0 stream (not chunked) must go the ASGI way. The openai SDK
+reads the same streams from ``actorllm serve`` in tests/test_server.py."""
 
 from __future__ import annotations
 
