@@ -1194,6 +1194,47 @@ def server_threads(server: Server) -> dict[str, Any]:
     return out
 
 
+def server_cpu(server: Server) -> dict[str, float]:
+    """CPU-seconds so far of the server's processes (from /proc): ``loop``, the first
+    process's main thread (the trio loop that runs the HTTP streams), ``process``, that
+    whole process, and ``all``, every process of its session (``engine``'s child too)."""
+    if server.proc is None:
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def seconds(path: str) -> float:
+        # Fields 14 and 15 (utime, stime) count after the ")" that ends the name.
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    pid = server.proc.pid
+    out: dict[str, float] = {}
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        out["loop"] = seconds(f"/proc/{pid}/task/{pid}/stat")
+        out["process"] = seconds(f"/proc/{pid}/stat")
+        pids = {pid}
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            got = subprocess.run(["pgrep", "-s", str(pid)], capture_output=True, text=True,
+                                 timeout=10).stdout.split()
+            pids |= {int(p) for p in got}
+        total = 0.0
+        for p in pids:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total += seconds(f"/proc/{p}/stat")
+        out["all"] = total
+    return out
+
+
+def cpu_per_token(before: dict[str, float], after: dict[str, float],
+                  tokens: int | None) -> dict[str, float]:
+    """Microseconds of CPU per output token, by the keys of :func:`server_cpu` (the
+    client's warm-up requests are counted in the CPU, not in the tokens)."""
+    if not tokens:
+        return {}
+    return {f"{k}_us_per_token": round(1e6 * (after[k] - before[k]) / tokens, 1)
+            for k in before if k in after}
+
+
 # --- the run ----------------------------------------------------------------------------------
 
 
@@ -1207,6 +1248,9 @@ ENGINE_COUNTERS: dict[str, tuple[str, ...]] = {
     "steps": ("iteration_tokens_total_count", "engine_steps_total"),
     "queue_time_s": ("request_queue_time_seconds_sum",),
     "requests": ("request_queue_time_seconds_count",),
+    # One read of a stream's collector: one SSE write (its count and the tokens it took).
+    "output_events": ("tokens_per_output_event_count",),
+    "output_event_tokens": ("tokens_per_output_event_sum",),
 }
 
 
@@ -1267,8 +1311,11 @@ def run_servers(specs: list[ServerSpec], scenarios: list[Scenario], settings: Se
                 before = fetch_metrics(server)
                 for scenario in (sc for sc in scenarios if spec.runs(sc)):
                     tag = f"r{r}-{spec.name}-{scenario.name.replace('@', '-at-')}"
+                    cpu_before = server_cpu(server)
                     raw = CLIENTS[scenario.client](server, scenario, settings, result_dir,
                                                    tag)
+                    cpu = cpu_per_token(cpu_before, server_cpu(server),
+                                        raw.get("total_output_tokens"))
                     after = fetch_metrics(server)
                     (settings.log_dir / f"metrics-{tag}.txt").write_text(after)
                     row = summarize_serve(raw)
@@ -1276,12 +1323,16 @@ def run_servers(specs: list[ServerSpec], scenarios: list[Scenario], settings: Se
                     before = after
                     row["raw_file"] = str(result_dir / f"{tag}.json")
                     row["client_warnings"] = raw.get("client_warnings", [])
+                    row["cpu"] = cpu
                     runs[spec.name]["scenarios"][scenario.name].append(row)
                     log.info("%-16s %-18s %8.1f out tok/s  TTFT p50 %8.1f ms  TPOT p50 %7.2f ms"
                              "  (%s/%s ok)", spec.name, scenario.name,
                              row["output_throughput"] or 0, row["median_ttft_ms"] or 0,
                              row["median_tpot_ms"] or 0, row["completed"],
                              scenario.num_prompts)
+                    if cpu:
+                        log.info("%-16s %-18s CPU us per output token: %s", spec.name,
+                                 scenario.name, cpu)
                     if row["failed"]:
                         log.warning("%s %s: %s requests failed; see %s", spec.name,
                                     scenario.name, row["failed"], row["raw_file"])

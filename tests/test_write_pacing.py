@@ -166,9 +166,34 @@ def test_a_reader_is_held_only_while_the_engine_waits_for_the_loop():
         await pacer.turn()  # owes, but the Worker has a plan to run: holding wins nothing
         assert pacer.held == 0 and trio.current_time() == start
         waits = True  # now the engine waits for the loop: the debt is paid first
+        await trio.sleep(pacing.WAITS_FRESH)  # (the last answer stands that long)
+        start = trio.current_time()
         pacer.charge(0.001)
         await pacer.turn()
         assert pacer.held == 1 and trio.current_time() > start
+
+    _run(main)
+
+
+def test_the_readers_of_one_wake_up_ask_whether_the_engine_waits_once():
+    async def main() -> None:
+        asked = 0
+
+        def waits() -> bool:
+            nonlocal asked
+            asked += 1
+            return False
+
+        pacer = WritePacer(engine_waits=waits)
+        await trio.sleep(1.0)
+        for _ in range(64):  # one wake-up: each reader charges, then asks for its turn
+            pacer.charge(0.0001)
+            await pacer.turn()
+        assert asked == 1 and pacer.held == 0
+        await trio.sleep(pacing.WAITS_FRESH)
+        pacer.charge(0.0001)
+        await pacer.turn()
+        assert asked == 2  # a later wake-up asks again
 
     _run(main)
 

@@ -103,7 +103,7 @@ class GenerationResponse(Response):
         return self._api_error(self._error)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.out.send = send
+        self.out.send, self.out.scope = send, scope
         self.state.responding += 1
         try:
             with timeouts.watch_writes(scope.get("client"), self._client_took) as watch:
@@ -319,12 +319,16 @@ class GenerationResponse(Response):
                 raise trio.EndOfChannel
             return job, item
 
-        receiving: trio.CancelScope | None = None
+        # One scope for the whole loop (a scope a token cost ~4 us of the loop), cancelled
+        # only while the loop waits; a cancel that comes after the wait returned, before
+        # the loop ran on, is seen before anything is sent.
+        receiving = trio.CancelScope()
+        waiting = False
 
         async def watch_cut() -> None:
             await self.state.drain_expired.wait()
             self._end(Ending.DRAIN_CUT)
-            if receiving is not None:  # else the loop is sending and sees the flag next
+            if waiting:  # else the loop is sending and sees the flag next
                 receiving.cancel()
 
         single = self.jobs[0] if len(self.jobs) == 1 else None
@@ -337,44 +341,51 @@ class GenerationResponse(Response):
                         nursery.start_soon(pump, job, send_ch.clone())
             async with recv_ch:
                 try:
-                    while not self._cut:
-                        # Only the wait is cancellable by the cut, never a send.
-                        with trio.CancelScope() as receiving:
+                    with receiving:
+                        while not self._cut:
+                            # Only the wait is cancellable by the cut, never a send.
+                            waiting = True
                             try:
                                 # Writing waits for its share of the loop (pacing.py).
                                 await pacer.turn()
-                                job, item = await (next_of_one(single) if single is not None
-                                                   else recv_ch.receive())
+                                got = await (next_of_one(single) if single is not None
+                                             else recv_ch.receive())
                             except trio.EndOfChannel:
                                 break
-                        receiving = None
-                        if self._cut:
-                            break
-                        t0 = trio.current_time()
-                        # Whatever else the same step brought (other jobs' pumps are
-                        # waiting to hand it over) goes in the same write.
-                        items = [(job, item)]
-                        while single is None:
-                            try:
-                                items.append(recv_ch.receive_nowait())
-                            except (trio.WouldBlock, trio.EndOfChannel):
+                            finally:
+                                waiting = False
+                            if self._cut or receiving.cancel_called:
                                 break
-                        events: list[bytes] = []
-                        for job, item in items:
-                            if isinstance(item, RequestError):
-                                # Headers are gone: the error travels as an event, then
-                                # [DONE].
-                                events.append(sse.event(self._api_error(item).body()))
-                                await self.out.body(b"".join(events))
+                            t0 = trio.current_time()
+                            # Whatever else the same step brought (other jobs' pumps are
+                            # waiting to hand it over) goes in the same write.
+                            items = [got]
+                            while single is None:
+                                try:
+                                    items.append(recv_ch.receive_nowait())
+                                except (trio.WouldBlock, trio.EndOfChannel):
+                                    break
+                            if await self._send_items(items):
                                 return True
-                            events += self._render(job, item.outputs)
-                        if events:
-                            await self.out.body(b"".join(events))
-                        pacer.charge(trio.current_time() - t0)
+                            pacer.charge(trio.current_time() - t0)
                 finally:
                     # Cancel the pumps while the channel is still open: one that sends
                     # into a closed channel would raise BrokenResourceError, not stop.
                     nursery.cancel_scope.cancel()
+        return False
+
+    async def _send_items(self, items: list[tuple[Job, Any]]) -> bool:
+        """One write of what the jobs' collectors gave; True if one failed (its error is
+        sent as an event: the headers are gone)."""
+        events: list[bytes] = []
+        for job, item in items:
+            if isinstance(item, RequestError):
+                events.append(sse.event(self._api_error(item).body()))
+                await self.out.body(b"".join(events))
+                return True
+            events += self._render(job, item.outputs)
+        if events:
+            await self.out.body(b"".join(events))
         return False
 
     def _render(self, job: Job, outputs: Sequence[CompletionOutput]) -> list[bytes]:

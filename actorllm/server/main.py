@@ -40,6 +40,7 @@ import trio
 
 from actorllm.config import EngineConfig, check_tensor_parallel_size
 from actorllm.server.app import build_app
+from actorllm.server.chunk_writer import KeepServerSend
 from actorllm.server.features import Features, sentence_transformers_pooling
 from actorllm.server.state import DEFAULT_MAX_PENDING
 
@@ -261,7 +262,7 @@ async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
             try:
                 async with trio.open_nursery() as nursery:
                     async def run_http(task_status: trio.TaskStatus[list[str]]) -> None:
-                        await serve(app, _hypercorn_config(opts, writes_cut),
+                        await serve(KeepServerSend(app), _hypercorn_config(opts, writes_cut),
                                     shutdown_trigger=shutdown.wait, task_status=task_status)
                         # hypercorn returns once drained: stop the signal watcher too.
                         nursery.cancel_scope.cancel()
