@@ -6,6 +6,8 @@ distribution (chi-square), the flag's validation and the metrics."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import subprocess
 import sys
@@ -417,6 +419,14 @@ def test_a_drafting_step_packed_as_one_token_rows_gives_the_modules_logits(
     assert one_token_rows(chunk, whole) is whole
     assert split.seq_lens.tolist() == [10, 11, 12, 13, 6, 15, 16]
     assert torch.equal(split.sample_indices, whole.sample_indices)  # 1 + drafts per row
+    # The Worker packs a verify step split at once (pack_plan's one_token): the same batch.
+    direct = pack_plan(plan, tables, slots, runner.max_model_len, runner.device,
+                       lambda *a: np.zeros(0), one_token=True)
+    for f in dataclasses.fields(split):
+        a, b = getattr(direct, f.name), getattr(split, f.name)
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f.name
+    assert pack_plan(chunk, tables, slots, runner.max_model_len, runner.device,
+                     lambda *a: np.zeros(0), one_token=True).max_seqlen_q > 1
     g = torch.Generator().manual_seed(0)
     caches = [(torch.randn(k.shape, generator=g), torch.randn(v.shape, generator=g))
               for k, v in runner.kv_caches]

@@ -390,11 +390,11 @@ class ModelRunner:
         return grammar
 
     def _prepare(self, plan: StepPlan) -> ForwardBatch:
-        """The plan's block-table diffs applied and the plan packed into device tensors
-        (:mod:`actorllm.worker.packing`)."""
+        """The plan's block-table diffs applied and the plan packed (worker/packing.py)."""
         return self._pack(plan, self.tables.apply(plan))
 
     def _pack(self, plan: StepPlan, rows: np.ndarray) -> ForwardBatch:
         return pack_plan(plan, self.tables, rows, self.max_model_len, self.device,
-                         functools.partial(self._last_samples, plan))
+                         functools.partial(self._last_samples, plan),
+                         self.decode_step is not None and self.draft is None)
 
