@@ -969,3 +969,48 @@ async def test_a_speculative_trace_checks_and_redrive_says_it_cannot(
     assert check_trace(trace, load_spec()) == []
     with pytest.raises(RedriveError, match="speculative"):
         redrive(trace)
+
+
+def test_a_verify_step_runs_on_the_whole_team(tiny_llama_dir: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-row step with DRAFT_STEP_TOKENS drafts takes the whole team (ops/threads.py),
+    also packed as one-token rows for the one-op step (one row per token: the team is
+    sized by the plan's rows, not the batch's); a plain decode step stays on one thread."""
+    import threading
+
+    from actorllm.cpus import ADAPT_ENV
+    from actorllm.ops.threads import DRAFT_STEP_TOKENS
+    from actorllm.wire.messages import NewSeqData
+
+    monkeypatch.setenv(ADAPT_ENV, "0")  # the counts as configured, whatever else runs here
+    before = torch.get_num_threads()
+    try:
+        runner = ModelRunner(tiny_llama_dir, num_blocks=64, block_size=4, num_threads=2)
+        real, seen = runner.decode_step, []
+        assert real is not None
+
+        class Counted:
+            applies = staticmethod(real.applies)
+            makes_logits = real.makes_logits
+
+            def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+                seen.append(torch.get_num_threads())
+                return real(*args, **kwargs)
+
+        runner.decode_step = Counted()  # type: ignore[assignment]
+        prompt, plans, table = (0, 5, 6, 7, 5, 6), Plans(), (3, 9, 4, 11)
+        new = NewSeqData(SamplingParams(temperature=0.0, max_tokens=32), prompt)
+        drafts = (7, 5, 6, 7)[:DRAFT_STEP_TOKENS]
+
+        def steps() -> None:
+            runner.execute(plans.plan(1, [ScheduledSeq("a", prompt, 0, table, True, new)]))
+            runner.execute(plans.plan(2, [ScheduledSeq("a", (7,), 6, table, True)]))
+            verify = plans.plan(3, [ScheduledSeq("a", (5, *drafts), 7, table, True)])
+            runner.execute(attrs.evolve(verify, num_drafts=(len(drafts),)))
+
+        t = threading.Thread(target=steps)
+        t.start()
+        t.join()
+        assert seen == [1, 2] and runner.one_op_draft_steps == 1
+    finally:
+        torch.set_num_threads(before)

@@ -230,7 +230,7 @@ class ModelRunner:
                 pack_s = time.perf_counter() - tp
                 if self.draft is not None:  # its drafts replace the plan's placeholders
                     plan, batch = self.draft.fill(plan, batch)
-                self.threads.use_for(batch.input_ids.shape[0], batch.seq_lens.shape[0])
+                self.threads.use_for(batch.input_ids.shape[0], len(plan.num_tokens))
                 hidden, logits, drawn = self._forward(plan, batch, slots, masks is None)
             finally:
                 if masks is not None:
