@@ -1012,5 +1012,22 @@ def test_a_verify_step_runs_on_the_whole_team(tiny_llama_dir: Path,
         t.start()
         t.join()
         assert seen == [1, 2] and runner.one_op_draft_steps == 1
+        assert runner.drawn_in_op_steps == 2  # the greedy verify step's argmax drawn there
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_op_draws_a_verify_steps_positions_only_where_every_drafting_row_is_greedy(
+        ) -> None:
+    """drawn_temperatures: each row's temperature once per logits row (1 + its drafts)
+    while the rows with drafts are greedy; a sampled row with drafts needs the logits
+    (rejection sampling): None."""
+    from actorllm.worker.speculative import drawn_temperatures
+
+    plan = StepPlan(1, rids=("a", "b", "c"), num_tokens=(3, 1, 2), token_ids=(1,) * 6,
+                    start_pos=(5, 5, 5), sample=(True,) * 3, num_drafts=(2, 0, 1))
+    temps = np.array([0.0, 0.5, 0.0], dtype=np.float32)
+    got = drawn_temperatures(temps, plan)
+    assert got is not None and got.tolist() == [0.0, 0.0, 0.0, 0.5, 0.0, 0.0]
+    assert got.dtype == np.float32
+    assert drawn_temperatures(np.array([0.0, 0.0, 0.5], dtype=np.float32), plan) is None

@@ -48,15 +48,42 @@ def last_rows(plan: StepPlan) -> Tensor:
     return torch.from_numpy(np.cumsum(d + 1) - 1)
 
 
-def verify_drafts(logits: Tensor, plan: StepPlan, slots: np.ndarray, batch: SamplingBatch
-                  ) -> tuple[dict[int, list[int]], Tensor]:
+def verify_step(logits: Tensor, drawn: Tensor | None, plan: StepPlan, slots: np.ndarray,
+                batch: SamplingBatch
+                ) -> tuple[dict[int, list[int]], Tensor, Tensor | None]:
+    """A step's verification, as the Worker runs it: (the rows verified, as
+    :func:`verify_drafts`; the logits, and the tokens the op drew, of each sampling row's
+    last position). ``drawn``: the op's draw at every position (then ``logits`` is the
+    same tensor), where :func:`drawn_temperatures` let it draw; no drafts: nothing."""
+    if not plan.num_drafts:
+        return {}, logits, drawn
+    verified, last = verify_drafts(logits, plan, slots, batch, drawn is not None)
+    return verified, last, None if drawn is None else last
+
+
+def drawn_temperatures(temps: np.ndarray, plan: StepPlan) -> np.ndarray | None:
+    """``temps`` (``SamplingBatch.op_temperatures``, one per sampling row) for every
+    logits row of a verify step, so that the op draws at each position, where every
+    speculating row is greedy: its draws are then its argmax at each position, all that
+    verifying it needs, and the step's logits stay in the op (on a one-row verify step
+    their argmax, the sampler's call and the logits' slicing were ~60 % of its
+    verification, noisy, shared machine). None where a speculating row samples."""
+    d = np.asarray(plan.num_drafts, dtype=np.int64)[np.asarray(plan.sample, dtype=bool)]
+    return None if temps[d > 0].any() else np.repeat(temps, d + 1)
+
+
+def verify_drafts(logits: Tensor, plan: StepPlan, slots: np.ndarray, batch: SamplingBatch,
+                  drawn: bool = False) -> tuple[dict[int, list[int]], Tensor]:
     """Verify every speculating row of ``plan`` (``logits``: 1 + drafts rows per sampling
     row; sampling row ``j`` is slot ``slots[j]`` of ``batch``): {sampling row: tokens
     emitted, already committed to ``batch``}, and the logits of each sampling row's last
-    position (for the ordinary sampler; a speculating row's draw there is not used)."""
+    position (for the ordinary sampler; a speculating row's draw there is not used).
+    ``drawn``: ``logits`` are the op's greedy draws at each position instead (every
+    speculating row plain greedy), and so is what comes back."""
     rows = draft_rows(plan)
     plain = [r for r in rows if _plain_greedy(batch, int(slots[r[0]]))]
-    verified = _verify_plain_greedy(logits, plain, slots, batch) if plain else {}
+    verified = _verify_plain_greedy(logits.numpy() if drawn else argmax_rows(logits), plain,
+                                    slots, batch) if plain else {}
     for j, at, drafts in rows:
         if j not in verified:
             verified[j] = verify_slot(batch, int(slots[j]), logits[at:at + 1 + len(drafts)],
@@ -78,13 +105,12 @@ def _plain_greedy(batch: SamplingBatch, slot: int) -> bool:
         np.array([slot], dtype=np.int64))
 
 
-def _verify_plain_greedy(logits: Tensor, rows: list[tuple[int, int, list[int]]],
+def _verify_plain_greedy(best: np.ndarray, rows: list[tuple[int, int, list[int]]],
                          slots: np.ndarray, batch: SamplingBatch) -> dict[int, list[int]]:
-    """:func:`verify_slot` for plain greedy rows (:func:`_plain_greedy`), all at once: one
-    argmax over the step's logits, each row's drafts compared with it in a few whole-array
-    ops (its accepted count: the drafts before its first mismatch), and the tokens
-    committed together (:func:`_commit_runs`), with no work per row and position."""
-    best = argmax_rows(logits)
+    """:func:`verify_slot` for plain greedy rows (:func:`_plain_greedy`), all at once: given
+    the argmax of every logits row (``best``), each row's drafts compared with it in a few
+    whole-array ops (its accepted count: the drafts before its first mismatch), and the
+    tokens committed together (:func:`_commit_runs`), with no work per row and position."""
     if sum(len(r[2]) for r in rows) <= FEW_DRAFTS:
         out = {}
         for j, at, drafts in rows:  # a few rows: compared in Python, no array built
