@@ -67,9 +67,12 @@ def drawn_temperatures(temps: np.ndarray, plan: StepPlan) -> np.ndarray | None:
     speculating row is greedy: its draws are then its argmax at each position, all that
     verifying it needs, and the step's logits stay in the op (on a one-row verify step
     their argmax, the sampler's call and the logits' slicing were ~60 % of its
-    verification, noisy, shared machine). None where a speculating row samples."""
-    d = np.asarray(plan.num_drafts, dtype=np.int64)[np.asarray(plan.sample, dtype=bool)]
-    return None if temps[d > 0].any() else np.repeat(temps, d + 1)
+    verification, noisy, shared machine). None where a speculating row samples. Every
+    row of ``plan`` samples (the op makes logits only for such steps)."""
+    d = plan.num_drafts  # (in Python: one or a few rows, and numpy's calls cost more)
+    if any(n and t for n, t in zip(d, temps.tolist(), strict=True)):
+        return None
+    return np.repeat(temps, [n + 1 for n in d])
 
 
 def verify_drafts(logits: Tensor, plan: StepPlan, slots: np.ndarray, batch: SamplingBatch,
