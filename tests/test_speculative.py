@@ -7,7 +7,6 @@ distribution (chi-square), the flag's validation and the metrics."""
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import subprocess
 import sys
@@ -1031,3 +1030,37 @@ def test_the_op_draws_a_verify_steps_positions_only_where_every_drafting_row_is_
     assert got is not None and got.tolist() == [0.0, 0.0, 0.0, 0.5, 0.0, 0.0]
     assert got.dtype == np.float32
     assert drawn_temperatures(np.array([0.0, 0.0, 0.5], dtype=np.float32), plan) is None
+
+
+def test_a_row_nothing_of_which_pays_sits_out_the_steps_asking_each_step_would() -> None:
+    """_sit_out: a row none of whose kinds pays proposes nothing for exactly the steps
+    that asking every step, and forgiving its estimates a bit each time, would have
+    taken to make one pay, with the same estimates then; a change of the batch's rows
+    has it judged again at once."""
+    config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=1,
+                               max_draft_tokens_per_step=8)
+    spec = Speculation(config)
+
+    def missed() -> Sequence:
+        seq = Sequence("a", [5, 6, 5], SamplingParams(max_tokens=100), 100, frozenset())
+        assert spec.propose(seq, 2, 4) == [6]  # a probe
+        spec.verdict(seq, 1, 0)
+        seq.spec_skip = 0
+        return seq
+
+    seq, ref = missed(), missed()
+    eager = 0
+    while not spec._pays(ref, 2, 2):  # as before: asked, and forgiven, every step
+        spec._forgive(ref)
+        eager += 1
+    lazy = 0
+    while not spec.propose(seq, 2, 2):
+        lazy += 1
+        assert lazy < 100
+    assert lazy == eager > 1
+    for got, want in ((seq.spec_hits, ref.spec_hits), (seq.spec_tries, ref.spec_tries)):
+        assert got == pytest.approx(want)
+    spec = Speculation(config)
+    again = missed()
+    assert spec.propose(again, 2, 2) == [] and again.spec_idle > 0
+    assert spec.propose(again, 2, 1)  # alone: judged again, and it pays
