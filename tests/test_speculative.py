@@ -1030,6 +1030,8 @@ def test_the_op_draws_a_verify_steps_positions_only_where_every_drafting_row_is_
     assert got is not None and got.tolist() == [0.0, 0.0, 0.0, 0.5, 0.0, 0.0]
     assert got.dtype == np.float32
     assert drawn_temperatures(np.array([0.0, 0.0, 0.5], dtype=np.float32), plan) is None
+    greedy = drawn_temperatures(np.zeros(3, dtype=np.float32), plan)
+    assert greedy is not None and greedy.tolist() == [0.0] * 6 and greedy.dtype == np.float32
 
 
 def test_a_row_nothing_of_which_pays_sits_out_the_steps_asking_each_step_would() -> None:

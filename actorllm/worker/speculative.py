@@ -69,9 +69,11 @@ def drawn_temperatures(temps: np.ndarray, plan: StepPlan) -> np.ndarray | None:
     their argmax, the sampler's call and the logits' slicing were ~60 % of its
     verification, noisy, shared machine). None where a speculating row samples. Every
     row of ``plan`` samples (the op makes logits only for such steps)."""
-    d = plan.num_drafts  # (in Python: one or a few rows, and numpy's calls cost more)
-    if any(n and t for n, t in zip(d, temps.tolist(), strict=True)):
+    d, ts = plan.num_drafts, temps.tolist()  # (in Python: one or a few rows)
+    if any(n and t for n, t in zip(d, ts, strict=True)):
         return None
+    if not any(ts):  # every row greedy (each numpy call after the op costs ~10 us)
+        return np.zeros(len(ts) + sum(d), dtype=temps.dtype)
     return np.repeat(temps, [n + 1 for n in d])
 
 
@@ -83,6 +85,9 @@ def verify_drafts(logits: Tensor, plan: StepPlan, slots: np.ndarray, batch: Samp
     position (for the ordinary sampler; a speculating row's draw there is not used).
     ``drawn``: ``logits`` are the op's greedy draws at each position instead (every
     speculating row plain greedy), and so is what comes back."""
+    if len(plan.num_drafts) == 1 and plan.num_drafts[0] and plan.sample[0] \
+            and _plain_greedy(batch, int(slots[0])):
+        return {0: _verify_lone_row(logits, plan, slots, batch, drawn)}, logits[-1:]
     rows = draft_rows(plan)
     plain = [r for r in rows if _plain_greedy(batch, int(slots[r[0]]))]
     verified = _verify_plain_greedy(logits.numpy() if drawn else argmax_rows(logits), plain,
@@ -94,6 +99,27 @@ def verify_drafts(logits: Tensor, plan: StepPlan, slots: np.ndarray, batch: Samp
     if len(slots) == 1:  # (one sampling row: its last position is the last logits row)
         return verified, logits[-1:]
     return verified, logits[last_rows(plan).to(logits.device)]
+
+
+def _verify_lone_row(logits: Tensor, plan: StepPlan, slots: np.ndarray, batch: SamplingBatch,
+                     drawn: bool) -> list[int]:
+    """:func:`_verify_plain_greedy` for a step of one plain greedy row (concurrency 1),
+    without the lists of rows: in the engine every call after the op meets cold caches,
+    so a verify step's host work goes by the calls it makes."""
+    d = plan.num_drafts[0]
+    drafts = plan.token_ids[-d:]
+    best = (logits.numpy() if drawn else argmax_rows(logits)).tolist()
+    a = 0
+    while a < d and best[a] == drafts[a]:
+        a += 1
+    run = [*drafts[:a], best[a]]
+    slot, cols = int(slots[0]), batch.cols
+    if batch.seen is None and batch.counts is None and not cols["constrained"][slot]:
+        cols["num_out"][slot] += len(run)  # (_commit_runs' fast case, by scalar indexing:
+        cols["last_token"][slot] = run[-1]  # its four fancy-indexing ops took ~33 us)
+    else:
+        _commit_runs(batch, slots, {0: run})
+    return run
 
 
 def _plain_greedy(batch: SamplingBatch, slot: int) -> bool:
