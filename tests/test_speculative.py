@@ -6,6 +6,7 @@ distribution (chi-square), the flag's validation and the metrics."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -417,6 +418,14 @@ def test_a_drafting_step_packed_as_one_token_rows_gives_the_modules_logits(
     assert one_token_rows(chunk, whole) is whole
     assert split.seq_lens.tolist() == [10, 11, 12, 13, 6, 15, 16]
     assert torch.equal(split.sample_indices, whole.sample_indices)  # 1 + drafts per row
+    # The Worker packs a verify step split at once (pack_plan's one_token): the same batch.
+    direct = pack_plan(plan, tables, slots, runner.max_model_len, runner.device,
+                       lambda *a: np.zeros(0), one_token=True)
+    for f in dataclasses.fields(split):
+        a, b = getattr(direct, f.name), getattr(split, f.name)
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f.name
+    assert pack_plan(chunk, tables, slots, runner.max_model_len, runner.device,
+                     lambda *a: np.zeros(0), one_token=True).max_seqlen_q > 1
     g = torch.Generator().manual_seed(0)
     caches = [(torch.randn(k.shape, generator=g), torch.randn(v.shape, generator=g))
               for k, v in runner.kv_caches]
@@ -959,3 +968,101 @@ async def test_a_speculative_trace_checks_and_redrive_says_it_cannot(
     assert check_trace(trace, load_spec()) == []
     with pytest.raises(RedriveError, match="speculative"):
         redrive(trace)
+
+
+def test_a_verify_step_runs_on_the_whole_team(tiny_llama_dir: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-row step with DRAFT_STEP_TOKENS drafts takes the whole team (ops/threads.py),
+    also packed as one-token rows for the one-op step (one row per token: the team is
+    sized by the plan's rows, not the batch's); a plain decode step stays on one thread."""
+    import threading
+
+    from actorllm.cpus import ADAPT_ENV
+    from actorllm.ops.threads import DRAFT_STEP_TOKENS
+    from actorllm.wire.messages import NewSeqData
+
+    monkeypatch.setenv(ADAPT_ENV, "0")  # the counts as configured, whatever else runs here
+    before = torch.get_num_threads()
+    try:
+        runner = ModelRunner(tiny_llama_dir, num_blocks=64, block_size=4, num_threads=2)
+        real, seen = runner.decode_step, []
+        assert real is not None
+
+        class Counted:
+            applies = staticmethod(real.applies)
+            makes_logits = real.makes_logits
+
+            def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+                seen.append(torch.get_num_threads())
+                return real(*args, **kwargs)
+
+        runner.decode_step = Counted()  # type: ignore[assignment]
+        prompt, plans, table = (0, 5, 6, 7, 5, 6), Plans(), (3, 9, 4, 11)
+        new = NewSeqData(SamplingParams(temperature=0.0, max_tokens=32), prompt)
+        drafts = (7, 5, 6, 7)[:DRAFT_STEP_TOKENS]
+
+        def steps() -> None:
+            runner.execute(plans.plan(1, [ScheduledSeq("a", prompt, 0, table, True, new)]))
+            runner.execute(plans.plan(2, [ScheduledSeq("a", (7,), 6, table, True)]))
+            verify = plans.plan(3, [ScheduledSeq("a", (5, *drafts), 7, table, True)])
+            runner.execute(attrs.evolve(verify, num_drafts=(len(drafts),)))
+
+        t = threading.Thread(target=steps)
+        t.start()
+        t.join()
+        assert seen == [1, 2] and runner.one_op_draft_steps == 1
+        assert runner.drawn_in_op_steps == 2  # the greedy verify step's argmax drawn there
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_op_draws_a_verify_steps_positions_only_where_every_drafting_row_is_greedy(
+        ) -> None:
+    """drawn_temperatures: each row's temperature once per logits row (1 + its drafts)
+    while the rows with drafts are greedy; a sampled row with drafts needs the logits
+    (rejection sampling): None."""
+    from actorllm.worker.speculative import drawn_temperatures
+
+    plan = StepPlan(1, rids=("a", "b", "c"), num_tokens=(3, 1, 2), token_ids=(1,) * 6,
+                    start_pos=(5, 5, 5), sample=(True,) * 3, num_drafts=(2, 0, 1))
+    temps = np.array([0.0, 0.5, 0.0], dtype=np.float32)
+    got = drawn_temperatures(temps, plan)
+    assert got is not None and got.tolist() == [0.0, 0.0, 0.0, 0.5, 0.0, 0.0]
+    assert got.dtype == np.float32
+    assert drawn_temperatures(np.array([0.0, 0.0, 0.5], dtype=np.float32), plan) is None
+    greedy = drawn_temperatures(np.zeros(3, dtype=np.float32), plan)
+    assert greedy is not None and greedy.tolist() == [0.0] * 6 and greedy.dtype == np.float32
+
+
+def test_a_row_nothing_of_which_pays_sits_out_the_steps_asking_each_step_would() -> None:
+    """_sit_out: a row none of whose kinds pays proposes nothing for exactly the steps
+    that asking every step, and forgiving its estimates a bit each time, would have
+    taken to make one pay, with the same estimates then; a change of the batch's rows
+    has it judged again at once."""
+    config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=1,
+                               max_draft_tokens_per_step=8)
+    spec = Speculation(config)
+
+    def missed() -> Sequence:
+        seq = Sequence("a", [5, 6, 5], SamplingParams(max_tokens=100), 100, frozenset())
+        assert spec.propose(seq, 2, 4) == [6]  # a probe
+        spec.verdict(seq, 1, 0)
+        seq.spec_skip = 0
+        return seq
+
+    seq, ref = missed(), missed()
+    eager = 0
+    while not spec._pays(ref, 2, 2):  # as before: asked, and forgiven, every step
+        spec._forgive(ref)
+        eager += 1
+    lazy = 0
+    while not spec.propose(seq, 2, 2):
+        lazy += 1
+        assert lazy < 100
+    assert lazy == eager > 1
+    for got, want in ((seq.spec_hits, ref.spec_hits), (seq.spec_tries, ref.spec_tries)):
+        assert got == pytest.approx(want)
+    spec = Speculation(config)
+    again = missed()
+    assert spec.propose(again, 2, 2) == [] and again.spec_idle > 0
+    assert spec.propose(again, 2, 1)  # alone: judged again, and it pays

@@ -75,6 +75,8 @@ class Sequence:
     drafting: bool = False
     spec_misses: int = 0
     spec_skip: int = 0
+    spec_idle: int = 0  # steps it sits out, nothing paying (Speculation._sit_out) ...
+    spec_idle_key: tuple[int, int, int] = (0, 0, 0)  # ... while these stay the same
     spec_hits: list[float] = attrs.Factory(list)
     spec_tries: list[float] = attrs.Factory(list)
     spec_n: int = 0

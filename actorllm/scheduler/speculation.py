@@ -11,6 +11,7 @@ its own (``StepResult.num_sampled``). docs/architecture.md, "Speculative decodin
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Iterator
 from itertools import repeat
@@ -50,6 +51,9 @@ PRIOR_HITS, PRIOR_TRIES = 1.0, 2.0
 #: An estimate that does not pay moves this far back towards the prior each time its
 #: proposal is passed over, so a row probes again after a while.
 RECOVER = 0.1
+#: A row none of whose kinds of match pays sits out the steps until the first would
+#: (its estimates forgiven in one go), at most this many, instead of asking every step.
+MAX_IDLE = 64
 
 
 def plain_step(rows: int) -> float:
@@ -168,7 +172,7 @@ class Speculation:
         keeps the overlap (``step_without_proposal`` forgives it meanwhile)."""
         left = seq.max_tokens - len(seq.output_ids) - seq.samples_in_flight - 1
         cap = min(self.config.num_speculative_tokens, self.per_row(running), left)
-        return not seq.spec_skip and cap >= 1 and may_speculate(seq) \
+        return not seq.spec_skip and not seq.spec_idle and cap >= 1 and may_speculate(seq) \
             and self._pays(seq, cap, self._rows(running))
 
     def step_without_proposal(self, seq: Sequence) -> None:
@@ -177,6 +181,8 @@ class Speculation:
         its back-off passes, or its estimates are forgiven a bit."""
         if seq.spec_skip:
             seq.spec_skip -= 1
+        elif seq.spec_idle:  # (forgiven for these steps already: _sit_out)
+            seq.spec_idle -= 1
         elif seq.spec_tries:
             self._forgive(seq)
 
@@ -194,14 +200,19 @@ class Speculation:
         if cap < 1 or not may_speculate(seq):
             return []
         rows = self._rows(rows)
+        if seq.spec_idle:
+            if seq.spec_idle_key == (cap, rows, self.num_drafts):
+                seq.spec_idle -= 1
+                return []
+            seq.spec_idle = 0  # (what it was judged by changed: judged again now)
         if self.config.method == "draft_model":
             # The Worker's draft model fills these placeholders before the target runs.
             drafts, n = [DRAFT_PLACEHOLDER] * cap, 0
         else:
             if not self._pays(seq, cap, rows):
-                # Nothing can pay: the lookup (a scan of the row's history, every step) is
-                # skipped, and the estimates forgiven a bit, as a passed-over kind's.
-                self._forgive(seq)
+                # Nothing can pay: the lookup (a scan of the row's history) is skipped,
+                # until forgiving the estimates a bit each step would make a kind pay.
+                self._sit_out(seq, cap, rows)
                 return []
             tokens, arr = history(seq)
             drafts, n = lookup_ngram(tokens, cap, self.config.prompt_lookup_min,
@@ -250,12 +261,46 @@ class Speculation:
         estimate. The gain of every count grows with ``alpha``, so it does above one
         estimate and not below: that bound, found once per (cap, rows), settles almost
         every call."""
-        bounds = self._bounds.get((cap, rows))
-        if bounds is None:
-            bounds = self._bounds[cap, rows] = pays_from(cap, self._cost, rows)
+        bounds = self._bound(cap, rows)
         if alpha <= bounds[0]:
             return False
         return alpha >= bounds[1] or bool(best_drafts(alpha, cap, self._cost, rows))
+
+    def _sit_out(self, seq: Sequence, cap: int, rows: int) -> None:
+        """``seq``, none of whose kinds pays now, proposes nothing for the steps until
+        one would (``Sequence.spec_idle``) while ``cap``, ``rows`` and the verdicts seen
+        stay as they are, its estimates forgiven for all of them at once: as asking every
+        step and forgiving a bit each time would, at the cost of one check a step (at 4
+        rows on random text that asking was most of the policy's ~5 us a row).
+
+        After j forgives an estimate is ``(H + a x) / (T + b x)``, ``x = (1 - RECOVER)^j``,
+        ``a``, ``b`` its distance from the prior ``H`` of ``T``; it pays once above
+        :func:`pays_from`'s ``lo``: ``x (a - lo b) > lo T - H``. A kind never tried
+        waits for a verdict (the rows' verdicts decide its probe)."""
+        if not seq.spec_tries:
+            self._alpha(seq, 0)
+        hits, tries = seq.spec_hits, seq.spec_tries
+        big, small = self.prior
+        lo = self._bound(cap, rows)[0]
+        keep = 1.0 - RECOVER
+        steps = MAX_IDLE
+        for m in self._kinds:
+            a, b = hits[m] - big, tries[m] - small
+            c, d = a - lo * b, lo * small - big
+            if (a or b) and d < 0:  # (d >= 0: the prior itself does not pay)
+                steps = min(steps, 1 if c > d else int(math.log(d / c) / math.log(keep)) + 1)
+        x = keep ** steps
+        for m in self._kinds:
+            hits[m] = big + (hits[m] - big) * x
+            tries[m] = small + (tries[m] - small) * x
+        seq.spec_idle, seq.spec_idle_key = steps - 1, (cap, rows, self.num_drafts)
+
+    def _bound(self, cap: int, rows: int) -> tuple[float, float]:
+        """:func:`pays_from`, found once per (cap, rows)."""
+        bounds = self._bounds.get((cap, rows))
+        if bounds is None:
+            bounds = self._bounds[cap, rows] = pays_from(cap, self._cost, rows)
+        return bounds
 
     def _forgive(self, seq: Sequence) -> None:
         """Move every kind's estimate a bit back towards the prior (a row none of whose

@@ -107,7 +107,7 @@ class BlockTables:
 def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_len: int,
               device: torch.device,
               last_samples: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray],
-              ) -> ForwardBatch:
+              one_token: bool = False) -> ForwardBatch:
     """Pack ``plan`` (its rows in ``tables`` at slots ``rows``, see ``BlockTables.apply``)
     into device tensors, checking every row's length and table.
 
@@ -115,7 +115,10 @@ def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_l
     with ``FEED_LAST_SAMPLE`` sampled last (overlap scheduling), one array for all of
     them. ValueError on a row with no tokens, over ``max_model_len``, or whose table is
     too short for its tokens: so the batch promises ``slots_valid`` (every held entry was
-    range-checked on its way in).
+    range-checked on its way in). ``one_token``: a step of decode and speculating rows
+    only is packed as :func:`one_token_rows` would split it, here in numpy (that split's
+    torch ops, each a GIL hand-off, took ~85 us of a one-row verify step in the engine);
+    not with a draft model, whose ``fill`` reads the multi-token rows (it splits later).
     """
     bs = tables.block_size
     q = np.asarray(plan.num_tokens, dtype=np.int64)
@@ -156,6 +159,10 @@ def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_l
         d = np.asarray(plan.num_drafts, dtype=np.int64)[np.asarray(plan.sample, dtype=bool)]
         first = np.repeat(np.cumsum(d + 1) - (d + 1), d + 1)
         sample_indices = np.repeat(sample_indices - d, d + 1) + np.arange(len(first)) - first
+        if one_token and len(d) == len(q) and (q == d + 1).all():
+            block_tables = np.ascontiguousarray(tables.tables[token_rows, :width])
+            seq_lens, q = positions + 1, np.ones(len(ids), dtype=np.int64)
+            cu = np.arange(len(ids) + 1)
 
     def dev(a: np.ndarray, dtype: type = np.int64) -> torch.Tensor:
         # Cast by numpy: on the CPU no torch call at all (each is a GIL hand-off).

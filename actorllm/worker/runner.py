@@ -49,7 +49,7 @@ from actorllm.worker.ranks import RankGroup, RankSpec
 from actorllm.worker.sampler import prompt_logprobs
 from actorllm.worker.sampling_batch import SamplingBatch, SamplingState
 from actorllm.worker.sizing import default_num_blocks, keep_heap, torch_threads
-from actorllm.worker.speculative import commit_others, no_draw, verify_drafts
+from actorllm.worker.speculative import commit_others, drawn_temperatures, no_draw, verify_step
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ class ModelRunner:
                 pack_s = time.perf_counter() - tp
                 if self.draft is not None:  # its drafts replace the plan's placeholders
                     plan, batch = self.draft.fill(plan, batch)
-                self.threads.use_for(batch.input_ids.shape[0], batch.seq_lens.shape[0])
+                self.threads.use_for(batch.input_ids.shape[0], len(plan.num_tokens))
                 hidden, logits, drawn = self._forward(plan, batch, slots, masks is None)
             finally:
                 if masks is not None:
@@ -245,9 +245,7 @@ class ModelRunner:
                 prompt_lps = prompt_logprobs(hidden, plan.seqs, joined,  # type: ignore[arg-type]
                                              self.model.compute_logits)
             pooled = self.pooler.take(hidden, plan, pooled_norm(self.model))
-            verified: dict[int, list[int]] = {}
-            if plan.num_drafts:  # speculation: verify drafts, sample the other rows
-                verified, logits = verify_drafts(logits, plan, slots, self.sampling)
+            verified, logits, drawn = verify_step(logits, drawn, plan, slots, self.sampling)
             if masks is not None:
                 masks.apply(logits)
             result = attrs.evolve(self._sample(plan.step_id, logits, slots, verified, drawn),
@@ -268,16 +266,18 @@ class ModelRunner:
         the hidden states, gets its logits from the one op (``hidden`` is then those
         logits, read by nobody); when nothing else touches the logits (``free``: no
         grammar; SamplingBatch.op_temperatures) the op draws the tokens too: one GIL
-        hand-off for the whole step."""
+        hand-off for the whole step (a verify step's at every position, its drafting rows
+        greedy: worker/speculative.drawn_temperatures)."""
         step = self.decode_step
         if step is not None and step.applies(batch := one_token_rows(plan, batch)):
             self.one_op_steps += 1
             self.one_op_draft_steps += bool(plan.num_drafts)
-            free = free and not plan.num_drafts  # drafts as one-token rows: verified, not drawn
             if step.makes_logits and len(slots) == len(plan.rids) and not plan.lp_rows \
                     and not len(self.pooler):
                 self.logits_in_op_steps += 1
                 temps = self.sampling.op_temperatures(slots) if free else None
+                if temps is not None and plan.num_drafts:  # (a draw at each position)
+                    temps = drawn_temperatures(temps, plan)
                 if temps is not None:
                     self.drawn_in_op_steps += 1
                     tokens = step(batch, self.kv_caches, logits=True, greedy_below=GREEDY_BELOW,
@@ -390,11 +390,11 @@ class ModelRunner:
         return grammar
 
     def _prepare(self, plan: StepPlan) -> ForwardBatch:
-        """The plan's block-table diffs applied and the plan packed into device tensors
-        (:mod:`actorllm.worker.packing`)."""
+        """The plan's block-table diffs applied and the plan packed (worker/packing.py)."""
         return self._pack(plan, self.tables.apply(plan))
 
     def _pack(self, plan: StepPlan, rows: np.ndarray) -> ForwardBatch:
         return pack_plan(plan, self.tables, rows, self.max_model_len, self.device,
-                         functools.partial(self._last_samples, plan))
+                         functools.partial(self._last_samples, plan),
+                         self.decode_step is not None and self.draft is None)
 

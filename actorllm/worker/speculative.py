@@ -48,15 +48,50 @@ def last_rows(plan: StepPlan) -> Tensor:
     return torch.from_numpy(np.cumsum(d + 1) - 1)
 
 
-def verify_drafts(logits: Tensor, plan: StepPlan, slots: np.ndarray, batch: SamplingBatch
-                  ) -> tuple[dict[int, list[int]], Tensor]:
+def verify_step(logits: Tensor, drawn: Tensor | None, plan: StepPlan, slots: np.ndarray,
+                batch: SamplingBatch
+                ) -> tuple[dict[int, list[int]], Tensor, Tensor | None]:
+    """A step's verification, as the Worker runs it: (the rows verified, as
+    :func:`verify_drafts`; the logits, and the tokens the op drew, of each sampling row's
+    last position). ``drawn``: the op's draw at every position (then ``logits`` is the
+    same tensor), where :func:`drawn_temperatures` let it draw; no drafts: nothing."""
+    if not plan.num_drafts:
+        return {}, logits, drawn
+    verified, last = verify_drafts(logits, plan, slots, batch, drawn is not None)
+    return verified, last, None if drawn is None else last
+
+
+def drawn_temperatures(temps: np.ndarray, plan: StepPlan) -> np.ndarray | None:
+    """``temps`` (``SamplingBatch.op_temperatures``, one per sampling row) for every
+    logits row of a verify step, so that the op draws at each position, where every
+    speculating row is greedy: its draws are then its argmax at each position, all that
+    verifying it needs, and the step's logits stay in the op (on a one-row verify step
+    their argmax, the sampler's call and the logits' slicing were ~60 % of its
+    verification, noisy, shared machine). None where a speculating row samples. Every
+    row of ``plan`` samples (the op makes logits only for such steps)."""
+    d, ts = plan.num_drafts, temps.tolist()  # (in Python: one or a few rows)
+    if any(n and t for n, t in zip(d, ts, strict=True)):
+        return None
+    if not any(ts):  # every row greedy (each numpy call after the op costs ~10 us)
+        return np.zeros(len(ts) + sum(d), dtype=temps.dtype)
+    return np.repeat(temps, [n + 1 for n in d])
+
+
+def verify_drafts(logits: Tensor, plan: StepPlan, slots: np.ndarray, batch: SamplingBatch,
+                  drawn: bool = False) -> tuple[dict[int, list[int]], Tensor]:
     """Verify every speculating row of ``plan`` (``logits``: 1 + drafts rows per sampling
     row; sampling row ``j`` is slot ``slots[j]`` of ``batch``): {sampling row: tokens
     emitted, already committed to ``batch``}, and the logits of each sampling row's last
-    position (for the ordinary sampler; a speculating row's draw there is not used)."""
+    position (for the ordinary sampler; a speculating row's draw there is not used).
+    ``drawn``: ``logits`` are the op's greedy draws at each position instead (every
+    speculating row plain greedy), and so is what comes back."""
+    if len(plan.num_drafts) == 1 and plan.num_drafts[0] and plan.sample[0] \
+            and _plain_greedy(batch, int(slots[0])):
+        return {0: _verify_lone_row(logits, plan, slots, batch, drawn)}, logits[-1:]
     rows = draft_rows(plan)
     plain = [r for r in rows if _plain_greedy(batch, int(slots[r[0]]))]
-    verified = _verify_plain_greedy(logits, plain, slots, batch) if plain else {}
+    verified = _verify_plain_greedy(logits.numpy() if drawn else argmax_rows(logits), plain,
+                                    slots, batch) if plain else {}
     for j, at, drafts in rows:
         if j not in verified:
             verified[j] = verify_slot(batch, int(slots[j]), logits[at:at + 1 + len(drafts)],
@@ -64,6 +99,27 @@ def verify_drafts(logits: Tensor, plan: StepPlan, slots: np.ndarray, batch: Samp
     if len(slots) == 1:  # (one sampling row: its last position is the last logits row)
         return verified, logits[-1:]
     return verified, logits[last_rows(plan).to(logits.device)]
+
+
+def _verify_lone_row(logits: Tensor, plan: StepPlan, slots: np.ndarray, batch: SamplingBatch,
+                     drawn: bool) -> list[int]:
+    """:func:`_verify_plain_greedy` for a step of one plain greedy row (concurrency 1),
+    without the lists of rows: in the engine every call after the op meets cold caches,
+    so a verify step's host work goes by the calls it makes."""
+    d = plan.num_drafts[0]
+    drafts = plan.token_ids[-d:]
+    best = (logits.numpy() if drawn else argmax_rows(logits)).tolist()
+    a = 0
+    while a < d and best[a] == drafts[a]:
+        a += 1
+    run = [*drafts[:a], best[a]]
+    slot, cols = int(slots[0]), batch.cols
+    if batch.seen is None and batch.counts is None and not cols["constrained"][slot]:
+        cols["num_out"][slot] += len(run)  # (_commit_runs' fast case, by scalar indexing:
+        cols["last_token"][slot] = run[-1]  # its four fancy-indexing ops took ~33 us)
+    else:
+        _commit_runs(batch, slots, {0: run})
+    return run
 
 
 def _plain_greedy(batch: SamplingBatch, slot: int) -> bool:
@@ -78,13 +134,12 @@ def _plain_greedy(batch: SamplingBatch, slot: int) -> bool:
         np.array([slot], dtype=np.int64))
 
 
-def _verify_plain_greedy(logits: Tensor, rows: list[tuple[int, int, list[int]]],
+def _verify_plain_greedy(best: np.ndarray, rows: list[tuple[int, int, list[int]]],
                          slots: np.ndarray, batch: SamplingBatch) -> dict[int, list[int]]:
-    """:func:`verify_slot` for plain greedy rows (:func:`_plain_greedy`), all at once: one
-    argmax over the step's logits, each row's drafts compared with it in a few whole-array
-    ops (its accepted count: the drafts before its first mismatch), and the tokens
-    committed together (:func:`_commit_runs`), with no work per row and position."""
-    best = argmax_rows(logits)
+    """:func:`verify_slot` for plain greedy rows (:func:`_plain_greedy`), all at once: given
+    the argmax of every logits row (``best``), each row's drafts compared with it in a few
+    whole-array ops (its accepted count: the drafts before its first mismatch), and the
+    tokens committed together (:func:`_commit_runs`), with no work per row and position."""
     if sum(len(r[2]) for r in rows) <= FEW_DRAFTS:
         out = {}
         for j, at, drafts in rows:  # a few rows: compared in Python, no array built
