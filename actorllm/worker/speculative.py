@@ -108,13 +108,19 @@ def _verify_lone_row(logits: Tensor, plan: StepPlan, slots: np.ndarray, batch: S
     so a verify step's host work goes by the calls it makes."""
     d = plan.num_drafts[0]
     drafts = plan.token_ids[-d:]
-    best = (logits.numpy() if drawn else argmax_rows(logits)).tolist()
-    a = 0
-    while a < d and best[a] == drafts[a]:
-        a += 1
-    run = [*drafts[:a], best[a]]
+    run = _greedy_run((logits.numpy() if drawn else argmax_rows(logits)).tolist(), drafts)
     _commit_runs(batch, slots[:1], {0: run})
     return run
+
+
+def _greedy_run(best: list[int], drafts: Sequence[int]) -> list[int]:
+    """A plain greedy row's tokens: its drafts up to the first that differs from the
+    argmax at its position (``best``, one per position, the last past the drafts), then
+    the argmax there."""
+    a = 0
+    while a < len(drafts) and best[a] == drafts[a]:
+        a += 1
+    return [*drafts[:a], best[a]]
 
 
 def _plain_greedy(batch: SamplingBatch, slot: int) -> bool:
@@ -138,11 +144,7 @@ def _verify_plain_greedy(best: np.ndarray, rows: list[tuple[int, int, list[int]]
     if sum(len(r[2]) for r in rows) <= FEW_DRAFTS:
         out = {}
         for j, at, drafts in rows:  # a few rows: compared in Python, no array built
-            ahead = best[at:at + len(drafts) + 1].tolist()
-            a = 0
-            while a < len(drafts) and ahead[a] == drafts[a]:
-                a += 1
-            out[j] = [*drafts[:a], ahead[a]]
+            out[j] = _greedy_run(best[at:at + len(drafts) + 1].tolist(), drafts)
         _commit_runs(batch, slots[[j for j, _, _ in rows]], out)
         return out
     at = np.fromiter((r[1] for r in rows), dtype=np.int64, count=len(rows))
