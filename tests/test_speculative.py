@@ -31,7 +31,14 @@ from actorllm.config import CPU_DRAFT_TOKENS_PER_STEP, EngineConfig, Speculative
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.llm import collect
 from actorllm.ops.cpu_step import DecodeStep
-from actorllm.scheduler.ngram import _match_arrays, _match_list, history, propose_ngram
+from actorllm.scheduler.ngram import (
+    _match_arrays,
+    _match_list,
+    history,
+    history_array,
+    lookup_row,
+    propose_ngram,
+)
 from actorllm.scheduler.sequence import Sequence
 from actorllm.scheduler.speculation import (
     DRAFT_COST,
@@ -89,15 +96,38 @@ def test_the_two_match_scans_agree(tokens: list[int], top: int) -> None:
                 max_size=8))
 def test_the_history_array_follows_the_sequence(appends: list[tuple[list[int], bool]]
                                                 ) -> None:
-    """``history`` keeps a sequence's tokens as an array across calls, extended by what
-    was appended since, and built again when its output was not just extended."""
+    """``history`` keeps a sequence's tokens, and where each occurs, across calls, and
+    ``history_array`` the same as an array, extended by what was appended since, and
+    built again when its output was not just extended."""
     seq = Sequence("a", [3, 1, 4], SamplingParams(max_tokens=1000), 1000, frozenset())
     for tokens, replace in appends:
         if replace and seq.output_ids:
             seq.output_ids = [*seq.output_ids[:-1], seq.output_ids[-1] + 1]
         seq.output_ids += tokens
-        got, arr = history(seq)
-        assert got == seq.prompt_ids + seq.output_ids == arr.tolist()
+        got = history(seq)
+        assert got == seq.prompt_ids + seq.output_ids
+        assert seq.spec_where == {t: [i for i, u in enumerate(got) if u == t] for t in got}
+        if tokens:  # (the array may lag the list: it is extended only when asked for)
+            assert history_array(seq).tolist() == got
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=60),
+       st.lists(st.integers(0, 3), max_size=60), st.integers(1, 5), st.integers(1, 4),
+       st.integers(0, 3))
+def test_a_rows_kept_lookup_equals_the_naive_reference(prompt: list[int], out: list[int],
+                                                       k: int, n_min: int, extra: int
+                                                       ) -> None:
+    """``lookup_row``, asked at every length of the output (as a row asks each step),
+    proposes what the reference does; with these small vocabularies a token's earlier
+    copies are often past ``MANY_ENDS``, so both scans are run."""
+    seq = Sequence("a", prompt, SamplingParams(max_tokens=1000), 1000, frozenset())
+    for t in [None, *out]:
+        if t is not None:
+            seq.output_ids.append(t)
+        tokens = seq.prompt_ids + seq.output_ids
+        assert lookup_row(seq, k, n_min, n_min + extra)[0] == \
+            naive_ngram(tokens, k, n_min, n_min + extra)
 
 
 @settings(max_examples=examples(300), deadline=None)
@@ -183,13 +213,12 @@ def test_beside_many_rows_a_row_probes_each_kind_once_then_skips_the_lookup(
 
     lookups: list[int] = []
 
-    def counted(tokens: Any, k: int, n_min: int, n_max: int, *arr: Any
-                ) -> tuple[list[int], int]:
+    def counted(seq: Sequence, k: int, n_min: int, n_max: int) -> tuple[list[int], int]:
         lookups.append(k)
-        return real(tokens, k, n_min, n_max, *arr)
+        return real(seq, k, n_min, n_max)
 
-    real = speculation.lookup_ngram
-    monkeypatch.setattr(speculation, "lookup_ngram", counted)
+    real = speculation.lookup_row
+    monkeypatch.setattr(speculation, "lookup_row", counted)
     spec = Speculation(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2,
                                          max_draft_tokens_per_step=8))
     seq = Sequence("a", [5, 6, 7, 5, 6, 7, 5], SamplingParams(max_tokens=100), 100,

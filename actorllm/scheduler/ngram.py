@@ -3,7 +3,8 @@
 row's last n tokens, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``. A row
 looks up every step it may draft, so the scan is kept short: only the earlier copies of
 the last token are extended backwards, one by one while they are few, and the row's
-history is kept as an array across steps (:func:`history`).
+history is kept across steps (:func:`lookup_row`): its tokens as one list, where each
+token occurs, and (only once some token occurs often) an array.
 """
 
 from __future__ import annotations
@@ -86,11 +87,59 @@ def _match_arrays(arr: np.ndarray, length: int, ends: np.ndarray, top: int
     return n, int(ends[np.flatnonzero(run == n)[-1]]) + 1
 
 
-def history(seq: Sequence) -> tuple[list[int], np.ndarray]:
-    """``seq``'s tokens (prompt, then output) as a list and as an int64 array, the array
-    kept on the sequence and extended by the tokens appended since the last call (a
-    row's lookup runs every step: converting its whole history was most of it)."""
-    tokens = seq.prompt_ids + seq.output_ids
+def lookup_row(seq: Sequence, k: int, n_min: int, n_max: int) -> tuple[list[int], int]:
+    """:func:`lookup_ngram` for ``seq``'s tokens (prompt, then output), from what the row
+    keeps across steps (:func:`history`): the earlier copies of its last token come
+    from its index of positions, not a scan (in the engine a numpy call after the
+    forward meets cold caches: the scan and the concatenation of the prompt and the
+    output were ~27 us of a one-row step's plan, noisy, shared machine)."""
+    tokens = history(seq)
+    length = len(tokens)
+    top = min(n_max, length - 1)
+    if k < 1 or top < max(n_min, 1):
+        return [], 0
+    ends = seq.spec_where[tokens[-1]][:-1]  # (its last entry: the last token itself)
+    if len(ends) > MANY_ENDS:
+        n, i = _match_arrays(history_array(seq), length, np.asarray(ends, dtype=np.int64),
+                             top)
+    else:
+        n, i = _match_list(tokens, length, ends, top)
+    if n < max(n_min, 1):
+        return [], 0
+    period = length - i
+    return [tokens[i + j % period] for j in range(k)], n
+
+
+def history(seq: Sequence) -> list[int]:
+    """``seq``'s tokens (prompt, then output) as a list kept on the sequence
+    (``Sequence.spec_tokens``) with each token's positions in it (``spec_where``),
+    extended by the tokens appended since the last call, built again when the output
+    was not just extended."""
+    tokens, where = seq.spec_tokens, seq.spec_where
+    have, prompt, out = len(tokens), seq.prompt_ids, seq.output_ids
+    length = len(prompt) + len(out)
+    if have > length or (have and (prompt[have - 1] if have <= len(prompt)
+                                   else out[have - 1 - len(prompt)]) != tokens[have - 1]):
+        tokens.clear()
+        where.clear()
+        seq.spec_known = have = 0
+    if have < length:
+        new = prompt[have:] + out[max(have - len(prompt), 0):]
+        tokens.extend(new)
+        for at, t in enumerate(new, have):
+            got = where.get(t)
+            if got is None:
+                where[t] = [at]
+            else:
+                got.append(at)
+    return tokens
+
+
+def history_array(seq: Sequence) -> np.ndarray:
+    """``seq``'s kept token list (:func:`history`) as an int64 array, itself kept on the
+    sequence and extended by what was appended since its last call (for the whole-array
+    scan of a token with many earlier copies)."""
+    tokens = seq.spec_tokens
     length = len(tokens)
     buf, have = seq.spec_history, seq.spec_known
     if have > length or (have and buf[have - 1] != tokens[have - 1]):
@@ -101,4 +150,4 @@ def history(seq: Sequence) -> tuple[list[int], np.ndarray]:
         buf = seq.spec_history = grown
     buf[have:length] = tokens[have:length]
     seq.spec_known = length
-    return tokens, buf[:length]
+    return buf[:length]

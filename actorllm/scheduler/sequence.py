@@ -69,8 +69,9 @@ class Sequence:
     # ahead for it: how many tokens it yields is unknown until it returns), the
     # backoff of a row whose proposals do not pay, and its acceptance estimates: decayed
     # counts of drafts accepted and tried, per n-gram match length (index 0: a draft
-    # model's), the match length of its proposal in flight, and its tokens as an array
-    # for the n-gram lookup (``ngram.history``: the first ``spec_known`` of it).
+    # model's), the match length of its proposal in flight, and for the n-gram lookup
+    # its tokens, each token's positions in them and (the first ``spec_known`` of) its
+    # tokens as an array (``ngram.history``, ``ngram.history_array``).
     drafts: list[int] = attrs.Factory(list)
     drafting: bool = False
     spec_misses: int = 0
@@ -80,6 +81,8 @@ class Sequence:
     spec_hits: list[float] = attrs.Factory(list)
     spec_tries: list[float] = attrs.Factory(list)
     spec_n: int = 0
+    spec_tokens: list[int] = attrs.Factory(list)
+    spec_where: dict[int, list[int]] = attrs.Factory(dict)
     spec_history: np.ndarray = attrs.Factory(lambda: np.empty(0, dtype=np.int64))
     spec_known: int = 0
     # The Scheduler's view of the rid (``status`` reads it); the Scheduler passes its

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from itertools import repeat
 
 from actorllm.config import SpeculativeConfig
-from actorllm.scheduler.ngram import history, lookup_ngram
+from actorllm.scheduler.ngram import lookup_row
 from actorllm.scheduler.sequence import Sequence
 from actorllm.wire.steps import StepPlan, StepResult
 
@@ -214,9 +214,8 @@ class Speculation:
                 # until forgiving the estimates a bit each step would make a kind pay.
                 self._sit_out(seq, cap, rows)
                 return []
-            tokens, arr = history(seq)
-            drafts, n = lookup_ngram(tokens, cap, self.config.prompt_lookup_min,
-                                     self.config.prompt_lookup_max, arr)
+            drafts, n = lookup_row(seq, cap, self.config.prompt_lookup_min,
+                                   self.config.prompt_lookup_max)
             if not drafts:
                 return []
         self.rows = rows
