@@ -155,6 +155,7 @@ class Batch:
         queue = deque(sorted(self.running, key=order) if self.priority else self.running)
         preempted = False
         block_size = self.pool.block_size
+        spec, sized, room = self.speculation, -1, 0  # (a row's draft room, per batch size)
         while queue and budget > 0:
             seq = queue.popleft()
             if ahead and (not seq.may_plan_ahead() or seq.rid in self.flow.wanted):
@@ -162,9 +163,11 @@ class Batch:
             n = min(seq.num_unscheduled, budget)
             if n <= 0:
                 continue
-            if n == 1 and self.speculation is not None and (
-                    room := self.speculation.per_row(len(self.running))):
-                n = self._draft(seq, min(budget, 1 + room))
+            if n == 1 and spec is not None:
+                if sized != len(self.running):  # (once a plan, unless it preempts)
+                    sized, room = len(self.running), spec.per_row(len(self.running))
+                if room:
+                    n = self._draft(seq, min(budget, 1 + room))
             # (most rows fit in the blocks they hold: no call for those)
             while seq.num_scheduled + n > len(seq.block_table) * block_size \
                     and not self.reserve(seq, n):

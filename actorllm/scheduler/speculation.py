@@ -192,6 +192,14 @@ class Speculation:
         this kind of match and by what drafts cost beside that many rows
         (:func:`best_drafts`), at most K; never past ``max_tokens``: a step emits at most
         drafts + 1 tokens."""
+        if seq.spec_idle:
+            # Checked first, on the step's own inputs: a batch of rows that sit out pays
+            # one comparison a row. (The cap also falls as the row nears max_tokens, and
+            # a lower cap pays less: sitting out stays right.)
+            if seq.spec_idle_key == (room, rows, self.num_drafts):
+                seq.spec_idle -= 1
+                return []
+            seq.spec_idle = 0  # (what it was judged by changed: judged again now)
         if seq.spec_skip:
             self.step_without_proposal(seq)
             return []
@@ -199,12 +207,7 @@ class Speculation:
                   seq.max_tokens - len(seq.output_ids) - 1)
         if cap < 1 or not may_speculate(seq):
             return []
-        rows = self._rows(rows)
-        if seq.spec_idle:
-            if seq.spec_idle_key == (cap, rows, self.num_drafts):
-                seq.spec_idle -= 1
-                return []
-            seq.spec_idle = 0  # (what it was judged by changed: judged again now)
+        key, rows = (room, rows, self.num_drafts), self._rows(rows)
         if self.config.method == "draft_model":
             # The Worker's draft model fills these placeholders before the target runs.
             drafts, n = [DRAFT_PLACEHOLDER] * cap, 0
@@ -213,6 +216,7 @@ class Speculation:
                 # Nothing can pay: the lookup (a scan of the row's history) is skipped,
                 # until forgiving the estimates a bit each step would make a kind pay.
                 self._sit_out(seq, cap, rows)
+                seq.spec_idle_key = key
                 return []
             drafts, n = lookup_row(seq, cap, self.config.prompt_lookup_min,
                                    self.config.prompt_lookup_max)
@@ -267,9 +271,10 @@ class Speculation:
 
     def _sit_out(self, seq: Sequence, cap: int, rows: int) -> None:
         """``seq``, none of whose kinds pays now, proposes nothing for the steps until
-        one would (``Sequence.spec_idle``) while ``cap``, ``rows`` and the verdicts seen
-        stay as they are, its estimates forgiven for all of them at once: as asking every
-        step and forgiving a bit each time would, at the cost of one check a step (at 4
+        one would (``Sequence.spec_idle``) while its room, ``rows`` and the verdicts seen
+        stay as they are (``Sequence.spec_idle_key``, set by the caller), its estimates
+        forgiven for all of them at once: as asking every step and forgiving a bit each
+        time would, at the cost of one check a step (at 4
         rows on random text that asking was most of the policy's ~5 us a row).
 
         After j forgives an estimate is ``(H + a x) / (T + b x)``, ``x = (1 - RECOVER)^j``,
@@ -292,7 +297,7 @@ class Speculation:
         for m in self._kinds:
             hits[m] = big + (hits[m] - big) * x
             tries[m] = small + (tries[m] - small) * x
-        seq.spec_idle, seq.spec_idle_key = steps - 1, (cap, rows, self.num_drafts)
+        seq.spec_idle = steps - 1  # (while the key the caller sets holds)
 
     def _bound(self, cap: int, rows: int) -> tuple[float, float]:
         """:func:`pays_from`, found once per (cap, rows)."""
