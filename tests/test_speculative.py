@@ -30,6 +30,7 @@ from steps import Plans
 from actorllm.config import CPU_DRAFT_TOKENS_PER_STEP, EngineConfig, SpeculativeConfig
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.llm import collect
+from actorllm.model import ForwardBatch
 from actorllm.ops.cpu_step import DecodeStep
 from actorllm.scheduler.ngram import (
     _match_arrays,
@@ -422,6 +423,42 @@ def test_greedy_verification_accepts_while_the_draft_is_the_argmax() -> None:
     assert verify(logits, [1, 2, 0], state, ()) == [1, 2, 3]  # mismatch: the target's 3
     state = SamplingState(SamplingParams(temperature=0.0), (0,))
     assert verify(logits, [1, 2, 3], state, ()) == [1, 2, 3, 4]  # all accepted: the bonus
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(st.integers(0, 60), st.integers(1, 8), st.integers(0, 4), st.integers(-1, 1))
+def test_a_lone_speculating_row_is_packed_as_the_general_path_splits_it(
+        start: int, drafts: int, other: int, spare: int) -> None:
+    """``pack_plan``'s own path for one speculating row gives the batch the general path
+    gives split into one-token rows (every field and dtype), and the same errors: a row
+    past ``max_model_len``, a table too short."""
+    block, limit = 4, 64
+    tables = BlockTables(200, block, limit)
+    tables.apply(Plans().plan(0, [ScheduledSeq("z", (1,), 0, tuple(range(other)), True)]))
+    need = -(-(start + 1 + drafts) // block)
+    table = tuple(range(50, 50 + max(need + spare, 0)))
+    tables.apply(Plans().plan(1, [ScheduledSeq("a", (1,), 0, table, True)]))
+    row = ScheduledSeq("a", tuple(range(7, 8 + drafts)), start, (), True)
+    plan = attrs.evolve(Plans().plan(2, [row]), num_drafts=(drafts,))
+    slots = tables.apply(plan)
+
+    def packed(one_token: bool) -> ForwardBatch | str:
+        try:
+            batch = pack_plan(plan, tables, slots, limit, torch.device("cpu"),
+                              lambda *a: np.zeros(0), one_token=one_token)
+        except ValueError as e:
+            return str(e)
+        return batch if one_token else one_token_rows(plan, batch)
+
+    direct, split = packed(True), packed(False)
+    if isinstance(split, str):
+        assert direct == split
+        return
+    assert isinstance(direct, ForwardBatch)
+    for f in dataclasses.fields(split):
+        a, b = getattr(direct, f.name), getattr(split, f.name)
+        assert (a.dtype == b.dtype and torch.equal(a, b)) if isinstance(a, torch.Tensor) \
+            else a == b, f.name
 
 
 def test_a_drafting_step_packed_as_one_token_rows_gives_the_modules_logits(

@@ -120,6 +120,9 @@ def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_l
     torch ops, each a GIL hand-off, took ~85 us of a one-row verify step in the engine);
     not with a draft model, whose ``fill`` reads the multi-token rows (it splits later).
     """
+    if one_token and len(plan.num_drafts) == 1 and plan.sample[0] \
+            and plan.num_tokens[0] == plan.num_drafts[0] + 1:
+        return _pack_lone_row(plan, tables, int(rows[0]), max_model_len, device)
     bs = tables.block_size
     q = np.asarray(plan.num_tokens, dtype=np.int64)
     start = np.asarray(plan.start_pos, dtype=np.int64)
@@ -179,6 +182,41 @@ def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_l
         max_seqlen_k=int(seq_lens.max()),
         slots_valid=True,  # every block-table entry was range-checked on its way in
     )
+
+
+def _pack_lone_row(plan: StepPlan, tables: BlockTables, row: int, max_model_len: int,
+                   device: torch.device) -> ForwardBatch:
+    """:func:`pack_plan` of one speculating row ``[t, d1 .. dk]`` (its slot ``row``), as
+    one-token rows, with the same checks: the general path's ~a dozen more numpy calls
+    were ~25 us of such a step in the engine (concurrency 1: each call after the op
+    meets cold caches; noisy, shared machine)."""
+    bs = tables.block_size
+    n, start = plan.num_tokens[0], plan.start_pos[0]
+    end = start + n
+    if end > max_model_len:
+        raise ValueError(f"rid {plan.rids[0]!r}: {end} tokens exceed max_model_len "
+                         f"{max_model_len}")
+    width = -(-end // bs)
+    if tables.lens[row] < width:
+        raise ValueError(f"rid {plan.rids[0]!r}: {end} tokens need {width} blocks, block "
+                         f"table has {int(tables.lens[row])}")
+    # (No FEED_LAST_SAMPLE: a row gets drafts only once its tokens are all known.)
+    positions = np.arange(start, end, dtype=np.int64)
+    table = tables.tables[row, :width].astype(np.int64)
+    slots = table[positions // bs] * bs + positions % bs
+    ordinal = np.arange(n + 1, dtype=np.int64)
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        return t if device.type == "cpu" else t.to(device=device, non_blocking=True)
+
+    return ForwardBatch(
+        input_ids=dev(np.asarray(plan.token_ids, dtype=np.int64)), positions=dev(positions),
+        slot_mapping=dev(slots),
+        block_tables=dev(np.repeat(tables.tables[row:row + 1, :width], n, axis=0)),
+        seq_lens=dev((positions + 1).astype(np.int32)),
+        cu_seqlens_q=dev(ordinal.astype(np.int32)), sample_indices=dev(ordinal[:n]),
+        max_seqlen_q=1, max_seqlen_k=end, slots_valid=True)
 
 
 def one_token_rows(plan: StepPlan, batch: ForwardBatch) -> ForwardBatch:
