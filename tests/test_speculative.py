@@ -42,7 +42,9 @@ from actorllm.scheduler.ngram import (
 )
 from actorllm.scheduler.sequence import Sequence
 from actorllm.scheduler.speculation import (
+    BLOCK_COST,
     DRAFT_COST,
+    ROW_BLOCK,
     Speculation,
     best_drafts,
     draft_gain,
@@ -202,6 +204,27 @@ def test_the_cost_model_drafts_alone_and_not_where_drafting_broke_even() -> None
     assert best_drafts(0.63, 2, ngram, 4) == 0
     assert best_drafts(0.9, 2, ngram, 4) == 2
     assert best_drafts(0.9, 8, ngram, 16) <= 1
+
+
+@pytest.mark.parametrize("bounded", [True, False])
+def test_a_lone_row_stops_short_of_a_new_gemm_row_block_unless_it_pays(bounded: bool
+                                                                       ) -> None:
+    """A lone row's ninth token starts a new block of GEMM rows on the CPU (BLOCK_COST):
+    at an estimate of 0.75 the eighth draft's expected step (0.75^8 = 0.10) pays its
+    token but not the block, at 0.95 (0.66) both; beside other rows, and where a step's
+    drafts are unbounded (a GPU's default), there is no such cost."""
+    ngram = DRAFT_COST["ngram"]
+    assert best_drafts(0.75, 8, ngram, 1) == 8
+    assert best_drafts(0.75, 8, ngram, 1, BLOCK_COST) == ROW_BLOCK - 1
+    assert best_drafts(0.95, 8, ngram, 1, BLOCK_COST) == 8
+    assert best_drafts(0.75, 8, ngram, 2, BLOCK_COST) == best_drafts(0.75, 8, ngram, 2)
+    spec = Speculation(SpeculativeConfig(num_speculative_tokens=8, prompt_lookup_max=4,
+                                         max_draft_tokens_per_step=8 if bounded else None))
+    seq = Sequence("a", [5, 6, 7, 8, 9] * 3, SamplingParams(max_tokens=100), 100,
+                   frozenset())
+    seq.spec_hits, seq.spec_tries = [1.0] * 5, [2.0] * 5
+    seq.spec_hits[4], seq.spec_tries[4] = 3.0, 4.0  # 4-gram matches: 0.75
+    assert len(spec.propose(seq, 8, 1)) == (ROW_BLOCK - 1 if bounded else 8)
 
 
 def test_beside_many_rows_a_row_probes_each_kind_once_then_skips_the_lookup(

@@ -1,7 +1,7 @@
 """Speculative decoding's Scheduler side: n-gram proposals (prompt lookup), when a row
 may carry them and how many (a per-row policy by expected gain), and the counters of
-what the Worker accepted. With a draft model the
-proposals are placeholders: the Worker's draft fills them (worker/draft.py).
+what the Worker accepted. With a draft model the proposals are placeholders: the
+Worker's draft fills them (worker/draft.py).
 
 The Scheduler owns each sequence's tokens, so proposals are made here, while planning: a
 decode row runs ``[last token, drafts...]`` (``StepPlan.num_drafts``), the Worker
@@ -38,6 +38,10 @@ ROW_COST = 0.09
 #: beside other rows each costs about a row (4 rows of 2 drafts at acceptance 0.63 broke
 #: even in the quiet runs: ~0.15 a draft once the verification is counted apart).
 TOKEN_COST = (0.03, 0.15)
+#: A lone row's tokens are the linears' GEMM rows, taken in blocks of ROW_BLOCK: a step
+#: that starts another block pays BLOCK_COST more (in the engine, 8 drafts against 7:
+#: +0.17 and +0.22 of a one-row step, ~0.03 a draft below; on the CPU only: docs).
+ROW_BLOCK, BLOCK_COST = 8, 0.18
 #: A row that verifies drafts costs this much more (the verification, its share of the
 #: sampler, the lookup) ...
 VERIFY_COST = 0.12
@@ -61,59 +65,60 @@ def plain_step(rows: int) -> float:
     return 1.0 + ROW_COST * (max(rows, 1) - 1)
 
 
-def token_cost(rows: int) -> float:
-    """What a draft token adds to a step of ``rows`` rows, in plain steps of one row."""
-    return TOKEN_COST[0] if rows <= 1 else TOKEN_COST[1]
-
-
-def draft_gain(alpha: float, k: int, draft_cost: float, rows: int = 1) -> float:
+def draft_gain(alpha: float, k: int, draft_cost: float, rows: int = 1,
+               block: float = 0.0) -> float:
     """Expected steps a row saves minus the extra cost of its ``k`` drafts, in steps of
     that row (``plain_step(rows) / rows``) in a batch of ``rows`` rows: its drafts are
     each accepted with probability ``alpha`` once the previous one was, and each accepted
     one saves the row a step. ``draft_cost``: what a draft costs beyond the target's
-    token (``DRAFT_COST``)."""
+    token (``DRAFT_COST``); ``block``: what a lone row's step pays for each ROW_BLOCK
+    tokens it starts past the first (BLOCK_COST on the CPU)."""
     if k < 1:
         return 0.0
-    return deque(_gains(alpha, k, draft_cost, rows), maxlen=1)[0]
+    return deque(_gains(alpha, k, draft_cost, rows, block), maxlen=1)[0]
 
 
-def best_drafts(alpha: float, cap: int, draft_cost: float, rows: int = 1) -> int:
+def best_drafts(alpha: float, cap: int, draft_cost: float, rows: int = 1,
+                block: float = 0.0) -> int:
     """The draft count in [0, cap] with the largest :func:`draft_gain` (0: none pays)."""
     best, top = 0, 0.0
-    for k, gain in enumerate(_gains(alpha, cap, draft_cost, rows), 1):
+    for k, gain in enumerate(_gains(alpha, cap, draft_cost, rows, block), 1):
         if gain > top:
             best, top = k, gain
     return best
 
 
-def pays_from(cap: int, draft_cost: float, rows: int) -> tuple[float, float]:
+def pays_from(cap: int, draft_cost: float, rows: int, block: float = 0.0
+              ) -> tuple[float, float]:
     """``(lo, hi)``: :func:`best_drafts` is 0 at every estimate up to ``lo`` and > 0 from
     ``hi`` on (a draft's gain grows with its acceptance), ``hi - lo`` a float's rounding
     apart; ``(1.0, inf)`` where no estimate pays (an estimate is at most 1)."""
     lo, hi = 0.0, 1.0
-    if not best_drafts(hi, cap, draft_cost, rows):
+    if not best_drafts(hi, cap, draft_cost, rows, block):
         return 1.0, float("inf")
     for _ in range(64):
         mid = (lo + hi) / 2
         if mid in (lo, hi):
             break
-        if best_drafts(mid, cap, draft_cost, rows):
+        if best_drafts(mid, cap, draft_cost, rows, block):
             hi = mid
         else:
             lo = mid
     return lo, hi
 
 
-def _gains(alpha: float, cap: int, draft_cost: float, rows: int) -> Iterator[float]:
+def _gains(alpha: float, cap: int, draft_cost: float, rows: int, block: float = 0.0
+           ) -> Iterator[float]:
     """:func:`draft_gain` for k = 1 .. cap, the sum of powers grown a term at a time (it
     runs for every proposal and, on a miss, for each kind of match the row tried)."""
     scale = max(rows, 1) / plain_step(rows)
-    verify, per_draft = VERIFY_COST * scale, (draft_cost + token_cost(rows)) * scale
+    verify, per_draft = VERIFY_COST * scale, (draft_cost + TOKEN_COST[rows > 1]) * scale
+    block = block if rows <= 1 else 0.0  # (beside other rows it is not the row's own)
     accepted, power = 0.0, 1.0
     for k in range(1, cap + 1):
         power *= alpha
         accepted += power
-        yield accepted - verify - per_draft * k
+        yield accepted - verify - per_draft * k - block * (k // ROW_BLOCK)
 
 
 def may_speculate(seq: Sequence) -> bool:
@@ -142,13 +147,15 @@ class Speculation:
         self.rows = 1
         # Every row's verdicts per kind of match, decayed as a row's own are: whether a
         # kind a row never tried is worth a probe draft beside many rows (_probes).
-        size = 1 if config.method == "draft_model" else config.prompt_lookup_max + 1
+        size = self._size = 1 if config.method == "draft_model" \
+            else config.prompt_lookup_max + 1
         self.seen_hits, self.seen_tries = [0.0] * size, [0.0] * size
         # Per (cap, rows): the estimates below which no draft count pays and above which
         # one does (_paying), so that asking "does any kind pay" of every row at every
         # step costs a comparison per kind, not a cost-model evaluation.
         self._bounds: dict[tuple[int, int], tuple[float, float]] = {}
         # The kinds of match a row keeps estimates for: n-gram lengths, or the draft's.
+        self._block = BLOCK_COST if config.max_draft_tokens_per_step is not None else 0.0
         self._kinds = range(1) if config.method == "draft_model" else range(
             config.prompt_lookup_min, config.prompt_lookup_max + 1)
 
@@ -177,8 +184,8 @@ class Speculation:
 
     def step_without_proposal(self, seq: Sequence) -> None:
         """``seq`` runs a decode step with no proposal asked for (in back-off, or planned
-        ahead under overlap, where it may be because nothing of it pays): one step of
-        its back-off passes, or its estimates are forgiven a bit."""
+        ahead under overlap): one step of its back-off or idling passes, or its estimates
+        are forgiven a bit."""
         if seq.spec_skip:
             seq.spec_skip -= 1
         elif seq.spec_idle:  # (forgiven for these steps already: _sit_out)
@@ -193,9 +200,8 @@ class Speculation:
         (:func:`best_drafts`), at most K; never past ``max_tokens``: a step emits at most
         drafts + 1 tokens."""
         if seq.spec_idle:
-            # Checked first, on the step's own inputs: a batch of rows that sit out pays
-            # one comparison a row. (The cap also falls as the row nears max_tokens, and
-            # a lower cap pays less: sitting out stays right.)
+            # First, on the step's inputs: one comparison a row. (Its cap also falls near
+            # max_tokens; a lower cap pays less: sitting out stays right.)
             if seq.spec_idle_key == (room, rows, self.num_drafts):
                 seq.spec_idle -= 1
                 return []
@@ -223,7 +229,7 @@ class Speculation:
             if not drafts:
                 return []
         self.rows = rows
-        k = best_drafts(self._alpha(seq, n), cap, self._cost, rows)
+        k = best_drafts(self._alpha(seq, n), cap, self._cost, rows, self._block)
         if not k and seq.spec_tries[n] == self.prior[1] and self._probes(n, cap, rows):
             k = 1  # a kind of match never tried: one draft probes it (beside many rows
             # the prior alone does not pay, and an estimate only moves by trying)
@@ -267,7 +273,8 @@ class Speculation:
         bounds = self._bound(cap, rows)
         if alpha <= bounds[0]:
             return False
-        return alpha >= bounds[1] or bool(best_drafts(alpha, cap, self._cost, rows))
+        return alpha >= bounds[1] or bool(best_drafts(alpha, cap, self._cost, rows,
+                                                      self._block))
 
     def _sit_out(self, seq: Sequence, cap: int, rows: int) -> None:
         """``seq``, none of whose kinds pays now, proposes nothing for the steps until
@@ -303,7 +310,7 @@ class Speculation:
         """:func:`pays_from`, found once per (cap, rows)."""
         bounds = self._bounds.get((cap, rows))
         if bounds is None:
-            bounds = self._bounds[cap, rows] = pays_from(cap, self._cost, rows)
+            bounds = self._bounds[cap, rows] = pays_from(cap, self._cost, rows, self._block)
         return bounds
 
     def _forgive(self, seq: Sequence) -> None:
@@ -329,9 +336,8 @@ class Speculation:
     def _alpha(self, seq: Sequence, n: int) -> float:
         """The row's estimate that a draft from a match of length ``n`` is accepted."""
         if not seq.spec_tries:
-            c = self.config
-            size = 1 if c.method == "draft_model" else c.prompt_lookup_max + 1
-            seq.spec_hits, seq.spec_tries = [self.prior[0]] * size, [self.prior[1]] * size
+            seq.spec_hits, seq.spec_tries = [self.prior[0]] * self._size, \
+                [self.prior[1]] * self._size
         return seq.spec_hits[n] / seq.spec_tries[n]
 
     def verdict(self, seq: Sequence, drafted: int, accepted: int) -> None:
@@ -354,10 +360,9 @@ class Speculation:
             return
         # Only if no kind of match it has tried pays: a short match failing must not
         # stop a long one that pays (a miss of the lookup costs nothing anyway).
-        tried = [m for m, t in enumerate(seq.spec_tries) if t != self.prior[1]]
-        if not any(self._paying(seq.spec_hits[m] / seq.spec_tries[m],
-                                self.config.num_speculative_tokens, self.rows)
-                   for m in tried):
+        if not any(self._paying(h / t, self.config.num_speculative_tokens, self.rows)
+                   for h, t in zip(seq.spec_hits, seq.spec_tries, strict=True)
+                   if t != self.prior[1]):
             seq.spec_misses += 1
             seq.spec_skip = min(2 ** seq.spec_misses, MAX_BACKOFF)
             self.backoffs += 1
