@@ -154,8 +154,8 @@ class Speculation:
         # one does (_paying), so that asking "does any kind pay" of every row at every
         # step costs a comparison per kind, not a cost-model evaluation.
         self._bounds: dict[tuple[int, int], tuple[float, float]] = {}
-        # The kinds of match a row keeps estimates for: n-gram lengths, or the draft's.
         self._block = BLOCK_COST if config.max_draft_tokens_per_step is not None else 0.0
+        # The kinds of match a row keeps estimates for: n-gram lengths, or the draft's.
         self._kinds = range(1) if config.method == "draft_model" else range(
             config.prompt_lookup_min, config.prompt_lookup_max + 1)
 
