@@ -192,6 +192,7 @@ def _prefill_batch(starts: list[int], chunks: list[int], tables: list[list[int]]
     cu = [0]
     for c in chunks:
         cu.append(cu[-1] + c)
+    seq_lens = torch.tensor(starts, dtype=torch.int32) + torch.tensor(chunks, dtype=torch.int32)
     return ForwardBatch(
         input_ids=torch.randint(0, vocab, (len(pos),), generator=g),
         positions=torch.tensor(pos),
@@ -199,11 +200,10 @@ def _prefill_batch(starts: list[int], chunks: list[int], tables: list[list[int]]
                                    for i, p in zip(row, pos, strict=True)]),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
                                   dtype=torch.int32),
-        seq_lens=torch.tensor([s + c for s, c in zip(starts, chunks, strict=True)],
-                              dtype=torch.int32),
+        seq_lens=seq_lens,
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
         sample_indices=torch.tensor(cu[1:]) - 1,
-        max_seqlen_q=max(chunks), max_seqlen_k=max(s + c for s, c in zip(starts, chunks)),
+        max_seqlen_q=max(chunks), max_seqlen_k=int(seq_lens.max()),
         slots_valid=True)
 
 

@@ -42,6 +42,7 @@ from actorllm.scheduler.speculation import (
     plain_step,
 )
 from actorllm.wire.messages import FEED_LAST_SAMPLE, SamplingParams, ScheduledSeq, StepPlan
+from actorllm.worker import packing
 from actorllm.worker.packing import BlockTables, one_token_rows, pack_plan
 from actorllm.worker.runner import ModelRunner
 from actorllm.worker.sampler import SamplingState
@@ -396,7 +397,7 @@ def test_greedy_verification_accepts_while_the_draft_is_the_argmax() -> None:
 
 
 def test_a_drafting_step_packed_as_one_token_rows_gives_the_modules_logits(
-        tiny_llama_dir: Path) -> None:
+        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step of speculating rows (3 and 1 drafts) and a plain decode row, packed as
     one-token rows for the one-op decode step, against the module running the speculating
     rows as multi-token rows: the same logits at every verified position and the same K/V
@@ -430,6 +431,10 @@ def test_a_drafting_step_packed_as_one_token_rows_gives_the_modules_logits(
                       lambda *a: np.zeros(0), one_token=True)
     assert mixed.max_seqlen_q == 1 and mixed.seq_lens.tolist() == split.seq_lens.tolist()
     assert mixed.sample_indices.tolist() == [0, 1, 2, 3, 4, 6]
+    # ... unless a chunk is longer than the op's limit: then the module runs the step.
+    monkeypatch.setattr(packing, "ONE_OP_MAX_CHUNK", 3)
+    assert pack_plan(chunk, tables, slots, runner.max_model_len, runner.device,
+                     lambda *a: np.zeros(0), one_token=True).max_seqlen_q == 4
     g = torch.Generator().manual_seed(0)
     caches = [(torch.randn(k.shape, generator=g), torch.randn(v.shape, generator=g))
               for k, v in runner.kv_caches]

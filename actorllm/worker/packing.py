@@ -23,6 +23,12 @@ from actorllm.model import ForwardBatch
 from actorllm.wire.messages import FEED_LAST_SAMPLE, StepPlan
 
 _FIRST_SLOTS = 64  # the array doubles when more rids are held at once
+# The longest prefill chunk packed a row per token for the one-op step. Each row's
+# attention reads its whole prefix, where the module's SDPA is one matmul a chunk: at a
+# 2,048-token chunk of the embedded model the op took 1.01-1.06x the module's CPU time
+# on one thread, 1.00x on two (benchmarks/prefill_op.py --seqs 1 --tokens 2048); longer
+# chunks are the module's.
+ONE_OP_MAX_CHUNK = 2048
 
 
 class BlockTables:
@@ -116,9 +122,10 @@ def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_l
     them. ValueError on a row with no tokens, over ``max_model_len``, or whose table is
     too short for its tokens: so the batch promises ``slots_valid`` (every held entry was
     range-checked on its way in). ``one_token``: every token is packed as a row of its
-    own, as :func:`every_token_a_row` would split the batch, here in numpy (the split's
-    torch ops, each a GIL hand-off, took ~85 us of a one-row verify step in the engine),
-    for the one-op step, which then runs prefill and mixed steps too; not with a draft
+    own (where no chunk is longer than ``ONE_OP_MAX_CHUNK``), as
+    :func:`every_token_a_row` would split the batch, here in numpy (the split's torch
+    ops, each a GIL hand-off, took ~85 us of a one-row verify step in the engine), for
+    the one-op step, which then runs prefill and mixed steps too; not with a draft
     model, whose ``fill`` reads the multi-token rows (it splits later).
     """
     bs = tables.block_size
@@ -160,7 +167,8 @@ def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_l
         d = np.asarray(plan.num_drafts, dtype=np.int64)[np.asarray(plan.sample, dtype=bool)]
         first = np.repeat(np.cumsum(d + 1) - (d + 1), d + 1)
         sample_indices = np.repeat(sample_indices - d, d + 1) + np.arange(len(first)) - first
-    if one_token and len(ids) > len(q):  # every token a row: see every_token_a_row
+    if one_token and len(ids) > len(q) and q.max() <= ONE_OP_MAX_CHUNK:
+        # every token a row: see every_token_a_row
         block_tables = np.ascontiguousarray(tables.tables[token_rows, :width])
         seq_lens, q = positions + 1, np.ones(len(ids), dtype=np.int64)
         cu = np.arange(len(ids) + 1)
