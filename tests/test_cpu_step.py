@@ -26,6 +26,7 @@ from actorllm.ops import TorchBackend, cpu_step
 from actorllm.ops.cpu_backend import CpuKernelError, build_library
 from actorllm.ops.cpu_step import DecodeStep, load_decode_step, why_not
 from actorllm.wire.messages import NewSeqData, SamplingParams, ScheduledSeq, StepPlan
+from actorllm.worker.packing import every_token_a_row
 from actorllm.worker.runner import ModelRunner
 
 BLOCK = 4
@@ -146,8 +147,8 @@ def test_decode_step_equals_the_module_bit_for_bit(runner: ModelRunner, num_seqs
 
 def test_the_runner_runs_decode_steps_in_the_op_and_matches_transformers(
         runner: ModelRunner) -> None:
-    """Greedy through the runner (prefill by the module, decode by the op) against
-    transformers' generate on the same weights."""
+    """Greedy through the runner (every step by the op, the prefill a row per token)
+    against transformers' generate on the same weights."""
     model_dir = runner._model_dir
     hf = hf_model(model_dir)
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
@@ -175,10 +176,76 @@ def test_the_runner_runs_decode_steps_in_the_op_and_matches_transformers(
         for t in result.tokens:
             got[t.rid].append(t.token_id)
     runner.execute(StepPlan(13, drop=tuple(prompts)))
-    assert runner.one_op_steps - before == 11  # every step after the prefill
-    assert runner.logits_in_op_steps - before_logits == 11  # ... LM head included
+    assert runner.one_op_steps - before == 12  # the prefill too
+    assert runner.logits_in_op_steps - before_logits == 11  # LM head in it after the prefill
     assert runner.drawn_in_op_steps - before_drawn == 11  # ... and the argmax
     assert got == want
+
+
+def _prefill_batch(starts: list[int], chunks: list[int], tables: list[list[int]], vocab: int
+                   ) -> ForwardBatch:
+    """Rows of ``chunks[i]`` tokens from position ``starts[i]`` (a cached prefix before it)."""
+    g = torch.Generator().manual_seed(len(chunks))
+    width = max(len(t) for t in tables)
+    pos = [p for s, c in zip(starts, chunks, strict=True) for p in range(s, s + c)]
+    row = [i for i, c in enumerate(chunks) for _ in range(c)]
+    cu = [0]
+    for c in chunks:
+        cu.append(cu[-1] + c)
+    seq_lens = torch.tensor(starts, dtype=torch.int32) + torch.tensor(chunks, dtype=torch.int32)
+    return ForwardBatch(
+        input_ids=torch.randint(0, vocab, (len(pos),), generator=g),
+        positions=torch.tensor(pos),
+        slot_mapping=torch.tensor([tables[i][p // BLOCK] * BLOCK + p % BLOCK
+                                   for i, p in zip(row, pos, strict=True)]),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                  dtype=torch.int32),
+        seq_lens=seq_lens,
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        sample_indices=torch.tensor(cu[1:]) - 1,
+        max_seqlen_q=max(chunks), max_seqlen_k=int(seq_lens.max()),
+        slots_valid=True)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_in_the_op_a_row_per_token_matches_the_module(runner: ModelRunner,
+                                                              threads: int) -> None:
+    """A mixed step (prompt chunks, one after a cached prefix, and a decode row) through the
+    op, every token a row, against the module. Its attention sums in another order than
+    the module's SDPA, so close rather than equal; the K/V it writes, the hidden states
+    and the greedy tokens."""
+    assert runner.decode_step is not None
+    starts, chunks = [0, 8, 0, 11], [13, 9, 1, 1]  # 13 and 9 cross the window of 5
+    blocks = list(range(runner.num_blocks))
+    random.Random(5).shuffle(blocks)
+    tables = []
+    for s, c in zip(starts, chunks, strict=True):
+        tables.append(blocks[:-(-(s + c) // BLOCK)])
+        del blocks[:len(tables[-1])]
+    batch = _prefill_batch(starts, chunks, tables, runner.vocab_size)
+    rows = every_token_a_row(batch)
+    assert DecodeStep.applies(rows) and not DecodeStep.applies(batch)
+    assert rows.seq_lens.tolist() == (batch.positions + 1).tolist()
+    g = torch.Generator().manual_seed(2)
+    caches = [(torch.randn(k.shape, generator=g), torch.randn(v.shape, generator=g))
+              for k, v in runner.kv_caches]
+    copies = [(k.clone(), v.clone()) for k, v in caches]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            want = runner.model(batch, caches, runner.backend)
+            got = runner.decode_step(rows, copies)
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for (k, v), (k2, v2) in zip(caches, copies, strict=True):
+        torch.testing.assert_close(k2, k, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(v2, v, rtol=1e-4, atol=1e-4)
+    logits = runner.model.compute_logits
+    assert torch.equal(logits(got[batch.sample_indices]).argmax(-1),
+                       logits(want[batch.sample_indices]).argmax(-1))
 
 
 def test_only_one_token_per_sequence_batches_with_valid_slots_apply() -> None:

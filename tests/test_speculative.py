@@ -52,6 +52,7 @@ from actorllm.scheduler.speculation import (
     plain_step,
 )
 from actorllm.wire.messages import FEED_LAST_SAMPLE, SamplingParams, ScheduledSeq, StepPlan
+from actorllm.worker import packing
 from actorllm.worker.packing import BlockTables, one_token_rows, pack_plan
 from actorllm.worker.runner import ModelRunner
 from actorllm.worker.sampler import SamplingState
@@ -485,7 +486,7 @@ def test_a_lone_speculating_row_is_packed_as_the_general_path_splits_it(
 
 
 def test_a_drafting_step_packed_as_one_token_rows_gives_the_modules_logits(
-        tiny_llama_dir: Path) -> None:
+        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step of speculating rows (3 and 1 drafts) and a plain decode row, packed as
     one-token rows for the one-op decode step, against the module running the speculating
     rows as multi-token rows: the same logits at every verified position and the same K/V
@@ -513,8 +514,16 @@ def test_a_drafting_step_packed_as_one_token_rows_gives_the_modules_logits(
     for f in dataclasses.fields(split):
         a, b = getattr(direct, f.name), getattr(split, f.name)
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f.name
+    # A prefill chunk in the step is split too (the op runs prefill): its sampling rows
+    # stay the chunk's last token.
+    mixed = pack_plan(chunk, tables, slots, runner.max_model_len, runner.device,
+                      lambda *a: np.zeros(0), one_token=True)
+    assert mixed.max_seqlen_q == 1 and mixed.seq_lens.tolist() == split.seq_lens.tolist()
+    assert mixed.sample_indices.tolist() == [0, 1, 2, 3, 4, 6]
+    # ... unless a chunk is longer than the op's limit: then the module runs the step.
+    monkeypatch.setattr(packing, "ONE_OP_MAX_CHUNK", 3)
     assert pack_plan(chunk, tables, slots, runner.max_model_len, runner.device,
-                     lambda *a: np.zeros(0), one_token=True).max_seqlen_q > 1
+                     lambda *a: np.zeros(0), one_token=True).max_seqlen_q == 4
     g = torch.Generator().manual_seed(0)
     caches = [(torch.randn(k.shape, generator=g), torch.randn(v.shape, generator=g))
               for k, v in runner.kv_caches]
@@ -1099,7 +1108,8 @@ def test_a_verify_step_runs_on_the_whole_team(tiny_llama_dir: Path,
         t = threading.Thread(target=steps)
         t.start()
         t.join()
-        assert seen == [1, 2] and runner.one_op_draft_steps == 1
+        # the prompt (6 tokens: the team), the decode step, the verify step
+        assert seen == [2, 1, 2] and runner.one_op_draft_steps == 1
         assert runner.drawn_in_op_steps == 2  # the greedy verify step's argmax drawn there
     finally:
         torch.set_num_threads(before)

@@ -277,6 +277,18 @@ def test_a_small_step_runs_on_one_thread_and_a_large_one_on_all(
             return forward(*args, **kwargs)
 
         r.model.forward = recording  # type: ignore[method-assign]
+        op = r.decode_step
+        if op is not None:  # every step here is a prompt: the one op runs it (cpu_step.py)
+
+            class Recording:
+                applies = staticmethod(op.applies)
+                makes_logits = op.makes_logits
+
+                def __call__(self, *args, **kwargs):
+                    seen.append(torch.get_num_threads())
+                    return op(*args, **kwargs)
+
+            r.decode_step = Recording()  # type: ignore[assignment]
         s = Script(r)
         big = [0, *range(20, 20 + SMALL_STEP_TOKENS)]
         small = big[:DRAFT_STEP_TOKENS]  # (a prompt of more would count as compute)

@@ -8,13 +8,15 @@
 // loop's next release. Here the same ATen ops run from C++ under one release (the op is
 // called through torch.ops, whose binding drops the GIL for the call).
 //
-// It computes what actorllm/model/llama.py computes for a batch of one new token per
-// sequence, op for op (the Python module stays the reference and the path for prefill,
-// other dtypes and tensor parallelism): the same RMSNorm, the same mm on the linears' [in,
-// out] weights (ops/cpu_linear.py) and the decode attention, windowed
-// per layer, of the C kernel (cpu_paged_decode.c), whose address the caller passes in.
-// RoPE, the KV write and q's copy are one loop (rope_and_write_kv) rounding as the module's do.
-// Tests compare it with the module bit for bit (tests/test_cpu_step.py).
+// It computes what actorllm/model/llama.py computes for a batch of one token a row, op for
+// op (a prefill chunk comes as a row per token, ops/cpu_step.py says how; the Python
+// module stays the reference and the path for other dtypes and tensor parallelism): the
+// same RMSNorm, the same mm on the linears' [in, out] weights (ops/cpu_linear.py) and the
+// decode attention, windowed per layer, of the C kernel (cpu_paged_decode.c), whose
+// address the caller passes in. RoPE, the KV write and q's copy are one loop
+// (rope_and_write_kv) rounding as the module's do. Tests compare it with the module bit
+// for bit on decode steps, and closely on prefill, whose attention the module does by
+// SDPA (tests/test_cpu_step.py).
 //
 // Built by actorllm/ops/cpu_step.py against the installed torch's headers.
 #include <ATen/core/Tensor.h>

@@ -11,9 +11,12 @@ It covers what most steps of a busy server are: one new token for every sequence
 one rank, every linear a :class:`~actorllm.ops.cpu_linear.PackedLinear` and the C
 decode kernel for attention (:mod:`actorllm.ops.cpu_backend`), each layer with its own
 sliding window (Mistral windows every layer, Qwen2's ``layer_types`` some) and Qwen3's
-per-head q and k norms. The Python model in :mod:`actorllm.model.llama` stays the
-reference and runs every other step (prefill and mixed steps, other dtypes, tensor
-parallelism); tests compare the two (``tests/test_cpu_step.py``).
+per-head q and k norms. Prefill and mixed steps take it too, every token a row with its
+sequence's block table and ``seq_len = position + 1`` (worker/packing.py
+``every_token_a_row``): the op writes a layer's K/V for every token before any row
+attends, so each row sees what the causal mask lets it see. The Python model in
+:mod:`actorllm.model.llama` stays the reference and runs every other step (other dtypes,
+tensor parallelism); tests compare the two (``tests/test_cpu_step.py``).
 
 The op is compiled on first use with the machine's C++ compiler (``$CXX``, else
 ``c++``/``g++``) against the installed torch's headers (8 s here, once: it is cached
@@ -125,7 +128,8 @@ def why_not(model: torch.nn.Module, backend: object) -> str | None:
 
 
 class DecodeStep:
-    """``model.forward`` for batches of one new token per sequence, as one op call.
+    """``model.forward`` for batches of one token a row, as one op call (a prefill chunk
+    is given a row per token, see the module's docstring).
 
     Holds references to the model's weights (it copies nothing); build it after
     :func:`~actorllm.ops.cpu_linear.pack_linears` and use it with the same backend.

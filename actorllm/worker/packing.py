@@ -23,6 +23,12 @@ from actorllm.model import ForwardBatch
 from actorllm.wire.messages import FEED_LAST_SAMPLE, StepPlan
 
 _FIRST_SLOTS = 64  # the array doubles when more rids are held at once
+# The longest prefill chunk packed a row per token for the one-op step. Each row's
+# attention reads its whole prefix, where the module's SDPA is one matmul a chunk: at a
+# 2,048-token chunk of the embedded model the op took 1.01-1.06x the module's CPU time
+# on one thread, 1.00x on two (benchmarks/prefill_op.py --seqs 1 --tokens 2048); longer
+# chunks are the module's.
+ONE_OP_MAX_CHUNK = 2048
 
 
 class BlockTables:
@@ -115,10 +121,12 @@ def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_l
     with ``FEED_LAST_SAMPLE`` sampled last (overlap scheduling), one array for all of
     them. ValueError on a row with no tokens, over ``max_model_len``, or whose table is
     too short for its tokens: so the batch promises ``slots_valid`` (every held entry was
-    range-checked on its way in). ``one_token``: a step of decode and speculating rows
-    only is packed as :func:`one_token_rows` would split it, here in numpy (that split's
-    torch ops, each a GIL hand-off, took ~85 us of a one-row verify step in the engine);
-    not with a draft model, whose ``fill`` reads the multi-token rows (it splits later).
+    range-checked on its way in). ``one_token``: every token is packed as a row of its
+    own (where no chunk is longer than ``ONE_OP_MAX_CHUNK``), as
+    :func:`every_token_a_row` would split the batch, here in numpy (the split's torch
+    ops, each a GIL hand-off, took ~85 us of a one-row verify step in the engine), for
+    the one-op step, which then runs prefill and mixed steps too; not with a draft
+    model, whose ``fill`` reads the multi-token rows (it splits later).
     """
     if one_token and len(plan.num_drafts) == 1 and plan.sample[0] \
             and plan.num_tokens[0] == plan.num_drafts[0] + 1:
@@ -162,10 +170,11 @@ def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_l
         d = np.asarray(plan.num_drafts, dtype=np.int64)[np.asarray(plan.sample, dtype=bool)]
         first = np.repeat(np.cumsum(d + 1) - (d + 1), d + 1)
         sample_indices = np.repeat(sample_indices - d, d + 1) + np.arange(len(first)) - first
-        if one_token and len(d) == len(q) and (q == d + 1).all():
-            block_tables = np.ascontiguousarray(tables.tables[token_rows, :width])
-            seq_lens, q = positions + 1, np.ones(len(ids), dtype=np.int64)
-            cu = np.arange(len(ids) + 1)
+    if one_token and len(ids) > len(q) and q.max() <= ONE_OP_MAX_CHUNK:
+        # every token a row: see every_token_a_row
+        block_tables = np.ascontiguousarray(tables.tables[token_rows, :width])
+        seq_lens, q = positions + 1, np.ones(len(ids), dtype=np.int64)
+        cu = np.arange(len(ids) + 1)
 
     def dev(a: np.ndarray, dtype: type = np.int64) -> torch.Tensor:
         # Cast by numpy: on the CPU no torch call at all (each is a GIL hand-off).
@@ -241,3 +250,26 @@ def one_token_rows(plan: StepPlan, batch: ForwardBatch) -> ForwardBatch:
         block_tables=batch.block_tables[row_of],
         cu_seqlens_q=torch.arange(len(row_of) + 1, dtype=torch.int32, device=dev),
         max_seqlen_q=1)
+
+
+def every_token_a_row(batch: ForwardBatch) -> ForwardBatch:
+    """``batch`` with every token a row of its own, for the one-op step (ops/cpu_step.py):
+    a prefill chunk's token at position p gets its sequence's block table and
+    ``seq_len = p + 1``. As in :func:`one_token_rows`, the op writes every token's K/V
+    before any row attends, so each token sees what the causal mask lets it see."""
+    if batch.max_seqlen_q == 1:
+        return batch
+    cu = batch.cu_seqlens_q.cpu().numpy()
+    dev = batch.positions.device
+    row_of = torch.from_numpy(np.repeat(np.arange(len(cu) - 1), np.diff(cu))).to(dev)
+    return dataclasses.replace(
+        batch, seq_lens=(batch.positions + 1).to(torch.int32),
+        block_tables=batch.block_tables[row_of],
+        cu_seqlens_q=torch.arange(len(row_of) + 1, dtype=torch.int32, device=dev),
+        max_seqlen_q=1)
+
+
+def every_token_samples(batch: ForwardBatch) -> bool:
+    """Whether every token of ``batch`` is a sampling row (decode and verify steps whose
+    rows all sample), so the one op's ``logits=True`` makes exactly the logits needed."""
+    return batch.sample_indices.shape[0] == batch.input_ids.shape[0]

@@ -43,7 +43,7 @@ from actorllm.wire.rendezvous import Rendezvous
 from actorllm.wire.steps import NewSeqData, PromptLogprobs, StepPlan, StepResult
 from actorllm.worker.draft import DraftModel, draft_block_bytes
 from actorllm.worker.filters import GREEDY_BELOW
-from actorllm.worker.packing import BlockTables, one_token_rows, pack_plan
+from actorllm.worker.packing import BlockTables, every_token_samples, one_token_rows, pack_plan
 from actorllm.worker.pooling import Pooler, pooled_norm
 from actorllm.worker.ranks import RankGroup, RankSpec
 from actorllm.worker.sampler import prompt_logprobs
@@ -262,18 +262,18 @@ class ModelRunner:
         """The forward pass, the sampling rows' logits and, when the op drew them, their
         tokens: ``(hidden, logits, tokens or None)``.
 
-        A decode step whose every row samples, with no prompt logprobs or pooling to read
-        the hidden states, gets its logits from the one op (``hidden`` is then those
-        logits, read by nobody); when nothing else touches the logits (``free``: no
-        grammar; SamplingBatch.op_temperatures) the op draws the tokens too: one GIL
-        hand-off for the whole step (a verify step's at every position, its drafting rows
-        greedy: worker/speculative.drawn_temperatures)."""
+        Every step runs in the one op where it can, a prefill chunk a row per token
+        (pack_plan's ``one_token``). A step whose every token samples, with no prompt
+        logprobs or pooling to read the hidden states, gets its logits from the op
+        (``hidden`` is then those logits, read by nobody); when nothing else touches them
+        (``free``: no grammar; SamplingBatch.op_temperatures) the op draws the tokens too
+        (a verify step's at every position, drafting rows greedy: drawn_temperatures)."""
         step = self.decode_step
         if step is not None and step.applies(batch := one_token_rows(plan, batch)):
             self.one_op_steps += 1
             self.one_op_draft_steps += bool(plan.num_drafts)
             if step.makes_logits and len(slots) == len(plan.rids) and not plan.lp_rows \
-                    and not len(self.pooler):
+                    and not len(self.pooler) and every_token_samples(batch):
                 self.logits_in_op_steps += 1
                 temps = self.sampling.op_temperatures(slots) if free else None
                 if temps is not None and plan.num_drafts:  # (a draw at each position)
