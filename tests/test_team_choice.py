@@ -1,8 +1,11 @@
-"""The decode step's team chosen from measured costs (actorllm/ops/team.py): pure rules,
-driven with made-up costs; no clock, no model."""
+"""The decode step's team chosen from measured costs (actorllm/ops/team.py): the rules,
+driven with made-up costs (no clock), and an engine that uses them."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from actorllm import LLM, SamplingParams
 from actorllm.ops import team
 from actorllm.ops.team import TeamChooser, explore_interval, pick_team
 from actorllm.ops.threads import LARGE_STEP_TOKENS, SMALL_STEP_TOKENS, StepThreads
@@ -80,3 +83,20 @@ def test_step_threads_choose_only_a_decode_step_of_many_rows() -> None:
     assert StepThreads("cpu", full=2).chooser is None  # only where asked for
     assert StepThreads("cpu", full=1, large=2, choose=True).chooser is None  # no choice
     assert StepThreads("cuda", full=2, choose=True).chooser is None
+
+
+def test_an_engine_costs_its_decode_steps_and_keeps_its_greedy_tokens(
+        tiny_llama_dir: Path) -> None:
+    """``LLM.generate`` with a 2-thread team: the chooser costs the decode steps of 32 rows
+    or more, and the greedy tokens are those of the fixed whole team."""
+    llm = LLM(model=str(tiny_llama_dir), cpu_threads=2, num_kv_blocks=256, max_num_seqs=64)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [f"prompt number {i} says" for i in range(40)]
+    threads = llm.resources.runner.threads
+    assert threads.chooser is not None
+    chosen = llm.generate(prompts, params)
+    assert sum(threads.chooser.measured.values()) >= 8
+    threads.chooser = None  # the whole team for every such step, as before
+    fixed = llm.generate(prompts, params)
+    assert [r.outputs[0].token_ids for r in chosen] == [r.outputs[0].token_ids for r in fixed]
+    assert all(len(r.outputs[0].token_ids) == 12 for r in chosen)
