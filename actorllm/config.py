@@ -147,9 +147,10 @@ class EngineConfig:
     # When a process of the engine dies: "exit" (the engine is dead) or, with data
     # parallelism, "stay" (only that replica's requests fail; the others serve on).
     on_engine_death: str = "exit"
-    # Plan step N+1 while step N runs (two steps in flight). None: on for CUDA, and for
-    # `single` with one rank on the CPU (a decode step holds the GIL once, its team chosen by
-    # cost: ops/team.py); off for `engine`, `pipeline` (architecture.md, "Where overlap is on").
+    # Plan step N+1 while step N runs (two steps in flight). None: on for CUDA; on the CPU,
+    # on only for `single` under `actorllm serve` with one rank, where a decode step holds
+    # the GIL once (ops/cpu_step.py) and the loop's planning fits beside it (measured:
+    # docs/architecture.md, "Why it is mostly off on the CPU").
     async_scheduling: bool | None = None
     mailbox_capacity: int = 256
     topology: str = "single"
@@ -216,15 +217,14 @@ class EngineConfig:
     def overlap(self) -> bool:
         """Whether the Scheduler keeps two steps in flight (``async_scheduling`` resolved)."""
         if self.async_scheduling is None:
-            cpu_solo = self.topology == "single" and self.tensor_parallel_size == 1
-            return self.device.startswith("cuda") or cpu_solo
+            return self.device.startswith("cuda") or self.worker_beside_http
         return self.async_scheduling
 
     @property
     def worker_beside_http(self) -> bool:
         """Whether the one-rank Worker shares its process with the event loop that serves
         HTTP (`single` under `actorllm serve`): on the CPU it then leaves that loop a core
-        (placement.worker_threads)."""
+        (placement.worker_threads), and overlap scheduling is on by default."""
         return self.serving_http and self.topology == "single" \
             and self.tensor_parallel_size == 1
 
