@@ -25,6 +25,12 @@ saves. So:
   sending such steps to 2 threads too raised output tok/s from 3,069-3,450 to
   3,450-3,940 and cut TTFT p50 from 527-711 to 426-578 ms; a decode step of as many
   tokens stays on 1 (2 threads there: 2,330-2,610 tok/s, the loop's work crowded out).
+- A decode step of ``SMALL_STEP_TOKENS`` rows or more (below ``LARGE_STEP_TOKENS``), where
+  the team has more than one thread, runs on one thread or the whole team as their
+  measured costs say (:mod:`actorllm.ops.team`, ``choose=True``: the ModelRunner's,
+  except with tensor parallelism). On the embedded model the whole team is faster; on
+  the near-zero-compute one the event loop's work for the step before takes a core
+  during the forward, and which wins turned on the host's load (docs/architecture.md).
 - Only the step thread has a team. libgomp gives every thread that starts a parallel
   region a pool of its own, and once it manages more threads than there are CPUs it
   cuts every spin to almost nothing ("throttled"), so each region wakes sleeping
@@ -51,6 +57,8 @@ from typing import Protocol
 
 import torch
 
+from actorllm.ops.team import TeamChooser
+
 SMALL_STEP_TOKENS = 32
 LARGE_STEP_TOKENS = 512
 PREFILL_STEP_TOKENS = 64
@@ -68,12 +76,25 @@ class StepThreads:
     ``share`` while other processes busy some of the CPUs (None: not measured)."""
 
     def __init__(self, device_type: str, full: int | None = None,
-                 large: int | None = None, share: Share | None = None) -> None:
+                 large: int | None = None, share: Share | None = None,
+                 choose: bool = False) -> None:
         self.full = full if full is not None else torch.get_num_threads()
         self.large = large if large is not None else self.full
         self.enabled = device_type == "cpu" and max(self.full, self.large) > 1
         self.share = share if self.enabled else None
         self.current: int | None = None
+        # A decode step of SMALL_STEP_TOKENS rows or more: one thread or the whole team,
+        # whichever its measured cost favours (ops/team.py); None: always the whole team.
+        self.chooser = TeamChooser((1, self.full)) \
+            if choose and self.enabled and self.full > 1 else None
+        self._open: tuple[int, int, float] | None = None  # (team, rows, start): a chosen step
+
+    def chosen(self, num_tokens: int, rows: int | None = None) -> bool:
+        """Whether a step of ``num_tokens`` tokens over ``rows`` sequences has its team
+        chosen by measured cost: a decode step of SMALL_STEP_TOKENS rows or more."""
+        extra = 0 if rows is None else num_tokens - rows
+        return self.chooser is not None and extra < DRAFT_STEP_TOKENS \
+            and SMALL_STEP_TOKENS <= num_tokens < LARGE_STEP_TOKENS
 
     def for_tokens(self, num_tokens: int, rows: int | None = None) -> int:
         """The team size for a step of ``num_tokens`` tokens over ``rows`` sequences
@@ -83,6 +104,8 @@ class StepThreads:
         extra = 0 if rows is None else num_tokens - rows  # tokens past one per row
         if num_tokens >= LARGE_STEP_TOKENS or extra >= PREFILL_STEP_TOKENS:
             wanted = self.large
+        elif self.chooser is not None and self.chosen(num_tokens, rows):
+            wanted = self.chooser.choose()
         else:
             wanted = 1 if num_tokens < SMALL_STEP_TOKENS and extra < DRAFT_STEP_TOKENS \
                 else self.full
@@ -90,12 +113,19 @@ class StepThreads:
             return self.share.cap(wanted)
         return wanted
 
-    def use_for(self, num_tokens: int, rows: int | None = None) -> None:
+    def use_for(self, num_tokens: int, rows: int | None = None,
+                started: float | None = None) -> None:
         """Size the calling thread's team for a step of ``num_tokens`` tokens over
-        ``rows`` sequences."""
+        ``rows`` sequences that started (``time.perf_counter``) at ``started``: the
+        chosen step before it cost the time since its own start."""
         if not self.enabled:
             return
+        if self._open is not None and started is not None and self.chooser is not None:
+            team, n_rows, began = self._open
+            self.chooser.record(team, started - began, n_rows)
         n = self.for_tokens(num_tokens, rows)
+        self._open = (n, num_tokens if rows is None else rows, started) \
+            if started is not None and self.chosen(num_tokens, rows) else None
         if n != self.current:
             torch.set_num_threads(n)
             self.current = n

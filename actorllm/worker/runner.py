@@ -132,10 +132,10 @@ class ModelRunner:
             str(model_dir), tp.world, num_blocks, block_size,
             str(self.dtype).removeprefix("torch."), device, self.backend_name, num_threads,
         ), rendezvous) if tp.enabled else None
-        # The step thread's team, per step.
-        # No share with tensor parallelism: the ranks are busy processes of this engine.
+        # The step thread's team, per step; with tensor parallelism no share, no choice by cost.
+        solo = not tp.enabled
         self.threads = StepThreads(self.device.type, large=large_step_threads,
-                                   share=None if tp.enabled else worker_share())
+                                   share=worker_share() if solo else None, choose=solo)
         self._load(model_dir, config, tp, draft_model)
         self.pooler = Pooler()  # embedding requests' pooled hidden states
         # The persistent batch: each held rid's block table and sampling columns, one slot.
@@ -230,7 +230,7 @@ class ModelRunner:
                 pack_s = time.perf_counter() - tp
                 if self.draft is not None:  # its drafts replace the plan's placeholders
                     plan, batch = self.draft.fill(plan, batch)
-                self.threads.use_for(batch.input_ids.shape[0], len(plan.num_tokens))
+                self.threads.use_for(batch.input_ids.shape[0], len(plan.num_tokens), t0)
                 hidden, logits, drawn = self._forward(plan, batch, slots, masks is None)
             finally:
                 if masks is not None:

@@ -1,0 +1,102 @@
+"""The decode step's team chosen from measured costs (actorllm/ops/team.py): the rules,
+driven with made-up costs (no clock), and an engine that uses them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from actorllm import LLM, SamplingParams
+from actorllm.ops import team
+from actorllm.ops.team import TeamChooser, explore_interval, pick_team
+from actorllm.ops.threads import LARGE_STEP_TOKENS, SMALL_STEP_TOKENS, StepThreads
+
+
+def test_the_cheaper_team_wins_and_a_tie_goes_to_the_smaller() -> None:
+    assert pick_team({1: 10.0, 2: 8.0}) == 2
+    assert pick_team({1: 8.0, 2: 10.0}) == 1
+    assert pick_team({1: 9.0, 2: 9.0}) == 1
+
+
+def test_the_dearer_team_is_tried_the_rarer_the_dearer_it_was() -> None:
+    assert explore_interval(10.0, 10.5) == team.MIN_EXPLORE_EVERY  # 5 %: the floor
+    assert explore_interval(10.0, 12.0) == 20  # 20 % dearer: once in 20 steps
+    assert explore_interval(10.0, 100.0) == team.MAX_EXPLORE_EVERY
+    assert explore_interval(10.0, 9.0) == team.MIN_EXPLORE_EVERY
+
+
+def run(chooser: TeamChooser, cost: dict[int, float], steps: int, rows: int = 256
+        ) -> list[int]:
+    """``steps`` steps, each costing ``cost[size]`` seconds per row on the size chosen."""
+    sizes = []
+    for _ in range(steps):
+        size = chooser.choose()
+        chooser.record(size, cost[size] * rows, rows)
+        sizes.append(size)
+    return sizes
+
+
+def test_the_chooser_measures_both_then_keeps_the_cheaper() -> None:
+    chooser = TeamChooser((1, 2))
+    sizes = run(chooser, {1: 10e-6, 2: 15e-6}, 2 * team.MIN_SAMPLES)
+    assert sorted(sizes) == [1] * team.MIN_SAMPLES + [2] * team.MIN_SAMPLES
+    later = run(chooser, {1: 10e-6, 2: 15e-6}, 200)
+    assert later.count(2) == 200 // explore_interval(10.0, 15.0)  # 50 % dearer: 1 in 50
+    chooser = TeamChooser((1, 2))
+    later = run(chooser, {1: 15e-6, 2: 10e-6}, 200)
+    assert later.count(2) > 190
+
+
+def test_the_chooser_follows_a_change_in_the_costs() -> None:
+    """A neighbour that starts (or a batch that grows) changes which team is cheaper: the
+    occasional step on the other team sees it and the choice moves."""
+    chooser = TeamChooser((1, 2))
+    run(chooser, {1: 15e-6, 2: 10e-6}, 100)
+    later = run(chooser, {1: 10e-6, 2: 20e-6}, 200)
+    assert later[-50:].count(1) >= 45
+
+
+def test_an_idle_gap_is_not_a_cost() -> None:
+    chooser = TeamChooser((1, 2))
+    chooser.record(1, team.MAX_CYCLE_S * 2, 256)
+    chooser.record(2, 0.0, 256)
+    chooser.record(2, 1e-3, 0)
+    assert chooser.medians() == {}
+
+
+def test_step_threads_choose_only_a_decode_step_of_many_rows() -> None:
+    """A small step stays on one thread and a prefill-sized one on the large team; the
+    cost of a chosen step is the time to the next step's start, given by the caller."""
+    threads = StepThreads("cpu", full=2, large=2, choose=True)
+    assert threads.chooser is not None
+    assert not threads.chosen(SMALL_STEP_TOKENS - 1)
+    assert threads.chosen(SMALL_STEP_TOKENS)
+    assert not threads.chosen(LARGE_STEP_TOKENS)
+    assert not threads.chosen(SMALL_STEP_TOKENS + 8, rows=SMALL_STEP_TOKENS)  # drafts
+    clock = 0.0
+    for _ in range(40):  # one thread costs 1 ms a step, two threads 2 ms
+        threads.use_for(256, 256, clock)
+        clock += 1e-3 * (threads.current or 1)
+        threads.use_for(8, 8, clock)  # a small step between: not a chosen one
+        clock += 1e-3
+    assert threads.chooser.medians()[1] < threads.chooser.medians()[2]
+    assert threads.chooser.measured[1] > threads.chooser.measured[2]
+    assert StepThreads("cpu", full=2).chooser is None  # only where asked for
+    assert StepThreads("cpu", full=1, large=2, choose=True).chooser is None  # no choice
+    assert StepThreads("cuda", full=2, choose=True).chooser is None
+
+
+def test_an_engine_costs_its_decode_steps_and_keeps_its_greedy_tokens(
+        tiny_llama_dir: Path) -> None:
+    """``LLM.generate`` with a 2-thread team: the chooser costs the decode steps of 32 rows
+    or more, and the greedy tokens are those of the fixed whole team."""
+    llm = LLM(model=str(tiny_llama_dir), cpu_threads=2, num_kv_blocks=256, max_num_seqs=64)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [f"prompt number {i} says" for i in range(40)]
+    threads = llm.resources.runner.threads
+    assert threads.chooser is not None
+    chosen = llm.generate(prompts, params)
+    assert sum(threads.chooser.measured.values()) >= 8
+    threads.chooser = None  # the whole team for every such step, as before
+    fixed = llm.generate(prompts, params)
+    assert [r.outputs[0].token_ids for r in chosen] == [r.outputs[0].token_ids for r in fixed]
+    assert all(len(r.outputs[0].token_ids) == 12 for r in chosen)
