@@ -123,10 +123,9 @@ def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_l
     too short for its tokens: so the batch promises ``slots_valid`` (every held entry was
     range-checked on its way in). ``one_token``: every token is packed as a row of its
     own (where no chunk is longer than ``ONE_OP_MAX_CHUNK``), as
-    :func:`every_token_a_row` would split the batch, here in numpy (the split's torch
-    ops, each a GIL hand-off, took ~85 us of a one-row verify step in the engine), for
-    the one-op step, which then runs prefill and mixed steps too; not with a draft
-    model, whose ``fill`` reads the multi-token rows (it splits later).
+    :func:`every_token_a_row` would split the batch, here in numpy (its torch ops took
+    ~85 us of a one-row verify step in the engine), for the one-op step, which then runs
+    prefill and mixed steps too; not with a draft model (its ``fill`` splits later).
     """
     if one_token and len(plan.num_drafts) == 1 and plan.sample[0] \
             and plan.num_tokens[0] == plan.num_drafts[0] + 1:
