@@ -242,20 +242,13 @@ def one_token_rows(plan: StepPlan, batch: ForwardBatch) -> ForwardBatch:
     q = np.asarray(plan.num_tokens, dtype=np.int64)
     if not (q == 1 + np.asarray(plan.num_drafts, dtype=np.int64)).all():
         return batch  # a prefill chunk: the model module runs the step
-    dev = batch.positions.device
-    row_of = torch.from_numpy(np.repeat(np.arange(len(q)), q)).to(dev)
-    return dataclasses.replace(
-        batch, seq_lens=(batch.positions + 1).to(torch.int32),
-        block_tables=batch.block_tables[row_of],
-        cu_seqlens_q=torch.arange(len(row_of) + 1, dtype=torch.int32, device=dev),
-        max_seqlen_q=1)
+    return every_token_a_row(batch)
 
 
 def every_token_a_row(batch: ForwardBatch) -> ForwardBatch:
     """``batch`` with every token a row of its own, for the one-op step (ops/cpu_step.py):
     a prefill chunk's token at position p gets its sequence's block table and
-    ``seq_len = p + 1``. As in :func:`one_token_rows`, the op writes every token's K/V
-    before any row attends, so each token sees what the causal mask lets it see."""
+    ``seq_len = p + 1`` (:func:`one_token_rows` says why that is the causal mask)."""
     if batch.max_seqlen_q == 1:
         return batch
     cu = batch.cu_seqlens_q.cpu().numpy()
