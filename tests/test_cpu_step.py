@@ -11,7 +11,9 @@ the last tests check.
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,26 @@ def _decode_batch(lens: list[int], tables: list[list[int]], vocab: int, seed: in
         cu_seqlens_q=torch.arange(len(lens) + 1, dtype=torch.int32),
         sample_indices=torch.arange(len(lens)),
         max_seqlen_q=1, max_seqlen_k=max(lens), slots_valid=True)
+
+
+def _random_caches(runner: ModelRunner, seed: int, copies: int
+                   ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The runner's K/V caches' shapes filled with seeded noise, and ``copies`` clones."""
+    g = torch.Generator().manual_seed(seed)
+    caches = [(torch.randn(k.shape, generator=g), torch.randn(v.shape, generator=g))
+              for k, v in runner.kv_caches]
+    return [caches] + [[(k.clone(), v.clone()) for k, v in caches] for _ in range(copies)]
+
+
+@contextlib.contextmanager
+def _num_threads(n: int) -> Iterator[None]:
+    """The calling thread's torch thread count set to ``n`` for the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -114,21 +136,12 @@ def test_decode_step_equals_the_module_bit_for_bit(runner: ModelRunner, num_seqs
         tables.append(blocks[:-(-n // BLOCK)])
         del blocks[:len(tables[-1])]
     batch = _decode_batch(lens, tables, runner.vocab_size, seed=num_seqs)
-    g = torch.Generator().manual_seed(1)
-    caches = [(torch.randn(k.shape, generator=g), torch.randn(v.shape, generator=g))
-              for k, v in runner.kv_caches]
-    copies = [(k.clone(), v.clone()) for k, v in caches]
-    more = [(k.clone(), v.clone()) for k, v in caches]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.inference_mode():
-            want = runner.model(batch, caches, runner.backend)
-            got = runner.decode_step(batch, copies)
-            want_logits = runner.model.compute_logits(want)
-            got_logits = runner.decode_step(batch, more, logits=True)
-    finally:
-        torch.set_num_threads(before)
+    caches, copies, more = _random_caches(runner, 1, copies=2)
+    with _num_threads(threads), torch.inference_mode():
+        want = runner.model(batch, caches, runner.backend)
+        got = runner.decode_step(batch, copies)
+        want_logits = runner.model.compute_logits(want)
+        got_logits = runner.decode_step(batch, more, logits=True)
     assert got.shape == want.shape
     assert torch.equal(got, want)
     assert runner.decode_step.makes_logits
@@ -226,18 +239,10 @@ def test_prefill_in_the_op_a_row_per_token_matches_the_module(runner: ModelRunne
     rows = every_token_a_row(batch)
     assert DecodeStep.applies(rows) and not DecodeStep.applies(batch)
     assert rows.seq_lens.tolist() == (batch.positions + 1).tolist()
-    g = torch.Generator().manual_seed(2)
-    caches = [(torch.randn(k.shape, generator=g), torch.randn(v.shape, generator=g))
-              for k, v in runner.kv_caches]
-    copies = [(k.clone(), v.clone()) for k, v in caches]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.inference_mode():
-            want = runner.model(batch, caches, runner.backend)
-            got = runner.decode_step(rows, copies)
-    finally:
-        torch.set_num_threads(before)
+    caches, copies = _random_caches(runner, 2, copies=1)
+    with _num_threads(threads), torch.inference_mode():
+        want = runner.model(batch, caches, runner.backend)
+        got = runner.decode_step(rows, copies)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for (k, v), (k2, v2) in zip(caches, copies, strict=True):
