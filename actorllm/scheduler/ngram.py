@@ -9,6 +9,7 @@ token occurs, and (only once some token occurs often) an array.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -22,26 +23,33 @@ def propose_ngram(tokens: Seq[int], k: int, n_min: int, n_max: int) -> list[int]
     return lookup_ngram(tokens, k, n_min, n_max)[0]
 
 
-def lookup_ngram(tokens: Seq[int], k: int, n_min: int, n_max: int,
-                 arr: np.ndarray | None = None) -> tuple[list[int], int]:
+def lookup_ngram(tokens: Seq[int], k: int, n_min: int, n_max: int) -> tuple[list[int], int]:
     """:func:`propose_ngram`'s drafts and the match length n (0: none). The continuation
     of the occurrence, ``tokens[i:]``, is taken to repeat past the end (period
     ``len(tokens) - i``), so a row repeating a short phrase gets ``k`` drafts, not only
-    the few tokens between the occurrence and the end. ``arr``: the same tokens as an
-    int64 array, where the caller keeps one (:func:`history`)."""
+    the few tokens between the occurrence and the end."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    # Every occurrence of a suffix ends at an earlier copy of the last token: only those
+    # are extended backwards (a row keeps their positions instead: lookup_row).
+    return _lookup(tokens, k, n_min, n_max,
+                   lambda: np.flatnonzero(arr[:-1] == arr[-1]).tolist(), lambda: arr)
+
+
+def _lookup(tokens: Seq[int], k: int, n_min: int, n_max: int,
+            earlier: Callable[[], list[int]], array: Callable[[], np.ndarray]
+            ) -> tuple[list[int], int]:
+    """:func:`lookup_ngram` given, as the caller keeps them, ``earlier()``: the positions
+    of the earlier copies of the last token (ascending), and ``array()``: the tokens as an
+    int64 array (asked for only when those copies are many)."""
     length = len(tokens)
     top = min(n_max, length - 1)
     if k < 1 or top < max(n_min, 1):
         return [], 0
-    if arr is None:
-        arr = np.asarray(tokens, dtype=np.int64)
-    # Every occurrence of a suffix ends at an earlier copy of the last token: only those
-    # are extended backwards (a row pays this every step, usually for no proposal).
-    ends = np.flatnonzero(arr[:length - 1] == arr[length - 1])
+    ends = earlier()
     if len(ends) > MANY_ENDS:
-        n, i = _match_arrays(arr, length, ends, top)
+        n, i = _match_arrays(array(), length, np.asarray(ends, dtype=np.int64), top)
     else:
-        n, i = _match_list(tokens, length, ends.tolist(), top)
+        n, i = _match_list(tokens, length, ends, top)
     if n < max(n_min, 1):
         return [], 0
     period = length - i
@@ -94,20 +102,9 @@ def lookup_row(seq: Sequence, k: int, n_min: int, n_max: int) -> tuple[list[int]
     forward meets cold caches: the scan and the concatenation of the prompt and the
     output were ~27 us of a one-row step's plan, noisy, shared machine)."""
     tokens = history(seq)
-    length = len(tokens)
-    top = min(n_max, length - 1)
-    if k < 1 or top < max(n_min, 1):
-        return [], 0
-    ends = seq.spec_where[tokens[-1]][:-1]  # (its last entry: the last token itself)
-    if len(ends) > MANY_ENDS:
-        n, i = _match_arrays(history_array(seq), length, np.asarray(ends, dtype=np.int64),
-                             top)
-    else:
-        n, i = _match_list(tokens, length, ends, top)
-    if n < max(n_min, 1):
-        return [], 0
-    period = length - i
-    return [tokens[i + j % period] for j in range(k)], n
+    # (the last entry of the last token's positions is the last token itself)
+    return _lookup(tokens, k, n_min, n_max, lambda: seq.spec_where[tokens[-1]][:-1],
+                   lambda: history_array(seq))
 
 
 def history(seq: Sequence) -> list[int]:
