@@ -138,16 +138,13 @@ def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_l
         raise ValueError(f"rid {plan.rids[int(np.argmin(q))]!r}: scheduled with no tokens")
     if seq_lens.max() > max_model_len:
         i = int(np.argmax(seq_lens))
-        raise ValueError(
-            f"rid {plan.rids[i]!r}: {int(seq_lens[i])} tokens exceed max_model_len "
-            f"{max_model_len}")
+        raise _too_long(plan.rids[i], int(seq_lens[i]), max_model_len)
     needed = -(-seq_lens // bs)
     held = tables.lens[rows]
     short = np.flatnonzero(held < needed)
     if len(short):
         i = int(short[0])
-        raise ValueError(f"rid {plan.rids[i]!r}: {int(seq_lens[i])} tokens need "
-                         f"{int(needed[i])} blocks, block table has {int(held[i])}")
+        raise _table_short(plan.rids[i], int(seq_lens[i]), int(needed[i]), int(held[i]))
     ids = np.asarray(plan.token_ids, dtype=np.int64)
     cu = np.zeros(len(q) + 1, dtype=np.int64)
     np.cumsum(q, out=cu[1:])
@@ -202,12 +199,10 @@ def _pack_lone_row(plan: StepPlan, tables: BlockTables, row: int, max_model_len:
     n, start = plan.num_tokens[0], plan.start_pos[0]
     end = start + n
     if end > max_model_len:
-        raise ValueError(f"rid {plan.rids[0]!r}: {end} tokens exceed max_model_len "
-                         f"{max_model_len}")
+        raise _too_long(plan.rids[0], end, max_model_len)
     width = -(-end // bs)
     if tables.lens[row] < width:
-        raise ValueError(f"rid {plan.rids[0]!r}: {end} tokens need {width} blocks, block "
-                         f"table has {int(tables.lens[row])}")
+        raise _table_short(plan.rids[0], end, width, int(tables.lens[row]))
     # (No FEED_LAST_SAMPLE: a row gets drafts only once its tokens are all known.)
     positions = np.arange(start, end, dtype=np.int64)
     table = tables.tables[row, :width].astype(np.int64)
@@ -225,6 +220,17 @@ def _pack_lone_row(plan: StepPlan, tables: BlockTables, row: int, max_model_len:
         seq_lens=dev((positions + 1).astype(np.int32)),
         cu_seqlens_q=dev(ordinal.astype(np.int32)), sample_indices=dev(ordinal[:n]),
         max_seqlen_q=1, max_seqlen_k=end, slots_valid=True)
+
+
+def _too_long(rid: str, tokens: int, max_model_len: int) -> ValueError:
+    """The error of a row whose ``tokens`` would pass ``max_model_len``."""
+    return ValueError(f"rid {rid!r}: {tokens} tokens exceed max_model_len {max_model_len}")
+
+
+def _table_short(rid: str, tokens: int, needed: int, held: int) -> ValueError:
+    """The error of a row whose block table holds fewer blocks than its tokens need."""
+    return ValueError(f"rid {rid!r}: {tokens} tokens need {needed} blocks, block table "
+                      f"has {held}")
 
 
 def one_token_rows(plan: StepPlan, batch: ForwardBatch) -> ForwardBatch:
