@@ -17,7 +17,6 @@ core shared with the busy thread.
 from __future__ import annotations
 
 import argparse
-import tempfile
 import threading
 import time
 
@@ -64,10 +63,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--busy", action="store_true", help="a pure-Python thread beside")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory():
-        runner = ModelRunner(args.model or "actorllm/assets/default-model",
-                             num_blocks=args.seqs * (-(-args.tokens // BLOCK)),
-                             block_size=BLOCK)
+    runner = ModelRunner(args.model or "actorllm/assets/default-model",
+                         num_blocks=args.seqs * (-(-args.tokens // BLOCK)), block_size=BLOCK)
     step, model = runner.decode_step, runner.model
     assert step is not None, "the one-op step does not run this model"
     batch = prefill_batch(args.seqs, args.tokens, model.config.vocab_size)
