@@ -15,6 +15,7 @@ import trio
 
 from actorllm.config import EngineConfig, default_model_dir
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
+from actorllm.engine.heap import frozen_heap
 from actorllm.hub import resolve_model
 from actorllm.wire.messages import ChatMessage, GenerateRequest, SamplingParams
 from actorllm.wire.outputs import CompletionOutput, Merged, RequestError, merge_all
@@ -111,7 +112,8 @@ class LLM:
             params_list = list(sampling_params)
         if len(params_list) != len(prompt_list):
             raise ValueError("give one SamplingParams, or one per prompt")
-        return trio.run(self._generate, prompt_list, params_list, on_done)
+        with frozen_heap():  # actorllm/engine/heap.py
+            return trio.run(self._generate, prompt_list, params_list, on_done)
 
     async def _generate(self, prompts: list[Prompt], params: list[SamplingParams],
                         on_done: Callable[[GenerationResult], None] | None

@@ -124,6 +124,7 @@ def offline_child(spec: dict[str, Any]) -> None:
 
     from actorllm import LLM, SamplingParams
     from actorllm.engine.async_engine import open_engine
+    from actorllm.engine.heap import frozen_heap
     from actorllm.llm import collect
 
     rng = random.Random(spec["seed"])
@@ -159,7 +160,8 @@ def offline_child(spec: dict[str, Any]) -> None:
             timed["seq_steps"] = stats.seq_steps
             timed["results"] = results
 
-    trio.run(go)
+    with frozen_heap():  # as LLM.generate runs the engine
+        trio.run(go)
     results = timed.pop("results")
     errors = [r.error for r in results if r.error]
     tokens = sum(len(o.token_ids) for r in results for o in r.outputs)

@@ -44,3 +44,35 @@ def test_another_allocator_preloaded_is_left_alone(tmp_path):
     fake = tmp_path / "libtcmalloc_minimal.so.4"
     fake.write_bytes(b"")
     assert _probe(LD_PRELOAD=str(fake))[0] == "False"
+
+
+def test_a_frozen_block_thaws_after_and_leaves_an_earlier_freeze_alone():
+    import gc
+
+    from actorllm.engine.heap import frozen_heap
+
+    assert gc.get_freeze_count() == 0, "pytest's process starts with nothing frozen"
+    with frozen_heap():
+        inside = gc.get_freeze_count()
+    assert inside > 0 and gc.get_freeze_count() == 0
+    gc.freeze()  # as settle_heap leaves a server
+    try:
+        before = gc.get_freeze_count()
+        with frozen_heap():
+            pass
+        assert gc.get_freeze_count() == before, "an earlier freeze is not thawed"
+    finally:
+        gc.unfreeze()
+
+
+def test_generate_runs_on_a_frozen_heap_and_thaws_it(tiny_llama_dir):
+    import gc
+
+    from actorllm import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=32)
+    counts: list[int] = []
+    llm.generate(["a b c", "d e"], SamplingParams(max_tokens=3, temperature=0.0),
+                 on_done=lambda _: counts.append(gc.get_freeze_count()))
+    assert len(counts) == 2 and min(counts) > 0, "frozen while the engine ran"
+    assert gc.get_freeze_count() == 0, "and thawed after"

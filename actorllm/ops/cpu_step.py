@@ -60,7 +60,7 @@ def _torch_flags() -> tuple[list[str], list[str]]:
     root = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # No FMA contraction: the fused RoPE must round as the module's separate ops do.
-    flags = ["-O2", "-std=c++20", "-fPIC", "-shared", "-w", "-ffp-contract=off",
+    flags = ["-O2", "-std=c++20", "-fPIC", "-shared", "-w", "-ffp-contract=off", "-fopenmp",
              f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_ASSERT_ONLY_METHOD_OPERATORS",
              f"-I{root / 'include'}",
              # the version is in the key: a new torch rebuilds

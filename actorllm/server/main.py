@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import gc
 import logging
 import os
 import signal
@@ -39,6 +38,7 @@ from typing import Any
 import trio
 
 from actorllm.config import EngineConfig, check_tensor_parallel_size
+from actorllm.engine.heap import settle_heap
 from actorllm.server.app import build_app
 from actorllm.server.chunk_writer import KeepServerSend
 from actorllm.server.features import Features, sentence_transformers_pooling
@@ -272,7 +272,7 @@ async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
                     nursery.start_soon(_watchdog, shutdown, writes_cut, nursery.cancel_scope)
                     binds = await nursery.start(run_http)
                     started = True
-                    _settle_heap()
+                    settle_heap()  # start-up's heap out of the collector's way
                     url = binds[0] if binds else f"http://{_bind_address(opts.host, opts.port)}"
                     sys.stdout.write(f"actorllm: serving {opts.name} at {url}\n")
                     sys.stdout.flush()
@@ -286,19 +286,6 @@ async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
                 _error(_bind_message(opts.host, opts.port, bind_error))
                 return EXIT_BIND
     return exit_code
-
-
-def _settle_heap() -> None:
-    """Exempt what start-up built from the cyclic garbage collector.
-
-    Loading leaves a large heap of long-lived containers (the model's modules, the
-    tokenizer, transformers, the app's routes and schemas); every full collection walked
-    all of it while 256 streams allocated their small per-token objects: 13 % of the
-    loop's time in a py-spy profile of ``single`` at saturation. Frozen, a collection
-    walks only what serving made since.
-    """
-    gc.collect()
-    gc.freeze()
 
 
 async def _until_idle(state: Any) -> None:
