@@ -94,6 +94,8 @@ def parts(runner: ModelRunner, batch: ForwardBatch, temps: torch.Tensor
     return {
         "step (engine: head + draw)": lambda: step(batch, caches, logits=True,
                                                    temperature=temps, greedy_below=1e-5),
+        "step (engine, helper)": lambda: step(batch, caches, logits=True,
+                                              temperature=temps, greedy_below=1e-5, helper=True),
         "step, logits out": lambda: step(batch, caches, logits=True),
         "step, logits out, then sample_rows": lambda: sample_rows(
             step(batch, caches, logits=True), temps, 1e-5),

@@ -12,7 +12,9 @@ the last tests check.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -156,6 +158,94 @@ def test_decode_step_equals_the_module_bit_for_bit(runner: ModelRunner, num_seqs
     assert torch.equal(drawn, cpu_step.sample_rows(want_logits, temps, 1e-5))
     for (k, v), (k2, v2) in zip(caches, copies, strict=True):
         assert torch.equal(k, k2) and torch.equal(v, v2)  # the same K/V, in the same slots
+    # ... and with the helper sharing the head and the draw (on a team of one).
+    torch.manual_seed(num_seqs)
+    with _num_threads(threads), torch.inference_mode():
+        shared = runner.decode_step(batch, [(k.clone(), v.clone()) for k, v in caches],
+                                    logits=True, temperature=temps, greedy_below=1e-5,
+                                    helper=True)
+    assert torch.equal(shared, drawn)
+
+
+def _helper_case(runner: ModelRunner, num_seqs: int = 200
+                 ) -> tuple[ForwardBatch, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """A decode batch of ``num_seqs`` rows, caches of noise and a temperature a row."""
+    lens = [1 + i % BLOCK for i in range(num_seqs)]  # a block each
+    tables = [[i] for i in range(num_seqs)]
+    batch = _decode_batch(lens, tables, runner.vocab_size, seed=num_seqs)
+    (caches,) = _random_caches(runner, 5, copies=0)
+    return batch, caches, torch.tensor([0.0, 1.0, 0.7, 2.0] * num_seqs)[:num_seqs]
+
+
+def test_the_helper_changes_no_token_however_the_blocks_fall(tiny_llama_dir: Path) -> None:
+    """The op's helper (kernels/cpu_step_helper.h) takes blocks of the head and the draw
+    only if it wakes in time, so each call divides the rows differently: the tokens are
+    those of the step thread alone every time."""
+    runner = ModelRunner(tiny_llama_dir, num_blocks=200, block_size=BLOCK)
+    assert runner.decode_step is not None
+    batch, caches, temps = _helper_case(runner)
+    with _num_threads(1), torch.inference_mode():
+        for seed in range(30):
+            torch.manual_seed(seed)
+            alone = runner.decode_step(batch, caches, logits=True, temperature=temps,
+                                       greedy_below=1e-5)
+            torch.manual_seed(seed)
+            shared = runner.decode_step(batch, caches, logits=True, temperature=temps,
+                                        greedy_below=1e-5, helper=True)
+            assert torch.equal(shared, alone), seed
+
+
+def test_an_error_in_a_shared_block_is_raised_and_the_helper_serves_on(
+        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block that throws, on the step thread or the helper, raises from the op call
+    (the process lives), and the next call is served as before."""
+    runner = ModelRunner(tiny_llama_dir, num_blocks=200, block_size=BLOCK)
+    step = runner.decode_step
+    assert step is not None
+    batch, caches, temps = _helper_case(runner)
+    head = step.lm_head
+    with _num_threads(1), torch.inference_mode():
+        torch.manual_seed(0)
+        want = step(batch, caches, logits=True, temperature=temps, greedy_below=1e-5)
+        monkeypatch.setattr(step, "lm_head", torch.zeros(head.shape[0] + 1, head.shape[1]))
+        for _ in range(5):
+            with pytest.raises(RuntimeError):
+                step(batch, caches, logits=True, temperature=temps, greedy_below=1e-5,
+                     helper=True)
+        monkeypatch.setattr(step, "lm_head", head)
+        torch.manual_seed(0)
+        got = step(batch, caches, logits=True, temperature=temps, greedy_below=1e-5,
+                   helper=True)
+    assert torch.equal(got, want)
+
+
+def test_a_forked_child_gets_a_helper_of_its_own(tiny_llama_dir: Path) -> None:
+    """The helper thread does not survive a fork: the child's first shared step makes it
+    a new one instead of posting to a thread that is not there (or to a lock it held)."""
+    runner = ModelRunner(tiny_llama_dir, num_blocks=200, block_size=BLOCK)
+    step = runner.decode_step
+    assert step is not None
+    batch, caches, temps = _helper_case(runner)
+
+    def draw() -> torch.Tensor:
+        torch.manual_seed(0)
+        with _num_threads(1), torch.inference_mode():
+            return step(batch, caches, logits=True, temperature=temps, greedy_below=1e-5,
+                        helper=True)
+
+    want = draw()  # the parent's helper exists from here on
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a deadlock ends at the alarm, not in a hung test
+        signal.alarm(120)
+        ok = torch.equal(draw(), want) and torch.equal(draw(), want)
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write)
+    answer = os.read(read, 1)
+    os.close(read)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and answer == b"1", (status, answer)
 
 
 def test_the_runner_runs_decode_steps_in_the_op_and_matches_transformers(

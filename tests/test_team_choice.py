@@ -85,6 +85,40 @@ def test_step_threads_choose_only_a_decode_step_of_many_rows() -> None:
     assert StepThreads("cuda", full=2, choose=True).chooser is None
 
 
+class FixedShare:
+    """Other processes leave ``free`` CPUs (``actorllm.cpus.CpuShare`` measures it)."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def cap(self, wanted: int) -> int:
+        return max(1, min(wanted, self.free))
+
+
+def test_the_helper_joins_only_a_chosen_step_on_one_thread_with_a_core_free() -> None:
+    """The op's helper (kernels/cpu_step_helper.h) may share a chosen decode step's head
+    and draw when that step runs on one thread, the team could be bigger and no other
+    process takes the other core; never a small, prefill-sized or two-thread step."""
+    threads = StepThreads("cpu", full=2, large=2, choose=True)
+    assert threads.chooser is not None
+    threads.chooser.choose = lambda: 1  # type: ignore[method-assign]
+    threads.use_for(256, 256, 0.0)
+    assert threads.current == 1 and threads.helper
+    threads.use_for(8, 8, 1.0)
+    assert threads.current == 1 and not threads.helper  # small: not a chosen step
+    threads.use_for(LARGE_STEP_TOKENS, 4, 2.0)
+    assert threads.current == 2 and not threads.helper
+    threads.chooser.choose = lambda: 2  # type: ignore[method-assign]
+    threads.use_for(256, 256, 3.0)
+    assert threads.current == 2 and not threads.helper
+    busy = StepThreads("cpu", full=2, large=2, share=FixedShare(1), choose=True)
+    busy.use_for(256, 256, 0.0)
+    assert busy.current == 1 and not busy.helper  # a neighbour has the other core
+    beside_loop = StepThreads("cpu", full=1, large=2, choose=True)  # serve's single
+    beside_loop.use_for(256, 256, 0.0)
+    assert beside_loop.current == 1 and not beside_loop.helper
+
+
 def test_an_engine_costs_its_decode_steps_and_keeps_its_greedy_tokens(
         tiny_llama_dir: Path) -> None:
     """``LLM.generate`` with a 2-thread team: the chooser costs the decode steps of 32 rows

@@ -32,14 +32,23 @@
 #include <ATen/ops/rms_norm.h>
 #include <ATen/ops/silu.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/util/ParallelGuard.h>
+#include <omp.h>
 #include <torch/library.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <functional>
+#include <mutex>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -63,7 +72,7 @@ Tensor packed_linear(const Tensor& x, const Tensor& weight, const std::optional<
 Tensor sample_rows(const Tensor& logits, const Tensor& temperature,
                    const std::optional<Tensor>& uniforms, double greedy_below);
 Tensor head_and_sample(const Tensor& x, const Tensor& head, const Tensor& temperature,
-                       double greedy_below);
+                       double greedy_below, bool helper);
 
 // RoPE on q and k, q into its own tensor, k and v into the caches at their slots: what
 // the module does with a mul, a roll, a mul and an add on [T, H + KV, D], two index_copy_
@@ -116,7 +125,8 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
                     double scale, int64_t decode_fn,
                     at::IntArrayRef windows, at::TensorList qk_norms,
                     const std::optional<Tensor>& final_norm, const std::optional<Tensor>& lm_head,
-                    const std::optional<Tensor>& temperature, double greedy_below) {
+                    const std::optional<Tensor>& temperature, double greedy_below,
+                    bool helper) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 1 + kWeightsPerLayer * layers,
               "llama_decode: expected ", 1 + kWeightsPerLayer * layers, " weights, got ",
@@ -186,11 +196,13 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
   const Tensor normed = at::rms_norm(h, norm_shape, *final_norm, eps);
   // With temperatures, the step's tokens: its sampling too under the same GIL release,
   // each block of rows drawn from while its logits are in cache.
-  if (temperature.has_value()) return head_and_sample(normed, *lm_head, *temperature, greedy_below);
+  if (temperature.has_value())
+    return head_and_sample(normed, *lm_head, *temperature, greedy_below, helper);
   return packed_linear(normed, *lm_head, std::nullopt);
 }
 
 #include "cpu_sample_rows.h"
+#include "cpu_step_helper.h"
 
 // The temperatures of a step's rows as fp32, and its uniforms where any row draws (given,
 // or from torch's default generator: one call of rows values, whichever caller).
@@ -268,9 +280,11 @@ constexpr int64_t kHeadRows = 32;
 // the step. A block's mm runs on the thread that took it (MKL inside a parallel region).
 // An mm of some rows gives the same values as those rows of the whole mm (the sum over
 // the hidden size is in the same order), so the tokens are sample_rows' on the step's
-// logits, with the same uniforms (tests/test_cpu_step.py).
+// logits, with the same uniforms (tests/test_cpu_step.py). On a team of one, `helper`
+// lets the process's StepHelper take blocks too, if it gets a core in time (see
+// cpu_step_helper.h; worker/runner.py asks for it where ops/threads.py allows it).
 Tensor head_and_sample(const Tensor& x, const Tensor& head, const Tensor& temperature,
-                       double greedy_below) {
+                       double greedy_below, bool helper) {
   const int64_t rows = x.size(0), vocab = head.size(1);
   const Draws d = step_draws(temperature, std::nullopt, rows, greedy_below, x.options());
   Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
@@ -278,7 +292,7 @@ Tensor head_and_sample(const Tensor& x, const Tensor& head, const Tensor& temper
   const int64_t blocks = (rows + kHeadRows - 1) / kHeadRows;
   std::atomic<int64_t> next{0};
   const int64_t team = std::min<int64_t>(at::get_num_threads(), blocks);
-  at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
+  const std::function<void()> take_blocks = [&] {
     std::vector<double> sums((vocab + kChunk - 1) / kChunk);
     std::vector<float> weights(d.any_drawn ? vocab : 0);
     Tensor block = at::empty({std::min(kHeadRows, rows), vocab}, x.options());
@@ -289,7 +303,11 @@ Tensor head_and_sample(const Tensor& x, const Tensor& head, const Tensor& temper
       sample_block(logits.data_ptr<float>(), b, b + n, vocab, d, greedy_below, weights.data(),
                    sums.data(), o);
     }
-  });
+  };
+  if (team == 1 && helper && blocks > 1)
+    StepHelper::get().share(take_blocks);  // a team of one, and a helper if it comes
+  else
+    at::parallel_for(0, team, 1, [&](int64_t, int64_t) { take_blocks(); });
   return out;
 }
 
@@ -302,7 +320,7 @@ TORCH_LIBRARY(actorllm, m) {
         "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, "
         "int decode_fn, int[] windows, Tensor[] qk_norms, "
         "Tensor? final_norm=None, Tensor? lm_head=None, Tensor? temperature=None, "
-        "float greedy_below=0.0) -> Tensor");
+        "float greedy_below=0.0, bool helper=False) -> Tensor");
   m.def("sample_rows(Tensor logits, Tensor temperature, Tensor? uniforms, "
         "float greedy_below) -> Tensor");
 }

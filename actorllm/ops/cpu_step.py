@@ -182,7 +182,7 @@ class DecodeStep:
 
     def __call__(self, batch: ForwardBatch, kv_caches: list[KVCache], *,
                  logits: bool = False, temperature: Tensor | None = None,
-                 greedy_below: float = 0.0) -> Tensor:
+                 greedy_below: float = 0.0, helper: bool = False) -> Tensor:
         """Hidden states ``[T, hidden]``, as ``model(batch, kv_caches, backend)`` returns;
         with ``logits`` (where :attr:`makes_logits`), ``model.compute_logits`` of them, every
         row, in the same call; with ``temperature`` too, one token per row drawn from
@@ -198,7 +198,7 @@ class DecodeStep:
             [v for _, v in kv_caches], self.inv_freq, self.rope_scaling, self.num_heads,
             self.num_kv_heads, self.head_dim, self.eps, self.scale,
             self.kernel, self.windows, self.qk_norms,
-            self.final_norm if logits else None, head, temperature, greedy_below)
+            self.final_norm if logits else None, head, temperature, greedy_below, helper)
 
 
 def sample_rows(logits: Tensor, temperature: Tensor, greedy_below: float,

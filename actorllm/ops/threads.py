@@ -39,6 +39,11 @@ saves. So:
   (``cpus.openmp_defaults``), a 64-sequence decode step on 2 threads went from 15-17 ms
   to 10-12 ms.
 
+- A chosen decode step on one thread lets the op's helper thread share its LM head and
+  draw (``helper``; kernels/cpu_step_helper.h): blocks of rows taken from one counter
+  by the step thread and, if it gets a core in time, the helper, which no barrier waits
+  for. Only where the team could be bigger (``full`` > 1: not beside ``serve``'s loop,
+  which is left its core) and no other process takes a core (``share``).
 - Never more than other processes leave free (:class:`actorllm.cpus.CpuShare`, given as
   ``share``): on 2 cores beside one busy process a team of 2 waits at every barrier for
   the thread the busy process pushed off its core; ``LLM.generate`` on a
@@ -88,6 +93,7 @@ class StepThreads:
         self.chooser = TeamChooser((1, self.full)) \
             if choose and self.enabled and self.full > 1 else None
         self._open: tuple[int, int, float] | None = None  # (team, rows, start): a chosen step
+        self.helper = False  # whether the current step's head and draw may take the helper
 
     def chosen(self, num_tokens: int, rows: int | None = None) -> bool:
         """Whether a step of ``num_tokens`` tokens over ``rows`` sequences has its team
@@ -124,8 +130,10 @@ class StepThreads:
             team, n_rows, began = self._open
             self.chooser.record(team, started - began, n_rows)
         n = self.for_tokens(num_tokens, rows)
+        chosen = self.chosen(num_tokens, rows)
         self._open = (n, num_tokens if rows is None else rows, started) \
-            if started is not None and self.chosen(num_tokens, rows) else None
+            if started is not None and chosen else None
+        self.helper = chosen and n == 1 and (self.share is None or self.share.cap(2) > 1)
         if n != self.current:
             torch.set_num_threads(n)
             self.current = n

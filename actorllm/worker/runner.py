@@ -281,7 +281,7 @@ class ModelRunner:
                 if temps is not None:
                     self.drawn_in_op_steps += 1
                     tokens = step(batch, self.kv_caches, logits=True, greedy_below=GREEDY_BELOW,
-                                  temperature=torch.from_numpy(temps))
+                                  temperature=torch.from_numpy(temps), helper=self.threads.helper)
                     return tokens, tokens, tokens
                 logits = step(batch, self.kv_caches, logits=True)
                 return logits, logits, None
