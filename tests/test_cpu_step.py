@@ -167,24 +167,29 @@ def test_decode_step_equals_the_module_bit_for_bit(runner: ModelRunner, num_seqs
     assert torch.equal(shared, drawn)
 
 
-def _helper_case(runner: ModelRunner, num_seqs: int = 200
+def _helper_case(runner: ModelRunner, num_seqs: int = 100
                  ) -> tuple[ForwardBatch, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-    """A decode batch of ``num_seqs`` rows, caches of noise and a temperature a row."""
-    lens = [1 + i % BLOCK for i in range(num_seqs)]  # a block each
-    tables = [[i] for i in range(num_seqs)]
+    """A decode batch of ``num_seqs`` rows of random lengths (two blocks each at most),
+    caches of noise and a temperature a row."""
+    rng = random.Random(num_seqs)
+    lens = [rng.randint(1, 2 * BLOCK) for _ in range(num_seqs)]
+    tables = [[2 * i, 2 * i + 1][:-(-n // BLOCK)] for i, n in enumerate(lens)]
     batch = _decode_batch(lens, tables, runner.vocab_size, seed=num_seqs)
     (caches,) = _random_caches(runner, 5, copies=0)
     return batch, caches, torch.tensor([0.0, 1.0, 0.7, 2.0] * num_seqs)[:num_seqs]
 
 
 def test_the_helper_changes_no_token_however_the_blocks_fall(tiny_llama_dir: Path) -> None:
-    """The op's helper (kernels/cpu_step_helper.h) takes blocks of the head and the draw
-    only if it wakes in time, so each call divides the rows differently: the tokens are
-    those of the step thread alone every time."""
+    """The op's helper (kernels/cpu_step_helper.h) takes blocks of the attention, the head
+    and the draw only if it wakes in time, so each call divides the rows differently:
+    the hidden states and the tokens are those of the step thread alone every time."""
     runner = ModelRunner(tiny_llama_dir, num_blocks=200, block_size=BLOCK)
     assert runner.decode_step is not None
     batch, caches, temps = _helper_case(runner)
     with _num_threads(1), torch.inference_mode():
+        hidden = runner.decode_step(batch, caches)
+        for _ in range(10):  # the attention's rows shared: the hidden states bit for bit
+            assert torch.equal(runner.decode_step(batch, caches, helper=True), hidden)
         for seed in range(30):
             torch.manual_seed(seed)
             alone = runner.decode_step(batch, caches, logits=True, temperature=temps,

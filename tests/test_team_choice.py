@@ -96,9 +96,10 @@ class FixedShare:
 
 
 def test_the_helper_joins_only_a_chosen_step_on_one_thread_with_a_core_free() -> None:
-    """The op's helper (kernels/cpu_step_helper.h) may share a chosen decode step's head
-    and draw when that step runs on one thread, the team could be bigger and no other
-    process takes the other core; never a small, prefill-sized or two-thread step."""
+    """The op's helper (kernels/cpu_step_helper.h) may share a chosen decode step's
+    attention, head and draw when that step runs on one thread, the team could be bigger
+    and no other process takes the other core; never a small, prefill-sized or
+    two-thread step."""
     threads = StepThreads("cpu", full=2, large=2, choose=True)
     assert threads.chooser is not None
     threads.chooser.choose = lambda: 1  # type: ignore[method-assign]

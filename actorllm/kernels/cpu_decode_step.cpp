@@ -37,6 +37,8 @@
 #include <omp.h>
 #include <torch/library.h>
 #include <unistd.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 
 #include <algorithm>
 #include <atomic>
@@ -111,6 +113,43 @@ void rope_and_write_kv(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
   }
 }
 
+#include "cpu_step_helper.h"
+
+// Rows a block of the decode kernel's calls when the helper shares the attention.
+constexpr int64_t kAttendRows = 16;
+
+// The decode kernel over every row: one call on the whole team, or, on a team of one
+// with `helper`, a call per kAttendRows rows, taken from a counter by this thread and
+// the helper (cpu_step_helper.h). Each row reads its own table and writes its own
+// output, so a call per block computes what one call does, bit for bit.
+int attend(DecodeFn decode, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+           const Tensor& block_tables, const Tensor& seq_lens, Tensor& out,
+           int64_t num_kv_heads, float scale, int64_t window, bool helper) {
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t width = block_tables.size(1), block_size = k_cache.size(1);
+  const float *qs = q.data_ptr<float>(), *ks = k_cache.data_ptr<float>(),
+              *vs = v_cache.data_ptr<float>();
+  const int32_t *tables = block_tables.data_ptr<int32_t>(), *lens = seq_lens.data_ptr<int32_t>();
+  float* os = out.data_ptr<float>();
+  const int threads = at::get_num_threads();
+  const int64_t blocks = (rows + kAttendRows - 1) / kAttendRows;
+  if (threads > 1 || !helper || blocks < 2)
+    return decode(qs, ks, vs, tables, lens, os, rows, heads, num_kv_heads, dim, block_size,
+                  width, scale, window, 0.0f, threads);
+  std::atomic<int64_t> next{0};
+  std::atomic<int> rc{0};
+  StepHelper::get().share([&] {
+    for (int64_t i = next++; i < blocks; i = next++) {
+      const int64_t b = i * kAttendRows, n = std::min(kAttendRows, rows - b);
+      const int r = decode(qs + b * heads * dim, ks, vs, tables + b * width, lens + b,
+                           os + b * heads * dim, n, heads, num_kv_heads, dim, block_size, width,
+                           scale, window, 0.0f, 1);
+      if (r != 0) rc = r;
+    }
+  });
+  return rc;
+}
+
 // Weights per layer in `weights` (after the embedding at index 0), and biases per layer
 // in `biases`, in this order.
 constexpr int64_t kWeightsPerLayer = 6;  // input norm, qkv, o, post norm, gate_up, down
@@ -177,11 +216,8 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
     Tensor q = at::empty({tokens, num_heads, head_dim}, qkv.options());
     rope_and_write_kv(qkv, cos, sin, slots.data_ptr<int64_t>(), q, k_cache, v_cache);
     Tensor attn = at::empty_like(q);
-    const int rc = decode(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                          block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-                          attn.data_ptr<float>(), tokens, num_heads, num_kv_heads, head_dim,
-                          k_cache.size(1), block_tables.size(1), static_cast<float>(scale),
-                          windows[l], 0.0f, at::get_num_threads());
+    const int rc = attend(decode, q, k_cache, v_cache, block_tables, seq_lens, attn,
+                          num_kv_heads, static_cast<float>(scale), windows[l], helper);
     TORCH_CHECK(rc == 0, "llama_decode: the decode kernel refused the shape");
     h = h.add(packed_linear(attn.view({tokens, q_size}), w[2], biases.get(b + 1)));
     // MLP.
@@ -202,7 +238,6 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
 }
 
 #include "cpu_sample_rows.h"
-#include "cpu_step_helper.h"
 
 // The temperatures of a step's rows as fp32, and its uniforms where any row draws (given,
 // or from torch's default generator: one call of rows values, whichever caller).
@@ -281,8 +316,8 @@ constexpr int64_t kHeadRows = 32;
 // An mm of some rows gives the same values as those rows of the whole mm (the sum over
 // the hidden size is in the same order), so the tokens are sample_rows' on the step's
 // logits, with the same uniforms (tests/test_cpu_step.py). On a team of one, `helper`
-// lets the process's StepHelper take blocks too, if it gets a core in time (see
-// cpu_step_helper.h; worker/runner.py asks for it where ops/threads.py allows it).
+// lets the process's StepHelper take blocks too, if it gets a core in time, as it does
+// the attention's (attend; worker/runner.py asks where ops/threads.py allows it).
 Tensor head_and_sample(const Tensor& x, const Tensor& head, const Tensor& temperature,
                        double greedy_below, bool helper) {
   const int64_t rows = x.size(0), vocab = head.size(1);

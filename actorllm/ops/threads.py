@@ -39,11 +39,12 @@ saves. So:
   (``cpus.openmp_defaults``), a 64-sequence decode step on 2 threads went from 15-17 ms
   to 10-12 ms.
 
-- A chosen decode step on one thread lets the op's helper thread share its LM head and
-  draw (``helper``; kernels/cpu_step_helper.h): blocks of rows taken from one counter
-  by the step thread and, if it gets a core in time, the helper, which no barrier waits
-  for. Only where the team could be bigger (``full`` > 1: not beside ``serve``'s loop,
-  which is left its core) and no other process takes a core (``share``).
+- A chosen decode step on one thread lets the op's helper thread share its attention,
+  LM head and draw (``helper``; kernels/cpu_step_helper.h): blocks of rows taken from
+  one counter by the step thread and, if it gets a core in time, the helper (niced,
+  below the loop), which no barrier waits for. Only where the team could be bigger
+  (``full`` > 1: not beside ``serve``'s loop, which is left its core) and no other
+  process takes a core (``share``).
 - Never more than other processes leave free (:class:`actorllm.cpus.CpuShare`, given as
   ``share``): on 2 cores beside one busy process a team of 2 waits at every barrier for
   the thread the busy process pushed off its core; ``LLM.generate`` on a
@@ -93,7 +94,7 @@ class StepThreads:
         self.chooser = TeamChooser((1, self.full)) \
             if choose and self.enabled and self.full > 1 else None
         self._open: tuple[int, int, float] | None = None  # (team, rows, start): a chosen step
-        self.helper = False  # whether the current step's head and draw may take the helper
+        self.helper = False  # whether the current step may share its work with the helper
 
     def chosen(self, num_tokens: int, rows: int | None = None) -> bool:
         """Whether a step of ``num_tokens`` tokens over ``rows`` sequences has its team
