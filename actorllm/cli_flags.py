@@ -43,8 +43,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="how long every rank gets to join and load its shard (default 300)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan the next step while one runs, feeding each sampled token "
-                        "forward in the Worker (default: on for CUDA; on the CPU, on in "
-                        "the single topology, off in engine)")
+                        "forward in the Worker (default: on for CUDA; on the CPU, on for "
+                        "`serve` in the single topology, off otherwise)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 3, "prompt_lookup_max": 4, '

@@ -217,13 +217,10 @@ class EngineConfig:
     def overlap(self) -> bool:
         """Whether the Scheduler keeps two steps in flight (``async_scheduling`` resolved).
 
-        Unset: on a GPU, and on the CPU wherever the one-rank Worker's thread shares its
-        process with the event loop (`single`: ``LLM``, ``actorllm run``, ``serve``), whose
-        Python then runs while the step's op holds no GIL (docs/architecture.md, "One or
-        two steps in flight")."""
+        Unset: on a GPU, and on the CPU under ``serve`` in `single` (docs/architecture.md,
+        "Where overlap is on": offline it would pay, but a drafting row drains it)."""
         if self.async_scheduling is None:
-            return self.device.startswith("cuda") or (
-                self.topology == "single" and self.tensor_parallel_size == 1)
+            return self.device.startswith("cuda") or self.worker_beside_http
         return self.async_scheduling
 
     @property

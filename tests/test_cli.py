@@ -154,14 +154,13 @@ def test_a_prompt_longer_than_the_context_is_said_plainly(tiny_llama_dir: Path) 
 @pytest.mark.parametrize(("command", "serving"), [("serve", True), ("run", False)])
 def test_only_serve_tells_the_engine_its_loop_serves_http(command: str, serving: bool) -> None:
     """`serve` tells the engine its loop serves HTTP: in `single` on the CPU the Worker
-    then leaves that loop a core (placement.worker_threads). Both plan the next step while
-    one runs in `single` (config.overlap: the loop's Python beside the op), not in
-    `engine` unless asked."""
+    then leaves that loop a core (placement.worker_threads) and the Scheduler plans the
+    next step while one runs (config.overlap); `run` and `engine` plan ahead if asked."""
     from actorllm.cli import build_parser, engine_config
 
     config = engine_config(build_parser().parse_args([command]))
     assert config.serving_http is serving
-    assert config.overlap
+    assert config.overlap is serving
     assert not engine_config(build_parser().parse_args(
         [command, "--no-async-scheduling"])).overlap
     assert not engine_config(build_parser().parse_args([command, "--topology", "engine"])).overlap
