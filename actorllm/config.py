@@ -215,10 +215,7 @@ class EngineConfig:
 
     @property
     def overlap(self) -> bool:
-        """Whether the Scheduler keeps two steps in flight (``async_scheduling`` resolved).
-
-        Unset: on a GPU, and on the CPU under ``serve`` in `single` (docs/architecture.md,
-        "Where overlap is on": offline it would pay, but a drafting row drains it)."""
+        """Whether the Scheduler keeps two steps in flight (``async_scheduling`` resolved)."""
         if self.async_scheduling is None:
             return self.device.startswith("cuda") or self.worker_beside_http
         return self.async_scheduling
