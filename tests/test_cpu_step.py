@@ -158,7 +158,8 @@ def test_decode_step_equals_the_module_bit_for_bit(runner: ModelRunner, num_seqs
     assert torch.equal(drawn, cpu_step.sample_rows(want_logits, temps, 1e-5))
     for (k, v), (k2, v2) in zip(caches, copies, strict=True):
         assert torch.equal(k, k2) and torch.equal(v, v2)  # the same K/V, in the same slots
-    # ... and with the helper sharing the head and the draw (on a team of one).
+    # ... and with the helper asked for (it shares the attention, the head and the draw
+    # on a team of one; a team of two ignores it).
     torch.manual_seed(num_seqs)
     with _num_threads(threads), torch.inference_mode():
         shared = runner.decode_step(batch, [(k.clone(), v.clone()) for k, v in caches],

@@ -131,19 +131,21 @@ int attend(DecodeFn decode, const Tensor& q, const Tensor& k_cache, const Tensor
               *vs = v_cache.data_ptr<float>();
   const int32_t *tables = block_tables.data_ptr<int32_t>(), *lens = seq_lens.data_ptr<int32_t>();
   float* os = out.data_ptr<float>();
+  // Rows [b, b + n) on a team of `team`: the kernel's call with those rows' pointers.
+  const auto rows_from = [&](int64_t b, int64_t n, int team) {
+    return decode(qs + b * heads * dim, ks, vs, tables + b * width, lens + b,
+                  os + b * heads * dim, n, heads, num_kv_heads, dim, block_size, width, scale,
+                  window, 0.0f, team);
+  };
   const int threads = at::get_num_threads();
   const int64_t blocks = (rows + kAttendRows - 1) / kAttendRows;
-  if (threads > 1 || !helper || blocks < 2)
-    return decode(qs, ks, vs, tables, lens, os, rows, heads, num_kv_heads, dim, block_size,
-                  width, scale, window, 0.0f, threads);
+  if (threads > 1 || !helper || blocks < 2) return rows_from(0, rows, threads);
   std::atomic<int64_t> next{0};
   std::atomic<int> rc{0};
   StepHelper::get().share([&] {
     for (int64_t i = next++; i < blocks; i = next++) {
-      const int64_t b = i * kAttendRows, n = std::min(kAttendRows, rows - b);
-      const int r = decode(qs + b * heads * dim, ks, vs, tables + b * width, lens + b,
-                           os + b * heads * dim, n, heads, num_kv_heads, dim, block_size, width,
-                           scale, window, 0.0f, 1);
+      const int64_t b = i * kAttendRows;
+      const int r = rows_from(b, std::min(kAttendRows, rows - b), 1);
       if (r != 0) rc = r;
     }
   });
