@@ -29,7 +29,7 @@ def run(chooser: TeamChooser, cost: dict[int, float], steps: int, rows: int = 25
     """``steps`` steps, each costing ``cost[size]`` seconds per row on the size chosen."""
     sizes = []
     for _ in range(steps):
-        size = chooser.choose()
+        size = chooser.choose(rows)
         chooser.record(size, cost[size] * rows, rows)
         sizes.append(size)
     return sizes
@@ -55,12 +55,42 @@ def test_the_chooser_follows_a_change_in_the_costs() -> None:
     assert later[-50:].count(1) >= 45
 
 
+def test_costs_are_compared_only_between_steps_of_about_as_many_rows() -> None:
+    """A run's tail, its batch draining, costs more per row on whichever size runs it (the
+    loop's turn and the op's fixed costs shared by fewer rows). The next run, back at 256
+    rows, must start from the 256-row costs, not from the tail's: mixed, they made it run
+    the dearer size for most of its steps."""
+    chooser = TeamChooser((1, 2))
+    steady = {1: 10e-6, 2: 15e-6}
+    run(chooser, steady, 100)
+    for rows in (240, 100, 40):  # the tail: 4x the steady cost per row
+        size = chooser.choose(rows)
+        chooser.record(size, 4 * steady[size] * rows, rows)
+    assert chooser.medians(256) == {1: 10e-6, 2: 15e-6}
+    later = run(chooser, steady, 100)
+    assert later.count(2) <= 100 // explore_interval(10.0, 15.0) + 1
+    assert chooser.medians(40)[1] > chooser.medians(256)[1]  # the tail's own class
+
+
+def test_a_cycle_into_the_next_engine_is_not_a_cost() -> None:
+    """The last chosen step of a run is costed at the next step's start; once its engine
+    is gone (``end_run``, from ``ModelRunner.drop_all``) that start is another run's."""
+    threads = StepThreads("cpu", full=2, large=2, choose=True)
+    assert threads.chooser is not None
+    threads.use_for(256, 256, 0.0)
+    threads.end_run()
+    threads.use_for(256, 256, 0.5)  # (under MAX_CYCLE_S: it would count)
+    assert sum(threads.chooser.measured.values()) == 0
+    threads.use_for(256, 256, 0.501)
+    assert sum(threads.chooser.measured.values()) == 1
+
+
 def test_an_idle_gap_is_not_a_cost() -> None:
     chooser = TeamChooser((1, 2))
     chooser.record(1, team.MAX_CYCLE_S * 2, 256)
     chooser.record(2, 0.0, 256)
     chooser.record(2, 1e-3, 0)
-    assert chooser.medians() == {}
+    assert chooser.medians(256) == {}
 
 
 def test_step_threads_choose_only_a_decode_step_of_many_rows() -> None:
@@ -78,7 +108,7 @@ def test_step_threads_choose_only_a_decode_step_of_many_rows() -> None:
         clock += 1e-3 * (threads.current or 1)
         threads.use_for(8, 8, clock)  # a small step between: not a chosen one
         clock += 1e-3
-    assert threads.chooser.medians()[1] < threads.chooser.medians()[2]
+    assert threads.chooser.medians(256)[1] < threads.chooser.medians(256)[2]
     assert threads.chooser.measured[1] > threads.chooser.measured[2]
     assert StepThreads("cpu", full=2).chooser is None  # only where asked for
     assert StepThreads("cpu", full=1, large=2, choose=True).chooser is None  # no choice
@@ -102,14 +132,14 @@ def test_the_helper_joins_only_a_chosen_step_on_one_thread_with_a_core_free() ->
     two-thread step."""
     threads = StepThreads("cpu", full=2, large=2, choose=True)
     assert threads.chooser is not None
-    threads.chooser.choose = lambda: 1  # type: ignore[method-assign]
+    threads.chooser.choose = lambda rows: 1  # type: ignore[method-assign]
     threads.use_for(256, 256, 0.0)
     assert threads.current == 1 and threads.helper
     threads.use_for(8, 8, 1.0)
     assert threads.current == 1 and not threads.helper  # small: not a chosen step
     threads.use_for(LARGE_STEP_TOKENS, 4, 2.0)
     assert threads.current == 2 and not threads.helper
-    threads.chooser.choose = lambda: 2  # type: ignore[method-assign]
+    threads.chooser.choose = lambda rows: 2  # type: ignore[method-assign]
     threads.use_for(256, 256, 3.0)
     assert threads.current == 2 and not threads.helper
     busy = StepThreads("cpu", full=2, large=2, share=FixedShare(1), choose=True)
@@ -131,6 +161,11 @@ def test_an_engine_costs_its_decode_steps_and_keeps_its_greedy_tokens(
     assert threads.chooser is not None
     chosen = llm.generate(prompts, params)
     assert sum(threads.chooser.measured.values()) >= 8
+    threads.use_for(256, 256, 0.0)  # a chosen step open when the engine ends ...
+    llm.resources.runner.drop_all()  # (as the next engine's Worker does first)
+    measured = dict(threads.chooser.measured)
+    threads.use_for(256, 256, 0.5)
+    assert threads.chooser.measured == measured  # ... is not costed into the next run
     threads.chooser = None  # the whole team for every such step, as before
     fixed = llm.generate(prompts, params)
     assert [r.outputs[0].token_ids for r in chosen] == [r.outputs[0].token_ids for r in fixed]

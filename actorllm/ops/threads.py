@@ -112,7 +112,7 @@ class StepThreads:
         if num_tokens >= LARGE_STEP_TOKENS or extra >= PREFILL_STEP_TOKENS:
             wanted = self.large
         elif self.chooser is not None and self.chosen(num_tokens, rows):
-            wanted = self.chooser.choose()
+            wanted = self.chooser.choose(num_tokens if rows is None else rows)
         else:
             wanted = 1 if num_tokens < SMALL_STEP_TOKENS and extra < DRAFT_STEP_TOKENS \
                 else self.full
@@ -138,6 +138,11 @@ class StepThreads:
         if n != self.current:
             torch.set_num_threads(n)
             self.current = n
+
+    def end_run(self) -> None:
+        """The engine whose steps these were is gone: the open step's cycle would run into
+        the next engine's start-up, which is no step's cost (ops/team.py)."""
+        self._open = None
 
 
 @contextlib.contextmanager

@@ -33,12 +33,7 @@ from actorllm.ops import select_backend
 from actorllm.ops.cpu_linear import pack_linears
 from actorllm.ops.cpu_step import load_decode_step, load_sampler
 from actorllm.ops.threads import StepThreads, single_threaded
-from actorllm.text.structured import (
-    Grammar,
-    GrammarBackend,
-    LLGuidanceBackend,
-    MaskFiller,
-)
+from actorllm.text.structured import Grammar, GrammarBackend, LLGuidanceBackend, MaskFiller
 from actorllm.wire.rendezvous import Rendezvous
 from actorllm.wire.steps import NewSeqData, PromptLogprobs, StepPlan, StepResult
 from actorllm.worker.draft import DraftModel, draft_block_bytes
@@ -190,6 +185,7 @@ class ModelRunner:
         self._constrained.clear()
         self.tables.clear()
         self.pooler.clear()
+        self.threads.end_run()
 
     @property
     def num_states(self) -> int:
