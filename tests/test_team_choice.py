@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from actorllm import LLM, SamplingParams
 from actorllm.ops import team
 from actorllm.ops.team import TeamChooser, explore_interval, pick_team
@@ -160,13 +162,19 @@ def test_an_engine_costs_its_decode_steps_and_keeps_its_greedy_tokens(
     threads = llm.resources.runner.threads
     assert threads.chooser is not None
     chosen = llm.generate(prompts, params)
-    assert sum(threads.chooser.measured.values()) >= 8
-    threads.use_for(256, 256, 0.0)  # a chosen step open when the engine ends ...
-    llm.resources.runner.drop_all()  # (as the next engine's Worker does first)
-    measured = dict(threads.chooser.measured)
-    threads.use_for(256, 256, 0.5)
-    assert threads.chooser.measured == measured  # ... is not costed into the next run
+    chooser = threads.chooser
+    assert sum(chooser.measured.values()) >= 8
     threads.chooser = None  # the whole team for every such step, as before
     fixed = llm.generate(prompts, params)
     assert [r.outputs[0].token_ids for r in chosen] == [r.outputs[0].token_ids for r in fixed]
     assert all(len(r.outputs[0].token_ids) == 12 for r in chosen)
+    before = torch.get_num_threads()  # (use_for sizes the calling thread's team: this one)
+    try:
+        threads.chooser = chooser
+        threads.use_for(256, 256, 0.0)  # a chosen step open when the engine ends ...
+        llm.resources.runner.drop_all()  # (as the next engine's Worker does first)
+        measured = dict(chooser.measured)
+        threads.use_for(256, 256, 0.5)
+        assert chooser.measured == measured  # ... is not costed into the next run
+    finally:
+        torch.set_num_threads(before)
