@@ -57,9 +57,10 @@ PARTS = ("execute", "result hop", "commit", "to plan", "plan hop", "gap", "step"
 
 
 @contextlib.contextmanager
-def stamped(events: dict[str, dict[int, float]]) -> Iterator[None]:
+def stamped(events: dict[str, dict[int, float]], min_rows: int) -> Iterator[None]:
     """Record, by step id, when each step's execute starts and ends, when the Scheduler's
-    handle of its result starts and ends, and when its plan was made."""
+    handle of its result starts and ends, when its plan was made, and (``full``) whether
+    it is a decode step of at least ``min_rows`` rows."""
     execute, handle, schedule = ModelRunner.execute, Scheduler.handle, Scheduler.schedule
     now = time.perf_counter
 
@@ -81,8 +82,7 @@ def stamped(events: dict[str, dict[int, float]]) -> Iterator[None]:
         plan = schedule(self)
         if plan is not None:
             events["planned"][plan.step_id] = now()
-            if len(plan.rids) >= events["min_rows"][0] and \
-                    sum(plan.num_tokens) == len(plan.rids):
+            if len(plan.rids) >= min_rows and sum(plan.num_tokens) == len(plan.rids):
                 events["full"][plan.step_id] = 1.0
         return plan
 
@@ -142,8 +142,7 @@ def main() -> None:
             events: dict[str, dict[int, float]] = {
                 k: {} for k in ("exec_start", "exec_end", "handle_start", "handle_end",
                                 "planned", "full")}
-            events["min_rows"] = {0: args.min_rows}
-            with stamped(events):
+            with stamped(events, args.min_rows):
                 t0 = time.perf_counter()
                 llm.generate(prompts, params)
                 elapsed = time.perf_counter() - t0
