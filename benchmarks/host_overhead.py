@@ -44,7 +44,6 @@ import json
 import logging
 import math
 import os
-import random
 import shutil
 import signal
 import sys
@@ -127,11 +126,8 @@ def offline_child(spec: dict[str, Any]) -> None:
     from actorllm.engine.heap import frozen_heap
     from actorllm.llm import collect
 
-    rng = random.Random(spec["seed"])
-    special = 16  # clear of the special tokens at the bottom of the vocabulary
-    vocab = MODEL_SHAPE["vocab_size"]
-    prompts = [[rng.randrange(special, vocab) for _ in range(spec["input_len"])]
-               for _ in range(spec["num_prompts"])]
+    prompts = serving.random_id_prompts(spec["seed"], MODEL_SHAPE["vocab_size"],
+                                        spec["input_len"], spec["num_prompts"])
     llm = LLM(model=spec["model"], max_num_seqs=spec["max_num_seqs"],
               max_num_batched_tokens=spec["max_num_batched_tokens"], dtype=spec["dtype"])
     params = SamplingParams(max_tokens=spec["output_len"], ignore_eos=True,

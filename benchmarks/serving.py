@@ -133,6 +133,15 @@ class Scenario:
         return "inf" if math.isinf(self.rate) else f"{self.rate:g}"
 
 
+def random_id_prompts(seed: int, vocab: int, input_len: int, num_prompts: int
+                      ) -> list[list[int]]:
+    """The offline benchmarks' prompts: ``num_prompts`` lists of ``input_len`` token ids
+    drawn from ``random.Random(seed)``, clear of the special tokens at the bottom of the
+    vocabulary (the first 16 ids)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(16, vocab) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
 def serving_scenarios(args: argparse.Namespace) -> list[Scenario]:
     """The serving workloads: every endpoint at every rate, random prompts of fixed length."""
     scenarios = []
@@ -1077,11 +1086,8 @@ def offline_actorllm_child(spec: dict[str, Any]) -> None:
     from actorllm import LLM, SamplingParams
 
     config = json.loads((Path(spec["model"]) / "config.json").read_text())
-    vocab = int(config["vocab_size"])
-    rng = random.Random(spec["seed"])
-    special = 16  # keep clear of the special tokens at the bottom of the vocabulary
-    prompts = [[rng.randrange(special, vocab) for _ in range(spec["input_len"])]
-               for _ in range(spec["num_prompts"])]
+    prompts = random_id_prompts(spec["seed"], int(config["vocab_size"]), spec["input_len"],
+                                spec["num_prompts"])
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], max_num_seqs=spec["max_num_seqs"],
               max_num_batched_tokens=spec["max_num_batched_tokens"], dtype=spec["dtype"])

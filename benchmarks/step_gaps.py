@@ -32,7 +32,6 @@ import argparse
 import contextlib
 import json
 import platform
-import random
 import statistics
 import sys
 import tempfile
@@ -46,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import host_overhead  # the near-zero-compute model
+import serving  # the offline benchmarks' prompts and sampling
 
 from actorllm import LLM, SamplingParams
 from actorllm.scheduler.actor import Scheduler
@@ -57,10 +57,11 @@ PARTS = ("execute", "result hop", "commit", "to plan", "plan hop", "gap", "step"
 
 
 @contextlib.contextmanager
-def stamped(events: dict[str, dict[int, float]], min_rows: int) -> Iterator[None]:
+def stamped(events: dict[str, dict[int, float]], full: set[int], min_rows: int
+            ) -> Iterator[None]:
     """Record, by step id, when each step's execute starts and ends, when the Scheduler's
-    handle of its result starts and ends, when its plan was made, and (``full``) whether
-    it is a decode step of at least ``min_rows`` rows."""
+    handle of its result starts and ends and when its plan was made; ``full`` gets the
+    ids of the decode steps of at least ``min_rows`` rows."""
     execute, handle, schedule = ModelRunner.execute, Scheduler.handle, Scheduler.schedule
     now = time.perf_counter
 
@@ -83,7 +84,7 @@ def stamped(events: dict[str, dict[int, float]], min_rows: int) -> Iterator[None
         if plan is not None:
             events["planned"][plan.step_id] = now()
             if len(plan.rids) >= min_rows and sum(plan.num_tokens) == len(plan.rids):
-                events["full"][plan.step_id] = 1.0
+                full.add(plan.step_id)
         return plan
 
     ModelRunner.execute, Scheduler.handle, Scheduler.schedule = (
@@ -94,12 +95,12 @@ def stamped(events: dict[str, dict[int, float]], min_rows: int) -> Iterator[None
         ModelRunner.execute, Scheduler.handle, Scheduler.schedule = execute, handle, schedule
 
 
-def parts(events: dict[str, dict[int, float]]) -> dict[str, list[float]]:
+def parts(events: dict[str, dict[int, float]], full: set[int]) -> dict[str, list[float]]:
     """Each full step's parts (see the module docstring), in microseconds."""
     out: dict[str, list[float]] = {p: [] for p in PARTS}
     es, ee = events["exec_start"], events["exec_end"]
     hs, he, planned = events["handle_start"], events["handle_end"], events["planned"]
-    for k in sorted(events["full"]):
+    for k in sorted(full):
         nxt = k + 1
         if not all(k in d for d in (es, ee, hs, he)) or nxt not in es:
             continue
@@ -125,12 +126,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     model = host_overhead.build_model(Path(tempfile.mkdtemp()) / "model", args.seed)
-    rng = random.Random(args.seed)
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    prompts = [[rng.randrange(16, vocab) for _ in range(args.input_len)]
-               for _ in range(args.num_prompts)]
+    prompts = serving.random_id_prompts(args.seed, host_overhead.MODEL_SHAPE["vocab_size"],
+                                        args.input_len, args.num_prompts)
     llm = LLM(model=str(model), max_num_seqs=args.num_prompts, dtype="float32")
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=1.0)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True,
+                            **serving.OFFLINE_SAMPLING)  # type: ignore[arg-type]
     llm.generate(prompts[:8], params)  # warm-up: the op built, the threads made
     base = llm.config
     runs: dict[str, dict[str, Any]] = {m: {"tok_s": [], "parts": {p: [] for p in PARTS}}
@@ -141,13 +141,14 @@ def main() -> None:
             llm.config = attrs.evolve(base, async_scheduling=mode == "overlap on")
             events: dict[str, dict[int, float]] = {
                 k: {} for k in ("exec_start", "exec_end", "handle_start", "handle_end",
-                                "planned", "full")}
-            with stamped(events, args.min_rows):
+                                "planned")}
+            full: set[int] = set()
+            with stamped(events, full, args.min_rows):
                 t0 = time.perf_counter()
                 llm.generate(prompts, params)
                 elapsed = time.perf_counter() - t0
             runs[mode]["tok_s"].append(args.num_prompts * args.output_len / elapsed)
-            for name, xs in parts(events).items():
+            for name, xs in parts(events, full).items():
                 runs[mode]["parts"][name].extend(xs)
     table = {m: {p: (statistics.median(xs) if xs else None) for p, xs in run["parts"].items()}
              for m, run in runs.items()}
