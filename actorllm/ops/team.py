@@ -75,6 +75,10 @@ class _Costs:
         self.costs: dict[int, deque[float]] = {n: deque(maxlen=SAMPLES) for n in sizes}
         self.since_explore = 0
 
+    def medians(self) -> dict[int, float]:
+        """Each size's median cost per row (sizes with no cost yet are left out)."""
+        return {n: statistics.median(d) for n, d in self.costs.items() if d}
+
 
 class TeamChooser:
     """Chooses between team sizes ``sizes`` for a class of steps from their measured costs.
@@ -103,8 +107,7 @@ class TeamChooser:
         """Each size's median cost per row for steps of about ``rows`` rows (sizes with no
         cost there yet are left out)."""
         c = self.classes.get(row_class(rows))
-        return {} if c is None else {
-            n: statistics.median(d) for n, d in c.costs.items() if d}
+        return {} if c is None else c.medians()
 
     def choose(self, rows: int) -> int:
         """The size for the next step, of ``rows`` rows (the caller may run fewer threads
@@ -113,7 +116,7 @@ class TeamChooser:
         short = [n for n in self.sizes if len(c.costs[n]) < MIN_SAMPLES]
         if short:  # not enough measured: the least measured size next
             return min(short, key=lambda n: (len(c.costs[n]), n))
-        medians = self.medians(rows)
+        medians = c.medians()
         best = pick_team(medians)
         others = [n for n in self.sizes if n != best]
         if not others:
