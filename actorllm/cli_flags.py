@@ -44,7 +44,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan the next step while one runs, feeding each sampled token "
                         "forward in the Worker (default: on for CUDA; on the CPU, on for "
-                        "`serve` in the single topology, off otherwise)")
+                        "`serve` in the single and engine topologies, off otherwise; in "
+                        "engine on the CPU no step is planned ahead within 0.1 s of an "
+                        "arrival)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 3, "prompt_lookup_max": 4, '

@@ -154,16 +154,28 @@ def test_a_prompt_longer_than_the_context_is_said_plainly(tiny_llama_dir: Path) 
 @pytest.mark.parametrize(("command", "serving"), [("serve", True), ("run", False)])
 def test_only_serve_tells_the_engine_its_loop_serves_http(command: str, serving: bool) -> None:
     """`serve` tells the engine its loop serves HTTP: in `single` on the CPU the Worker
-    then leaves that loop a core (placement.worker_threads) and the Scheduler plans the
-    next step while one runs (config.overlap); `run` and `engine` plan ahead if asked."""
+    then leaves that loop a core (placement.worker_threads); under `serve` the Scheduler
+    of `single` and `engine` plans the next step while one runs (config.overlap), in
+    `engine` not within ARRIVAL_QUIET_S of an arrival; `run` and `pipeline` plan ahead
+    if asked, and CUDA always (with no spell: not measured there)."""
     from actorllm.cli import build_parser, engine_config
+    from actorllm.config import ARRIVAL_QUIET_S, EngineConfig
 
-    config = engine_config(build_parser().parse_args([command]))
+    def config_of(*args: str) -> EngineConfig:
+        return engine_config(build_parser().parse_args([command, *args]))
+
+    config = config_of()
     assert config.serving_http is serving
     assert config.overlap is serving
-    assert not engine_config(build_parser().parse_args(
-        [command, "--no-async-scheduling"])).overlap
-    assert not engine_config(build_parser().parse_args([command, "--topology", "engine"])).overlap
-    assert engine_config(build_parser().parse_args(
-        [command, "--topology", "engine", "--async-scheduling"])).overlap
-    assert engine_config(build_parser().parse_args([command, "--device", "cuda"])).overlap
+    assert config.arrival_quiet_s == 0.0  # `single`
+    assert not config_of("--no-async-scheduling").overlap
+    engine = config_of("--topology", "engine")
+    assert engine.overlap is serving
+    assert engine.arrival_quiet_s == (ARRIVAL_QUIET_S if serving else 0.0)
+    assert config_of("--topology", "engine", "--no-async-scheduling").arrival_quiet_s == 0.0
+    assert not config_of("--topology", "pipeline").overlap
+    assert config_of("--topology", "pipeline", "--async-scheduling").arrival_quiet_s \
+        == ARRIVAL_QUIET_S
+    assert config_of("--topology", "engine", "--async-scheduling").overlap
+    assert config_of("--device", "cuda").overlap
+    assert config_of("--device", "cuda", "--topology", "engine").arrival_quiet_s == 0.0

@@ -7,7 +7,9 @@ abort, a stop string; ``result`` records: what each step returned) and what it p
 back into a fresh :class:`actorllm.scheduler.actor.Scheduler`, in the order of the file (the
 order the real one handled them: it writes each record while it handles the message),
 and calling ``schedule()`` wherever a ``plan`` record stands, must reproduce every
-decision. No event loop is needed: ``handle`` and ``schedule`` are plain calls.
+decision. No event loop is needed: ``handle`` and ``schedule`` are plain calls. (When to
+plan, such as waiting out arrivals before planning ahead, ``Scheduler.quiet_s``, is the
+sending task's choice and the trace records its outcome: the plan records.)
 
 What the recording must hold: the pool size, block size and batch limits (a ``config``
 record of the Scheduler if it wrote one, else the header's config: ``num_kv_blocks_used``,

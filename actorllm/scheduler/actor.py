@@ -8,6 +8,9 @@ Worker, ``TokenBatch`` to the Detokenizer. Theory of operation:
   next step is planned while one runs, a token the running step samples going as
   ``FEED_LAST_SAMPLE`` for the Worker to feed forward. Planning ahead never preempts:
   where the plain path would, it plans nothing and the pipeline drains to one step.
+  Nor does it happen within ``quiet_s`` of a request's arrival: a request that arrives
+  while a step runs joins the next one only if that one is not planned yet, so while a
+  burst arrives each step is planned after the one before returns.
 - Handling a message is synchronous (``handle``); a separate task sends (no deadlock).
 - The step fence: a sequence that finishes while steps that use it are in flight keeps
   its blocks until every one of them is back.
@@ -21,12 +24,14 @@ Worker, ``TokenBatch`` to the Detokenizer. Theory of operation:
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from typing import Any
 
 import trio
 
+from actorllm import clock
 from actorllm.config import SpeculativeConfig
 from actorllm.lifecycle.table import Ledger, State
 from actorllm.lifecycle.trace import Tracer
@@ -77,9 +82,12 @@ class Scheduler:
         tracer: Tracer | None = None,
         pool: BlockPool | None = None,
         speculative: SpeculativeConfig | None = None,
+        quiet_s: float = 0.0,
     ) -> None:
         """``pool``: the KV block pool to own, of ``num_blocks`` x ``block_size`` (default:
-        a fresh one); ``speculative``: draft proposals (scheduler/speculation.py)."""
+        a fresh one); ``speculative``: draft proposals (scheduler/speculation.py);
+        ``quiet_s``: with two steps in flight, how long after a request arrives no step is
+        planned ahead (``actorllm.clock``'s seconds; 0: planned ahead at once)."""
         if max_steps_in_flight not in (1, 2):
             raise ValueError(f"max_steps_in_flight must be 1 or 2, got {max_steps_in_flight}")
         self.inbox, self.worker, self.detokenizer = inbox, worker, detokenizer
@@ -104,6 +112,7 @@ class Scheduler:
         self.next_incarnation = 0
         self.outgoing, self.lp_live = Outgoing(), 0  # lp_live: live rids asking prompt logprobs
         self._wake = trio.Event()
+        self.quiet_s, self.last_arrival = quiet_s, -math.inf
         # Counters (exported through SchedulerStats); ahead_tokens_dropped: rows planned
         # ahead for a sequence that ended meanwhile.
         self.late_results_dropped = self.late_stops_dropped = 0
@@ -113,7 +122,7 @@ class Scheduler:
             tracer.record("config", actor="scheduler", num_blocks=num_blocks,
                           block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
-                          max_steps_in_flight=max_steps_in_flight,
+                          max_steps_in_flight=max_steps_in_flight, quiet_s=quiet_s,
                           enable_prefix_caching=enable_prefix_caching,
                           scheduling_policy=scheduling_policy)
 
@@ -134,6 +143,8 @@ class Scheduler:
             # Plan first: the next step runs while the Detokenizer and Frontend work (the
             # checkpoint lets the Worker take the plan before they wake: Worker._feed).
             while len(self.in_flight) < self.max_steps_in_flight:
+                if self.in_flight and clock.now() - self.last_arrival < self.quiet_s:
+                    break  # requests are arriving: plan when the step in flight returns
                 t0 = time.perf_counter()  # the step's plan phase (SchedulerStats.plan_s)
                 plan = self.schedule()
                 self.totals.plan_s += time.perf_counter() - t0
@@ -202,6 +213,7 @@ class Scheduler:
             # The Frontend keeps rids unique while live; a duplicate here is a bug upstream.
             raise AssertionError(f"duplicate live rid {req.rid!r} reached the scheduler")
         self.ledger.fire(req.rid, "enqueue", prompt_tokens=len(req.prompt_token_ids))
+        self.last_arrival = clock.now()
         seq = Sequence(req.rid, list(req.prompt_token_ids), req.params, req.max_tokens,
                        frozenset(req.eos_token_ids), req.arrival_time,
                        view=self.ledger.view(req.rid), incarnation=self.next_incarnation)

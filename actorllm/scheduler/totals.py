@@ -12,9 +12,10 @@ from actorllm.wire.steps import StepResult
 
 # A Worker "waited" for a step's plan (SchedulerStats.worker_waited, which the write
 # pacing reads) when it sat idle for more than this share of the step's own time. Without
-# overlap scheduling (`engine` on the CPU) every plan is made after the last result, so a
-# short wait is the Scheduler's commit and plan, not a loop that starves the Worker;
-# holding writes could win back at most the wait, not worth a step of latency.
+# overlap scheduling (offline, or while requests arrive: Scheduler.quiet_s) every plan is
+# made after the last result, so a short wait is the Scheduler's commit and plan, not a
+# loop that starves the Worker; holding writes could win back at most the wait, not worth
+# a step of latency.
 WAITED_SHARE = 0.25
 
 

@@ -342,6 +342,7 @@ def build_actors(role: str, wiring: Wiring, config: EngineConfig, parts: Parts,
             enable_prefix_caching=config.enable_prefix_caching,
             scheduling_policy=config.scheduling_policy,
             speculative=config.speculative and config.speculative.for_device(config.device),
+            quiet_s=config.arrival_quiet_s,
         )
         actors["scheduler"].replica = replica or 0
     if place["worker"] == role:
