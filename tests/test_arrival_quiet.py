@@ -78,14 +78,16 @@ async def planned(worker: Mailbox[StepPlan]) -> list[StepPlan]:
 
 
 def test_no_step_is_planned_ahead_until_arrivals_have_paused() -> None:
+    """The spell runs from the latest arrival: a request that arrives while a step runs
+    joins the next step, and steps are planned ahead again once arrivals pause."""
     async def body(inbox: Mailbox[SchedulerInput], worker: Mailbox[StepPlan],
                    clock: trio.testing.MockClock) -> None:
         await inbox.send(request("a"))
         [step0] = await planned(worker)  # nothing in flight: planned at once
-        clock.jump(QUIET / 2)
+        clock.jump(0.6 * QUIET)
         await inbox.send(request("b"))  # a second arrival restarts the spell
         assert await planned(worker) == []  # step 0 runs: nothing is planned ahead of it
-        clock.jump(QUIET / 2)
+        clock.jump(0.6 * QUIET)  # past a's spell, within b's
         await inbox.send(answer(step0))
         [step1] = await planned(worker)  # b joins the step after the one that ran
         assert set(step1.rids) == {"a", "b"}
