@@ -13,10 +13,6 @@ from actorllm.draft_config import METHOD_KEYS, TEXT_KEYS, check_draft_model, dra
 
 TOPOLOGIES = ("single", "engine", "pipeline")
 CPU_DRAFT_TOKENS_PER_STEP = 8  # SpeculativeConfig.max_draft_tokens_per_step's CPU default
-# With overlap on the CPU and the Scheduler in a process of its own (`engine`, `pipeline`),
-# no step is planned ahead until no request has arrived for this long (Scheduler.quiet_s):
-# a burst's requests join the next step, not the one after it.
-ARRIVAL_QUIET_S = 0.1
 
 
 def default_model_dir() -> Path:
@@ -219,30 +215,16 @@ class EngineConfig:
 
     @property
     def overlap(self) -> bool:
-        """Whether the Scheduler keeps two steps in flight (``async_scheduling`` resolved):
-        by default on CUDA, and on the CPU under ``actorllm serve`` with one rank in
-        `single` and `engine` (`pipeline` was not measured); offline on the CPU only if
-        asked (docs/architecture.md, "Where overlap is on")."""
+        """Whether the Scheduler keeps two steps in flight (``async_scheduling`` resolved)."""
         if self.async_scheduling is None:
-            return self.device.startswith("cuda") or (
-                self.serving_http and self.tensor_parallel_size == 1
-                and self.topology in ("single", "engine"))
+            return self.device.startswith("cuda") or (self.serving_http and (
+                self.tensor_parallel_size == 1 and self.topology != "pipeline"))
         return self.async_scheduling
-
-    @property
-    def arrival_quiet_s(self) -> float:
-        """How long after a request arrives the Scheduler plans no step ahead
-        (``Scheduler.quiet_s``): ``ARRIVAL_QUIET_S`` with overlap on the CPU outside
-        `single`, else 0. In `single` it cost TPOT at 4 req/s and left TTFT level at
-        saturation; on a GPU it was not measured (docs/architecture.md)."""
-        return ARRIVAL_QUIET_S if self.overlap and self.device.startswith("cpu") \
-            and self.topology != "single" else 0.0
 
     @property
     def worker_beside_http(self) -> bool:
         """Whether the one-rank Worker shares its process with the event loop that serves
-        HTTP (`single` under `actorllm serve`): on the CPU it then leaves that loop a core
-        (placement.worker_threads), and overlap scheduling is on by default."""
+        HTTP (`single` under `serve`): on the CPU it leaves that loop a core (worker_threads)."""
         return self.serving_http and self.topology == "single" \
             and self.tensor_parallel_size == 1
 

@@ -159,7 +159,8 @@ def test_only_serve_tells_the_engine_its_loop_serves_http(command: str, serving:
     `engine` not within ARRIVAL_QUIET_S of an arrival; `run` and `pipeline` plan ahead
     if asked, and CUDA always (with no spell: not measured there)."""
     from actorllm.cli import build_parser, engine_config
-    from actorllm.config import ARRIVAL_QUIET_S, EngineConfig
+    from actorllm.config import EngineConfig
+    from actorllm.topology.placement import ARRIVAL_QUIET_S, arrival_quiet_s
 
     def config_of(*args: str) -> EngineConfig:
         return engine_config(build_parser().parse_args([command, *args]))
@@ -167,15 +168,15 @@ def test_only_serve_tells_the_engine_its_loop_serves_http(command: str, serving:
     config = config_of()
     assert config.serving_http is serving
     assert config.overlap is serving
-    assert config.arrival_quiet_s == 0.0  # `single`
+    assert arrival_quiet_s(config) == 0.0  # `single`
     assert not config_of("--no-async-scheduling").overlap
     engine = config_of("--topology", "engine")
     assert engine.overlap is serving
-    assert engine.arrival_quiet_s == (ARRIVAL_QUIET_S if serving else 0.0)
-    assert config_of("--topology", "engine", "--no-async-scheduling").arrival_quiet_s == 0.0
+    assert arrival_quiet_s(engine) == (ARRIVAL_QUIET_S if serving else 0.0)
+    assert arrival_quiet_s(config_of("--topology", "engine", "--no-async-scheduling")) == 0.0
     assert not config_of("--topology", "pipeline").overlap
-    assert config_of("--topology", "pipeline", "--async-scheduling").arrival_quiet_s \
+    assert arrival_quiet_s(config_of("--topology", "pipeline", "--async-scheduling")) \
         == ARRIVAL_QUIET_S
     assert config_of("--topology", "engine", "--async-scheduling").overlap
     assert config_of("--device", "cuda").overlap
-    assert config_of("--device", "cuda", "--topology", "engine").arrival_quiet_s == 0.0
+    assert arrival_quiet_s(config_of("--device", "cuda", "--topology", "engine")) == 0.0

@@ -8,9 +8,8 @@ Worker, ``TokenBatch`` to the Detokenizer. Theory of operation:
   next step is planned while one runs, a token the running step samples going as
   ``FEED_LAST_SAMPLE`` for the Worker to feed forward. Planning ahead never preempts:
   where the plain path would, it plans nothing and the pipeline drains to one step.
-  Nor does it happen within ``quiet_s`` of a request's arrival: a request that arrives
-  while a step runs joins the next one only if that one is not planned yet, so while a
-  burst arrives each step is planned after the one before returns.
+  Nor within ``quiet_s`` of a request's arrival: while a burst arrives, each step is
+  planned when the one before returns, so an arrival joins the next step.
 - Handling a message is synchronous (``handle``); a separate task sends (no deadlock).
 - The step fence: a sequence that finishes while steps that use it are in flight keeps
   its blocks until every one of them is back.
@@ -24,7 +23,6 @@ Worker, ``TokenBatch`` to the Detokenizer. Theory of operation:
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from typing import Any
@@ -39,7 +37,7 @@ from actorllm.scheduler.batch import Batch
 from actorllm.scheduler.columns import PlanColumns
 from actorllm.scheduler.kv_pool import BlockPool
 from actorllm.scheduler.outgoing import Outgoing
-from actorllm.scheduler.policy import POLICIES, WaitingQueue
+from actorllm.scheduler.policy import POLICIES
 from actorllm.scheduler.sequence import Sequence, take_prompt_pieces
 from actorllm.scheduler.speculation import Speculation, count_error, drafts_of, row_tokens
 from actorllm.scheduler.totals import StepTotals
@@ -86,8 +84,7 @@ class Scheduler:
     ) -> None:
         """``pool``: the KV block pool to own, of ``num_blocks`` x ``block_size`` (default:
         a fresh one); ``speculative``: draft proposals (scheduler/speculation.py);
-        ``quiet_s``: with two steps in flight, how long after a request arrives no step is
-        planned ahead (``actorllm.clock``'s seconds; 0: planned ahead at once)."""
+        ``quiet_s``: how long after an arrival no step is planned ahead (actorllm.clock)."""
         if max_steps_in_flight not in (1, 2):
             raise ValueError(f"max_steps_in_flight must be 1 or 2, got {max_steps_in_flight}")
         self.inbox, self.worker, self.detokenizer = inbox, worker, detokenizer
@@ -112,7 +109,7 @@ class Scheduler:
         self.next_incarnation = 0
         self.outgoing, self.lp_live = Outgoing(), 0  # lp_live: live rids asking prompt logprobs
         self._wake = trio.Event()
-        self.quiet_s, self.last_arrival = quiet_s, -math.inf
+        self.quiet_s, self.last_arrival = quiet_s, float("-inf")
         # Counters (exported through SchedulerStats); ahead_tokens_dropped: rows planned
         # ahead for a sequence that ended meanwhile.
         self.late_results_dropped = self.late_stops_dropped = 0
@@ -164,26 +161,11 @@ class Scheduler:
         return self.outgoing.take(self.stats)  # decided since the last call, if anything
 
     # The batch's, for stats and tests (worker_drops: rids the next StepPlan drops).
-    @property
-    def pool(self) -> BlockPool:
-        return self.batch.pool
-
-    @property
-    def waiting(self) -> WaitingQueue:
-        return self.batch.waiting
-
-    @property
-    def running(self) -> list[Sequence]:
-        return self.batch.running
-
-    @property
-    def paused(self) -> dict[str, Sequence]:
-        return self.batch.flow.paused
-
-    @property
-    def worker_drops(self) -> list[str]:
-        return self.batch.worker_drops
-
+    pool = property(lambda self: self.batch.pool)
+    waiting = property(lambda self: self.batch.waiting)
+    running = property(lambda self: self.batch.running)
+    paused = property(lambda self: self.batch.flow.paused)
+    worker_drops = property(lambda self: self.batch.worker_drops)
     num_preemptions = property(lambda self: self.batch.num_preemptions)
 
     def handle(self, msg: Any) -> None:

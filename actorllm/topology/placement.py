@@ -246,6 +246,18 @@ def build_runner(config: EngineConfig, info: ModelInfo) -> Any:
     return runner
 
 
+# With overlap on the CPU, a Scheduler in a process of its own plans no step ahead within
+# this long of an arrival (Scheduler.quiet_s; docs/architecture.md). Not in `single`,
+# where it cost TPOT and bought nothing, nor on CUDA (not measured).
+ARRIVAL_QUIET_S = 0.1
+
+
+def arrival_quiet_s(config: EngineConfig) -> float:
+    """``Scheduler.quiet_s`` for ``config``: ARRIVAL_QUIET_S or 0."""
+    own = PLACEMENTS[config.topology]["scheduler"] != MAIN
+    return ARRIVAL_QUIET_S if own and config.overlap and config.device.startswith("cpu") else 0.0
+
+
 def worker_threads(config: EngineConfig) -> int | None:
     """Torch threads for the Worker's process (for each rank with tensor parallelism):
     ``--cpu-threads`` when given; else, on the CPU, one per core it may run on less one,
@@ -340,9 +352,8 @@ def build_actors(role: str, wiring: Wiring, config: EngineConfig, parts: Parts,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_steps_in_flight=2 if config.overlap else 1, tracer=tracer,
             enable_prefix_caching=config.enable_prefix_caching,
-            scheduling_policy=config.scheduling_policy,
+            scheduling_policy=config.scheduling_policy, quiet_s=arrival_quiet_s(config),
             speculative=config.speculative and config.speculative.for_device(config.device),
-            quiet_s=config.arrival_quiet_s,
         )
         actors["scheduler"].replica = replica or 0
     if place["worker"] == role:
