@@ -12,29 +12,14 @@ from collections.abc import Awaitable, Callable
 
 import trio
 import trio.testing
+from test_scheduler import answer, request
 
 from actorllm.scheduler.actor import Scheduler
 from actorllm.wire.mailbox import Mailbox
-from actorllm.wire.messages import (
-    FEED_LAST_SAMPLE,
-    SampledToken,
-    SamplingParams,
-    SchedulerInput,
-    SequenceRequest,
-    StepPlan,
-    StepResult,
-    TokenBatch,
-)
+from actorllm.wire.messages import FEED_LAST_SAMPLE, SchedulerInput, StepPlan, TokenBatch
 
 QUIET = 0.1
-
-
-def request(rid: str) -> SequenceRequest:
-    return SequenceRequest(rid, (10, 11, 12, 13), SamplingParams(max_tokens=50), 50, (1,))
-
-
-def answer(plan: StepPlan) -> StepResult:
-    return StepResult.of_tokens(plan, (SampledToken(s.rid, 7) for s in plan.seqs if s.sample))
+PROMPT, MAX_TOKENS = 4, 50  # a prefill step, then decode steps enough for the test
 
 
 Body = Callable[[Mailbox[SchedulerInput], Mailbox[StepPlan], trio.testing.MockClock],
@@ -82,10 +67,10 @@ def test_no_step_is_planned_ahead_until_arrivals_have_paused() -> None:
     joins the next step, and steps are planned ahead again once arrivals pause."""
     async def body(inbox: Mailbox[SchedulerInput], worker: Mailbox[StepPlan],
                    clock: trio.testing.MockClock) -> None:
-        await inbox.send(request("a"))
+        await inbox.send(request("a", PROMPT, MAX_TOKENS))
         [step0] = await planned(worker)  # nothing in flight: planned at once
         clock.jump(0.6 * QUIET)
-        await inbox.send(request("b"))  # a second arrival restarts the spell
+        await inbox.send(request("b", PROMPT, MAX_TOKENS))  # a second arrival restarts the spell
         assert await planned(worker) == []  # step 0 runs: nothing is planned ahead of it
         clock.jump(0.6 * QUIET)  # past a's spell, within b's
         await inbox.send(answer(step0))
@@ -106,7 +91,7 @@ def test_with_no_spell_a_step_is_planned_ahead_at_once() -> None:
     is planned while the prefill runs."""
     async def body(inbox: Mailbox[SchedulerInput], worker: Mailbox[StepPlan],
                    clock: trio.testing.MockClock) -> None:
-        await inbox.send(request("a"))
+        await inbox.send(request("a", PROMPT, MAX_TOKENS))
         step0, step1 = await planned(worker)
         assert step0.rids == step1.rids == ("a",)
         assert step1.token_ids == (FEED_LAST_SAMPLE,)
