@@ -145,8 +145,11 @@ def main() -> None:
             full: set[int] = set()
             with stamped(events, full, args.min_rows):
                 t0 = time.perf_counter()
-                llm.generate(prompts, params)
+                results = llm.generate(prompts, params)
                 elapsed = time.perf_counter() - t0
+            failed = [r.error for r in results if r.error]
+            if failed:  # (e.g. prompt + output past the model's context): no speed to report
+                raise SystemExit(f"step_gaps: {len(failed)} requests failed: {failed[0]}")
             runs[mode]["tok_s"].append(args.num_prompts * args.output_len / elapsed)
             for name, xs in parts(events, full).items():
                 runs[mode]["parts"][name].extend(xs)
