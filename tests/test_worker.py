@@ -417,6 +417,36 @@ def test_the_step_thread_starts_a_queued_plan_without_the_event_loop():
     assert trio.run(main) == [1, 2]
 
 
+def test_results_reach_a_full_scheduler_inbox_in_step_order():
+    """The Worker's forwarding task waits while the Scheduler's inbox is full: with an
+    inbox of one and a reader that takes the results late and one at a time, every
+    result arrives once, in step order, also when steps end between two reads."""
+    runner = _GatedRunner()
+
+    async def main() -> list[int]:
+        plans: Mailbox[StepPlan] = Mailbox("worker", StepPlan, capacity=8)
+        results: Mailbox[StepResult] = Mailbox("scheduler", StepResult, capacity=1)
+        got: list[int] = []
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(Worker(runner, plans, results).run)  # type: ignore[arg-type]
+                for i in range(1, 7):
+                    await plans.send(StepPlan(i))
+                for i in (1, 2, 3):  # three results: one in the inbox, two queued
+                    runner.gates.setdefault(i, threading.Event()).set()
+                while runner.started[-1:] != [4]:
+                    await trio.sleep(0.001)
+                for i in (4, 5, 6):  # each later step ends just after a read
+                    got.append((await results.receive()).step_id)
+                    runner.gates.setdefault(i, threading.Event()).set()
+                while len(got) < 6:
+                    got.append((await results.receive()).step_id)
+                plans.close()
+        return got
+
+    assert trio.run(main) == [1, 2, 3, 4, 5, 6]
+
+
 def test_cancelling_the_worker_drops_plans_the_thread_has_not_started():
     runner = _GatedRunner()
 
