@@ -7,12 +7,15 @@ plan gives on the same plan.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from actorllm.model import ForwardBatch
 from actorllm.wire.messages import FEED_LAST_SAMPLE
 from actorllm.wire.steps import StepPlan
 from actorllm.worker import packing
@@ -34,7 +37,7 @@ def decode_steps(draw: st.DrawFn) -> tuple[BlockTables, StepPlan, np.ndarray]:
     tables = BlockTables(BLOCKS, BLOCK, MAX_LEN)
     n = draw(st.integers(1, 12))
     rids = [f"r{i}" for i in range(n)]
-    starts, held = [], []
+    starts = []
     for rid in rids:
         start = draw(st.integers(0, MAX_LEN + 1))
         need = start // BLOCK + 1
@@ -45,7 +48,6 @@ def decode_steps(draw: st.DrawFn) -> tuple[BlockTables, StepPlan, np.ndarray]:
                               start_pos=(0,), sample=(True,), num_new_blocks=(has,),
                               new_blocks=tuple(blocks)))
         starts.append(start)
-        held.append(has)
     order = draw(st.permutations(range(n)))
     ids = [draw(st.sampled_from([FEED_LAST_SAMPLE, 7, 11])) for _ in range(n)]
     plan = StepPlan(step_id=1, rids=tuple(rids[i] for i in order), num_tokens=(1,) * n,
@@ -54,7 +56,7 @@ def decode_steps(draw: st.DrawFn) -> tuple[BlockTables, StepPlan, np.ndarray]:
     return tables, plan, tables.apply(plan)
 
 
-def _packed(fn, *args) -> object:  # type: ignore[no-untyped-def]
+def _packed(fn: Callable[..., ForwardBatch], *args: object) -> object:
     """The batch as plain lists, or the error's message."""
     try:
         batch = fn(*args)
@@ -75,7 +77,8 @@ def test_a_decode_step_packs_as_any_plan_does(case: tuple[BlockTables, StepPlan,
     assert fast == general
 
 
-def test_pack_plan_takes_the_decode_path_only_for_decode_steps(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_pack_plan_takes_the_decode_path_only_for_decode_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Every row one token that samples: the decode path; a row that does not sample,
     or two tokens in a row, the general one."""
     tables = BlockTables(BLOCKS, BLOCK, MAX_LEN)
