@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sim.profiles import examples
 
 from actorllm.model import ForwardBatch
 from actorllm.wire.messages import FEED_LAST_SAMPLE
@@ -67,7 +68,7 @@ def _packed(fn: Callable[..., ForwardBatch], *args: object) -> object:
         "dtypes": [v.dtype for v in vars(batch).values() if isinstance(v, torch.Tensor)]}
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(decode_steps())
 def test_a_decode_step_packs_as_any_plan_does(case: tuple[BlockTables, StepPlan, np.ndarray]
                                               ) -> None:
