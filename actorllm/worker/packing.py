@@ -185,8 +185,7 @@ def _pack_any(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_l
 
     def dev(a: np.ndarray, dtype: type = np.int64) -> torch.Tensor:
         # Cast by numpy: on the CPU no torch call at all (each is a GIL hand-off).
-        t = torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
-        return t if device.type == "cpu" else t.to(device=device, non_blocking=True)
+        return _tensor(np.ascontiguousarray(a, dtype=dtype), device)
 
     return ForwardBatch(
         input_ids=dev(ids), positions=dev(positions), slot_mapping=dev(slots),
@@ -221,8 +220,7 @@ def _pack_lone_row(plan: StepPlan, tables: BlockTables, row: int, max_model_len:
     ordinal = np.arange(n + 1, dtype=np.int64)
 
     def dev(a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(a)
-        return t if device.type == "cpu" else t.to(device=device, non_blocking=True)
+        return _tensor(a, device)
 
     return ForwardBatch(
         input_ids=dev(np.asarray(plan.token_ids, dtype=np.int64)), positions=dev(positions),
@@ -262,8 +260,7 @@ def _pack_decode(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_mode
     ordinal = np.arange(len(start) + 1, dtype=np.int64)
 
     def dev(a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(a)
-        return t if device.type == "cpu" else t.to(device=device, non_blocking=True)
+        return _tensor(a, device)
 
     return ForwardBatch(
         input_ids=dev(ids), positions=dev(start), slot_mapping=dev(slots),
@@ -271,6 +268,12 @@ def _pack_decode(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_mode
         seq_lens=dev(seq_lens.astype(np.int32)), cu_seqlens_q=dev(ordinal.astype(np.int32)),
         sample_indices=dev(ordinal[:-1]), max_seqlen_q=1, max_seqlen_k=top,
         slots_valid=True)
+
+
+def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``a`` as a tensor on ``device``: the same memory on the CPU, else an async copy."""
+    t = torch.from_numpy(a)
+    return t if device.type == "cpu" else t.to(device=device, non_blocking=True)
 
 
 def _too_long(rid: str, tokens: int, max_model_len: int) -> ValueError:
