@@ -7,6 +7,7 @@ import random
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -531,6 +532,48 @@ def test_a_plan_for_an_idle_thread_is_handed_over_before_the_loop_goes_on(monkey
                 assert not worker._thread_idle  # the thread has the plan already
                 runner.gates.setdefault(1, threading.Event()).set()
                 assert (await results.receive()).step_id == 1
+                plans.close()
+
+    trio.run(main)
+
+
+def test_a_thread_that_has_handed_its_result_over_counts_as_waiting(monkeypatch):
+    """The wake-up that hands a result to the loop gives the loop the GIL, which it keeps
+    while it commits and plans: the thread stands still between its ``run_sync_soon`` and
+    its plan queue. The feed must hand the next plan over to it all the same, or the loop
+    runs the Detokenizer and Frontend first and the step starts after them (issue 28:
+    ~80 us a step at concurrency 1). Here the thread is held up right after handing
+    step 1's result over, and step 2's plan must be taken before the loop goes on."""
+    import actorllm.worker.actor as worker_actor
+
+    monkeypatch.setattr(worker_actor, "HANDOFF_S", 30.0)
+    runner = _GatedRunner()
+    runner.gates[1] = threading.Event()
+    runner.gates[1].set()
+    runner.gates[2] = threading.Event()
+    handed = trio.lowlevel.TrioToken.run_sync_soon
+
+    def slow_after_handing(self: Any, *args: Any, **kwargs: Any) -> None:
+        handed(self, *args, **kwargs)
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.3)  # (GIL released: a stand-in for the thread starved of it)
+
+    monkeypatch.setattr(trio.lowlevel.TrioToken, "run_sync_soon", slow_after_handing)
+
+    async def main() -> None:
+        plans: Mailbox[StepPlan] = Mailbox("worker", StepPlan, capacity=4)
+        results: Mailbox[StepResult] = Mailbox("scheduler", StepResult, capacity=4)
+        worker = Worker(runner, plans, results)  # type: ignore[arg-type]
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(worker.run)
+                await plans.send(StepPlan(1))
+                assert (await results.receive()).step_id == 1  # the thread is held up now
+                await plans.send(StepPlan(2))
+                await trio.testing.wait_all_tasks_blocked()
+                assert runner.started == [1, 2]  # taken before the loop went on
+                runner.gates[2].set()
+                assert (await results.receive()).step_id == 2
                 plans.close()
 
     trio.run(main)

@@ -109,16 +109,18 @@ class Worker:
         ranks = self.runner.ranks
 
         def next_plan() -> tuple[StepPlan | None, float]:
+            waited = 0.0
             try:
-                return plans.get_nowait(), 0.0
+                plan = plans.get_nowait()
             except queue.Empty:
                 t0 = time.perf_counter()
                 self._thread_idle = True
-                try:
-                    return plans.get(), time.perf_counter() - t0
-                finally:
-                    self._thread_idle = False
-                    self._plan_taken.set()
+                plan = plans.get()
+                waited = time.perf_counter() - t0
+            if self._thread_idle:
+                self._thread_idle = False
+                self._plan_taken.set()
+            return plan, waited
 
         def loop() -> None:
             if self.warmup is not None:
@@ -130,6 +132,12 @@ class Worker:
                 result = self.runner.execute(plan)
                 if waited:  # said in the result, not shared: the pacing hears it by message
                     result = attrs.evolve(result, plan_wait_s=waited)
+                # Counted as waiting from here on: the result's wake-up gives the loop the
+                # GIL, and the loop keeps it while it commits and plans, so this thread
+                # gets no further than run_sync_soon before the next plan exists. A feed
+                # that did not count it as waiting went on to the Detokenizer and
+                # Frontend while the thread stood there (see _feed).
+                self._thread_idle = True
                 token.run_sync_soon(done.send_nowait, result)
                 if ranks is not None and ranks.broken is not None:
                     return  # the ranks are out of step: no further step may run
