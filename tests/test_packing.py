@@ -109,3 +109,52 @@ def test_a_decode_step_past_its_table_is_refused_with_its_rid() -> None:
                     new_blocks=(1, 2))
     with pytest.raises(ValueError, match="'b': 5 tokens need 2 blocks, block table has 1"):
         packing.pack_plan(plan, tables, tables.apply(plan), MAX_LEN, CPU, _fed)
+
+
+@st.composite
+def growing_plans(draw: st.DrawFn) -> tuple[list[StepPlan], StepPlan]:
+    """Plans that give some rids tables, then one more that grows some of them (some past
+    their width, some block ids out of range, when drawn so), and new rids among them."""
+    n = draw(st.integers(1, 10))
+    rids = [f"r{i}" for i in range(n)]
+    first = []
+    for rid in rids[: draw(st.integers(0, n))]:
+        has = draw(st.integers(0, BlockTables(BLOCKS, BLOCK, MAX_LEN).width))
+        first.append(StepPlan(step_id=0, rids=(rid,), num_tokens=(1,), token_ids=(1,),
+                              start_pos=(0,), sample=(True,), num_new_blocks=(has,),
+                              new_blocks=tuple(draw(st.lists(st.integers(0, BLOCKS - 1),
+                                                             min_size=has, max_size=has)))))
+    order = draw(st.permutations(rids))
+    counts = [draw(st.sampled_from([0, 0, 1, 2, 5])) for _ in order]
+    top = BLOCKS if draw(st.booleans()) else BLOCKS - 1
+    blocks = draw(st.lists(st.integers(0, top), min_size=sum(counts), max_size=sum(counts)))
+    grow = StepPlan(step_id=1, rids=tuple(order), num_tokens=(1,) * n, token_ids=(1,) * n,
+                    start_pos=(0,) * n, sample=(True,) * n, num_new_blocks=tuple(counts),
+                    new_blocks=tuple(blocks))
+    return first, grow
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(growing_plans())
+def test_few_new_blocks_are_appended_as_many_are(
+        case: tuple[list[StepPlan], StepPlan]) -> None:
+    """``BlockTables.apply`` appends a decode step's few new blocks row by row and many in
+    whole-batch numpy calls: both leave the same tables and slots, or refuse the plan with
+    the same message and change nothing."""
+    first, grow = case
+    outcomes = []
+    for few in (0, 10**6):  # every plan by numpy; every plan row by row
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(packing, "FEW_NEW_BLOCKS", few)
+            tables = BlockTables(BLOCKS, BLOCK, MAX_LEN)
+            for plan in first:
+                tables.apply(plan)
+            before = tables.tables.copy(), tables.lens.copy()
+            try:
+                got: object = tables.apply(grow).tolist()
+            except ValueError as exc:
+                got = str(exc)
+                assert (tables.tables == before[0]).all() and (tables.lens == before[1]).all()
+            outcomes.append((got, tables.tables.tolist(), tables.lens.tolist(),
+                             dict(tables.slot_of)))
+    assert outcomes[0] == outcomes[1]

@@ -277,6 +277,10 @@ class Scheduler:
                                tokens=[[rid, *t] for rid, t in zip(
                                    plan.sampled_rids(), row_tokens(result), strict=False)],
                                error=error, forward_s=result.forward_s)
+        if error is None and not self.fenced and self.tracer is None \
+                and _plain_decode(plan, result, self.lp_live):
+            self._commit_decode(plan, result.token_ids)
+            return
         seqs = [self.seqs.get(rid) for rid in plan.rids]
         ok, running, computed = error is None, State.RUNNING, self.batch.computed
         for seq, n, sampled, drafts in zip(seqs, plan.num_tokens, plan.sample,
@@ -294,6 +298,37 @@ class Scheduler:
                     self._finish(seq, "fail", "error", error=error)
             return
         self._commit(plan, seqs, result)
+
+    def _commit_decode(self, plan: StepPlan, tokens: tuple[int, ...]) -> None:
+        """:meth:`on_result` and :meth:`_commit` of a plain decode step (``_plain_decode``)
+        in one pass over its rows: the same changes, each row's in the same order, but one
+        loop and no call per row but the token's own. Why: at 256 rows the two passes
+        were ~0.3 ms of the loop's turn between two steps (issue 28). Only with nothing
+        fenced: then no row's sequence has finished (a finished one in flight is fenced),
+        and there is no fence to pass before the rows."""
+        seqs, running, out = self.seqs, State.RUNNING, self.outgoing
+        computed = self.batch.computed
+        bs = self.pool.block_size
+        for rid, token, fed in zip(plan.rids, tokens, plan.token_ids, strict=True):
+            seq = seqs.get(rid)
+            if seq is not None:
+                seq.in_flight -= 1
+                seq.samples_in_flight -= 1
+            if seq is None or seq.view.local is not running:  # (not while nothing is fenced:
+                # kept as _commit's rule, should that change)
+                if fed == FEED_LAST_SAMPLE:
+                    self.ahead_tokens_dropped += 1  # planned ahead past its end
+                else:
+                    self.late_results_dropped += 1  # finished (abort, stop) while it ran
+                continue
+            if (seq.num_computed + 1) // bs > seq.num_registered:  # (1 step in bs)
+                computed(seq, 1)
+            else:
+                seq.num_computed += 1
+            reason, stop_reason = seq.finish_after(token)
+            out.token(seq, token)
+            if reason is not None:
+                self._finish(seq, "finish", reason, stop_reason)
 
     def _pass_fence(self) -> bool:
         """Invariant 3: finished sequences that no step in flight names any more give
@@ -392,3 +427,13 @@ class Scheduler:
             (self.in_flight, f"steps {[p.step_id for p in self.in_flight]} still in flight"),
             (len(self.ledger), f"scheduler ledger holds {sorted(self.ledger.views)}"),
         ) if held]
+
+
+def _plain_decode(plan: StepPlan, result: StepResult, lp_live: int) -> bool:
+    """Whether ``result`` answers a plain decode step: every row one token that samples
+    (so no drafts), and nothing rare in the result (logprobs, refusals, prompt
+    logprobs, pooled states) or owed by a live sequence (prompt logprobs)."""
+    n = len(plan.rids)
+    return (len(plan.token_ids) == n == len(result.token_ids) and not lp_live
+            and not (result.num_sampled or result.logprob_rows or result.refused_rows
+                     or result.prompt_logprobs or result.pooled))

@@ -31,6 +31,10 @@ _FIRST_SLOTS = 64  # the array doubles when more rids are held at once
 ONE_OP_MAX_CHUNK = 2048
 
 
+#: At most this many new block ids in a plan are appended row by row (BlockTables.apply).
+FEW_NEW_BLOCKS = 32
+
+
 class BlockTables:
     """Every held rid's block table, in slot rows of one int32 array."""
 
@@ -90,9 +94,13 @@ class BlockTables:
         rows = np.asarray(slots, dtype=np.int64)
         if not plan.new_blocks:
             return rows
-        blocks = np.asarray(plan.new_blocks, dtype=np.int64)
-        if blocks.min() < 0 or blocks.max() >= self.num_blocks:
+        new = plan.new_blocks
+        if min(new) < 0 or max(new) >= self.num_blocks:
             raise ValueError(f"block table entry out of range [0, {self.num_blocks})")
+        if len(new) <= FEW_NEW_BLOCKS:
+            self._append_few(plan, slots)
+            return rows
+        blocks = np.asarray(new, dtype=np.int64)
         counts = np.asarray(plan.num_new_blocks, dtype=np.int64)
         grown = self.lens[rows] + counts
         if grown.max() > self.width:
@@ -108,6 +116,23 @@ class BlockTables:
         self.tables[row_of, cols] = blocks
         self.lens[rows[has]] = grown[has]
         return rows
+
+    def _append_few(self, plan: StepPlan, slots: list[int]) -> None:
+        """:meth:`apply`'s appending where few rows grow (a decode step: the rows that
+        crossed into a block), row by row rather than in a dozen whole-batch numpy calls."""
+        counts, new, lens = plan.num_new_blocks, plan.new_blocks, self.lens
+        grow = [(i, c, int(lens[slots[i]])) for i, c in enumerate(counts) if c]
+        top = max(held + c for _, c, held in grow)
+        if top > self.width:  # the longest, first of equals (as the numpy path's argmax)
+            i = next(i for i, c, held in grow if held + c == top)
+            raise ValueError(f"rid {plan.rids[i]!r}: a block table of {top} entries, "
+                             f"past {self.width}")
+        at, tables = 0, self.tables
+        for i, c, held in grow:
+            slot = slots[i]
+            tables[slot, held:held + c] = new[at:at + c]
+            lens[slot] = held + c
+            at += c
 
 
 def pack_plan(plan: StepPlan, tables: BlockTables, rows: np.ndarray, max_model_len: int,
