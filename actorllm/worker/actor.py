@@ -41,9 +41,10 @@ class Worker:
         self.warmup = warmup
         self.inbox = inbox
         self.results = results
-        # True while the step thread waits for a plan. The Worker's own: written by its
-        # thread, read by its feed task for the hand-over (_feed); a bool, so no lock.
-        # Other actors hear of the wait by message (StepResult.plan_wait_s).
+        # True while the step thread waits for a plan, from when it hands its result to
+        # the loop (see _steps). The Worker's own: written by its thread, read by its feed
+        # task for the hand-over (_feed); a bool, so no lock. Other actors hear of the
+        # wait by message (StepResult.plan_wait_s).
         self._thread_idle = False
         # Set by the step thread when it takes a plan (see _feed).
         self._plan_taken = threading.Event()
