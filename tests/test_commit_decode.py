@@ -1,11 +1,11 @@
 """A plain decode step's result is committed by a path of its own (issue 28).
 
-``Scheduler._commit_decode`` does in one pass what ``on_result`` and ``_commit`` do for
-any step. The Scheduler is driven by hand through decode steps (with a step planned
-ahead, aborts while steps run, sequences ending on EOS, on a stop token and on
-``max_tokens``), once as it runs and once with the plain path turned off, and the two
-must agree on everything they say and keep: every ``TokenBatch``, every sequence's
-counters, the fence, the pool and the counts of dropped rows.
+``Scheduler._commit_decode`` (scheduler/commit.py) does in one pass what ``on_result``
+and ``_commit`` do for any step. The Scheduler is driven by hand through decode steps
+(with a step planned ahead, aborts while steps run, sequences ending on EOS, on a stop
+token and on ``max_tokens``), once as it runs and once with the plain path turned off,
+and the two must agree on everything they say and keep: every ``TokenBatch``, every
+sequence's counters, the fence, the pool and the counts of dropped rows.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sim.profiles import examples
 
-import actorllm.scheduler.actor as scheduler_actor
+import actorllm.scheduler.commit as commit
 from actorllm.scheduler.actor import Scheduler
 from actorllm.wire.mailbox import Mailbox
 from actorllm.wire.messages import (
@@ -97,7 +97,7 @@ def _drive(case: dict[str, Any]) -> tuple[list[Any], list[int]]:
 @given(runs())
 def test_a_plain_decode_step_commits_as_any_step_does(case: dict[str, Any]) -> None:
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(scheduler_actor, "_plain_decode", lambda *a: False)
+        mp.setattr(commit, "plain_decode", lambda *a: False)
         general, none = _drive(case)
     assert not none
     plain, _ = _drive(case)
