@@ -66,8 +66,7 @@ class ResultCommit:
                                tokens=[[rid, *t] for rid, t in zip(
                                    plan.sampled_rids(), row_tokens(result), strict=False)],
                                error=error, forward_s=result.forward_s)
-        if error is None and not self.fenced and self.tracer is None \
-                and plain_decode(plan, result, self.lp_live):
+        if error is None and not self.fenced and plain_decode(plan, result, self.lp_live):
             self._commit_decode(plan, result.token_ids)
             return
         seqs = [self.seqs.get(rid) for rid in plan.rids]
