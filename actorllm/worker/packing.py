@@ -105,8 +105,7 @@ class BlockTables:
         grown = self.lens[rows] + counts
         if grown.max() > self.width:
             i = int(np.argmax(grown))
-            raise ValueError(f"rid {plan.rids[i]!r}: a block table of {int(grown[i])} "
-                             f"entries, past {self.width}")
+            raise _table_full(plan.rids[i], int(grown[i]), self.width)
         # Every new id's (slot, column): rows repeated by their counts, columns counting on
         # from each table's end.
         has = np.flatnonzero(counts)
@@ -125,8 +124,7 @@ class BlockTables:
         top = max(held + c for _, c, held in grow)
         if top > self.width:  # the longest, first of equals (as the numpy path's argmax)
             i = next(i for i, c, held in grow if held + c == top)
-            raise ValueError(f"rid {plan.rids[i]!r}: a block table of {top} entries, "
-                             f"past {self.width}")
+            raise _table_full(plan.rids[i], top, self.width)
         at, tables = 0, self.tables
         for i, c, held in grow:
             slot = slots[i]
@@ -304,6 +302,11 @@ def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
 def _too_long(rid: str, tokens: int, max_model_len: int) -> ValueError:
     """The error of a row whose ``tokens`` would pass ``max_model_len``."""
     return ValueError(f"rid {rid!r}: {tokens} tokens exceed max_model_len {max_model_len}")
+
+
+def _table_full(rid: str, entries: int, width: int) -> ValueError:
+    """The error of a plan that would grow a row's block table past its ``width``."""
+    return ValueError(f"rid {rid!r}: a block table of {entries} entries, past {width}")
 
 
 def _table_short(rid: str, tokens: int, needed: int, held: int) -> ValueError:
