@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -160,3 +161,20 @@ async def test_a_plain_step_comes_out_as_columns_with_logprobs_kept_apart(
     assert batches[2].deltas[0].logprobs == (lp,) and batches[2].rare[0].text == ""
     assert "".join(t for b in batches for t in b.texts) == "the cat sat on"
     assert [t for b in batches for t in b.token_ids] == ids
+
+
+def test_the_engines_tokenizer_batches_run_on_one_thread_unless_the_user_says(
+        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading the model's tokenizer turns off the tokenizers library's thread per core
+    for batch calls (the Detokenizer's batch decode ran on the cores the forward pass
+    uses), by ``TOKENIZERS_PARALLELISM``; a value the user set stays."""
+    import os
+
+    from actorllm.text.hf import load_hf_tokenizer
+
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    load_hf_tokenizer(str(tiny_llama_dir))
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    load_hf_tokenizer(str(tiny_llama_dir))
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"

@@ -334,3 +334,25 @@ async def test_aborting_a_parent_aborts_every_child(tiny_llama_dir: Path) -> Non
     assert outs[-1].finished
     assert reasons == {0: "abort", 1: "abort", 2: "abort"}
     assert tokens < 300
+
+
+def test_the_first_step_is_planned_before_the_last_prompt_is_submitted(
+        tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """``LLM.generate`` submits its prompts a chunk a turn of the event loop: the first
+    step is planned while later prompts are still being registered (all at once, every
+    prompt went through the Frontend and the Tokenizer before the Scheduler heard of the
+    first). Read from the trace: the first plan comes before the last ``register``."""
+    import json
+
+    from actorllm.llm import LLM, SUBMIT_CHUNK
+
+    trace = tmp_path / "trace.jsonl"
+    llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=512, trace=str(trace))
+    prompts = [[5 + i % 40, 6, 7, 8] for i in range(8 * SUBMIT_CHUNK)]
+    results = llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0))
+    assert [r.error for r in results] == [None] * len(prompts)
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    registers = [i for i, line in enumerate(lines) if line.get("event") == "register"]
+    plans = [i for i, line in enumerate(lines) if line.get("kind") == "plan"]
+    assert len(registers) == len(prompts) and plans
+    assert plans[0] < registers[-1]

@@ -140,6 +140,58 @@ def test_views_never_accept_what_the_global_table_forbids(events: list[str]) -> 
         assert not legal
 
 
+def _reference_apply(states: frozenset[str | None], event: str, actor: str
+                     ) -> tuple[frozenset[str | None], str, tuple[str, ...]] | None:
+    """A view's move worked out from the table alone, every time (as View did before its
+    answers were kept: Spec.applied)."""
+    moves = {s: SPEC.step(s, event) for s in states}
+    moves = {s: t for s, t in moves.items() if t is not None}
+    if not moves:
+        return None
+    return (SPEC.closure(moves.values(), actor), "|".join(sorted(s or "NONE" for s in moves)),
+            tuple(sorted(set(moves.values()))))
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(st.frozensets(st.sampled_from([None, *SPEC.states]), min_size=1, max_size=3),
+       st.sampled_from(SPEC.events()), st.sampled_from(ACTORS))
+def test_a_kept_move_is_the_tables_own_for_any_candidates(
+        states: frozenset[str | None], event: str, actor: str) -> None:
+    """``Spec.applied`` answers as the table does afresh, for any candidates, event and
+    actor, asked in any order (its kept answers are shared by every view)."""
+    assert SPEC.applied(states, event, actor) == _reference_apply(states, event, actor)
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(ACTORS), st.sampled_from(SPEC.events())),
+                max_size=14))
+def test_kept_view_moves_are_the_tables_own(steps: list[tuple[str, str]]) -> None:
+    """Every actor's view moves, from whatever candidates it holds, as the table says
+    afresh: the kept answers (one Spec for every view of the process, so earlier examples
+    and other actors filled them) are keyed by all they depend on. Each view fires its
+    own events and witnesses the others' (an illegal move leaves it as it was)."""
+    views = {actor: View(SPEC, actor, "r") for actor in ACTORS}
+    for actor in ACTORS:
+        assert views[actor].states == SPEC.closure([None], actor)
+    for actor, event in steps:
+        view = views[actor]
+        want = _reference_apply(view.states, event, actor)
+        own = SPEC.actor_of(event) == actor
+        try:
+            if own:
+                before, after = view.fire(event)
+            else:
+                view.witness(event)
+        except IllegalTransition:
+            assert want is None
+            continue
+        assert want is not None
+        assert view.states == want[0]
+        if own:
+            assert (before, after) == (want[1], "|".join(want[2]))
+            assert view.local == (State(want[2][0]) if len(want[2]) == 1 else None)
+
+
 def test_mermaid_names_every_transition() -> None:
     text = SPEC.mermaid()
     for t in SPEC.transitions:

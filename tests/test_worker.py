@@ -577,3 +577,65 @@ def test_a_thread_that_has_handed_its_result_over_counts_as_waiting(monkeypatch)
                 plans.close()
 
     trio.run(main)
+
+
+def test_the_worker_is_ready_once_its_thread_waits_for_a_plan():
+    """``Worker.ready`` (which open_engine waits for before it takes requests) is set once
+    the step thread has finished its warm-up and waits for its first plan, not before."""
+    runner = _GatedRunner()
+    entered, warming = threading.Event(), threading.Event()
+
+    def warm_up() -> None:
+        entered.set()
+        warming.wait(30)
+
+    async def main() -> None:
+        plans: Mailbox[StepPlan] = Mailbox("worker", StepPlan, capacity=4)
+        results: Mailbox[StepResult] = Mailbox("scheduler", StepResult, capacity=4)
+        worker = Worker(runner, plans, results, warmup=warm_up)  # type: ignore[arg-type]
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(worker.run)
+                while not entered.is_set():
+                    await trio.sleep(0.001)
+                # (anything the thread handed the loop before its warm-up has arrived)
+                await trio.testing.wait_all_tasks_blocked()
+                assert not worker.ready.is_set()
+                warming.set()
+                await worker.ready.wait()
+                await plans.send(StepPlan(1))
+                runner.gates.setdefault(1, threading.Event()).set()
+                assert (await results.receive()).step_id == 1
+                plans.close()
+
+    trio.run(main)
+
+
+def test_a_worker_whose_warm_up_fails_keeps_no_one_waiting_for_it():
+    """A Worker that fails before its thread ever waits for a plan still sets ``ready``:
+    open_engine goes on, and the engine is marked dead as for any actor that fails."""
+    runner = _GatedRunner()
+
+    def broken() -> None:
+        raise RuntimeError("warm-up failed")
+
+    async def main() -> None:
+        plans: Mailbox[StepPlan] = Mailbox("worker", StepPlan, capacity=4)
+        results: Mailbox[StepResult] = Mailbox("scheduler", StepResult, capacity=4)
+        worker = Worker(runner, plans, results, warmup=broken)  # type: ignore[arg-type]
+        failed = False
+
+        async def run() -> None:
+            nonlocal failed
+            try:
+                await worker.run()
+            except* RuntimeError:  # (raised in the Worker's own nursery)
+                failed = True
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run)
+                await worker.ready.wait()
+        assert failed
+
+    trio.run(main)

@@ -314,6 +314,14 @@ async def open_engine(config: EngineConfig | None = None, *,
             for name, actor in actors.items():
                 nursery.start_soon(_run_actor, engine, name, actor, name=f"actor:{name}")
             engine.nursery = nursery
+            # An in-process Worker's step thread must be waiting for its first plan before
+            # requests come: a burst of them keeps the event loop busy, and a thread that
+            # starts meanwhile waits for the GIL (the 5 ms switch interval, over and over),
+            # so the first step started only once the burst was in (LLM.generate, 256
+            # prompts: ~25 ms a call). vLLM's engine is ready before it serves too.
+            ready = getattr(actors.get("worker"), "ready", None)
+            if ready is not None:
+                await ready.wait()
             if ipc is not None:
                 supervisor = Supervisor(config, ipc, on_death=engine.mark_dead,
                                         on_replica_death=engine.lose_replica, wiring=wiring)

@@ -123,6 +123,14 @@ class Spec:
     _exits: dict[str | None, tuple[tuple[str, str], ...]] = attrs.field(
         init=False, repr=False, eq=False,
         default=attrs.Factory(lambda self: _index_exits(self.transitions), takes_self=True))
+    # What ``applied`` worked out, by (candidate states, event, actor): a View's candidates
+    # take a handful of distinct values, and each request fires several events in each
+    # actor, so a burst of arrivals asked the same few questions thousands of times.
+    _applied: dict[tuple[frozenset[str | None], str, str],
+                   tuple[frozenset[str | None], str, tuple[str, ...]] | None] = attrs.field(
+        init=False, repr=False, eq=False, factory=dict)
+    _initial: dict[str, frozenset[str | None]] = attrs.field(
+        init=False, repr=False, eq=False, factory=dict)
 
     def step(self, state: str | None, event: str) -> str | None:
         """The state after ``event`` from ``state`` (None before creation), or None if illegal."""
@@ -149,6 +157,33 @@ class Spec:
                     seen.add(target)
                     todo.append(target)
         return frozenset(seen)
+
+    def initial_view(self, actor: str) -> frozenset[str | None]:
+        """The candidates of ``actor``'s view of a request it has not heard of yet."""
+        try:
+            return self._initial[actor]
+        except KeyError:
+            view = self._initial[actor] = self.closure([None], actor)
+            return view
+
+    def applied(self, states: frozenset[str | None], event: str, actor: str
+                ) -> tuple[frozenset[str | None], str, tuple[str, ...]] | None:
+        """``event`` applied by ``actor`` to a view whose candidates are ``states``: the
+        new candidates (the targets and what other actors may do next: ``closure``), the
+        candidates it was legal from as text, and its targets, sorted; None if illegal
+        from every candidate. Pure in its arguments, so kept once worked out."""
+        key = (states, event, actor)
+        try:
+            return self._applied[key]
+        except KeyError:
+            pass
+        moves = {s: t for s in states if (t := self.step(s, event)) is not None}
+        result = None if not moves else (
+            self.closure(moves.values(), actor),
+            "|".join(sorted(s or "NONE" for s in moves)),
+            tuple(sorted(set(moves.values()))))
+        self._applied[key] = result
+        return result
 
     def mermaid(self) -> str:
         """The state diagram as Mermaid source (spec/README.md embeds this)."""
@@ -253,7 +288,7 @@ class View:
 
     def __init__(self, spec: Spec, actor: str, rid: str) -> None:
         self._spec, self.actor, self.rid = spec, actor, rid
-        self.states: frozenset[str | None] = spec.closure([None], actor)
+        self.states: frozenset[str | None] = spec.initial_view(actor)
         self.local: State | None = None
 
     @property
@@ -292,15 +327,13 @@ class View:
             raise IllegalTransition(self.rid, self.state, event, self.actor)
         self._apply(event)
 
-    def _apply(self, event: str) -> tuple[str, list[str]]:
-        moves = {s: self._spec.step(s, event) for s in self.states}
-        moves = {s: t for s, t in moves.items() if t is not None}
-        if not moves:
+    def _apply(self, event: str) -> tuple[str, tuple[str, ...]]:
+        # (``before`` names only the states the event was legal from: usually exactly one.)
+        applied = self._spec.applied(self.states, event, self.actor)
+        if applied is None:
             raise IllegalTransition(self.rid, self.state, event, self.actor)
-        self.states = self._spec.closure(moves.values(), self.actor)
-        # Report only the states the event was legal from: usually exactly one.
-        before = "|".join(sorted(s or "NONE" for s in moves))
-        return before, sorted({t for t in moves.values() if t is not None})
+        self.states, before, targets = applied
+        return before, targets
 
     def __repr__(self) -> str:
         return f"View({self.actor}, {self.rid!r}, {self.state})"

@@ -108,7 +108,9 @@ def load_parts(role: str, config: EngineConfig, ipc: IpcDir) -> Parts:
         import tokenizers
 
         from actorllm.detokenizer.decoding import TokenizerDecode
+        from actorllm.text.hf import serial_tokenizers
 
+        serial_tokenizers()  # (inherited from the parent too, unless it was started apart)
         path = ipc.file(TOKENIZER_FILE)
         try:
             backend = tokenizers.Tokenizer.from_file(path)

@@ -48,12 +48,21 @@ class Worker:
         self._thread_idle = False
         # Set by the step thread when it takes a plan (see _feed).
         self._plan_taken = threading.Event()
+        # Set once the step thread waits for its first plan (after any warm-up), or the
+        # actor has stopped: open_engine waits for it before taking requests (see ready).
+        self.ready = trio.Event()
 
     async def run(self) -> None:
         """Serve plans until the inbox closes, in a thread of their own that runs them back
         to back: with two steps in flight the next starts the moment one ends, not when
         this event loop, busy with other actors, turns. Results return in order
         (``run_sync_soon`` keeps its callbacks' order) and leave from here."""
+        try:
+            await self._run()
+        finally:
+            self.ready.set()  # a Worker that stopped or failed keeps no one waiting
+
+    async def _run(self) -> None:
         # A runner may outlive an engine (LLM reuses it): forget an earlier one's rids.
         self.runner.drop_all()
         ranks = self.runner.ranks
@@ -126,6 +135,7 @@ class Worker:
         def loop() -> None:
             if self.warmup is not None:
                 self.warmup()
+            token.run_sync_soon(self.ready.set)
             while True:
                 plan, waited = next_plan()
                 if plan is None:
