@@ -49,7 +49,7 @@ class Worker:
         # Set by the step thread when it takes a plan (see _feed).
         self._plan_taken = threading.Event()
         # Set once the step thread waits for its first plan (after any warm-up), or the
-        # actor has stopped: open_engine waits for it before taking requests (see ready).
+        # actor has stopped: open_engine waits for it before it takes requests.
         self.ready = trio.Event()
 
     async def run(self) -> None:
