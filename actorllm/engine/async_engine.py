@@ -25,15 +25,15 @@ from typing import Any
 
 import trio
 
-from actorllm.config import EngineConfig, ModelInfo, read_model_info
+from actorllm.config import EngineConfig
 from actorllm.draft_config import check_runner_draft
 from actorllm.engine.admission import Admission, Gate
+from actorllm.engine.resources import Resources
 from actorllm.frontend.actor import Frontend
 from actorllm.frontend.collector import OutputCollector
 from actorllm.lifecycle.table import load_spec
 from actorllm.lifecycle.trace import Tracer
 from actorllm.metrics import EngineMetrics
-from actorllm.text.hf import load_hf_tokenizer
 from actorllm.topology.child import TOKENIZER_FILE, sole_error
 from actorllm.topology.placement import (
     MAIN,
@@ -58,27 +58,6 @@ log = logging.getLogger(__name__)
 __all__ = ["AsyncEngine", "EngineStartError", "Resources", "build_runner", "open_engine"]
 
 SIGTERM_DRAIN_TIMEOUT = 10.0  # seconds live requests get to finish after a SIGTERM
-
-
-class Resources:
-    """What is slow to build and may outlive one engine run: tokenizer, weights, caches.
-
-    The weights load here only for the ``single`` topology; in the others the
-    engine child process loads its own, so this process never imports torch.
-    """
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.info: ModelInfo = read_model_info(config.model, config.max_model_len)
-        self.hf_tokenizer: Any = load_hf_tokenizer(config.model)
-        self.runner: Any = build_runner(config, self.info) if config.topology == "single" \
-            else None
-
-    def load_runner(self, config: EngineConfig) -> Any:
-        """The model runner, built now if these resources were made for another topology."""
-        if self.runner is None:
-            self.runner = build_runner(config, self.info)
-        return self.runner
 
 
 class AsyncEngine:
@@ -314,14 +293,7 @@ async def open_engine(config: EngineConfig | None = None, *,
             for name, actor in actors.items():
                 nursery.start_soon(_run_actor, engine, name, actor, name=f"actor:{name}")
             engine.nursery = nursery
-            # An in-process Worker's step thread must be waiting for its first plan before
-            # requests come: a burst of them keeps the event loop busy, and a thread that
-            # starts meanwhile waits for the GIL (the 5 ms switch interval, over and over),
-            # so the first step started only once the burst was in (LLM.generate, 256
-            # prompts: ~25 ms a call). vLLM's engine is ready before it serves too.
-            ready = getattr(actors.get("worker"), "ready", None)
-            if ready is not None:
-                await ready.wait()
+            await _worker_ready(actors)
             if ipc is not None:
                 supervisor = Supervisor(config, ipc, on_death=engine.mark_dead,
                                         on_replica_death=engine.lose_replica, wiring=wiring)
@@ -346,6 +318,18 @@ async def open_engine(config: EngineConfig | None = None, *,
         # just before the cancel still runs one more step, and that step may trace.
         if tracer is not None:
             tracer.close()
+
+
+async def _worker_ready(actors: dict[str, Any]) -> None:
+    """Wait until an in-process Worker's step thread waits for its first plan
+    (``Worker.ready``). Requests must not come before: a burst of them keeps the event
+    loop busy, and a thread that starts meanwhile waits for the GIL (the 5 ms switch
+    interval, again and again), so the first step started only once the burst was in
+    (``LLM.generate``, 256 prompts: ~25 ms a call). vLLM's engine is ready before it
+    serves too."""
+    ready = getattr(actors.get("worker"), "ready", None)
+    if ready is not None:
+        await ready.wait()
 
 
 async def _main_parts(config: EngineConfig, resources: Resources) -> Parts:
