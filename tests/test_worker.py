@@ -600,8 +600,9 @@ def test_the_worker_is_ready_once_its_thread_waits_for_a_plan():
                     await trio.sleep(0.001)
                 # (anything the thread handed the loop before its warm-up has arrived)
                 await trio.testing.wait_all_tasks_blocked()
-                assert not worker.ready.is_set()
-                warming.set()
+                early = worker.ready.is_set()
+                warming.set()  # (before asserting: a failure must not leave it waiting)
+                assert not early
                 await worker.ready.wait()
                 await plans.send(StepPlan(1))
                 runner.gates.setdefault(1, threading.Event()).set()
