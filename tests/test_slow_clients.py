@@ -91,7 +91,9 @@ def stream_events(base: str, max_tokens: int = 40) -> list[dict[str, Any]]:
             assert data, raw[-300:]
             raw += data
     body = raw.split(b"\r\n\r\n", 1)[1].decode(errors="replace")
-    return [json.loads(line.removeprefix("data: ")) for line in body.splitlines()
+    # Split at newlines only: str.splitlines also splits at U+2028, U+0085 and the like,
+    # which a random model's text may hold and JSON leaves unescaped inside a string.
+    return [json.loads(line.removeprefix("data: ")) for line in body.split("\n")
             if line.startswith("data: {")]
 
 
