@@ -97,8 +97,7 @@ class ResultCommit:
         for rid, token, fed in zip(plan.rids, tokens, plan.token_ids, strict=True):
             seq = seqs.get(rid)
             if seq is not None:
-                seq.in_flight -= 1
-                seq.samples_in_flight -= 1
+                seq.step_returned(True)
             if seq is None or seq.view.local is not running:
                 # Only where a sequence left without its fence (a bug the simulation
                 # plants): dropped as _commit drops it, for the invariants to see.
