@@ -156,13 +156,15 @@ def test_lifecycle_every_token_pauses(tiny_tokenizer: Any) -> None:
 
 def test_lifecycle_speculative(tiny_tokenizer: Any) -> None:
     """Speculative decoding with two steps in flight: drafts proposed, accepted in part
-    or whole, rejected; aborts, stop strings, preemption and failures between proposal
-    and verdict. Outputs must be exactly what the Worker emitted (no rejected draft),
-    the K/V of rejected drafts is never read before it is written again, blocks are
-    freed only after the fence, and hashes cover accepted tokens only."""
+    or whole, rejected, looked up by the Worker for rows planned ahead; aborts, stop
+    strings, preemption and failures between proposal and verdict. Outputs must be
+    exactly what the Worker emitted (no rejected draft), the K/V of rejected drafts is
+    never read before it is written again, blocks are freed only after the fence, and
+    hashes cover accepted tokens only."""
     explore(tiny_tokenizer, SPECULATIVE, 300,
             {"drafts verified", "draft rejected", "draft accepted", "aborted", "preempted",
-             "stop string matched", "step failed", "prefix cache hit", "row backed off"},
+             "stop string matched", "step failed", "prefix cache hit", "row backed off",
+             "drafted ahead"},
             "Speculative")
 
 

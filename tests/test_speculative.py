@@ -32,25 +32,19 @@ from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.llm import collect
 from actorllm.model import ForwardBatch
 from actorllm.ops.cpu_step import DecodeStep
-from actorllm.scheduler.ngram import (
-    _match_arrays,
-    _match_list,
-    history,
-    history_array,
-    lookup_row,
-    propose_ngram,
-)
-from actorllm.scheduler.sequence import Sequence
-from actorllm.scheduler.speculation import (
+from actorllm.scheduler.draft_cost import (
     BLOCK_COST,
     DRAFT_COST,
     ROW_BLOCK,
-    Speculation,
     best_drafts,
     draft_gain,
     pays_from,
     plain_step,
 )
+from actorllm.scheduler.ngram import history, history_array, lookup_row
+from actorllm.scheduler.sequence import Sequence
+from actorllm.scheduler.speculation import Speculation
+from actorllm.text.ngram import _match_arrays, _match_list, propose_ngram
 from actorllm.wire.messages import FEED_LAST_SAMPLE, SamplingParams, ScheduledSeq, StepPlan
 from actorllm.worker import packing
 from actorllm.worker.packing import BlockTables, one_token_rows, pack_plan
@@ -687,14 +681,15 @@ async def spec_engine(model: Path, *, num_kv_blocks: int = 128, max_model_len: i
 async def test_greedy_equals_transformers_with_speculation(
         looping_llama_dir: Path, loop_prompts: list[list[int]], overlap: bool) -> None:
     """A 24-block pool (two of the 8 sequences fill it: preemption), a 16-token budget
-    (chunked prefill), one or two steps in flight; then a prompt sent again once its
-    first run is over (a prefix-cache hit)."""
+    (chunked prefill), one or two steps in flight (with two, rows planned ahead draft by
+    the Worker's lookup); then a prompt sent again once its first run is over (a
+    prefix-cache hit)."""
     max_new = 24
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     async with spec_engine(looping_llama_dir, num_kv_blocks=24, max_model_len=64,
                            max_num_batched_tokens=16, async_scheduling=overlap) as engine:
         runner = _resources[(str(looping_llama_dir), 24, 64)].runner
-        one_op = runner.one_op_draft_steps
+        one_op, ahead = runner.one_op_draft_steps, runner.ahead.drafting_rows
         results = await collect_all(engine, loop_prompts, params)
         stats = engine.frontend.stats
         # Whether the repeats above hit depends on when each arrives (a twin's blocks are
@@ -705,6 +700,8 @@ async def test_greedy_equals_transformers_with_speculation(
         second = await collect(engine, "again1", loop_prompts[0], params)
         hits = engine.frontend.stats.prefix_cache_hits - hits
     assert runner.one_op_draft_steps > one_op, "drafting steps run by the one-op decode step"
+    if overlap:
+        assert runner.ahead.drafting_rows > ahead, "rows planned ahead drafted for"
     assert stats.num_preemptions > 0, "the test must exercise preemption"
     assert hits > 0, "and prefix caching"
     assert first.outputs[0].token_ids == second.outputs[0].token_ids \
@@ -756,9 +753,10 @@ async def test_greedy_equals_transformers_in_the_engine_topology(
 async def test_a_steadily_decoding_row_speculates_under_overlap_as_serve_runs(
         looping_llama_dir: Path, loop_prompts: list[list[int]]) -> None:
     """``actorllm serve``'s engine (``single``, overlap on by default on the CPU), one
-    request at a time: a decoding row that may speculate is not planned ahead, so it gets
-    proposals at most of its steps (planned ahead it never would: its last token is
-    always in flight), and the tokens are those without speculation and transformers'."""
+    request at a time: a decoding row that may speculate is planned ahead with drafts the
+    Worker looks up (AheadRows), so it gets proposals at most of its steps (without
+    them, planned ahead, it never would: its last token is always in flight), and the
+    tokens are those without speculation and transformers'."""
     max_new = 24
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     got: dict[bool, list[list[int]]] = {}
@@ -971,43 +969,86 @@ def test_a_partly_accepted_row_rolls_back_to_its_accepted_tokens() -> None:
     assert s.batch.speculation.accepted_per_pos == [1, 0, 0]  # type: ignore[union-attr]
 
 
-def test_under_overlap_a_row_that_may_speculate_waits_and_one_in_back_off_runs_ahead(
+def test_under_overlap_a_row_that_may_speculate_is_planned_ahead_for_the_worker_to_draft(
         ) -> None:
-    """Two steps may be in flight. A decoding row that may speculate is not planned while
-    its token is in flight, then gets a proposal; once a proposal has nothing accepted
-    and its kind of match no longer pays, the row backs off, is planned ahead (no
-    drafts) and its back-off counts those steps down, after which it waits for its
-    verdicts again."""
+    """Two steps may be in flight. A decoding row that may speculate is planned ahead of
+    the step that samples its last token, as FEED_LAST_SAMPLE and placeholders
+    (AheadRows): its caps per kind of match, the prompt for the Worker's lookup, and a
+    start as if the step in flight accepted all its drafts. Its blocks cover that; the
+    Worker's counts of drafts and match length drive the verdict; the counters settle
+    to the tokens committed."""
     from actorllm.wire.messages import SequenceRequest, StepResult
 
     s = _scheduler(max_steps_in_flight=2)
     s.handle(SequenceRequest("a", (5, 6, 7, 5, 6), SamplingParams(max_tokens=40), 40, (1,)))
     prefill = s.schedule()
-    assert prefill is not None and s.schedule() is None, "its first token is in flight"
-    s.handle(StepResult(prefill.step_id, (7,)))
-    plan = s.schedule()
-    assert plan is not None and plan.num_drafts == (3,)  # 5 6 7, after "5 6 7"
-    assert s.schedule() is None, "drafts in flight"
+    ahead = s.schedule()  # while the prefill samples the first output
+    assert prefill is not None and ahead is not None
+    assert ahead.token_ids == (FEED_LAST_SAMPLE, 0, 0, 0) and ahead.num_drafts == (3,)
+    assert ahead.start_pos == (5,) and ahead.ahead is not None
+    assert ahead.ahead.rows == (0,) and (ahead.ahead.n_min, ahead.ahead.n_max) == (1, 4)
+    assert ahead.ahead.caps == (3, 3, 3, 3)  # the prior pays for all 3 drafts, any kind
+    assert ahead.ahead.hist_tokens == (5, 6, 7, 5, 6) and ahead.ahead.hist_from == (0,)
     seq = s.seqs["a"]
-    seq.spec_hits[seq.spec_n] = 0.0  # drafts from such matches have failed it before
-    s.handle(StepResult(plan.step_id, (9,), num_sampled=(1,)))  # none accepted: back-off 2
+    s.handle(StepResult(prefill.step_id, (7,)))
+    assert seq.output_ids == [7] and seq.num_scheduled == 9  # 5 + 1 + 3 drafts in flight
+    after = s.schedule()  # planned ahead of a step whose drafts are in flight
+    assert after is not None and after.ahead is not None
+    assert after.start_pos == (9,), "as if all 3 were accepted"
+    assert (after.ahead.hist_from, after.ahead.hist_tokens) == ((5,), (7,))
+    k = after.num_drafts[0]
+    assert len(seq.block_table) * 4 >= 9 + 1 + k
+    # The Worker looked up 2 drafts from a match of 3 tokens; one was accepted, then 9.
+    s.handle(StepResult(ahead.step_id, (5, 9), num_sampled=(2,), ahead_drafted=(2,),
+                        ahead_kinds=(3,)))
+    assert seq.output_ids == [7, 5, 9] and seq.spec_n == 3
+    assert (seq.num_computed, seq.num_scheduled) == (7, 7 + 1 + k)
+    spec = s.batch.speculation
+    assert (spec.draft_tokens, spec.accepted_tokens) == (2, 1)
+    # The next row found no match: it ran no draft.
+    s.handle(StepResult(after.step_id, (11,), ahead_drafted=(0,), ahead_kinds=(0,)))
+    assert seq.output_ids == [7, 5, 9, 11]
+    assert (seq.num_computed, seq.num_scheduled, seq.drafts_in_flight) == (8, 8, 0)
+    assert spec.num_drafts == 1
+    plan = s.schedule()  # nothing in flight: the Scheduler's own lookup again
+    assert plan is not None and plan.ahead is None and plan.start_pos == (8,)
+
+
+def test_under_overlap_a_row_in_back_off_is_planned_ahead_without_drafts() -> None:
+    """A row whose proposal had nothing accepted, none of whose kinds pays, backs off:
+    planned ahead, it carries no placeholders (after a step with drafts in flight it is
+    still an ahead row, for the Worker to start) and its back-off counts those steps."""
+    from actorllm.wire.messages import SequenceRequest, StepResult
+
+    s = _scheduler(max_steps_in_flight=2)
+    s.handle(SequenceRequest("a", (5, 6, 7, 5, 6), SamplingParams(max_tokens=40), 40, (1,)))
+    prefill, ahead = s.schedule(), s.schedule()
+    assert prefill is not None and ahead is not None and ahead.num_drafts == (3,)
+    seq = s.seqs["a"]
+    s.handle(StepResult(prefill.step_id, (7,)))
+    after = s.schedule()
+    assert after is not None and after.ahead is not None
+    seq.spec_hits[:] = [0.0] * len(seq.spec_hits)  # every kind has failed it before
+    seq.spec_tries[:] = [8.0] * len(seq.spec_tries)
+    # The Worker drafted 3 from a match of 2; none was accepted: it backs off.
+    s.handle(StepResult(ahead.step_id, (9,), num_sampled=(1,), ahead_drafted=(3,),
+                        ahead_kinds=(2,)))
     assert seq.spec_skip == 2
-    steps = [s.schedule()]  # no proposal (back-off), and then one planned ahead
-    steps.append(s.schedule())
-    assert all(p is not None and not p.num_drafts for p in steps)
+    steps = [s.schedule()]  # ahead of ``after``, whose drafts are in flight
+    assert steps[0] is not None and not steps[0].num_drafts and seq.spec_skip == 1
+    assert steps[0].token_ids == (FEED_LAST_SAMPLE,) and steps[0].ahead is not None
+    assert not any(steps[0].ahead.caps), "the Worker only starts it"
+    s.handle(StepResult(after.step_id, (10,), ahead_drafted=(0,), ahead_kinds=(0,)))
+    assert seq.output_ids == [7, 9, 10]
+    steps.append(s.schedule())  # ahead of steps[0], which carries no drafts
+    assert steps[1] is not None and steps[1].ahead is None
     assert steps[1].token_ids == (FEED_LAST_SAMPLE,) and seq.spec_skip == 0
-    s.handle(StepResult(steps[0].step_id, (11,)))
-    assert s.schedule() is None, "out of back-off: it waits for its token"
-    s.handle(StepResult(steps[1].step_id, (5,)))  # history ... 9 11 5: lookup finds "5 6"
-    plan = s.schedule()
-    assert plan is not None and plan.num_drafts and plan.token_ids[:2] == (5, 6)
 
 
-def test_under_overlap_rows_that_may_speculate_are_not_split_between_two_steps() -> None:
-    """``a`` may speculate (its first proposal partly accepted, then no n-gram found);
-    ``b``'s proposal is rejected, so it backs off. No step is planned ahead while ``a``
-    may speculate: ``b`` alone ahead would split the rows between two half-full steps
-    in flight. Both run in every step, one step at a time."""
+def test_under_overlap_rows_that_may_speculate_are_planned_ahead_together() -> None:
+    """``a`` may speculate, ``b`` is in back-off: every step planned ahead runs both (the
+    rows are never split between two half-full steps in flight), ``a`` with
+    placeholders, ``b`` without."""
     from actorllm.wire.messages import SequenceRequest, StepResult
 
     s = _scheduler(max_steps_in_flight=2)
@@ -1015,22 +1056,20 @@ def test_under_overlap_rows_that_may_speculate_are_not_split_between_two_steps()
     s.handle(SequenceRequest("b", (20, 21, 20, 21), SamplingParams(max_tokens=40), 40, (1,)))
     prefill = s.schedule()
     assert prefill is not None and prefill.rids == ("a", "b")
-    assert s.schedule() is None
-    s.handle(StepResult(prefill.step_id, (7, 20)))
-    plan = s.schedule()
-    assert plan is not None and plan.num_drafts == (3, 3)  # b: 20 21 20, its text repeating
-    # a accepts its first draft (5) then emits 10; b rejects all and emits 30, and such
-    # matches have failed b before: it backs off.
-    b = s.seqs["b"]
-    b.spec_hits[b.spec_n] = 0.0
-    s.handle(StepResult(plan.step_id, (5, 10, 30), num_sampled=(2, 1)))
-    assert s.seqs["b"].spec_skip > 0 and not s.seqs["a"].spec_skip
-    for i in range(3):
+    s.seqs["b"].spec_skip = 8
+    in_flight = [prefill]
+    for i in range(4):
         plan = s.schedule()
-        assert plan is not None and plan.rids == ("a", "b") and not plan.num_drafts
-        assert s.schedule() is None, "b, in back-off, would run ahead of a alone"
-        s.handle(StepResult(plan.step_id, (11 + i, 31 + i)))
-    assert s.seqs["a"].output_ids == [7, 5, 10, 11, 12, 13]
+        assert plan is not None and plan.rids == ("a", "b")
+        assert plan.num_drafts[0] > 0 and plan.num_drafts[1] == 0
+        in_flight.append(plan)
+        done = in_flight.pop(0)
+        ahead = done.ahead
+        s.handle(StepResult(done.step_id, (30 + i, 40 + i),
+                            num_sampled=(1, 1) if done.num_drafts else (),
+                            ahead_drafted=(0,) * len(ahead.rows) if ahead else (),
+                            ahead_kinds=(0,) * len(ahead.rows) if ahead else ()))
+    assert s.seqs["a"].output_ids == [30, 31, 32, 33]
 
 
 def test_an_abort_while_drafts_are_in_flight_waits_for_the_step() -> None:

@@ -250,7 +250,7 @@ class Scheduler(ResultCommit):
                 return None
             # Nothing to run, but the Worker still holds state for freed rids: an empty
             # step tells it to let go, so a drained engine holds nothing anywhere.
-        cols = PlanColumns()
+        cols = PlanColumns(self.batch.lookup)
         cols.fill(planned)
         plan = cols.freeze(self.next_step_id, self.batch.take_worker_drops())
         self.next_step_id += 1

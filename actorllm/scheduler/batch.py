@@ -24,7 +24,7 @@ from actorllm.scheduler.flow import Pacer
 from actorllm.scheduler.kv_pool import BlockPool
 from actorllm.scheduler.policy import WaitingQueue, arrival_victim, order
 from actorllm.scheduler.sequence import Sequence
-from actorllm.scheduler.speculation import Speculation
+from actorllm.scheduler.speculation import DRAFT_PLACEHOLDER, Speculation
 from actorllm.wire.messages import FlowControl
 
 Chunks = list[tuple[Sequence, int]]  # (sequence, tokens it runs in the step), in order
@@ -95,6 +95,11 @@ class Batch:
         self.speculation.verdict(seq, drafted, len(tokens) - 1)
         return appended, reason, stop
 
+    @property
+    def lookup(self) -> tuple[int, int]:
+        """The n-gram lengths a row planned ahead is looked up with (AheadRows)."""
+        return self.speculation.lookup if self.speculation is not None else (1, 1)
+
     def speculation_fields(self) -> dict[str, object]:
         """The proposer's counters, as SchedulerStats fields (none when it is off)."""
         spec = self.speculation
@@ -117,7 +122,8 @@ class Batch:
         nothing now (``ahead``, it would have to preempt)."""
         if self.flow.wanted:
             self.apply_pauses()
-        if ahead and self.speculation is not None and any(
+        spec = self.speculation
+        if ahead and spec is not None and not spec.ahead and any(
                 self._waits_for_verdict(seq) for seq in self.running):
             return None  # the pipeline drains to one step while rows speculate
         while self.priority and (
@@ -156,9 +162,10 @@ class Batch:
         preempted = False
         block_size = self.pool.block_size
         spec, sized, room = self.speculation, -1, 0  # (a row's draft room, per batch size)
+        past_drafts = spec is not None and spec.ahead
         while queue and budget > 0:
             seq = queue.popleft()
-            if ahead and (not seq.may_plan_ahead() or seq.rid in self.flow.wanted):
+            if ahead and (not seq.may_plan_ahead(past_drafts) or seq.rid in self.flow.wanted):
                 continue  # (a pause waits for the steps that name it to return)
             n = min(seq.num_unscheduled, budget)
             if n <= 0:
@@ -177,6 +184,7 @@ class Batch:
                     # and the plain path preempts the newest, as without overlap.
                     for planned_seq, _ in planned:
                         planned_seq.drafts = []  # (their blocks stay, for the next plan)
+                        planned_seq.ahead_caps = []
                     return None
                 victim = queue.pop() if queue else seq
                 self.preempt(victim)
@@ -202,13 +210,21 @@ class Batch:
         """Propose drafts for a decode row whose tokens are all known; they take token
         budget and blocks (never by preempting: without room it runs without drafts).
         Returns the row's token count."""
-        assert self.speculation is not None
-        if seq.samples_in_flight:
-            # Planned ahead (its last token is still being sampled): a row in back-off.
-            # The back-off counts its steps, planned ahead or not.
-            self.speculation.step_without_proposal(seq)
+        spec = self.speculation
+        assert spec is not None
+        if seq.samples_in_flight:  # planned ahead: its last token is still being sampled
+            if not spec.ahead:  # (a draft model's row: one in back-off, which counts
+                spec.step_without_proposal(seq)  # its steps, planned ahead or not)
+                return 1
+            # The Worker looks its drafts up (AheadRows); their blocks are reserved as
+            # if the step in flight accepted all of its own.
+            caps = spec.propose_ahead(seq, budget - 1, len(self.running))
+            k = max(caps)
+            if k and blocks.reserve(self.pool, seq, 1 + k):
+                seq.drafts, seq.ahead_caps = [DRAFT_PLACEHOLDER] * k, caps
+                return 1 + k
             return 1
-        drafts = self.speculation.propose(seq, budget - 1, len(self.running))
+        drafts = spec.propose(seq, budget - 1, len(self.running))
         if drafts and blocks.reserve(self.pool, seq, 1 + len(drafts)):
             seq.drafts = drafts
             return 1 + len(drafts)

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from actorllm.wire.messages import FEED_LAST_SAMPLE, NewSeqData, StepPlan
+from actorllm.wire.messages import FEED_LAST_SAMPLE, AheadRows, NewSeqData, StepPlan
 
 
 class PlanColumns:
     """The growing columns of one StepPlan (see ``StepPlan`` for what each holds)."""
 
-    __slots__ = ("lp_from", "lp_rows", "new", "new_blocks", "new_rows", "num_drafts",
+    __slots__ = ("ahead_caps", "ahead_rows", "hist_from", "hist_num", "hist_tokens", "lookup",
+                 "lp_from", "lp_rows", "new", "new_blocks", "new_rows", "num_drafts",
                  "num_new_blocks", "num_tokens", "rids", "sample", "start_pos", "token_ids")
 
-    def __init__(self) -> None:
+    def __init__(self, lookup: tuple[int, int] = (1, 1)) -> None:
+        """``lookup``: the n-gram lengths (min, max) the Worker's lookups for rows planned
+        ahead try (AheadRows)."""
         self.rids: list[str] = []
         self.num_tokens: list[int] = []
         self.token_ids: list[int] = []
@@ -30,6 +33,18 @@ class PlanColumns:
         self.lp_rows: list[int] = []
         self.lp_from: list[int] = []
         self.num_drafts: list[int] = []  # filled only once a row speculates
+        self.lookup = lookup
+        # AheadRows' columns (see there), filled only once such a row is planned
+        self.ahead_rows: list[int] = []
+        self.ahead_caps: list[int] = []
+        self.hist_from: list[int] = []
+        self.hist_num: list[int] = []
+        self.hist_tokens: list[int] = []
+
+    @property
+    def kinds(self) -> int:
+        """How many kinds of n-gram match an ahead row's caps cover."""
+        return self.lookup[1] - self.lookup[0] + 1
 
     def fill(self, planned: list[tuple[Any, int]]) -> None:
         """Append each planned (Sequence, tokens) row, as ``Sequence.schedule_into`` does
@@ -45,7 +60,7 @@ class PlanColumns:
             self.start_pos, self.sample, self.num_new_blocks, self.new_blocks)
         for seq, n in planned:
             if n != 1 or seq.drafts or not seq.worker_knows \
-                    or seq.params.prompt_logprobs is not None:
+                    or seq.params.prompt_logprobs is not None or seq.drafts_in_flight:
                 seq.schedule_into(self, n)
                 continue
             start = seq.num_scheduled
@@ -76,8 +91,11 @@ class PlanColumns:
         """The finished plan."""
         if self.num_drafts:  # rows after the last speculating one draft nothing
             self.num_drafts.extend([0] * (len(self.rids) - len(self.num_drafts)))
+        ahead = AheadRows(tuple(self.ahead_rows), tuple(self.ahead_caps), tuple(self.hist_from),
+                          tuple(self.hist_num), tuple(self.hist_tokens),
+                          *self.lookup) if self.ahead_rows else None
         return StepPlan(step_id, tuple(self.rids), tuple(self.num_tokens),
                         tuple(self.token_ids), tuple(self.start_pos), tuple(self.sample),
                         tuple(self.num_new_blocks), tuple(self.new_blocks),
                         tuple(self.new_rows), tuple(self.new), tuple(self.lp_rows),
-                        tuple(self.lp_from), drop, tuple(self.num_drafts))
+                        tuple(self.lp_from), drop, tuple(self.num_drafts), ahead)

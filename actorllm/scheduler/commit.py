@@ -117,6 +117,25 @@ class ResultCommit:
         else:
             self.late_results_dropped += 1  # finished (abort, stop) while it ran
 
+    def _ahead_verdicts(self, plan: StepPlan, seqs: list[Sequence | None],
+                        result: StepResult) -> tuple[int, ...]:
+        """Each row's drafts as the Worker ran them: for a row planned ahead (AheadRows)
+        the lookup's, whose match length is the kind its verdict counts for, or which
+        is passed over when it found a match none of whose drafts paid."""
+        drafted = list(plan.num_drafts or (0,) * len(plan.rids))
+        spec = self.batch.speculation
+        assert plan.ahead is not None and spec is not None
+        for i, d, n in zip(plan.ahead.rows, result.ahead_drafted, result.ahead_kinds,
+                           strict=True):
+            seq, drafted[i] = seqs[i], d
+            if seq is None or seq.view.local is not State.RUNNING:
+                continue
+            if d:
+                seq.spec_n = n
+            elif n:
+                spec.passed_over(seq, n)
+        return tuple(drafted)
+
     def _commit(self, plan: StepPlan, seqs: list[Sequence | None], result: StepResult) -> None:
         """A step's tokens and prompt logprobs for the sequences still running (the
         tokens are a column aligned with the plan's sampling rows); refused rows fail."""
@@ -132,6 +151,8 @@ class ResultCommit:
                 self._finish(seq, "fail", "error", error=gap)
         logprobs = dict(zip(result.logprob_rows, result.logprobs, strict=True))
         sampling = [i for i, sampled in enumerate(plan.sample) if sampled]
+        drafted = self._ahead_verdicts(plan, seqs, result) if plan.ahead is not None \
+            else plan.num_drafts
         refused = dict(zip(result.refused_rows, result.refused, strict=True))
         out, rows = self.outgoing, result.token_ids  # an int per row, unless rows speculated
         rows = row_tokens(result) if result.num_sampled else rows  # (then a tuple per row)
@@ -148,9 +169,9 @@ class ResultCommit:
             if type(tokens) is int:  # the hot path: no object for the row
                 reason, stop_reason = seq.finish_after(tokens)
                 out.token(seq, tokens, lp, piece)
-            else:
-                drafted = plan.num_drafts[i] if plan.num_drafts else 0  # speculation
-                n, reason, stop_reason = self.batch.take(seq, tokens, drafted)
+            else:  # speculation
+                n, reason, stop_reason = self.batch.take(seq, tokens, drafted[i] if drafted
+                                                         else 0)
                 out.tokens(seq, tokens if n == len(tokens) else tokens[:n], lp, piece)
             if reason is not None:
                 self._finish(seq, "finish", reason, stop_reason)

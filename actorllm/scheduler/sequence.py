@@ -65,15 +65,19 @@ class Sequence:
     num_cached_tokens: int | None = None
     pooled: tuple[float, ...] = ()  # a pooling request's vector, once the Worker sent it
     # Speculative decoding (scheduler/speculation.py): the drafts the next schedule_into
-    # sends, whether a step in flight carries drafts for it (then nothing is planned
-    # ahead for it: how many tokens it yields is unknown until it returns), the
+    # sends (placeholders for a row planned ahead, with the drafts the Worker may run per
+    # kind of match, ``ahead_caps``), the drafts the steps in flight carry for it (how
+    # many tokens they yield is unknown until they return: ``num_scheduled`` counts them
+    # all), how many of its tokens the Worker's lookup holds (AheadRows), the
     # backoff of a row whose proposals do not pay, and its acceptance estimates: decayed
     # counts of drafts accepted and tried, per n-gram match length (index 0: a draft
     # model's), the match length of its proposal in flight, and for the n-gram lookup
     # its tokens, each token's positions in them and (the first ``spec_known`` of) its
     # tokens as an array (``ngram.history``, ``ngram.history_array``).
     drafts: list[int] = attrs.Factory(list)
-    drafting: bool = False
+    ahead_caps: list[int] = attrs.Factory(list)
+    drafts_in_flight: int = 0
+    worker_hist: int = 0
     spec_misses: int = 0
     spec_skip: int = 0
     spec_idle: int = 0  # steps it sits out, nothing paying (Speculation._sit_out) ...
@@ -95,6 +99,11 @@ class Sequence:
         """WAITING, RUNNING, PREEMPTED or FINISHED: where the Scheduler's last event put it."""
         assert self.view.local is not None, self.view
         return self.view.local
+
+    @property
+    def drafting(self) -> bool:
+        """Whether a step in flight carries drafts for it."""
+        return bool(self.drafts_in_flight)
 
     @property
     def num_tokens(self) -> int:
@@ -158,14 +167,18 @@ class Sequence:
     @property
     def num_unscheduled(self) -> int:
         """Tokens to run that no step has been given yet, counting those still to be
-        sampled by the steps in flight (a step planned ahead feeds them forward)."""
-        return self.num_tokens + self.samples_in_flight - self.num_scheduled
+        sampled by the steps in flight (a step planned ahead feeds them forward) and, as
+        ``num_scheduled`` does, their drafts as if all were accepted."""
+        return self.num_tokens + self.samples_in_flight + self.drafts_in_flight \
+            - self.num_scheduled
 
-    def may_plan_ahead(self) -> bool:
+    def may_plan_ahead(self, past_drafts: bool = False) -> bool:
         """Whether a step may be planned for it before the one in flight returns: not if
-        the tokens in flight already reach ``max_tokens`` (it ends there for sure)."""
-        return not self.drafting and \
-            len(self.output_ids) + self.samples_in_flight < self.max_tokens
+        the tokens in flight may already reach ``max_tokens`` (it may end there), nor
+        past drafts in flight unless ``past_drafts`` (the Worker then starts the row:
+        AheadRows)."""
+        return (past_drafts or not self.drafts_in_flight) and len(self.output_ids) \
+            + self.samples_in_flight + self.drafts_in_flight < self.max_tokens
 
     def step_returned(self, sampled: bool, drafts: int = 0) -> None:
         """A step that scheduled it has returned (with a result or an error). Its drafts
@@ -174,7 +187,7 @@ class Sequence:
         self.in_flight -= 1
         self.samples_in_flight -= sampled
         if drafts:
-            self.drafting = False
+            self.drafts_in_flight -= drafts
             self.num_scheduled -= drafts
 
     def take_tokens(self, tokens: tuple[int, ...]) -> tuple[int, str | None, int | None]:
@@ -201,6 +214,9 @@ class Sequence:
         A token that a step in flight is still to sample goes as ``FEED_LAST_SAMPLE``:
         the Worker feeds the one it sampled for this rid last.
         """
+        if self.samples_in_flight and (self.drafts or self.drafts_in_flight):
+            self._schedule_ahead_into(cols, n)
+            return
         start = self.num_scheduled
         known = self.num_tokens
         row = len(cols.rids)
@@ -215,7 +231,7 @@ class Sequence:
             cols.new.append(
                 NewSeqData(self.params, tuple(self.prompt_ids), tuple(self.output_ids)))
             self.worker_knows = True
-            self.blocks_sent = 0  # its table starts afresh at the Worker
+            self.blocks_sent = self.worker_hist = 0  # its state starts afresh at the Worker
         if self.owes_prompt_logprobs:
             # This chunk's rows predict positions start + 1 .. start + n; ask only for the
             # prompt positions among them that were not reported before a preemption.
@@ -240,7 +256,40 @@ class Sequence:
         if drafts:
             cols.token_ids.extend(drafts)
             n += len(drafts)
-            self.drafts, self.drafting = [], True
+            self.drafts_in_flight += len(drafts)
+            self.drafts = []
+        self._add_row(cols, start, n, sample)
+
+    def _schedule_ahead_into(self, cols: PlanColumns, n: int) -> None:
+        """``schedule_into`` of a decode row planned ahead that the Worker starts or drafts
+        for (an AheadRows row): ``FEED_LAST_SAMPLE`` and ``n - 1`` draft placeholders, from
+        where it starts if the steps in flight accept all their drafts; with drafts, the
+        tokens the Worker's lookup lacks (all it may need: the step in flight samples
+        for no other)."""
+        k = len(self.drafts)
+        assert n == 1 + k and self.worker_knows and not self.owes_prompt_logprobs, self
+        row, known = len(cols.rids), self.num_tokens
+        cols.ahead_rows.append(row)
+        cols.ahead_caps.extend(self.ahead_caps if k else [0] * cols.kinds)
+        cols.hist_from.append(self.worker_hist)
+        if k:
+            cols.num_drafts.extend([0] * (row - len(cols.num_drafts)))
+            cols.num_drafts.append(k)
+            cols.hist_num.append(known - self.worker_hist)
+            p = len(self.prompt_ids)
+            cols.hist_tokens.extend(self.prompt_ids[self.worker_hist:known] if known <= p
+                                    else (self.token(i) for i in range(self.worker_hist, known)))
+            self.worker_hist = known
+        else:
+            cols.hist_num.append(0)
+        cols.token_ids.append(FEED_LAST_SAMPLE)
+        cols.token_ids.extend(self.drafts)
+        self.drafts, self.ahead_caps = [], []
+        self.drafts_in_flight += k
+        self._add_row(cols, self.num_scheduled, n, True)
+
+    def _add_row(self, cols: PlanColumns, start: int, n: int, sample: bool) -> None:
+        """The row's own columns, its new block ids, and its counters of what flies."""
         self.num_scheduled += n
         self.in_flight += 1
         self.samples_in_flight += sample

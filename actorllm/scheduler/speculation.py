@@ -6,17 +6,21 @@ Worker's draft fills them (worker/draft.py).
 The Scheduler owns each sequence's tokens, so proposals are made here, while planning: a
 decode row runs ``[last token, drafts...]`` (``StepPlan.num_drafts``), the Worker
 verifies the drafts against the model and returns the accepted ones plus one token of
-its own (``StepResult.num_sampled``). docs/architecture.md, "Speculative decoding".
+its own (``StepResult.num_sampled``). A row planned ahead of the step that samples its
+last token (overlap scheduling) is the exception: only the Worker will know that token,
+so it looks the drafts up (``AheadRows``) and this module only says how many it may run
+for each kind of match (:meth:`Speculation.propose_ahead`). The cost model is
+draft_cost.py's. docs/architecture.md, "Speculative decoding".
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Iterable, Iterator
 from itertools import repeat
 
 from actorllm.config import SpeculativeConfig
+from actorllm.scheduler.draft_cost import BLOCK_COST, DRAFT_COST, best_drafts, pays_from
 from actorllm.scheduler.ngram import lookup_row
 from actorllm.scheduler.sequence import Sequence
 from actorllm.wire.steps import StepPlan, StepResult
@@ -27,27 +31,6 @@ from actorllm.wire.steps import StepPlan, StepResult
 MAX_BACKOFF = 64
 #: What a draft_model row carries where its drafts go: the Scheduler never knows them.
 DRAFT_PLACEHOLDER = 0
-#: The cost model, in plain decode steps of one row (1.7 ms on the CPU with the embedded
-#: model; docs/architecture.md "Speculative decoding", "The cost model sees the batch").
-#: Each row a plain step carries beyond the first adds this much (its forward share and
-#: the host's work per row: TPOT 1.8, 2.3 and 4.4 ms at 1, 4 and 16 rows), so a step a
-#: row saves is worth ``plain_step(rows) / rows``: 1 alone, 0.32 of 4 rows.
-ROW_COST = 0.09
-#: A draft token's forward, alone and beside other rows: a lone row's drafts ride on
-#: the weight reads its token pays anyway (one row and 8 drafts: +0.33 ms, 0.03 each);
-#: beside other rows each costs about a row (4 rows of 2 drafts at acceptance 0.63 broke
-#: even in the quiet runs: ~0.15 a draft once the verification is counted apart).
-TOKEN_COST = (0.03, 0.15)
-#: A lone row's tokens are the linears' GEMM rows, taken in blocks of ROW_BLOCK: a step
-#: that starts another block pays BLOCK_COST more (in the engine, 8 drafts against 7:
-#: +0.17 and +0.22 of a one-row step, ~0.03 a draft below; on the CPU only: docs).
-ROW_BLOCK, BLOCK_COST = 8, 0.18
-#: A row that verifies drafts costs this much more (the verification, its share of the
-#: sampler, the lookup) ...
-VERIFY_COST = 0.12
-#: ... and each of its drafts this much on top of the target's token: a draft model's
-#: pass of the draft.
-DRAFT_COST = {"ngram": 0.0, "draft_model": 0.07}
 #: A row's acceptance estimate: drafts accepted / tried, counted with this decay per
 #: verdict (so it follows the row's recent text), from a prior of PRIOR_HITS / PRIOR_TRIES.
 DECAY = 0.75
@@ -58,67 +41,6 @@ RECOVER = 0.1
 #: A row none of whose kinds of match pays sits out the steps until the first would
 #: (its estimates forgiven in one go), at most this many, instead of asking every step.
 MAX_IDLE = 64
-
-
-def plain_step(rows: int) -> float:
-    """What a plain decode step of ``rows`` rows costs, in plain steps of one row."""
-    return 1.0 + ROW_COST * (max(rows, 1) - 1)
-
-
-def draft_gain(alpha: float, k: int, draft_cost: float, rows: int = 1,
-               block: float = 0.0) -> float:
-    """Expected steps a row saves minus the extra cost of its ``k`` drafts, in steps of
-    that row (``plain_step(rows) / rows``) in a batch of ``rows`` rows: its drafts are
-    each accepted with probability ``alpha`` once the previous one was, and each accepted
-    one saves the row a step. ``draft_cost``: what a draft costs beyond the target's
-    token (``DRAFT_COST``); ``block``: what a lone row's step pays for each ROW_BLOCK
-    tokens it starts past the first (BLOCK_COST on the CPU)."""
-    if k < 1:
-        return 0.0
-    return deque(_gains(alpha, k, draft_cost, rows, block), maxlen=1)[0]
-
-
-def best_drafts(alpha: float, cap: int, draft_cost: float, rows: int = 1,
-                block: float = 0.0) -> int:
-    """The draft count in [0, cap] with the largest :func:`draft_gain` (0: none pays)."""
-    best, top = 0, 0.0
-    for k, gain in enumerate(_gains(alpha, cap, draft_cost, rows, block), 1):
-        if gain > top:
-            best, top = k, gain
-    return best
-
-
-def pays_from(cap: int, draft_cost: float, rows: int, block: float = 0.0
-              ) -> tuple[float, float]:
-    """``(lo, hi)``: :func:`best_drafts` is 0 at every estimate up to ``lo`` and > 0 from
-    ``hi`` on (a draft's gain grows with its acceptance), ``hi - lo`` a float's rounding
-    apart; ``(1.0, inf)`` where no estimate pays (an estimate is at most 1)."""
-    lo, hi = 0.0, 1.0
-    if not best_drafts(hi, cap, draft_cost, rows, block):
-        return 1.0, float("inf")
-    for _ in range(64):
-        mid = (lo + hi) / 2
-        if mid in (lo, hi):
-            break
-        if best_drafts(mid, cap, draft_cost, rows, block):
-            hi = mid
-        else:
-            lo = mid
-    return lo, hi
-
-
-def _gains(alpha: float, cap: int, draft_cost: float, rows: int, block: float = 0.0
-           ) -> Iterator[float]:
-    """:func:`draft_gain` for k = 1 .. cap, the sum of powers grown a term at a time (it
-    runs for every proposal and, on a miss, for each kind of match the row tried)."""
-    scale = max(rows, 1) / plain_step(rows)
-    verify, per_draft = VERIFY_COST * scale, (draft_cost + TOKEN_COST[rows > 1]) * scale
-    block = block if rows <= 1 else 0.0  # (beside other rows it is not the row's own)
-    accepted, power = 0.0, 1.0
-    for k in range(1, cap + 1):
-        power *= alpha
-        accepted += power
-        yield accepted - verify - per_draft * k - block * (k // ROW_BLOCK)
 
 
 def may_speculate(seq: Sequence) -> bool:
@@ -233,13 +155,67 @@ class Speculation:
         if not k and seq.spec_tries[n] == self.prior[1] and self._probes(n, cap, rows):
             k = 1  # a kind of match never tried: one draft probes it (beside many rows
             # the prior alone does not pay, and an estimate only moves by trying)
-        if not k:  # a kind of match that does not pay now: passed over, and forgiven a bit
-            hits, tries = seq.spec_hits, seq.spec_tries
-            hits[n] += RECOVER * (self.prior[0] - hits[n])
-            tries[n] += RECOVER * (self.prior[1] - tries[n])
+        if not k:
+            self.passed_over(seq, n)
             return []
         seq.spec_n = n
         return drafts[:k]
+
+    @property
+    def ahead(self) -> bool:
+        """Whether a row planned ahead may speculate: its drafts then come from the
+        Worker's lookup (AheadRows), which n-gram drafts can; a draft model's pass
+        needs the row's start, so such a row waits for its verdict instead."""
+        return self.config.method == "ngram"
+
+    @property
+    def lookup(self) -> tuple[int, int]:
+        """The n-gram lengths tried, shortest and longest."""
+        return self.config.prompt_lookup_min, self.config.prompt_lookup_max
+
+    def propose_ahead(self, seq: Sequence, room: int, rows: int) -> list[int]:
+        """For ``seq``'s decode row planned ahead (a step in flight still samples for it,
+        so only the Worker will know its last tokens), in a step of ``rows`` rows, with
+        room for ``room`` drafts: per kind of match, n-gram length ``prompt_lookup_min``
+        up, how many drafts the Worker runs if its lookup finds that kind (AheadRows'
+        ``caps``; all 0: none). As :meth:`propose` decides it, the lookup aside: the
+        same back-off, idling, cap (past every token in flight, its drafts all accepted)
+        and cost model."""
+        none = [0] * len(self._kinds)
+        key = (room, rows, self.num_drafts)
+        if seq.spec_idle:
+            if seq.spec_idle_key == key:
+                seq.spec_idle -= 1
+                return none
+            seq.spec_idle = 0
+        if seq.spec_skip:
+            self.step_without_proposal(seq)
+            return none
+        cap = min(self.config.num_speculative_tokens, room, seq.max_tokens
+                  - len(seq.output_ids) - seq.samples_in_flight - seq.drafts_in_flight - 1)
+        if cap < 1 or not may_speculate(seq):
+            return none
+        rows = self._rows(rows)
+        if not self._pays(seq, cap, rows):
+            self._sit_out(seq, cap, rows)
+            seq.spec_idle_key = key
+            return none
+        self.rows = rows
+        caps = []
+        prior = self.prior[1]
+        for m in self._kinds:
+            k = best_drafts(self._alpha(seq, m), cap, self._cost, rows, self._block)
+            if not k and seq.spec_tries[m] == prior and self._probes(m, cap, rows):
+                k = 1  # (a probe, as in propose)
+            caps.append(k)
+        return caps
+
+    def passed_over(self, seq: Sequence, n: int) -> None:
+        """A match of length ``n`` was found for ``seq`` but no draft from it pays now:
+        its estimate is forgiven a bit (otherwise it would never be tried again)."""
+        hits, tries = seq.spec_hits, seq.spec_tries
+        hits[n] += RECOVER * (self.prior[0] - hits[n])
+        tries[n] += RECOVER * (self.prior[1] - tries[n])
 
     def _pays(self, seq: Sequence, cap: int, rows: int) -> bool:
         """Whether some kind of match could give ``seq`` drafts now (at most ``cap``,
@@ -377,6 +353,9 @@ def count_error(plan: StepPlan, result: StepResult) -> str | None:
         return f"{len(result.token_ids)} tokens in rows of {counts} for {rows} sampling rows"
     if not counts and len(result.token_ids) != rows:
         return f"{len(result.token_ids)} tokens for {rows} sampling rows"
+    ahead = len(plan.ahead.rows) if plan.ahead is not None else 0
+    if len(result.ahead_drafted) != ahead or len(result.ahead_kinds) != ahead:
+        return f"drafts of {len(result.ahead_drafted)} rows for {ahead} rows planned ahead"
     return None
 
 

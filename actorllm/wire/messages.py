@@ -40,6 +40,7 @@ from actorllm.wire.sampling import InvalidRequest as InvalidRequest
 from actorllm.wire.sampling import SamplingParams, StructuredOutput
 from actorllm.wire.steps import FEED_LAST_SAMPLE as FEED_LAST_SAMPLE  # re-exported
 from actorllm.wire.steps import (  # the Scheduler <-> Worker edge; re-exported here
+    AheadRows,
     NewSeqData,
     PooledHidden,
     PromptLogprobs,
@@ -382,7 +383,7 @@ ControlMessage = Union[  # noqa: UP007
 
 MESSAGE_TYPES: tuple[type, ...] = (
     StructuredOutput, SamplingParams, ChatMessage, GenerateRequest, AbortRequest, FlowControl,
-    SequenceRequest, RequestFailed, NewSeqData, StepPlan, TokenLogprob, PromptLogprobs,
+    SequenceRequest, RequestFailed, NewSeqData, AheadRows, StepPlan, TokenLogprob, PromptLogprobs,
     PooledHidden, StepResult, DetokSetup, TokenOut, SchedulerStats, TokenBatch, StopMatched,
     TextDelta, RequestFinished, OutputBatch, ReplicaLost, Hello, Ready, StartFailed,
     MailboxStat, Heartbeat, DrainQuery, DrainReport, Shutdown,

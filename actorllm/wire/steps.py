@@ -32,6 +32,35 @@ FEED_LAST_SAMPLE = -1
 
 
 @attrs.frozen
+class AheadRows:
+    """The decode rows of a StepPlan planned while the step before still samples for them
+    (overlap scheduling) whose start or drafts only the Worker can settle: a row whose
+    step in flight carries drafts starts after however many of them it accepts, and a
+    row that speculates gets its drafts from the Worker's n-gram lookup over its tokens,
+    the last of which only the Worker holds yet (docs/architecture.md, "Speculating
+    under overlap").
+
+    Such a row's ``StepPlan.token_ids`` are ``FEED_LAST_SAMPLE`` and then ``num_drafts``
+    placeholders, its ``start_pos`` where it starts if the step in flight accepts every
+    draft (its blocks are reserved to there). The Worker starts it after its last
+    sample, runs as many drafts as its lookup gives and ``caps`` allows, and says so in
+    ``StepResult.ahead_drafted`` and ``ahead_kinds``. Columns, one entry per ahead row
+    (``rows``, plan rows in order) unless said: ``caps`` has ``n_max - n_min + 1`` per
+    row, the drafts to run when the longest match found is ``n_min``, ``n_min + 1``, ...
+    tokens long; the row's tokens the Worker lacks for the lookup, known to the
+    Scheduler, are ``hist_num[j]`` of ``hist_tokens`` (flat), from position ``hist_from[j]``
+    (what the Worker holds for the rid)."""
+
+    rows: tuple[int, ...] = ()
+    caps: tuple[int, ...] = ()
+    hist_from: tuple[int, ...] = ()
+    hist_num: tuple[int, ...] = ()
+    hist_tokens: tuple[int, ...] = ()
+    n_min: int = 1
+    n_max: int = 1
+
+
+@attrs.frozen
 class StepPlan:
     """Scheduler -> Worker: one iteration, as columns with one entry per row (a sequence's
     share of the step), so a decode step of many sequences builds no object per sequence.
@@ -46,7 +75,8 @@ class StepPlan:
     ``lp_rows[j]``. ``drop``: rids whose Worker state (sampling state, block table) may go.
     ``num_drafts`` (empty: no row speculates): per row, how many of its tokens are draft
     tokens proposed by the Scheduler (the row's last ones, after its last known token);
-    the Worker verifies them (speculative decoding, docs/architecture.md).
+    the Worker verifies them (speculative decoding, docs/architecture.md). ``ahead``:
+    rows the Worker starts and drafts for (:class:`AheadRows`).
     """
 
     step_id: int
@@ -63,6 +93,7 @@ class StepPlan:
     lp_from: tuple[int, ...] = ()
     drop: tuple[str, ...] = ()
     num_drafts: tuple[int, ...] = ()
+    ahead: AheadRows | None = None
 
     @property
     def num_rows(self) -> int:
@@ -189,6 +220,10 @@ class StepResult:
     # stats, so the write pacing (server/pacing.py) learns by message that the engine
     # waits for the loop that plans, in any topology.
     plan_wait_s: float = 0.0
+    # Per row of the plan's AheadRows: the drafts the Worker ran (its lookup's, at most
+    # its caps) and the length of the match they came from (0: none found).
+    ahead_drafted: tuple[int, ...] = ()
+    ahead_kinds: tuple[int, ...] = ()
 
     def sampled(self, plan: StepPlan) -> tuple[SampledToken, ...]:
         """The tokens as objects with their rids (tests and tools), given the step's plan

@@ -33,11 +33,13 @@ from actorllm.ops import select_backend
 from actorllm.ops.cpu_linear import pack_linears
 from actorllm.ops.cpu_step import load_decode_step, load_sampler
 from actorllm.ops.threads import StepThreads, single_threaded
-from actorllm.text.structured import Grammar, GrammarBackend, LLGuidanceBackend, MaskFiller
+from actorllm.text.structured import MaskFiller
 from actorllm.wire.rendezvous import Rendezvous
-from actorllm.wire.steps import NewSeqData, PromptLogprobs, StepPlan, StepResult
+from actorllm.wire.steps import PromptLogprobs, StepPlan, StepResult
+from actorllm.worker.ahead import AheadLookup
 from actorllm.worker.draft import DraftModel, draft_block_bytes
 from actorllm.worker.filters import GREEDY_BELOW
+from actorllm.worker.grammars import Grammars
 from actorllm.worker.packing import BlockTables, every_token_samples, one_token_rows, pack_plan
 from actorllm.worker.pooling import Pooler, pooled_norm
 from actorllm.worker.ranks import RankGroup, RankSpec
@@ -108,8 +110,7 @@ class ModelRunner:
         self.max_model_len: int = info.max_model_len
         self.eos_token_ids: tuple[int, ...] = info.eos_token_ids
         self.block_size, self._model_dir = block_size, str(model_dir)
-        self._grammars: GrammarBackend | None = None  # built on the first grammar
-        self._constrained: set[str] = set()  # rids whose state has a grammar
+        self.grammars = Grammars(self._model_dir, self.vocab_size, self.eos_token_ids)
         self.masks = MaskFiller(self.vocab_size, self.device)  # its thread: on first use
         # Per rank: its share of the KV heads, in the same block layout on every rank.
         num_kv_heads, head_dim = tp.kv_heads(config.num_key_value_heads), head_dim_of(config)
@@ -139,6 +140,7 @@ class ModelRunner:
         self.sampling = SamplingBatch(self.vocab_size, self.device, self.eos_token_ids, fused=fused)
         # Rids of the last step if it failed: a feed of their last sample gets a stand-in.
         self._failed_rids: frozenset[str] = frozenset()
+        self.ahead = AheadLookup()  # rows planned ahead: what their lookups read
         self.fed_forward = 0  # rows that fed a sampled token forward (overlap scheduling)
         self.one_op_steps = self.logits_in_op_steps = self.drawn_in_op_steps = 0
         log.info("model runner: %s (%s) on %s x%d (%s, %s attention, %s%s), %d KV blocks "
@@ -182,8 +184,9 @@ class ModelRunner:
     def drop_all(self) -> None:
         """Drop every rid's sampling state (a new Scheduler starts from nothing)."""
         self.sampling.clear()
-        self._constrained.clear()
+        self.grammars.clear()
         self.tables.clear()
+        self.ahead.clear()
         self.pooler.clear()
         self.threads.end_run()
 
@@ -212,6 +215,10 @@ class ModelRunner:
         last_step = self._take_news_and_drops(plan)
         result = StepResult(step_id=plan.step_id)
         sample_s = pack_s = 0.0
+        ahead: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+        if plan.ahead is not None:  # started and drafted for here (worker/ahead.py)
+            plan, *ahead = self.ahead.resolve(plan, self.tables.slot_of, self.sampling.cols,
+                                             self._failed_rids)
         if plan.rids:
             rows = self.tables.apply(plan)  # before any check: the diffs are always kept
             slots = rows[np.asarray(plan.sample, dtype=bool)]  # the sampling rows' slots
@@ -219,7 +226,7 @@ class ModelRunner:
             # The constrained rows' masks are computed in a thread during the forward pass
             # (their matchers are past every token sampled so far); free batches skip it.
             masks = self.masks.start([self.sampling.grammars[s] for s in slots.tolist()]) \
-                if self._constrained else None
+                if self.grammars else None
             try:
                 tp = time.perf_counter()
                 batch = self._pack(plan, rows)
@@ -242,10 +249,12 @@ class ModelRunner:
                                              self.model.compute_logits)
             pooled = self.pooler.take(hidden, plan, pooled_norm(self.model))
             verified, logits, drawn = verify_step(logits, drawn, plan, slots, self.sampling)
+            self.ahead.ran(plan, verified)  # (what a row planned ahead next continues)
             if masks is not None:
                 masks.apply(logits)
             result = attrs.evolve(self._sample(plan.step_id, logits, slots, verified, drawn),
-                                  prompt_logprobs=prompt_lps, pooled=pooled)
+                                  prompt_logprobs=prompt_lps, pooled=pooled,
+                                  ahead_drafted=ahead[0], ahead_kinds=ahead[1])
             sample_s = time.perf_counter() - t1
         for rid in plan.drop:
             if rid in last_step:
@@ -319,10 +328,11 @@ class ModelRunner:
             if held is not None:  # back after preemption: its old row is gone
                 self.sampling.remove(held)
             self.tables.reset(rid)  # ... and so is its old table
+            self.ahead.drop(rid)  # ... and its lookup's tokens
             self.pooler.start(rid, new)  # a recompute pools from the start again
             self.sampling.add(self.tables.slot_of[rid], SamplingState(
                 new.params, new.prompt_token_ids, new.output_token_ids,
-                self._grammar(rid, new),
+                self.grammars.fresh(rid, new),
             ))
         return last_step
 
@@ -362,28 +372,12 @@ class ModelRunner:
 
     def _drop(self, rid: str) -> None:
         slot = self.tables.slot_of.get(rid)
+        self.ahead.drop(rid)
         if slot is not None:
             self.sampling.remove(slot)
         self.pooler.drop(rid)
         self.tables.drop(rid)
-        self._constrained.discard(rid)
-
-    def _grammar(self, rid: str, new: NewSeqData) -> Grammar | None:
-        """A fresh matcher for a structured-output sequence, advanced past what it has made
-        (a preempted sequence comes back with its output tokens). The Tokenizer checked the
-        spec, so a failure here is a bug and fails the step."""
-        self._constrained.discard(rid)
-        spec = new.params.structured
-        if spec is None:
-            return None
-        if self._grammars is None:
-            from actorllm.text.hf import load_hf_tokenizer
-
-            self._grammars = LLGuidanceBackend(load_hf_tokenizer(self._model_dir),
-                                               self.vocab_size, self.eos_token_ids)
-        grammar = self._grammars.grammar(spec, new.output_token_ids)
-        self._constrained.add(rid)
-        return grammar
+        self.grammars.discard(rid)
 
     def _prepare(self, plan: StepPlan) -> ForwardBatch:
         """The plan's block-table diffs applied and the plan packed (worker/packing.py)."""

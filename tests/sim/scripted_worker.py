@@ -23,6 +23,12 @@ failed step writes garbage into its slots, as a real one may have half done. (St
 than a GPU, where a step's writes land before its reads: no step may read what the same
 step writes for another sequence.)
 
+A row planned ahead that the Worker starts or drafts for (``StepPlan.ahead``) is resolved
+as worker/ahead.py does it: it starts after the rid's last sample (at most where the
+Scheduler planned it), and its drafts are the n-gram lookup's over the rid's tokens,
+as many as its caps allow; the tokens the Scheduler sends for the lookup must be the
+rid's own, from where the last ones ended.
+
 A speculating row (``StepPlan.num_drafts``) is verified by script: the salt and the rid
 decide how many drafts it accepts, then it emits a token of its own (never the next
 draft). The slots its rejected drafts were written to become garbage, so a later read
@@ -36,8 +42,10 @@ import zlib
 from collections import deque
 from collections.abc import Sequence
 
+import attrs
 import trio
 
+from actorllm.text.ngram import lookup_ngram
 from actorllm.wire.mailbox import Inbox, Outbox
 from actorllm.wire.messages import (
     FEED_LAST_SAMPLE,
@@ -88,6 +96,10 @@ class ScriptedWorker:
         # rows verified, and those that rejected a draft.
         self.emitted: dict[str, dict[int, int]] = {}
         self.drafts_verified = self.drafts_rejected = self.drafts_all_accepted = 0
+        # Rows planned ahead: rid -> the tokens the Scheduler sent for its lookups; rows
+        # resolved, and those that drafted.
+        self.ahead_tokens: dict[str, list[int]] = {}
+        self.ahead_rows = self.ahead_drafting = 0
 
     async def run(self) -> None:
         """Receive plans in one task, send results in order from another."""
@@ -151,6 +163,7 @@ class ScriptedWorker:
     def answer(self, salt: int = 0, eos_mask: int = 0) -> StepResult:
         """Take the oldest plan and build its result; bit i of ``eos_mask``: seq i samples eos."""
         plan, tables = self.pending.popleft()
+        plan, ahead = self._resolve_ahead(plan)
         for s in plan.seqs:
             if s.new is not None:
                 self.last_sample.pop(s.rid, None)  # a fresh state: nothing sampled yet
@@ -186,7 +199,66 @@ class ScriptedWorker:
                 TokenLogprob(prompt[p], prompt_score(p)) for p in range(lo, hi + 1))))
         return self._record(StepResult(plan.step_id, tuple(tokens),
                                        prompt_logprobs=tuple(reports),
-                                       num_sampled=tuple(counts) if plan.num_drafts else ()))
+                                       num_sampled=tuple(counts) if plan.num_drafts else (),
+                                       ahead_drafted=ahead[0], ahead_kinds=ahead[1]))
+
+    def _resolve_ahead(self, plan: StepPlan
+                       ) -> tuple[StepPlan, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """``plan`` with its ahead rows started and drafted for (see the module docstring),
+        and per such row the drafts it runs and the match length they came from."""
+        for s in plan.seqs:
+            if s.new is not None:
+                self.ahead_tokens.pop(s.rid, None)  # its Worker state starts afresh
+        a = plan.ahead
+        if a is None:
+            return plan, ((), ())
+        kinds = a.n_max - a.n_min + 1
+        ids, num, start = [], list(plan.num_tokens), list(plan.start_pos)
+        drafts_of = list(plan.num_drafts or (0,) * plan.num_rows)
+        drafted: list[int] = []
+        found: list[int] = []
+        rows = dict(zip(a.rows, range(len(a.rows)), strict=True))
+        at = sent_at = 0
+        for i, (rid, n) in enumerate(zip(plan.rids, plan.num_tokens, strict=True)):
+            row = plan.token_ids[at:at + n]
+            at += n
+            j = rows.get(i)
+            if j is None:
+                ids.extend(row)
+                continue
+            self.ahead_rows += 1
+            held = self.ahead_tokens.setdefault(rid, [])
+            sent = a.hist_tokens[sent_at:sent_at + a.hist_num[j]]
+            sent_at += a.hist_num[j]
+            if a.hist_from[j] != len(held) or row[0] != FEED_LAST_SAMPLE:
+                self.protocol_errors.append(
+                    f"step {plan.step_id}: {rid!r} planned ahead as {row}, its lookup tokens "
+                    f"sent from {a.hist_from[j]} where {len(held)} are held")
+            held.extend(sent)
+            pos, token = self.last_sample.get(rid, (plan.start_pos[i], -1))
+            caps = a.caps[j * kinds:(j + 1) * kinds]
+            drafts: list[int] = []
+            match = 0
+            start[i] = pos  # (after a failed step, -1: a stand-in where that step ended)
+            if token != -1:
+                tokens = [*self.contexts.get(rid, [])[:pos], token]
+                if pos > plan.start_pos[i] or held != tokens[:len(held)]:
+                    self.protocol_errors.append(
+                        f"step {plan.step_id}: {rid!r} planned ahead from {plan.start_pos[i]}"
+                        f" with lookup tokens {held}; its last sample is at {pos}, its "
+                        f"tokens {tokens}")
+                if max(caps):
+                    drafts, match = lookup_ngram(tokens, max(caps), a.n_min, a.n_max)
+                    drafts = drafts[:caps[match - a.n_min]] if match else []
+            self.ahead_drafting += bool(drafts)
+            ids.extend((FEED_LAST_SAMPLE, *drafts))
+            num[i], drafts_of[i] = 1 + len(drafts), len(drafts)
+            drafted.append(len(drafts))
+            found.append(match)
+        plan = attrs.evolve(plan, token_ids=tuple(ids), num_tokens=tuple(num),
+                            start_pos=tuple(start), ahead=None,
+                            num_drafts=tuple(drafts_of) if any(drafts_of) else ())
+        return plan, (tuple(drafted), tuple(found))
 
     def _fill(self, plan: StepPlan, tables: dict[str, tuple[int, ...]],
               salt: int) -> StepPlan:
@@ -228,12 +300,14 @@ class ScriptedWorker:
         return None
 
     def _check_fed(self, step: int, rid: str, start: int, ids: tuple[int, ...]) -> None:
-        """A fed-forward row must be one token, at the position this Worker sampled last
-        for the rid, in a step after the one that sampled it (as ModelRunner checks). After
-        a failed step the real Worker feeds a stand-in (token -1 here): the Scheduler has
-        failed those sequences and drops whatever the later step makes for them."""
+        """A fed-forward row must start with it (then drafts, if planned ahead), at the
+        position this Worker sampled last for the rid, in a step after the one that
+        sampled it (as ModelRunner checks). After a failed step the real Worker feeds a
+        stand-in (token -1 here): the Scheduler has failed those sequences and drops
+        whatever the later step makes for them."""
         last = self.last_sample.get(rid)
-        if ids != (FEED_LAST_SAMPLE,) or last is None or last[0] != start:
+        if ids[0] != FEED_LAST_SAMPLE or FEED_LAST_SAMPLE in ids[1:] or last is None \
+                or last[0] != start:
             self.protocol_errors.append(
                 f"step {step} feeds {rid!r} its last sample at position {start} "
                 f"(tokens {ids}), but its last sample was {last}")
@@ -297,6 +371,7 @@ class ScriptedWorker:
     def fail(self) -> StepResult:
         """Take the oldest plan; its step failed (sampled nothing)."""
         plan, tables = self.pending.popleft()
+        plan, _ = self._resolve_ahead(plan)
         self._run_kv(plan, tables, failed=True)
         for s in plan.seqs:  # sampled nothing: a later step may feed these a stand-in
             self.last_sample[s.rid] = (s.start_pos + len(s.token_ids), -1)

@@ -478,6 +478,7 @@ class World(Watches, Checks):
             "drafts verified": self.worker.drafts_verified > 0,
             "draft rejected": self.worker.drafts_rejected > 0,
             "all drafts accepted": self.worker.drafts_all_accepted > 0,
+            "drafted ahead": self.worker.ahead_drafting > 0,
             "ended between proposal and verdict": self.ended_mid_speculation > 0,
             "drafts filled by the draft model": getattr(self.worker, "drafts_filled", 0) > 0,
             "draft accepted": s.batch.speculation is not None
