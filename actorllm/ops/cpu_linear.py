@@ -105,11 +105,15 @@ def pack_linears(model: nn.Module) -> int:
         return 0
     swaps: list[tuple[nn.Module, str, PackedLinear]] = []
     for name, linear in linears:
-        packed = PackedLinear(linear)
         probe = torch.randn(3, linear.in_features, dtype=linear.weight.dtype)
-        with torch.no_grad():
-            want = F.linear(probe, linear.weight, linear.bias).float()
-            got = packed(probe).float()
+        try:
+            packed = PackedLinear(linear)
+            with torch.no_grad():
+                want = F.linear(probe, linear.weight, linear.bias).float()
+                got = packed(probe).float()
+        except RuntimeError as exc:  # (oneDNN's bf16 layout needs AVX-512 or AVX-NE-CONVERT)
+            log.info("linears not laid out, kept as F.linear: %s", exc)
+            return 0
         tol = 1e-4 if linear.weight.dtype == torch.float32 else 5e-2
         if not torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item()):
             log.warning("packed linear %s disagrees with F.linear; keeping F.linear", name)

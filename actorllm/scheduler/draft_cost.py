@@ -31,6 +31,7 @@ VERIFY_COST = 0.12
 #: pass of the draft.
 DRAFT_COST = {"ngram": 0.0, "draft_model": 0.07}
 
+
 def plain_step(rows: int) -> float:
     """What a plain decode step of ``rows`` rows costs, in plain steps of one row."""
     return 1.0 + ROW_COST * (max(rows, 1) - 1)

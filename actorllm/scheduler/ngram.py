@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from actorllm.scheduler.sequence import Sequence
-from actorllm.text.ngram import _lookup
+from actorllm.text.ngram import lookup_indexed
 
 
 def lookup_row(seq: Sequence, k: int, n_min: int, n_max: int) -> tuple[list[int], int]:
@@ -20,7 +20,7 @@ def lookup_row(seq: Sequence, k: int, n_min: int, n_max: int) -> tuple[list[int]
     output were ~27 us of a one-row step's plan, noisy, shared machine)."""
     tokens = history(seq)
     # (the last entry of the last token's positions is the last token itself)
-    return _lookup(tokens, k, n_min, n_max, lambda: seq.spec_where[tokens[-1]][:-1],
+    return lookup_indexed(tokens, k, n_min, n_max, lambda: seq.spec_where[tokens[-1]][:-1],
                    lambda: history_array(seq))
 
 

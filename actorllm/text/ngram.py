@@ -28,11 +28,11 @@ def lookup_ngram(tokens: Seq[int], k: int, n_min: int, n_max: int) -> tuple[list
     arr = np.asarray(tokens, dtype=np.int64)
     # Every occurrence of a suffix ends at an earlier copy of the last token: only those
     # are extended backwards (a row keeps their positions instead: lookup_row).
-    return _lookup(tokens, k, n_min, n_max,
+    return lookup_indexed(tokens, k, n_min, n_max,
                    lambda: np.flatnonzero(arr[:-1] == arr[-1]).tolist(), lambda: arr)
 
 
-def _lookup(tokens: Seq[int], k: int, n_min: int, n_max: int,
+def lookup_indexed(tokens: Seq[int], k: int, n_min: int, n_max: int,
             earlier: Callable[[], list[int]], array: Callable[[], np.ndarray]
             ) -> tuple[list[int], int]:
     """:func:`lookup_ngram` given, as the caller keeps them, ``earlier()``: the positions

@@ -18,7 +18,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from actorllm.text.ngram import _lookup
+from actorllm.text.ngram import lookup_indexed
 from actorllm.wire.steps import FEED_LAST_SAMPLE, StepPlan
 
 
@@ -85,7 +85,7 @@ class AheadLookup:
             return [*self.where[rid].get(last, ()),
                     *(base + i for i, t in enumerate(recent[:-1]) if t == last)]
 
-        return _lookup(tokens, k, n_min, n_max, earlier,
+        return lookup_indexed(tokens, k, n_min, n_max, earlier,
                        lambda: np.asarray(tokens, dtype=np.int64))
 
     def resolve(self, plan: StepPlan, slot_of: dict[str, int], cols: dict[str, np.ndarray],
