@@ -13,7 +13,7 @@ from actorllm.text.ngram import lookup_indexed
 
 
 def lookup_row(seq: Sequence, k: int, n_min: int, n_max: int) -> tuple[list[int], int]:
-    """:func:`lookup_ngram` for ``seq``'s tokens (prompt, then output), from what the row
+    """``text.ngram.lookup_ngram`` for ``seq``'s tokens (prompt, then output), from what the row
     keeps across steps (:func:`history`): the earlier copies of its last token come
     from its index of positions, not a scan (in the engine a numpy call after the
     forward meets cold caches: the scan and the concatenation of the prompt and the
@@ -21,7 +21,7 @@ def lookup_row(seq: Sequence, k: int, n_min: int, n_max: int) -> tuple[list[int]
     tokens = history(seq)
     # (the last entry of the last token's positions is the last token itself)
     return lookup_indexed(tokens, k, n_min, n_max, lambda: seq.spec_where[tokens[-1]][:-1],
-                   lambda: history_array(seq))
+                          lambda: history_array(seq))
 
 
 def history(seq: Sequence) -> list[int]:

@@ -27,14 +27,14 @@ def lookup_ngram(tokens: Seq[int], k: int, n_min: int, n_max: int) -> tuple[list
     the few tokens between the occurrence and the end."""
     arr = np.asarray(tokens, dtype=np.int64)
     # Every occurrence of a suffix ends at an earlier copy of the last token: only those
-    # are extended backwards (a row keeps their positions instead: lookup_row).
+    # are extended backwards (a caller that keeps their positions: lookup_indexed).
     return lookup_indexed(tokens, k, n_min, n_max,
-                   lambda: np.flatnonzero(arr[:-1] == arr[-1]).tolist(), lambda: arr)
+                          lambda: np.flatnonzero(arr[:-1] == arr[-1]).tolist(), lambda: arr)
 
 
 def lookup_indexed(tokens: Seq[int], k: int, n_min: int, n_max: int,
-            earlier: Callable[[], list[int]], array: Callable[[], np.ndarray]
-            ) -> tuple[list[int], int]:
+                   earlier: Callable[[], list[int]], array: Callable[[], np.ndarray]
+                   ) -> tuple[list[int], int]:
     """:func:`lookup_ngram` given, as the caller keeps them, ``earlier()``: the positions
     of the earlier copies of the last token (ascending), and ``array()``: the tokens as an
     int64 array (asked for only when those copies are many)."""

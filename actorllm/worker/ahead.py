@@ -86,7 +86,7 @@ class AheadLookup:
                     *(base + i for i, t in enumerate(recent[:-1]) if t == last)]
 
         return lookup_indexed(tokens, k, n_min, n_max, earlier,
-                       lambda: np.asarray(tokens, dtype=np.int64))
+                              lambda: np.asarray(tokens, dtype=np.int64))
 
     def resolve(self, plan: StepPlan, slot_of: dict[str, int], cols: dict[str, np.ndarray],
                 failed: frozenset[str]) -> tuple[StepPlan, tuple[int, ...], tuple[int, ...]]:
