@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from actorllm.scheduler.sequence import Sequence
-from actorllm.text.ngram import lookup_indexed
+from actorllm.text.ngram import index_positions, lookup_indexed
 
 
 def lookup_row(seq: Sequence, k: int, n_min: int, n_max: int) -> tuple[list[int], int]:
@@ -40,12 +40,7 @@ def history(seq: Sequence) -> list[int]:
     if have < length:
         new = prompt[have:] + out[max(have - len(prompt), 0):]
         tokens.extend(new)
-        for at, t in enumerate(new, have):
-            got = where.get(t)
-            if got is None:
-                where[t] = [at]
-            else:
-                got.append(at)
+        index_positions(where, new, have)
     return tokens
 
 

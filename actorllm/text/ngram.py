@@ -32,6 +32,17 @@ def lookup_ngram(tokens: Seq[int], k: int, n_min: int, n_max: int) -> tuple[list
                           lambda: np.flatnonzero(arr[:-1] == arr[-1]).tolist(), lambda: arr)
 
 
+def index_positions(where: dict[int, list[int]], new: Seq[int], at: int) -> None:
+    """Add ``new``, appended at position ``at``, to ``where`` (token -> its positions,
+    ascending): the index a caller keeps for :func:`lookup_indexed`'s ``earlier``."""
+    for p, t in enumerate(new, at):
+        got = where.get(t)
+        if got is None:
+            where[t] = [p]
+        else:
+            got.append(p)
+
+
 def lookup_indexed(tokens: Seq[int], k: int, n_min: int, n_max: int,
                    earlier: Callable[[], list[int]], array: Callable[[], np.ndarray]
                    ) -> tuple[list[int], int]:

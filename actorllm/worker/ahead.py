@@ -18,7 +18,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from actorllm.text.ngram import lookup_indexed
+from actorllm.text.ngram import index_positions, lookup_indexed
 from actorllm.wire.steps import FEED_LAST_SAMPLE, StepPlan
 
 
@@ -63,12 +63,7 @@ class AheadLookup:
         if at != len(tokens):
             raise ValueError(f"rid {rid!r}: lookup tokens sent from position {at}, "
                              f"{len(tokens)} held")
-        for p, t in enumerate(new, at):
-            got = where.get(t)
-            if got is None:
-                where[t] = [p]
-            else:
-                got.append(p)
+        index_positions(where, new, at)
         tokens.extend(new)
         return tokens
 
