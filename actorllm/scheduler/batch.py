@@ -198,10 +198,12 @@ class Batch:
 
     def _waits_for_verdict(self, seq: Sequence) -> bool:
         """Whether ``seq`` speculates in a step in flight, or may in its next one (a
-        token in flight, and ``Speculation.wants``). Then no step is planned ahead: its
-        next step must wait for that verdict or token (planned ahead, it could get no
-        proposal), and planning the others ahead without it would split the rows
-        between two half-full steps in flight (measured: more, emptier steps)."""
+        token in flight, and ``Speculation.wants``). With a draft model no step is then
+        planned ahead: its next step must wait for that verdict or token (the draft's
+        pass needs the row's start), and planning the others ahead without it would
+        split the rows between two half-full steps in flight (measured: more, emptier
+        steps). N-gram rows need no wait: the Worker starts and drafts for them
+        (``Speculation.ahead``)."""
         spec = self.speculation
         return seq.drafting or (bool(seq.samples_in_flight) and spec is not None
                                 and spec.wants(seq, len(self.running)))

@@ -95,10 +95,11 @@ class Speculation:
     def wants(self, seq: Sequence, running: int) -> bool:
         """Whether ``seq``'s next decode row would carry drafts once its tokens are all
         known (with ``running`` sequences): not in back-off, a share of the step's draft
-        budget, room before ``max_tokens``, a kind of match that may pay. Under overlap
-        such a row is not planned ahead (``Batch._plan_running``): planned ahead, its last
-        token in flight, it could not get a proposal; one that nothing of pays is, and
-        keeps the overlap (``step_without_proposal`` forgives it meanwhile)."""
+        budget, room before ``max_tokens``, a kind of match that may pay. With a draft
+        model, under overlap, such a row is not planned ahead (``Batch._waits_for_verdict``:
+        its draft needs its start); one that nothing of pays is, and keeps the overlap
+        (``step_without_proposal`` forgives it meanwhile). N-gram rows are planned ahead
+        either way (:meth:`propose_ahead`)."""
         left = seq.max_tokens - len(seq.output_ids) - seq.samples_in_flight - 1
         cap = min(self.config.num_speculative_tokens, self.per_row(running), left)
         return not seq.spec_skip and not seq.spec_idle and cap >= 1 and may_speculate(seq) \
