@@ -275,10 +275,10 @@ class Sequence:
         if k:
             cols.num_drafts.extend([0] * (row - len(cols.num_drafts)))
             cols.num_drafts.append(k)
-            cols.hist_num.append(known - self.worker_hist)
-            p = len(self.prompt_ids)
-            cols.hist_tokens.extend(self.prompt_ids[self.worker_hist:known] if known <= p
-                                    else (self.token(i) for i in range(self.worker_hist, known)))
+            sent = self.worker_hist
+            cols.hist_num.append(known - sent)
+            cols.hist_tokens.extend(self.prompt_ids[sent:])
+            cols.hist_tokens.extend(self.output_ids[max(sent - len(self.prompt_ids), 0):])
             self.worker_hist = known
         else:
             cols.hist_num.append(0)

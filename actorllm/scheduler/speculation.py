@@ -122,45 +122,65 @@ class Speculation:
         this kind of match and by what drafts cost beside that many rows
         (:func:`best_drafts`), at most K; never past ``max_tokens``: a step emits at most
         drafts + 1 tokens."""
-        if seq.spec_idle:
-            # First, on the step's inputs: one comparison a row. (Its cap also falls near
-            # max_tokens; a lower cap pays less: sitting out stays right.)
-            if seq.spec_idle_key == (room, rows, self.num_drafts):
-                seq.spec_idle -= 1
-                return []
-            seq.spec_idle = 0  # (what it was judged by changed: judged again now)
-        if seq.spec_skip:
-            self.step_without_proposal(seq)
+        gate = self._gate(seq, room, rows, self.config.method != "draft_model")
+        if gate is None:
             return []
-        cap = min(self.config.num_speculative_tokens, room,
-                  seq.max_tokens - len(seq.output_ids) - 1)
-        if cap < 1 or not may_speculate(seq):
-            return []
-        key, rows = (room, rows, self.num_drafts), self._rows(rows)
+        cap, rows = gate
         if self.config.method == "draft_model":
             # The Worker's draft model fills these placeholders before the target runs.
             drafts, n = [DRAFT_PLACEHOLDER] * cap, 0
         else:
-            if not self._pays(seq, cap, rows):
-                # Nothing can pay: the lookup (a scan of the row's history) is skipped,
-                # until forgiving the estimates a bit each step would make a kind pay.
-                self._sit_out(seq, cap, rows)
-                seq.spec_idle_key = key
-                return []
             drafts, n = lookup_row(seq, cap, self.config.prompt_lookup_min,
                                    self.config.prompt_lookup_max)
             if not drafts:
                 return []
         self.rows = rows
-        k = best_drafts(self._alpha(seq, n), cap, self._cost, rows, self._block)
-        if not k and seq.spec_tries[n] == self.prior[1] and self._probes(n, cap, rows):
-            k = 1  # a kind of match never tried: one draft probes it (beside many rows
-            # the prior alone does not pay, and an estimate only moves by trying)
+        k = self._count(seq, n, cap, rows)
         if not k:
             self.passed_over(seq, n)
             return []
         seq.spec_n = n
         return drafts[:k]
+
+    def _gate(self, seq: Sequence, room: int, rows: int, judged: bool
+              ) -> tuple[int, int] | None:
+        """What a proposal asks first: ``(cap, rows)``, the most drafts ``seq``'s row may
+        carry (at most ``room``, never past ``max_tokens`` counting every token in flight
+        as accepted) and the batch's ``rows`` as the cost model sees them; None where it
+        proposes nothing now: idling, in back-off, no room, a row that may not speculate,
+        or (``judged``) no kind of match that may pay, when it sits out."""
+        if seq.spec_idle:
+            # First, on the step's inputs: one comparison a row. (Its cap also falls near
+            # max_tokens; a lower cap pays less: sitting out stays right.)
+            if seq.spec_idle_key == (room, rows, self.num_drafts):
+                seq.spec_idle -= 1
+                return None
+            seq.spec_idle = 0  # (what it was judged by changed: judged again now)
+        if seq.spec_skip:
+            self.step_without_proposal(seq)
+            return None
+        cap = min(self.config.num_speculative_tokens, room, seq.max_tokens
+                  - len(seq.output_ids) - seq.samples_in_flight - seq.drafts_in_flight - 1)
+        if cap < 1 or not may_speculate(seq):
+            return None
+        key, rows = (room, rows, self.num_drafts), self._rows(rows)
+        if judged and not self._pays(seq, cap, rows):
+            # Nothing can pay: the lookup (a scan of the row's history) is skipped, until
+            # forgiving the estimates a bit each step would make a kind pay.
+            self._sit_out(seq, cap, rows)
+            seq.spec_idle_key = key
+            return None
+        return cap, rows
+
+    def _count(self, seq: Sequence, n: int, cap: int, rows: int) -> int:
+        """How many of at most ``cap`` drafts from a match of length ``n`` pay for
+        ``seq`` by its estimate (:func:`best_drafts`); one to probe a kind of match never
+        tried (beside many rows the prior alone does not pay, and an estimate only moves
+        by trying)."""
+        k = best_drafts(self._alpha(seq, n), cap, self._cost, rows, self._block)
+        if not k and seq.spec_tries[n] == self.prior[1] and self._probes(n, cap, rows):
+            k = 1
+        return k
 
     @property
     def ahead(self) -> bool:
@@ -182,34 +202,12 @@ class Speculation:
         ``caps``; all 0: none). As :meth:`propose` decides it, the lookup aside: the
         same back-off, idling, cap (past every token in flight, its drafts all accepted)
         and cost model."""
-        none = [0] * len(self._kinds)
-        key = (room, rows, self.num_drafts)
-        if seq.spec_idle:
-            if seq.spec_idle_key == key:
-                seq.spec_idle -= 1
-                return none
-            seq.spec_idle = 0
-        if seq.spec_skip:
-            self.step_without_proposal(seq)
-            return none
-        cap = min(self.config.num_speculative_tokens, room, seq.max_tokens
-                  - len(seq.output_ids) - seq.samples_in_flight - seq.drafts_in_flight - 1)
-        if cap < 1 or not may_speculate(seq):
-            return none
-        rows = self._rows(rows)
-        if not self._pays(seq, cap, rows):
-            self._sit_out(seq, cap, rows)
-            seq.spec_idle_key = key
-            return none
+        gate = self._gate(seq, room, rows, True)
+        if gate is None:
+            return [0] * len(self._kinds)
+        cap, rows = gate
         self.rows = rows
-        caps = []
-        prior = self.prior[1]
-        for m in self._kinds:
-            k = best_drafts(self._alpha(seq, m), cap, self._cost, rows, self._block)
-            if not k and seq.spec_tries[m] == prior and self._probes(m, cap, rows):
-                k = 1  # (a probe, as in propose)
-            caps.append(k)
-        return caps
+        return [self._count(seq, m, cap, rows) for m in self._kinds]
 
     def passed_over(self, seq: Sequence, n: int) -> None:
         """A match of length ``n`` was found for ``seq`` but no draft from it pays now:

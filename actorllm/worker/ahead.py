@@ -72,7 +72,6 @@ class AheadLookup:
         """Drafts for ``rid`` whose held tokens are followed by ``recent`` (not held: the
         previous step's), and the match length (0: none)."""
         held = self.tokens[rid]
-        tokens = held + recent
         last = recent[-1]
         base = len(held)
 
@@ -80,8 +79,14 @@ class AheadLookup:
             return [*self.where[rid].get(last, ()),
                     *(base + i for i, t in enumerate(recent[:-1]) if t == last)]
 
-        return lookup_indexed(tokens, k, n_min, n_max, earlier,
-                              lambda: np.asarray(tokens, dtype=np.int64))
+        # ``recent`` joins the held list for the lookup only, rather than a copy of the
+        # whole history every step (the Scheduler's lookup avoids that copy too).
+        held.extend(recent)
+        try:
+            return lookup_indexed(held, k, n_min, n_max, earlier,
+                                  lambda: np.asarray(held, dtype=np.int64))
+        finally:
+            del held[base:]
 
     def resolve(self, plan: StepPlan, slot_of: dict[str, int], cols: dict[str, np.ndarray],
                 failed: frozenset[str]) -> tuple[StepPlan, tuple[int, ...], tuple[int, ...]]:
@@ -112,7 +117,6 @@ class AheadLookup:
                 raise ValueError(f"rid {rid!r}: a row planned ahead holds "
                                  f"{plan.token_ids[starts[i]:starts[i + 1]]}, caps {caps}")
             if rid in failed:
-                self.drop(rid)  # (never read again: its sequence has failed)
                 rows[i], begin[i] = [0], plan.start_pos[i]
                 drafted.append(0)
                 found.append(0)

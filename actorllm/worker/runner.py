@@ -215,10 +215,11 @@ class ModelRunner:
         last_step = self._take_news_and_drops(plan)
         result = StepResult(step_id=plan.step_id)
         sample_s = pack_s = 0.0
-        ahead: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+        drafted: tuple[int, ...] = ()
+        kinds: tuple[int, ...] = ()
         if plan.ahead is not None:  # started and drafted for here (worker/ahead.py)
-            plan, *ahead = self.ahead.resolve(plan, self.tables.slot_of, self.sampling.cols,
-                                             self._failed_rids)
+            plan, drafted, kinds = self.ahead.resolve(
+                plan, self.tables.slot_of, self.sampling.cols, self._failed_rids)
         if plan.rids:
             rows = self.tables.apply(plan)  # before any check: the diffs are always kept
             slots = rows[np.asarray(plan.sample, dtype=bool)]  # the sampling rows' slots
@@ -254,7 +255,7 @@ class ModelRunner:
                 masks.apply(logits)
             result = attrs.evolve(self._sample(plan.step_id, logits, slots, verified, drawn),
                                   prompt_logprobs=prompt_lps, pooled=pooled,
-                                  ahead_drafted=ahead[0], ahead_kinds=ahead[1])
+                                  ahead_drafted=drafted, ahead_kinds=kinds)
             sample_s = time.perf_counter() - t1
         for rid in plan.drop:
             if rid in last_step:

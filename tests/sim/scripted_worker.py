@@ -96,10 +96,10 @@ class ScriptedWorker:
         # rows verified, and those that rejected a draft.
         self.emitted: dict[str, dict[int, int]] = {}
         self.drafts_verified = self.drafts_rejected = self.drafts_all_accepted = 0
-        # Rows planned ahead: rid -> the tokens the Scheduler sent for its lookups; rows
-        # resolved, and those that drafted.
+        # Rows planned ahead: rid -> the tokens the Scheduler sent for its lookups; the
+        # rows that drafted.
         self.ahead_tokens: dict[str, list[int]] = {}
-        self.ahead_rows = self.ahead_drafting = 0
+        self.ahead_drafting = 0
 
     async def run(self) -> None:
         """Receive plans in one task, send results in order from another."""
@@ -226,7 +226,6 @@ class ScriptedWorker:
             if j is None:
                 ids.extend(row)
                 continue
-            self.ahead_rows += 1
             held = self.ahead_tokens.setdefault(rid, [])
             sent = a.hist_tokens[sent_at:sent_at + a.hist_num[j]]
             sent_at += a.hist_num[j]
