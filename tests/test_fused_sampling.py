@@ -5,6 +5,8 @@ choosing it only where it applies."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -19,10 +21,23 @@ cpu_step.load_op_library()  # raises, saying why, where the op cannot be built h
 INF = float("inf")
 
 
+@pytest.fixture(params=[2, 1, 0], ids=["avx512", "avx2", "plain"])
+def each_body(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The op's draw and argmax in each vector body this CPU has (AVX-512, AVX2, the
+    plain loops): the op takes the widest, so a test of it alone would try one."""
+    try:
+        if torch.ops.actorllm.cap_vector_isa(request.param) != request.param:
+            pytest.skip("this CPU has no such vector unit")
+        yield
+    finally:
+        torch.ops.actorllm.cap_vector_isa(2)
+
+
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
     return sample_rows(logits, torch.zeros(logits.shape[0]), GREEDY_BELOW)
 
 
+@pytest.mark.usefixtures("each_body")
 def test_greedy_rows_are_torch_argmax_ties_infinities_and_nans_included() -> None:
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 300, generator=g)
@@ -36,6 +51,7 @@ def test_greedy_rows_are_torch_argmax_ties_infinities_and_nans_included() -> Non
     assert torch.equal(_greedy(logits), logits.argmax(dim=-1))
 
 
+@pytest.mark.usefixtures("each_body")
 def test_the_draw_is_the_inverse_cdf_at_the_given_uniforms() -> None:
     g = torch.Generator().manual_seed(1)
     rows, vocab = 200, 1000  # not a multiple of the op's chunk
@@ -52,6 +68,7 @@ def test_the_draw_is_the_inverse_cdf_at_the_given_uniforms() -> None:
         assert before - 1e-5 <= target[i] <= float(cdf[i, t]) + 1e-5, (i, t)
 
 
+@pytest.mark.usefixtures("each_body")
 def test_the_draw_matches_the_distribution_chi_square() -> None:
     torch.manual_seed(2)
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, -INF])
@@ -65,6 +82,7 @@ def test_the_draw_matches_the_distribution_chi_square() -> None:
     assert chi2 < 22.46  # 6 degrees of freedom, p = 0.001
 
 
+@pytest.mark.usefixtures("each_body")
 def test_masked_tokens_are_never_drawn_and_a_row_with_none_left_takes_the_argmax() -> None:
     torch.manual_seed(3)
     logits = torch.randn(500, 64)
@@ -75,6 +93,7 @@ def test_masked_tokens_are_never_drawn_and_a_row_with_none_left_takes_the_argmax
     assert (tokens[1:] % 2 == 1).all()
 
 
+@pytest.mark.usefixtures("each_body")
 def test_a_drawn_row_with_a_nan_or_an_infinity_takes_the_argmax() -> None:
     """The op's draw has no softmax to turn a NaN or +inf into NaN weights: it must still
     give the argmax for such rows, wherever in a 16-lane vector the value lies."""
@@ -90,6 +109,7 @@ def test_a_drawn_row_with_a_nan_or_an_infinity_takes_the_argmax() -> None:
     assert 0 <= int(tokens[5]) < 1000
 
 
+@pytest.mark.usefixtures("each_body")
 def test_greedy_and_drawn_rows_mix_in_one_call() -> None:
     torch.manual_seed(4)
     logits = torch.randn(6, 50)
@@ -166,6 +186,7 @@ def test_the_decode_op_draws_only_rows_nothing_else_touches(
     assert plain.op_temperatures(np.arange(1)) is None  # no op: never
 
 
+@pytest.mark.usefixtures("each_body")
 def test_greedy_rows_match_argmax_at_every_lane_of_a_wide_row() -> None:
     """The vectorized argmax: a top value, a tie or a NaN in each lane position, the tail
     of a vocabulary that is not a multiple of sixteen, and zeros of both signs."""
@@ -184,6 +205,7 @@ def test_greedy_rows_match_argmax_at_every_lane_of_a_wide_row() -> None:
     assert torch.equal(_greedy(logits), logits.argmax(dim=-1))
 
 
+@pytest.mark.usefixtures("each_body")
 @pytest.mark.parametrize("vocab", [64, 1000, 4096])
 def test_a_draw_at_the_top_of_the_cdf_takes_a_token_of_weight_near_the_end(vocab: int) -> None:
     """1 - u = 1 puts the target at the row's total, where float rounding can leave the

@@ -278,6 +278,14 @@ void sample_block(const float* xs, int64_t begin, int64_t end, int64_t vocab, co
   }
 }
 
+// Caps the draw's vector body (2 AVX-512, 1 AVX2, 0 the plain loops; cpu_sample_rows.h)
+// for the whole process and returns the one now taken: the tests run each body the CPU
+// has against the same reference.
+int64_t cap_vector_isa(int64_t cap) {
+  isa_cap.store(static_cast<int>(cap), std::memory_order_relaxed);
+  return vector_isa();
+}
+
 // One token per row of fp32 logits [rows, vocab]: the argmax where temperature[row] is
 // below greedy_below, else a draw from softmax(logits / temperature) with uniform
 // 1 - uniforms[row] (drawn here from torch's default generator when not given). The
@@ -360,6 +368,8 @@ TORCH_LIBRARY(actorllm, m) {
         "float greedy_below=0.0, bool helper=False) -> Tensor");
   m.def("sample_rows(Tensor logits, Tensor temperature, Tensor? uniforms, "
         "float greedy_below) -> Tensor");
+  // No tensors, so no dispatch key: defined with its one (catch-all) kernel.
+  m.def("cap_vector_isa(int cap) -> int", &cap_vector_isa);
 }
 
 // One kernel for every dispatch key: the op runs dense fp32 CPU tensors only, and the

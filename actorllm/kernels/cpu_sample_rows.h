@@ -1,7 +1,7 @@
 // One row of logits to one token, for sample_rows in cpu_decode_step.cpp (included there,
 // inside its anonymous namespace, after <immintrin.h>, <cmath> and <algorithm>): torch's
-// argmax and the inverse-CDF draw of filters.draw, each with an AVX-512 body taken at run
-// time where the CPU has it (the op library is built for any x86-64).
+// argmax and the inverse-CDF draw of filters.draw, each with an AVX-512 and an AVX2 body,
+// the widest the CPU has taken at run time (the op library is built for any x86-64).
 #pragma once
 
 // The index of a row's largest value, the first of equals, as torch.argmax: a NaN counts
@@ -110,25 +110,97 @@ ACTORLLM_AVX512 int64_t row_argmax_avx512(const float* x, int64_t n) {
   return 0;  // not reached: the maximum is one of the row's values
 }
 
-bool has_avx512() {
-  static const bool yes = [] {
-    __builtin_cpu_init();  // may run before libgcc's own initialisation did
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-  }();
-  return yes;
+#define ACTORLLM_AVX2 __attribute__((target("avx2,fma")))
+#define ACTORLLM_EXP8_TARGET ACTORLLM_AVX2
+#include "cpu_exp8.h"
+
+// row_weights_plain eight tokens at a time, the last n % 8 in masked lanes: the AVX-512
+// body's weights (the same polynomial), summed in another order.
+ACTORLLM_AVX2 double row_weights_avx2(const float* x, int64_t n, float inv, float* e,
+                                      double* sums) {
+  __m256 top = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; j += 8) {
+    const __m256i k = lanes8(n - j);
+    const __m256 v = _mm256_maskload_ps(x + j, k), live = _mm256_castsi256_ps(k);
+    nan = _mm256_or_ps(nan, _mm256_and_ps(live, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    top = _mm256_blendv_ps(top, _mm256_max_ps(top, v), live);
+  }
+  if (_mm256_movemask_ps(nan)) return -1;
+  const __m256 m = _mm256_set1_ps(max8(top) * inv), vinv = _mm256_set1_ps(inv);
+  double total = 0;
+  for (int64_t c = 0; c * kChunk < n; ++c) {
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t j = c * kChunk; j < std::min(n, (c + 1) * kChunk); j += 8) {
+      const __m256i k = lanes8(n - j);
+      const __m256 w = _mm256_and_ps(
+          _mm256_castsi256_ps(k),
+          exp8_le0(_mm256_sub_ps(_mm256_mul_ps(_mm256_maskload_ps(x + j, k), vinv), m)));
+      _mm256_maskstore_ps(e + j, k, w);
+      sum = _mm256_add_ps(sum, w);
+    }
+    sums[c] = sum8(sum);
+    total += sums[c];
+  }
+  return total;
+}
+
+// row_argmax_avx512's two passes on eight lanes.
+ACTORLLM_AVX2 int64_t row_argmax_avx2(const float* x, int64_t n) {
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  int nan = 0;
+  for (int64_t j = 0; j < n && !nan; j += 8) {
+    const __m256i k = lanes8(n - j);
+    const __m256 v = _mm256_maskload_ps(x + j, k), live = _mm256_castsi256_ps(k);
+    nan |= _mm256_movemask_ps(_mm256_and_ps(live, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    top = _mm256_blendv_ps(top, _mm256_max_ps(top, v), live);
+  }
+  const __m256 m = _mm256_set1_ps(max8(top));
+  for (int64_t j = 0; j < n; j += 8) {
+    const __m256i k = lanes8(n - j);
+    const __m256 v = _mm256_maskload_ps(x + j, k);
+    const __m256 eq = nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, m, _CMP_EQ_OQ);
+    const int hit = _mm256_movemask_ps(_mm256_and_ps(_mm256_castsi256_ps(k), eq));
+    if (hit) return j + __builtin_ctz(hit);
+  }
+  return 0;  // not reached: the maximum is one of the row's values
 }
 #endif
 
+// The widest vector body the draw takes: 2 AVX-512, 1 AVX2, 0 the plain loops. What the
+// CPU has, unless capped (cap_vector_isa: tests run every body on one machine).
+std::atomic<int> isa_cap{2};
+
+int cpu_vector_isa() {
+#ifdef ACTORLLM_AVX512
+  static const int widest = [] {
+    __builtin_cpu_init();  // may run before libgcc's own initialisation did
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) return 2;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+  }();
+  return widest;
+#else
+  return 0;
+#endif
+}
+
+int vector_isa() { return std::min(cpu_vector_isa(), isa_cap.load(std::memory_order_relaxed)); }
+
 int64_t row_argmax_fast(const float* x, int64_t n) {
 #ifdef ACTORLLM_AVX512
-  if (has_avx512()) return row_argmax_avx512(x, n);
+  switch (vector_isa()) {
+    case 2: return row_argmax_avx512(x, n);
+    case 1: return row_argmax_avx2(x, n);
+  }
 #endif
   return row_argmax(x, n);
 }
 
 double row_weights(const float* x, int64_t n, float inv, float* e, double* sums) {
 #ifdef ACTORLLM_AVX512
-  if (has_avx512()) return row_weights_avx512(x, n, inv, e, sums);
+  switch (vector_isa()) {
+    case 2: return row_weights_avx512(x, n, inv, e, sums);
+    case 1: return row_weights_avx2(x, n, inv, e, sums);
+  }
 #endif
   return row_weights_plain(x, n, inv, e, sums);
 }
