@@ -128,6 +128,25 @@ def test_the_op_takes_each_layers_window(runner: ModelRunner) -> None:
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_step_equals_the_module_bit_for_bit(runner: ModelRunner, num_seqs: int,
                                                    threads: int) -> None:
+    _check_bit_for_bit(runner, num_seqs, threads)
+
+
+@pytest.mark.parametrize("num_seqs", [2, 7, 32])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_step_equals_the_module_on_the_avx2_body(runner: ModelRunner, num_seqs: int,
+                                                        threads: int) -> None:
+    """Capped at AVX2, as on a CPU without AVX-512: 2 to 32 rows take the op's own GEMM
+    (kernels/cpu_small_mm.h) in the op and, through actorllm::linear, in the module."""
+    if torch.ops.actorllm.cap_vector_isa(1) != 1:
+        torch.ops.actorllm.cap_vector_isa(2)
+        pytest.skip("this CPU has no AVX2 and FMA")
+    try:
+        _check_bit_for_bit(runner, num_seqs, threads)
+    finally:
+        torch.ops.actorllm.cap_vector_isa(2)
+
+
+def _check_bit_for_bit(runner: ModelRunner, num_seqs: int, threads: int) -> None:
     assert runner.decode_step is not None
     rng = random.Random(num_seqs)
     blocks = list(range(runner.num_blocks))

@@ -65,9 +65,41 @@ using DecodeFn = int (*)(const float*, const float*, const float*, const int32_t
                          const int32_t*, float*, int64_t, int64_t, int64_t, int64_t,
                          int64_t, int64_t, float, int64_t, float, int);
 
+#include "cpu_sample_rows.h"
+#include "cpu_small_mm.h"
+
+// Whether a linear of `rows` rows takes small_mm rather than MKL: 2 to 32 rows where the
+// draw's widest body is AVX2 (a CPU without AVX-512, or a cap). On the AVX-512 host MKL's
+// few-row GEMM measured cheap (one row and 8 drafts ~1.2x a plain step's forward).
+bool small_rows(int64_t rows) {
+#ifdef ACTORLLM_AVX2
+  return rows >= kSmallRowsMin && rows <= kSmallRowsMax && vector_isa() == 1;
+#else
+  return false;
+#endif
+}
+
+// out = x @ weight (+ bias) by small_mm; x, weight and bias contiguous fp32.
+void small_linear_into(Tensor& out, const Tensor& x, const Tensor& weight,
+                       const std::optional<Tensor>& bias) {
+#ifdef ACTORLLM_AVX2
+  small_mm(x.data_ptr<float>(), x.size(0), x.size(1), weight.data_ptr<float>(), weight.size(1),
+           bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>());
+#endif
+}
+
 // PackedLinear.forward for a 2-D fp32 input (the only dtype the op runs): the weight is
-// laid out [in, out] and the linear is one mm (addmm with a bias), the module's call.
+// laid out [in, out] and the linear is one mm (addmm with a bias), or small_mm for a few
+// rows; registered as actorllm::linear too, which the module calls (ops/cpu_linear.py),
+// so the op and the module stay equal bit for bit.
 Tensor packed_linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
+  if (small_rows(x.size(0)) && x.dim() == 2 && x.scalar_type() == at::kFloat &&
+      weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+      (!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous()))) {
+    Tensor out = at::empty({x.size(0), weight.size(1)}, x.options());
+    small_linear_into(out, x.contiguous(), weight, bias);
+    return out;
+  }
   return bias.has_value() ? at::addmm(*bias, x, weight) : at::mm(x, weight);
 }
 
@@ -239,8 +271,6 @@ Tensor llama_decode(const Tensor& input_ids, const Tensor& positions,
   return packed_linear(normed, *lm_head, std::nullopt);
 }
 
-#include "cpu_sample_rows.h"
-
 // The temperatures of a step's rows as fp32, and its uniforms where any row draws (given,
 // or from torch's default generator: one call of rows values, whichever caller).
 struct Draws {
@@ -337,6 +367,7 @@ Tensor head_and_sample(const Tensor& x, const Tensor& head, const Tensor& temper
   const int64_t blocks = (rows + kHeadRows - 1) / kHeadRows;
   std::atomic<int64_t> next{0};
   const int64_t team = std::min<int64_t>(at::get_num_threads(), blocks);
+  const bool small = small_rows(rows) && head.is_contiguous();
   const std::function<void()> take_blocks = [&] {
     std::vector<double> sums((vocab + kChunk - 1) / kChunk);
     std::vector<float> weights(d.any_drawn ? vocab : 0);
@@ -344,7 +375,11 @@ Tensor head_and_sample(const Tensor& x, const Tensor& head, const Tensor& temper
     for (int64_t i = next++; i < blocks; i = next++) {
       const int64_t b = i * kHeadRows, n = std::min(kHeadRows, rows - b);
       Tensor logits = block.narrow(0, 0, n);
-      at::mm_out(logits, x.narrow(0, b, n), head);
+      if (small) {  // (small_mm's rows do not depend on the rows beside them)
+        small_linear_into(logits, x.narrow(0, b, n).contiguous(), head, std::nullopt);
+      } else {
+        at::mm_out(logits, x.narrow(0, b, n), head);
+      }
       sample_block(logits.data_ptr<float>(), b, b + n, vocab, d, greedy_below, weights.data(),
                    sums.data(), o);
     }
@@ -368,6 +403,7 @@ TORCH_LIBRARY(actorllm, m) {
         "float greedy_below=0.0, bool helper=False) -> Tensor");
   m.def("sample_rows(Tensor logits, Tensor temperature, Tensor? uniforms, "
         "float greedy_below) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   // No tensors, so no dispatch key: defined with its one (catch-all) kernel.
   m.def("cap_vector_isa(int cap) -> int", &cap_vector_isa);
 }
@@ -377,4 +413,5 @@ TORCH_LIBRARY(actorllm, m) {
 TORCH_LIBRARY_IMPL(actorllm, CompositeExplicitAutograd, m) {
   m.impl("llama_decode", &llama_decode);
   m.impl("sample_rows", &sample_rows);
+  m.impl("linear", &packed_linear);
 }

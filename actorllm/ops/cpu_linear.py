@@ -18,11 +18,18 @@ bits (summation order), like any two GEMMs.
 :func:`pack_linears` swaps the model's ``nn.Linear`` modules for :class:`PackedLinear`
 where the weights are fp32 or bf16 on the CPU (bf16 only with a torch built with
 oneDNN); elsewhere it changes nothing.
+
+fp32 at 2 to 32 rows calls the decode op's ``actorllm::linear`` where its library loads
+(ops/cpu_step.py): on a CPU without AVX-512 it runs those rows by its own GEMM
+(kernels/cpu_small_mm.h says why: MKL's cost 2-3x the one-row step there), elsewhere it
+makes this module's call. The module and the op (which runs most steps) so compute a
+linear the same way, bit for bit.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +39,8 @@ log = logging.getLogger(__name__)
 
 # The batch size oneDNN tunes the layout for; 64 rows measured best across 1 to 2048.
 _BATCH_HINT = 64
+# The rows the op's linear may run by its own GEMM (kernels/cpu_small_mm.h kSmallRows*).
+SMALL_ROWS = range(2, 33)
 
 
 def bucket_rows(rows: int) -> int:
@@ -64,8 +73,10 @@ class PackedLinear(nn.Module):
     """``nn.Linear`` for inference, its weight laid out for the GEMM: ``[in, out]`` for
     ``torch.mm`` in fp32, oneDNN's blocked layout in bf16 (``onednn``)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, op: Callable[..., Tensor] | None = None) -> None:
         super().__init__()
+        # fp32 rows in SMALL_ROWS go to the op's linear where given (the module docstring).
+        self.op = op
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.onednn = weight.dtype != torch.float32
@@ -79,8 +90,12 @@ class PackedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if not self.onednn:  # the op (kernels/cpu_decode_step.cpp) makes the same call
-            out = torch.mm(flat, self.packed_weight) if self.bias is None \
-                else torch.addmm(self.bias, flat, self.packed_weight)
+            if self.op is not None and flat.shape[0] in SMALL_ROWS:
+                out = self.op(flat, self.packed_weight, self.bias)
+            elif self.bias is None:
+                out = torch.mm(flat, self.packed_weight)
+            else:
+                out = torch.addmm(self.bias, flat, self.packed_weight)
             return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
         rows = flat.shape[0]
         padded = bucket_rows(rows)
@@ -103,11 +118,12 @@ def pack_linears(model: nn.Module) -> int:
     linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
     if not linears or not all(packing_available(m.weight) for _, m in linears):
         return 0
+    op = _op_linear() if linears[0][1].weight.dtype == torch.float32 else None
     swaps: list[tuple[nn.Module, str, PackedLinear]] = []
     for name, linear in linears:
         probe = torch.randn(3, linear.in_features, dtype=linear.weight.dtype)
         try:
-            packed = PackedLinear(linear)
+            packed = PackedLinear(linear, op)
             with torch.no_grad():
                 want = F.linear(probe, linear.weight, linear.bias).float()
                 got = packed(probe).float()
@@ -124,3 +140,16 @@ def pack_linears(model: nn.Module) -> int:
     for parent, attr, packed in swaps:
         setattr(parent, attr, packed)
     return len(swaps)
+
+
+def _op_linear() -> Callable[..., Tensor] | None:
+    """``torch.ops.actorllm.linear`` where the decode op's library builds and loads, else
+    None (the module then calls ``mm``, and no op runs its steps either)."""
+    from actorllm.ops.cpu_step import CpuKernelError, load_op_library  # (it imports this)
+
+    try:
+        load_op_library()
+    except CpuKernelError as exc:
+        log.info("linears call mm at every row count: %s", exc)
+        return None
+    return torch.ops.actorllm.linear
