@@ -337,7 +337,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Near-zero-compute Llama ({cfg['parameters']:,} parameters: "
         + ", ".join(f"{k} {v}" for k, v in cfg["model_shape"].items())
         + f"), seed {cfg['seed']}; {cfg['num_prompts']} prompts, {cfg['input_len']} in / "
-        f"{cfg['output_len']} out; max_num_seqs {cfg['max_num_seqs']}; CPUs {cfg['cpus']}, "
+        f"{cfg['output_len']} out; max_num_seqs {cfg['max_num_seqs']}; "
+        f"{env.get('cpu_model') or 'an unknown CPU'}, CPUs {cfg['cpus']}, "
         f"{cfg['threads']} threads, {cfg['dtype']}. Commit {env.get('git_commit', '?')[:12]}"
         f"{' (dirty)' if env.get('git_dirty') else ''}; load average before "
         f"{env.get('load_average_before')}, after {env.get('load_average_after')}.", "",

@@ -27,7 +27,7 @@ machine's noise). Targets (issue 32): >= 1.8x at concurrency 1 on ``repeat``, >=
 on ``random``. ``--repeats R`` runs each cell's arms R times, alternating off and on, and
 keeps each arm's fastest run (on a shared machine the noise is mostly slowdowns).
 ``--max-draft-tokens-per-step`` sets that key (default: the device's, 8 on the CPU).
-Results go to ``benchmarks/results/speculative.json`` and ``.md``.
+Results go to ``benchmarks/results/speculative.json`` and ``.md`` (or ``--out``).
 
 ``--draft-model DIR`` measures the ``draft_model`` method instead of n-gram;
 ``--draft-model random`` builds a random one-layer Llama of the model's vocabulary (a
@@ -155,6 +155,8 @@ def main() -> None:
                     choices=["repeat", "random"])
     ap.add_argument("--repeats", type=int, default=1, help="runs per arm; the fastest is kept")
     ap.add_argument("--no-save", action="store_true", help="print only (for smoke runs)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "speculative",
+                    help="results as OUT.json and OUT.md (default: %(default)s)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -211,17 +213,30 @@ def main() -> None:
               f"{c['off']['steps'] / max(c['on']['steps'], 1):.2f} |" for c in cells]
     print("\n".join(lines))
     if not args.no_save:
-        report = {"machine": platform.platform(), "args": vars(args), "speculative": spec,
+        report = {"machine": platform.platform(), "cpu": _cpu_model(),
+                  "args": {**vars(args), "out": str(args.out)}, "speculative": spec,
                   "cells": cells}
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "speculative.json").write_text(json.dumps(report, indent=2) + "\n")
-        (RESULTS / "speculative.md").write_text(
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+        args.out.with_suffix(".md").write_text(
             f"# Speculative decoding ({spec['method']}), on against off\n\n"
-            f"{report['machine']}, "
+            f"{report['machine']} on {report['cpu']}, "
             f"{args.requests} requests x {args.max_tokens} tokens per cell, temperature "
             f"{args.temperature}, K = {args.num_speculative_tokens}, best of "
             f"{args.repeats}.\n\n"
             + "\n".join(lines) + "\n")
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (ratios differ between hosts: docs/architecture.md "CPUs
+    without AVX-512")."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "an unknown CPU"
 
 
 if __name__ == "__main__":
