@@ -30,7 +30,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from actorllm.config import EngineConfig
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.ops.cpu_backend import CpuKernelError, build_kernel
-from actorllm.ops.cpu_step import build_op_library
+from actorllm.ops.op_library import build_op_library
 
 # The tiny models are all per-op overhead: one intra-op thread is ~5x faster than two
 # threads spinning against each other on a busy 2-core box (and right under pytest-xdist).

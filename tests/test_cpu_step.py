@@ -26,7 +26,7 @@ from test_models_families import build_family
 
 from actorllm.model import ForwardBatch
 from actorllm.model.llama import LlamaForCausalLM
-from actorllm.ops import TorchBackend, cpu_step
+from actorllm.ops import TorchBackend, cpu_step, op_library
 from actorllm.ops.cpu_backend import CpuKernelError, build_library
 from actorllm.ops.cpu_step import DecodeStep, load_decode_step, why_not
 from actorllm.wire.messages import NewSeqData, SamplingParams, ScheduledSeq, StepPlan
@@ -397,7 +397,7 @@ def test_a_failed_build_keeps_the_module(tiny_llama_dir: Path, monkeypatch: pyte
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
     monkeypatch.setenv("ACTORLLM_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(CpuKernelError, match="no-such-c"):
-        cpu_step.build_op_library()
+        op_library.build_op_library()
 
     def no_library() -> Path:
         raise CpuKernelError("no C++ compiler found")

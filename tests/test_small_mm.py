@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sim.profiles import examples
 from torch import nn
 
 from actorllm.ops import cpu_step
@@ -38,7 +39,7 @@ def _case(rows: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.usefixtures("avx2")
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(rows=st.integers(2, 32), k=st.integers(1, 300), n=st.integers(1, 80),
        bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_small_rows_match_float64(rows: int, k: int, n: int, bias: bool, seed: int) -> None:

@@ -35,6 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from actorllm.ops.cpu_backend import CpuKernelError
+from actorllm.ops.op_library import load_op_library
+
 log = logging.getLogger(__name__)
 
 # The batch size oneDNN tunes the layout for; 64 rows measured best across 1 to 2048.
@@ -145,8 +148,6 @@ def pack_linears(model: nn.Module) -> int:
 def _op_linear() -> Callable[..., Tensor] | None:
     """``torch.ops.actorllm.linear`` where the decode op's library builds and loads, else
     None (the module then calls ``mm``, and no op runs its steps either)."""
-    from actorllm.ops.cpu_step import CpuKernelError, load_op_library  # (it imports this)
-
     try:
         load_op_library()
     except CpuKernelError as exc:

@@ -20,18 +20,15 @@ tensor parallelism); tests compare the two (``tests/test_cpu_step.py``).
 
 The op is compiled on first use with the machine's C++ compiler (``$CXX``, else
 ``c++``/``g++``) against the installed torch's headers (8 s here, once: it is cached
-with the C kernel). Without a compiler or the headers, :func:`load_decode_step` logs
-why and returns None, and the Worker keeps the Python forward.
+with the C kernel; :mod:`actorllm.ops.op_library`). Without a compiler or the headers,
+:func:`load_decode_step` logs why and returns None, and the Worker keeps the Python
+forward.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import threading
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -43,58 +40,14 @@ from actorllm.model.llama import (
     LlamaForCausalLM,
     RotaryEmbedding,
 )
-from actorllm.ops.cpu_backend import CpuBackend, CpuKernelError, build_library
+from actorllm.ops.cpu_backend import CpuBackend, CpuKernelError
 from actorllm.ops.cpu_linear import PackedLinear
+from actorllm.ops.op_library import load_op_library
 
 log = logging.getLogger(__name__)
 
-SOURCE = "cpu_decode_step.cpp"
 # The decode kernel's limits (cpu_paged_decode.c): beyond them it refuses the shape.
 _MAX_GROUP, _MAX_HEAD_DIM = 16, 256
-
-_lock = threading.Lock()
-_loaded: Path | None = None
-
-
-def _torch_flags() -> tuple[list[str], list[str]]:
-    root = Path(torch.__file__).parent
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    # No FMA contraction: the fused RoPE must round as the module's separate ops do.
-    flags = ["-O2", "-std=c++20", "-fPIC", "-shared", "-w", "-ffp-contract=off", "-fopenmp",
-             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_ASSERT_ONLY_METHOD_OPERATORS",
-             f"-I{root / 'include'}",
-             # the version is in the key: a new torch rebuilds
-             f"-DACTORLLM_TORCH_VERSION=\"{torch.__version__}\""]
-    libs = [f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
-    return flags, libs
-
-
-def build_op_library(cache_dir: Path | None = None) -> Path:
-    """Compile the op (once per source, torch and CPU) and return the shared object."""
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not cxx:
-        raise CpuKernelError("no C++ compiler found (set CXX, or install g++)")
-    if not (Path(torch.__file__).parent / "include" / "torch" / "library.h").is_file():
-        raise CpuKernelError("this torch has no C++ headers")
-    flags, libs = _torch_flags()
-    return build_library(SOURCE, cxx, flags, libs, cache_dir, timeout=300)
-
-
-def load_op_library() -> Path:
-    """Build the op if needed and register it in this process (once: a process can hold
-    one library that defines ``torch.ops.actorllm``)."""
-    global _loaded
-    with _lock:
-        if _loaded is not None:
-            return _loaded
-        path = build_op_library()
-        try:
-            torch.ops.load_library(str(path))
-        except OSError as exc:
-            raise CpuKernelError(f"could not load {path.name}: {exc}") from exc
-        _loaded = path
-        return path
-
 
 def why_not(model: torch.nn.Module, backend: object) -> str | None:
     """Why :class:`DecodeStep` cannot run this model with this backend, or None when it can."""
