@@ -20,7 +20,7 @@ where the weights are fp32 or bf16 on the CPU (bf16 only with a torch built with
 oneDNN); elsewhere it changes nothing.
 
 fp32 at 2 to 32 rows calls the decode op's ``actorllm::linear`` where its library loads
-(ops/cpu_step.py): on a CPU without AVX-512 it runs those rows by its own GEMM
+(ops/op_library.py): on a CPU without AVX-512 it runs those rows by its own GEMM
 (kernels/cpu_small_mm.h says why: MKL's cost 2-3x the one-row step there), elsewhere it
 makes this module's call. The module and the op (which runs most steps) so compute a
 linear the same way, bit for bit.
