@@ -1114,17 +1114,21 @@ def offline_actorllm_child(spec: dict[str, Any]) -> None:
 # --- environment --------------------------------------------------------------------------------
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("" where there is none): ratios differ
+    between hosts (docs/architecture.md "CPUs without AVX-512")."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
 def environment(settings: Settings) -> dict[str, Any]:
     import torch
 
     import actorllm
 
-    cpu_model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
     flags = ""
     with contextlib.suppress(OSError):
         text = Path("/proc/cpuinfo").read_text()
@@ -1150,7 +1154,7 @@ def environment(settings: Settings) -> dict[str, Any]:
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                 cwd=REPO, capture_output=True, text=True).stdout.strip())
     return {
-        "cpu_model": cpu_model, "cpu_flags": flags, "logical_cpus": os.cpu_count(),
+        "cpu_model": cpu_model(), "cpu_flags": flags, "logical_cpus": os.cpu_count(),
         "affinity_of_this_process": sorted(os.sched_getaffinity(0)),
         "machine": platform.machine(), "kernel": platform.release(),
         "python_actorllm": platform.python_version(),

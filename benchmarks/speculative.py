@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import serving  # the CPU's name for the header
+
 RESULTS = Path(__file__).parent / "results"
 
 PASSAGES = [
@@ -213,7 +215,8 @@ def main() -> None:
               f"{c['off']['steps'] / max(c['on']['steps'], 1):.2f} |" for c in cells]
     print("\n".join(lines))
     if not args.no_save:
-        report = {"machine": platform.platform(), "cpu": _cpu_model(),
+        report = {"machine": platform.platform(),
+                  "cpu": serving.cpu_model() or "an unknown CPU",
                   "args": {**vars(args), "out": str(args.out)}, "speculative": spec,
                   "cells": cells}
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -225,18 +228,6 @@ def main() -> None:
             f"{args.temperature}, K = {args.num_speculative_tokens}, best of "
             f"{args.repeats}.\n\n"
             + "\n".join(lines) + "\n")
-
-
-def _cpu_model() -> str:
-    """The CPU's model name (ratios differ between hosts: docs/architecture.md "CPUs
-    without AVX-512")."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "an unknown CPU"
 
 
 if __name__ == "__main__":
