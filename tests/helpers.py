@@ -13,9 +13,12 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pytest
 import torch
 import trio
 
@@ -411,3 +414,16 @@ def stream_chat(plan: Any, pieces: list[str]) -> tuple[Any, list[dict[str, Any]]
     for chunk in chunks:
         state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
     return state.get_final_completion(), chunks
+
+
+@contextmanager
+def vector_body(level: int) -> Iterator[None]:
+    """The decode op's vector body capped at ``level`` (2 AVX-512, 1 AVX2, 0 the plain
+    loops; ``torch.ops.actorllm.cap_vector_isa``, the op's library loaded) for a block, and
+    back to the widest after; the test is skipped on a CPU that lacks that body."""
+    try:
+        if torch.ops.actorllm.cap_vector_isa(level) != level:
+            pytest.skip("this CPU has no such vector unit")
+        yield
+    finally:
+        torch.ops.actorllm.cap_vector_isa(2)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build_tiny_model, hf_greedy, hf_model
+from helpers import build_tiny_model, hf_greedy, hf_model, vector_body
 from steps import Plans, execute
 from test_models_families import build_family
 
@@ -137,13 +137,8 @@ def test_decode_step_equals_the_module_on_the_avx2_body(runner: ModelRunner, num
                                                         threads: int) -> None:
     """Capped at AVX2, as on a CPU without AVX-512: 2 to 32 rows take the op's own GEMM
     (kernels/cpu_small_mm.h) in the op and, through actorllm::linear, in the module."""
-    if torch.ops.actorllm.cap_vector_isa(1) != 1:
-        torch.ops.actorllm.cap_vector_isa(2)
-        pytest.skip("this CPU has no AVX2 and FMA")
-    try:
+    with vector_body(1):
         _check_bit_for_bit(runner, num_seqs, threads)
-    finally:
-        torch.ops.actorllm.cap_vector_isa(2)
 
 
 def _check_bit_for_bit(runner: ModelRunner, num_seqs: int, threads: int) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from helpers import vector_body
 
 from actorllm.ops import cpu_step
 from actorllm.ops.cpu_step import sample_rows
@@ -25,12 +26,8 @@ INF = float("inf")
 def each_body(request: pytest.FixtureRequest) -> Iterator[None]:
     """The op's draw and argmax in each vector body this CPU has (AVX-512, AVX2, the
     plain loops): the op takes the widest, so a test of it alone would try one."""
-    try:
-        if torch.ops.actorllm.cap_vector_isa(request.param) != request.param:
-            pytest.skip("this CPU has no such vector unit")
+    with vector_body(request.param):
         yield
-    finally:
-        torch.ops.actorllm.cap_vector_isa(2)
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:

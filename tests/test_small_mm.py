@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from helpers import vector_body
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sim.profiles import examples
@@ -24,12 +25,8 @@ linear = torch.ops.actorllm.linear
 @pytest.fixture
 def avx2() -> Iterator[None]:
     """The op capped at its AVX2 body (where small_mm runs); skipped on a CPU without it."""
-    try:
-        if torch.ops.actorllm.cap_vector_isa(1) != 1:
-            pytest.skip("this CPU has no AVX2 and FMA")
+    with vector_body(1):
         yield
-    finally:
-        torch.ops.actorllm.cap_vector_isa(2)
 
 
 def _case(rows: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -70,12 +67,9 @@ def test_elsewhere_the_op_makes_the_modules_mm_call(rows: int) -> None:
     """One row, more than 32, or the plain body (as on a CPU without AVX2): MKL's mm and
     addmm, bit for bit."""
     x, w, b = _case(rows, 96, 200, seed=rows)
-    try:
-        torch.ops.actorllm.cap_vector_isa(0)
+    with vector_body(0):
         assert torch.equal(linear(x, w, None), torch.mm(x, w))
         assert torch.equal(linear(x, w, b), torch.addmm(b, x, w))
-    finally:
-        torch.ops.actorllm.cap_vector_isa(2)
     if rows not in SMALL_ROWS:
         assert torch.equal(linear(x, w, b), torch.addmm(b, x, w))
 
