@@ -74,11 +74,10 @@ def parts(runner: ModelRunner, batch: ForwardBatch, temps: torch.Tensor
     caches = runner.kv_caches
     rows, hidden = batch.input_ids.shape[0], model.model.embed_tokens.weight.shape[1]
     h = torch.randn(rows, hidden)
-    qkv_w, o_w = attn.qkv_proj.packed_weight, attn.o_proj.packed_weight
+    # The linears as the model calls them (PackedLinear: mm, or the op's GEMM, panels).
     q = torch.randn(rows, attn.num_heads, attn.head_dim)
-    qkv = torch.randn(rows, qkv_w.shape[1])
+    qkv = torch.randn(rows, attn.qkv_proj.out_features)
     cos = torch.randn(rows, 1, attn.head_dim)
-    gu_w, down_w = mlp.gate_up_proj.packed_weight, mlp.down_proj.packed_weight
     logits = torch.randn(rows, model.config.vocab_size)
     k, v = caches[0]
     eps = layer.input_layernorm.eps
@@ -88,8 +87,8 @@ def parts(runner: ModelRunner, batch: ForwardBatch, temps: torch.Tensor
         return x * cos + torch.roll(x, attn.head_dim // 2, -1) * cos
 
     def mlp_part() -> object:
-        g, u = (h @ gu_w).chunk(2, -1)
-        return torch.nn.functional.silu(g).mul(u) @ down_w
+        g, u = mlp.gate_up_proj(h).chunk(2, -1)
+        return mlp.down_proj(torch.nn.functional.silu(g).mul(u))
 
     return {
         "step (engine: head + draw)": lambda: step(batch, caches, logits=True,
@@ -102,13 +101,13 @@ def parts(runner: ModelRunner, batch: ForwardBatch, temps: torch.Tensor
         "step, hidden out": lambda: step(batch, caches),
         "embedding": lambda: torch.embedding(model.model.embed_tokens.weight, batch.input_ids),
         "rms_norm": lambda: torch.rms_norm(h, [hidden], layer.input_layernorm.weight, eps),
-        "qkv mm": lambda: h @ qkv_w,
+        "qkv mm": lambda: attn.qkv_proj(h),
         "rope (module ops)": rope,
         "attention (C kernel), a layer": lambda: runner.backend.decode(
             q, k, v, batch.block_tables, batch.seq_lens, batch.max_seqlen_k, attn.scale),
-        "o-proj mm": lambda: q.view(rows, -1) @ o_w,
+        "o-proj mm": lambda: attn.o_proj(q.view(rows, -1)),
         "mlp (gate_up, silu, mul, down)": mlp_part,
-        "lm head mm": lambda: h @ model.lm_head.packed_weight,
+        "lm head mm": lambda: model.lm_head(h),
         "draw (sample_rows, T=1)": lambda: sample_rows(logits, temps, 1e-5),
         "argmax (sample_rows, T=0)": lambda: sample_rows(logits, torch.zeros(rows), 1e-5),
     }

@@ -28,6 +28,7 @@ from actorllm.model import ForwardBatch
 from actorllm.model.llama import LlamaForCausalLM
 from actorllm.ops import TorchBackend, cpu_step, op_library
 from actorllm.ops.cpu_backend import CpuKernelError, build_library
+from actorllm.ops.cpu_linear import PackedLinear
 from actorllm.ops.cpu_step import DecodeStep, load_decode_step, why_not
 from actorllm.wire.messages import NewSeqData, SamplingParams, ScheduledSeq, StepPlan
 from actorllm.worker.packing import every_token_a_row
@@ -139,6 +140,36 @@ def test_decode_step_equals_the_module_on_the_avx2_body(runner: ModelRunner, num
     (kernels/cpu_small_mm.h) in the op and, through actorllm::linear, in the module."""
     with vector_body(1):
         _check_bit_for_bit(runner, num_seqs, threads)
+
+
+@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_dir"])
+def panel_runner(request: pytest.FixtureRequest) -> ModelRunner:
+    """A runner loaded while the op's widest body is AVX2 (as on a CPU without AVX-512):
+    its fp32 linears in panels (ops/cpu_linear.py), so an AVX-512 host runs them too.
+    Llama (untied, no biases) and Qwen2 (qkv bias, tied embeddings)."""
+    with vector_body(1):
+        runner = ModelRunner(request.getfixturevalue(request.param), num_blocks=200,
+                             block_size=BLOCK)
+    linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
+    assert linears and all(m.panels for m in linears)  # every width here is a multiple of 16
+    return runner
+
+
+@pytest.mark.parametrize("num_seqs", [1, 7, 33, 97])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_step_in_panels_equals_the_module(panel_runner: ModelRunner, num_seqs: int,
+                                                 threads: int) -> None:
+    """Weights in panels: every row count takes the op's panel GEMM, in the op (the LM
+    head's blocks of rows included) and, through actorllm::linear, in the module; the
+    body is the host's widest again, which the layout does not depend on."""
+    _check_bit_for_bit(panel_runner, num_seqs, threads)
+
+
+def test_panels_match_transformers(panel_runner: ModelRunner) -> None:
+    """Greedy through a runner in panels (its prefill in the module, at many rows) against
+    transformers' generate, and a prefill step in the op."""
+    test_the_runner_runs_decode_steps_in_the_op_and_matches_transformers(panel_runner)
+    test_prefill_in_the_op_a_row_per_token_matches_the_module(panel_runner, 2)
 
 
 def _check_bit_for_bit(runner: ModelRunner, num_seqs: int, threads: int) -> None:

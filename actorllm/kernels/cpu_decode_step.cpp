@@ -79,26 +79,54 @@ bool small_rows(int64_t rows) {
 #endif
 }
 
-// out = x @ weight (+ bias) by small_mm; x, weight and bias contiguous fp32.
-void small_linear_into(Tensor& out, const Tensor& x, const Tensor& weight,
-                       const std::optional<Tensor>& bias) {
+// Whether `weight` is laid out in panels [out / 16, in, 16] (cpu_small_mm.h; PackedLinear
+// makes them where vector_isa() is 1 when it loads), not [in, out].
+bool in_panels(const Tensor& weight) { return weight.dim() == 3; }
+
+// A linear's output width, in either layout.
+int64_t out_features(const Tensor& weight) {
+  return in_panels(weight) ? weight.size(0) * weight.size(2) : weight.size(1);
+}
+
+// out = x @ weight (+ bias) by small_mm or, for panels, panel_mm; x, weight and bias
+// contiguous fp32.
+void own_linear_into(Tensor& out, const Tensor& x, const Tensor& weight,
+                     const std::optional<Tensor>& bias) {
 #ifdef ACTORLLM_AVX2
-  small_mm(x.data_ptr<float>(), x.size(0), x.size(1), weight.data_ptr<float>(), weight.size(1),
-           bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>());
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  if (in_panels(weight))
+    panel_mm(x.data_ptr<float>(), x.size(0), x.size(1), weight.data_ptr<float>(),
+             out_features(weight), b, out.data_ptr<float>());
+  else
+    small_mm(x.data_ptr<float>(), x.size(0), x.size(1), weight.data_ptr<float>(),
+             weight.size(1), b, out.data_ptr<float>());
+#else
+  TORCH_CHECK(false, "actorllm::linear: built without AVX2");
 #endif
 }
 
-// PackedLinear.forward for a 2-D fp32 input (the only dtype the op runs): the weight is
-// laid out [in, out] and the linear is one mm (addmm with a bias), or small_mm for a few
-// rows; registered as actorllm::linear too, which the module calls (ops/cpu_linear.py),
-// so the op and the module stay equal bit for bit.
+// PackedLinear.forward for a 2-D fp32 input (the only dtype the op runs): a weight laid
+// out [in, out] is one mm (addmm with a bias), or small_mm for a few rows; one in panels
+// is panel_mm at every row count. Registered as actorllm::linear too, which the module
+// calls (ops/cpu_linear.py), so the op and the module stay equal bit for bit.
 Tensor packed_linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
-  if (small_rows(x.size(0)) && x.dim() == 2 && x.scalar_type() == at::kFloat &&
-      weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
-      (!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous()))) {
-    Tensor out = at::empty({x.size(0), weight.size(1)}, x.options());
-    small_linear_into(out, x.contiguous(), weight, bias);
-    return out;
+  const bool panels = in_panels(weight);
+  if (panels || small_rows(x.size(0))) {
+    const bool fits = x.dim() == 2 && x.scalar_type() == at::kFloat &&
+                      weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                      (!bias.has_value() || (bias->scalar_type() == at::kFloat &&
+                                             bias->is_contiguous()));
+    TORCH_CHECK(fits || !panels, "actorllm::linear: a weight in panels takes 2-D fp32 "
+                "rows and a contiguous fp32 bias");
+    TORCH_CHECK(!panels || (weight.size(2) == 16 && weight.size(1) == x.size(1) &&
+                            cpu_vector_isa() >= 1),
+                "actorllm::linear: panels [out / 16, in, 16] of the input's width, on a CPU "
+                "with AVX2");
+    if (fits) {
+      Tensor out = at::empty({x.size(0), out_features(weight)}, x.options());
+      own_linear_into(out, x.contiguous(), weight, bias);
+      return out;
+    }
   }
   return bias.has_value() ? at::addmm(*bias, x, weight) : at::mm(x, weight);
 }
@@ -360,14 +388,14 @@ constexpr int64_t kHeadRows = 32;
 // the attention's (attend; worker/runner.py asks where ops/threads.py allows it).
 Tensor head_and_sample(const Tensor& x, const Tensor& head, const Tensor& temperature,
                        double greedy_below, bool helper) {
-  const int64_t rows = x.size(0), vocab = head.size(1);
+  const int64_t rows = x.size(0), vocab = out_features(head);
   const Draws d = step_draws(temperature, std::nullopt, rows, greedy_below, x.options());
   Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   const int64_t blocks = (rows + kHeadRows - 1) / kHeadRows;
   std::atomic<int64_t> next{0};
   const int64_t team = std::min<int64_t>(at::get_num_threads(), blocks);
-  const bool small = small_rows(rows) && head.is_contiguous();
+  const bool own = (in_panels(head) || small_rows(rows)) && head.is_contiguous();
   const std::function<void()> take_blocks = [&] {
     std::vector<double> sums((vocab + kChunk - 1) / kChunk);
     std::vector<float> weights(d.any_drawn ? vocab : 0);
@@ -375,8 +403,8 @@ Tensor head_and_sample(const Tensor& x, const Tensor& head, const Tensor& temper
     for (int64_t i = next++; i < blocks; i = next++) {
       const int64_t b = i * kHeadRows, n = std::min(kHeadRows, rows - b);
       Tensor logits = block.narrow(0, 0, n);
-      if (small) {  // (small_mm's rows do not depend on the rows beside them)
-        small_linear_into(logits, x.narrow(0, b, n).contiguous(), head, std::nullopt);
+      if (own) {  // (its rows do not depend on the rows beside them)
+        own_linear_into(logits, x.narrow(0, b, n).contiguous(), head, std::nullopt);
       } else {
         at::mm_out(logits, x.narrow(0, b, n), head);
       }
@@ -406,6 +434,7 @@ TORCH_LIBRARY(actorllm, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   // No tensors, so no dispatch key: defined with its one (catch-all) kernel.
   m.def("cap_vector_isa(int cap) -> int", &cap_vector_isa);
+  m.def("vector_isa() -> int", [] { return static_cast<int64_t>(vector_isa()); });
 }
 
 // One kernel for every dispatch key: the op runs dense fp32 CPU tensors only, and the

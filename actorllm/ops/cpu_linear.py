@@ -24,6 +24,13 @@ fp32 at 2 to 32 rows calls the decode op's ``actorllm::linear`` where its librar
 (kernels/cpu_small_mm.h says why: MKL's cost 2-3x the one-row step there), elsewhere it
 makes this module's call. The module and the op (which runs most steps) so compute a
 linear the same way, bit for bit.
+
+On such a CPU (the op's widest vector body AVX2 when the model is packed) an fp32
+weight whose output width is a multiple of 16 is laid out in panels instead,
+``[out / 16, in, 16]``, and every call, at any row count, goes to the op's linear, which
+runs panels by its own GEMM: MKL copied the weight into that shape again at every call,
+a fifth of a 64-row step of the embedded model (kernels/cpu_small_mm.h). The layout is
+fixed at load: the op reads it from the weight's shape, not from the CPU.
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ log = logging.getLogger(__name__)
 _BATCH_HINT = 64
 # The rows the op's linear may run by its own GEMM (kernels/cpu_small_mm.h kSmallRows*).
 SMALL_ROWS = range(2, 33)
+# Columns of a panel (kernels/cpu_small_mm.h kPanel).
+PANEL = 16
 
 
 def bucket_rows(rows: int) -> int:
@@ -72,20 +81,36 @@ def packing_available(weight: Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def panels_wanted(op: Callable[..., Tensor] | None) -> bool:
+    """Whether fp32 weights given the op's linear are laid out in panels: where the op's
+    widest vector body is now AVX2 (a CPU without AVX-512, or a test's cap)."""
+    return op is not None and torch.ops.actorllm.vector_isa() == 1
+
+
 class PackedLinear(nn.Module):
     """``nn.Linear`` for inference, its weight laid out for the GEMM: ``[in, out]`` for
-    ``torch.mm`` in fp32, oneDNN's blocked layout in bf16 (``onednn``)."""
+    ``torch.mm`` in fp32, or the op's panels ``[out / 16, in, 16]`` (``panels``: where
+    ``panels`` is asked and the width allows), oneDNN's blocked layout in bf16
+    (``onednn``)."""
 
-    def __init__(self, linear: nn.Linear, op: Callable[..., Tensor] | None = None) -> None:
+    def __init__(self, linear: nn.Linear, op: Callable[..., Tensor] | None = None,
+                 panels: bool = False) -> None:
         super().__init__()
         # fp32 rows in SMALL_ROWS go to the op's linear where given (the module docstring).
         self.op = op
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.onednn = weight.dtype != torch.float32
+        self.panels = (panels and op is not None and not self.onednn
+                       and self.out_features % PANEL == 0)
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT) \
-                if self.onednn else weight.t().contiguous()
+            if self.onednn:
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)
+            elif self.panels:  # [out, in] -> [out / 16, 16, in] -> [out / 16, in, 16]
+                packed = weight.reshape(-1, PANEL, self.in_features).transpose(1, 2) \
+                    .contiguous()
+            else:
+                packed = weight.t().contiguous()
         self.register_buffer("packed_weight", packed, persistent=False)
         bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
@@ -93,7 +118,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if not self.onednn:  # the op (kernels/cpu_decode_step.cpp) makes the same call
-            if self.op is not None and flat.shape[0] in SMALL_ROWS:
+            if self.op is not None and (self.panels or flat.shape[0] in SMALL_ROWS):
                 out = self.op(flat, self.packed_weight, self.bias)
             elif self.bias is None:
                 out = torch.mm(flat, self.packed_weight)
@@ -122,11 +147,12 @@ def pack_linears(model: nn.Module) -> int:
     if not linears or not all(packing_available(m.weight) for _, m in linears):
         return 0
     op = _op_linear() if linears[0][1].weight.dtype == torch.float32 else None
+    panels = panels_wanted(op)
     swaps: list[tuple[nn.Module, str, PackedLinear]] = []
     for name, linear in linears:
         probe = torch.randn(3, linear.in_features, dtype=linear.weight.dtype)
         try:
-            packed = PackedLinear(linear, op)
+            packed = PackedLinear(linear, op, panels)
             with torch.no_grad():
                 want = F.linear(probe, linear.weight, linear.bias).float()
                 got = packed(probe).float()
