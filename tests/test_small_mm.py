@@ -149,11 +149,15 @@ def test_packed_linear_takes_the_ops_linear(body: int) -> None:
 
 
 def test_panels_the_op_cannot_run_are_refused() -> None:
-    """One line naming what is wrong, not a wrong result: another input width, or rows in
-    another dtype."""
+    """One line naming what is wrong, not a wrong result: another input width, rows in
+    another dtype, a bias of another width, panels of another width."""
     x, w, _ = _case(4, 64, 32, seed=1)
     p = _panels(w)
     with pytest.raises(RuntimeError, match="panels"):
         linear(torch.randn(4, 63), p, None)
     with pytest.raises(RuntimeError, match="panels"):
         linear(x.double(), p, None)
+    with pytest.raises(RuntimeError, match="panels"):
+        linear(x, p, torch.randn(16))  # a bias of another width
+    with pytest.raises(RuntimeError, match="panels of 16"):
+        linear(x, p.reshape(1, 64, 32).contiguous(), None)

@@ -112,16 +112,19 @@ void own_linear_into(Tensor& out, const Tensor& x, const Tensor& weight,
 Tensor packed_linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
   const bool panels = in_panels(weight);
   if (panels || small_rows(x.size(0))) {
+    // Anything else goes to mm, whose errors name it; panels have no mm to go to.
     const bool fits = x.dim() == 2 && x.scalar_type() == at::kFloat &&
                       weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                      (panels || weight.dim() == 2) &&
+                      weight.size(panels ? 1 : 0) == x.size(1) &&
                       (!bias.has_value() || (bias->scalar_type() == at::kFloat &&
-                                             bias->is_contiguous()));
-    TORCH_CHECK(fits || !panels, "actorllm::linear: a weight in panels takes 2-D fp32 "
-                "rows and a contiguous fp32 bias");
-    TORCH_CHECK(!panels || (weight.size(2) == 16 && weight.size(1) == x.size(1) &&
-                            cpu_vector_isa() >= 1),
-                "actorllm::linear: panels [out / 16, in, 16] of the input's width, on a CPU "
-                "with AVX2");
+                                             bias->is_contiguous() &&
+                                             bias->numel() == out_features(weight)));
+    TORCH_CHECK(fits || !panels, "actorllm::linear: a weight in panels [out / 16, in, 16] "
+                "takes 2-D fp32 rows of its input width and a contiguous fp32 bias of its "
+                "output width");
+    TORCH_CHECK(!panels || (weight.size(2) == 16 && cpu_vector_isa() >= 1),
+                "actorllm::linear: panels of 16 columns, on a CPU with AVX2");
     if (fits) {
       Tensor out = at::empty({x.size(0), out_features(weight)}, x.options());
       own_linear_into(out, x.contiguous(), weight, bias);
