@@ -123,7 +123,7 @@ Tensor packed_linear(const Tensor& x, const Tensor& weight, const std::optional<
     TORCH_CHECK(fits || !panels, "actorllm::linear: a weight in panels [out / 16, in, 16] "
                 "takes 2-D fp32 rows of its input width and a contiguous fp32 bias of its "
                 "output width");
-    TORCH_CHECK(!panels || (weight.size(2) == 16 && cpu_vector_isa() >= 1),
+    TORCH_CHECK(!panels || (weight.size(2) == kPanel && cpu_vector_isa() >= 1),
                 "actorllm::linear: panels of 16 columns, on a CPU with AVX2");
     if (fits) {
       Tensor out = at::empty({x.size(0), out_features(weight)}, x.options());

@@ -26,12 +26,14 @@
 // next tile shared, ran no faster than MKL.
 #pragma once
 
+// Columns of a panel, and of a tile (the layout's, so outside the AVX2 body: packed_linear
+// checks a weight's panels against it on any build).
+constexpr int64_t kPanel = 16;
+
 #ifdef ACTORLLM_AVX2
 constexpr int64_t kSmallRowsMin = 2, kSmallRowsMax = 32;
 // Floats ahead in a weight row that a tile prefetches: two tiles of 16 columns.
 constexpr int64_t kPrefetch = 32;
-// Columns of a panel, and of a tile.
-constexpr int64_t kPanel = 16;
 // Bytes of x a pass over the weight reads: rows past that take another pass (the weight
 // again, from L3 or memory) rather than x from memory for every tile. At the shapes above
 // the block's size moved nothing between 96 rows and all 2,048.
