@@ -1,9 +1,10 @@
 """Linear layers on the CPU with weights laid out once, at load, for the GEMM that runs them.
 
-fp32 (every native model on the CPU): the weight is stored transposed, ``[in, out]``
-row-major, and a linear is one ``torch.mm`` (``addmm`` with a bias). ``F.linear`` hands
-MKL the ``[out, in]`` weight to be read transposed, and MKL repacks it on every call; for
-the small batches of a decode step that packing is a large share of the work. oneDNN's
+fp32 (every native model on the CPU; panels below aside): the weight is stored
+transposed, ``[in, out]`` row-major, and a linear is one ``torch.mm`` (``addmm`` with a
+bias). ``F.linear`` hands MKL the ``[out, in]`` weight to be read transposed, and MKL
+repacks it on every call; for the small batches of a decode step that packing is a large
+share of the work (on ``[in, out]`` MKL still copies blocks of it: panels, below). oneDNN's
 ``_linear_pointwise`` with a weight it had reordered (what this module did until issue
 28) skipped the repacking but costs ~18 us a call before any arithmetic: on torch 2.13
 with one thread, the embedded model's shapes ran 10-35 % slower than ``mm`` on the
