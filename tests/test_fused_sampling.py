@@ -49,9 +49,10 @@ def test_greedy_rows_are_torch_argmax_ties_infinities_and_nans_included() -> Non
 
 
 @pytest.mark.usefixtures("each_body")
-def test_the_draw_is_the_inverse_cdf_at_the_given_uniforms() -> None:
+@pytest.mark.parametrize("vocab", [1000, 1003])  # 1003: a partial vector of 8 at the end
+def test_the_draw_is_the_inverse_cdf_at_the_given_uniforms(vocab: int) -> None:
     g = torch.Generator().manual_seed(1)
-    rows, vocab = 200, 1000  # not a multiple of the op's chunk
+    rows = 200  # and vocab not a multiple of the op's chunk
     logits = torch.randn(rows, vocab, generator=g) * 4
     temps = torch.rand(rows, generator=g) * 1.5 + 0.2
     u = torch.rand(rows, generator=g)
@@ -91,11 +92,12 @@ def test_masked_tokens_are_never_drawn_and_a_row_with_none_left_takes_the_argmax
 
 
 @pytest.mark.usefixtures("each_body")
-def test_a_drawn_row_with_a_nan_or_an_infinity_takes_the_argmax() -> None:
+@pytest.mark.parametrize("vocab", [1000, 1003])
+def test_a_drawn_row_with_a_nan_or_an_infinity_takes_the_argmax(vocab: int) -> None:
     """The op's draw has no softmax to turn a NaN or +inf into NaN weights: it must still
-    give the argmax for such rows, wherever in a 16-lane vector the value lies."""
-    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(5))
-    logits[0, 999] = float("nan")  # the tail of the last vector
+    give the argmax for such rows, wherever in a 16- or 8-lane vector the value lies."""
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(5))
+    logits[0, vocab - 1] = float("nan")  # the tail of the last vector
     logits[1, 0] = float("nan")
     logits[2, 517] = INF
     logits[3, 3] = logits[3, 900] = INF
@@ -103,7 +105,7 @@ def test_a_drawn_row_with_a_nan_or_an_infinity_takes_the_argmax() -> None:
     logits[4, 65] = INF
     tokens = sample_rows(logits, torch.full((6,), 0.7), GREEDY_BELOW)
     assert tokens[:5].tolist() == logits[:5].argmax(dim=-1).tolist()
-    assert 0 <= int(tokens[5]) < 1000
+    assert 0 <= int(tokens[5]) < vocab
 
 
 @pytest.mark.usefixtures("each_body")

@@ -114,14 +114,23 @@ ACTORLLM_AVX512 int64_t row_argmax_avx512(const float* x, int64_t n) {
 #define ACTORLLM_EXP8_TARGET ACTORLLM_AVX2
 #include "cpu_exp8.h"
 
+// Eight floats from x + j, of which the first n - j (all eight from 8 on) are live. Only
+// a row's last, partial vector takes the masked load: vmaskmovps costs several times a
+// plain load on AMD Zen 3.
+ACTORLLM_AVX2 inline __m256 load8(const float* x, int64_t j, int64_t n) {
+  return n - j >= 8 ? _mm256_loadu_ps(x + j) : _mm256_maskload_ps(x + j, lanes8(n - j));
+}
+
 // row_weights_plain eight tokens at a time, the last n % 8 in masked lanes: the AVX-512
-// body's weights (the same polynomial), summed in another order.
+// body's weights (the same polynomial), summed in another order. Full vectors are stored
+// plainly and only the last, partial one with vmaskmovps, whose store form Zen 3 runs as
+// microcode: storing every vector that way made the draw cost as much as the LM head
+// that fed it (the near-zero model of benchmarks/host_overhead.py, 240 rows of 4096).
 ACTORLLM_AVX2 double row_weights_avx2(const float* x, int64_t n, float inv, float* e,
                                       double* sums) {
   __m256 top = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; j += 8) {
-    const __m256i k = lanes8(n - j);
-    const __m256 v = _mm256_maskload_ps(x + j, k), live = _mm256_castsi256_ps(k);
+    const __m256 v = load8(x, j, n), live = _mm256_castsi256_ps(lanes8(n - j));
     nan = _mm256_or_ps(nan, _mm256_and_ps(live, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
     top = _mm256_blendv_ps(top, _mm256_max_ps(top, v), live);
   }
@@ -133,9 +142,11 @@ ACTORLLM_AVX2 double row_weights_avx2(const float* x, int64_t n, float inv, floa
     for (int64_t j = c * kChunk; j < std::min(n, (c + 1) * kChunk); j += 8) {
       const __m256i k = lanes8(n - j);
       const __m256 w = _mm256_and_ps(
-          _mm256_castsi256_ps(k),
-          exp8_le0(_mm256_sub_ps(_mm256_mul_ps(_mm256_maskload_ps(x + j, k), vinv), m)));
-      _mm256_maskstore_ps(e + j, k, w);
+          _mm256_castsi256_ps(k), exp8_le0(_mm256_sub_ps(_mm256_mul_ps(load8(x, j, n), vinv), m)));
+      if (n - j >= 8)
+        _mm256_storeu_ps(e + j, w);
+      else
+        _mm256_maskstore_ps(e + j, k, w);
       sum = _mm256_add_ps(sum, w);
     }
     sums[c] = sum8(sum);
