@@ -123,9 +123,9 @@ ACTORLLM_AVX2 inline __m256 load8(const float* x, int64_t j, int64_t n) {
 
 // row_weights_plain eight tokens at a time, the last n % 8 in masked lanes: the AVX-512
 // body's weights (the same polynomial), summed in another order. Full vectors are stored
-// plainly and only the last, partial one with vmaskmovps, whose store form Zen 3 runs as
-// microcode: storing every vector that way made the draw cost as much as the LM head
-// that fed it (the near-zero model of benchmarks/host_overhead.py, 240 rows of 4096).
+// plainly and only the last, partial one with vmaskmovps, whose store form Zen 3 runs far
+// slower than a plain store: storing every vector that way made the draw 1.6x slower
+// (240 rows of 4096, the near-zero model of benchmarks/host_overhead.py).
 ACTORLLM_AVX2 double row_weights_avx2(const float* x, int64_t n, float inv, float* e,
                                       double* sums) {
   __m256 top = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
