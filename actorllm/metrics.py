@@ -102,7 +102,7 @@ class EngineMetrics:
         self.request_success = Counter(p + "request_success", "Finished requests",
                                        ["finished_reason"], registry=r)
         # Labelled by why: client_disconnect, stream_timeout, drain_timeout, sibling_failed,
-        # engine_dead, user (each leaf of a n > 1 request counts once).
+        # engine_dead, user (each leaf counts once, under the first reason).
         self.aborted_requests = Counter(p + "aborted_requests", "Requests aborted",
                                         ["reason"], registry=r)
         self.late_outputs_dropped = Counter(p + "late_outputs_dropped",

@@ -116,3 +116,13 @@ async def test_a_lost_engine_counts_each_live_leaf_as_engine_dead() -> None:
     front.handle(OutputBatch.of(finished=(RequestFinished("q", "length"),)))  # answered: not lost
     assert front.lose_all("the engine process died") == 3
     assert counts(front.metrics) == only("engine_dead", 2)
+
+
+async def test_a_request_aborted_before_the_engine_died_counts_once() -> None:
+    # Its abort counted it as "user"; the death that then answers it is not a second abort.
+    front, _, _ = frontend()
+    await front.submit(GenerateRequest("u", SamplingParams(), prompt="x"))
+    await front.submit(GenerateRequest("v", SamplingParams(), prompt="x"))
+    await front.abort("u")
+    assert front.lose_all("the engine process died") == 2
+    assert counts(front.metrics) == {**only("user", 1), "engine_dead": 1.0}

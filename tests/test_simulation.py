@@ -429,3 +429,26 @@ async def test_controlled_mailbox_delivers_per_edge_fifo_and_blocks_when_full() 
     box.deliver("tokenizer->scheduler")
     assert [(await box.receive()).rid for _ in range(2)] == ["1", "2"]  # FIFO per edge
     assert box.depth == 0 and box.high_water == 2
+
+
+def test_an_abort_owed_when_the_engine_dies_is_dropped_with_its_request(
+        tiny_tokenizer: Any) -> None:
+    # a's two children fill the Tokenizer's box, so c's submit waits for room when c is
+    # aborted: the abort is owed, to go right after the request. The engine dies first:
+    # lose_all answers c and forgets it, and the owed abort is never sent (its target died
+    # with the engine; a message for a forgotten rid could reach the rid's next
+    # incarnation). Found by the long profile, whose invariant-5 check wanted that abort
+    # sent; the check now counts a loss as an answer.
+    kw: dict[str, Any] = dict(prompt="Hi", stop=(), include_stop=False, stream=False)
+    world = replay(tiny_tokenizer, [
+        ("submit", dict(rid="a", n=2, max_tokens=0, **kw)),
+        ("abort", dict(rid="a")),
+        ("submit", dict(rid="c", n=1, max_tokens=0, **kw)),
+        ("abort", dict(rid="c")),
+        ("engine_dies", {}),
+    ], DEATH)
+    assert events(world, "c") == ["register", "dispatch", "lose", "respond", "forget"]
+    client = [c for c in world.clients if c.rid == "c"][-1]
+    assert client.error is not None and client.error.code == "engine_dead"
+    assert client.inc is not None and client.inc.aborts_sent == 0
+    assert not world.frontend.registry

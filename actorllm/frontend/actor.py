@@ -387,7 +387,8 @@ class Frontend:
                 self.ledger.fire(rid, "respond", reason="error")
                 st.collector.put_error(RequestError(message, FailureCode.ENGINE_DEAD))
                 self.metrics.on_finished("error", 0, time.monotonic() - st.arrival)
-                self.metrics.aborted_requests.labels(reason="engine_dead").inc()
+                if not st.abort_sent:  # (an abort already counted it, under its reason)
+                    self.metrics.aborted_requests.labels(reason="engine_dead").inc()
                 self.pacing.untrack_if_idle(st.collector)
             self._maybe_forget(st)
             lost += 1

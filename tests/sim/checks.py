@@ -152,7 +152,11 @@ class Checks(WorldFields):
             if not drained and c.events[0][0] >= start:
                 continue
             responded = c.index_of("respond")
-            if (responded is None or responded >= end) and c.aborts_sent == 0 \
+            # A choice the engine's death answered needs no abort: what the abort had to
+            # reach died with the engine, and a message for a forgotten rid must not be sent
+            # (invariant 1: it could reach the rid's next incarnation).
+            lost = c.index_of("lose") is not None
+            if (responded is None or responded >= end) and c.aborts_sent == 0 and not lost \
                     and not (not drained and self._abort_pending(c)):
                 self.report("5", f"{client.rid!r} was aborted, yet no abort was sent for "
                             f"choice {i}: {c.describe()}")
