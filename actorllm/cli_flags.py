@@ -156,6 +156,9 @@ def _feature_flags(p: argparse.ArgumentParser) -> None:
                    help="/v1/embeddings: the last token's, the mean or the first token's "
                         "final hidden state (default: the model's sentence-transformers "
                         "config, else last)")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (the tokenizer's config and chat "
+                   "template; lm-evaluation-harness tokenizes through the server with it)")
 
 
 def _slow_client_flags(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ import trio
 from helpers import CONTEXT, Call, app_for
 
 from actorllm.engine.async_engine import AsyncEngine
+from actorllm.server.features import Features
 
 
 async def test_whole_and_streamed_answers(engine: AsyncEngine) -> None:
@@ -135,6 +136,21 @@ async def test_health_while_draining(engine: AsyncEngine) -> None:
     assert (await Call("/health", method="GET").run(app)).status == 503
     refused = await Call("/v1/completions", {"prompt": "Hi"}).run(app)
     assert refused.status == 503 and refused.json()["error"]["code"] == "shutting_down"
+
+
+async def test_tokenizer_info_is_served_only_when_enabled(engine: AsyncEngine) -> None:
+    # Off by default, as in vLLM: it shows the chat template and the tokenizer's settings.
+    off = await Call("/tokenizer_info", method="GET").run(app_for(engine))
+    assert off.status == 404 and off.json()["error"]["code"] == "not_found"
+    app = app_for(engine, api_key="k", features=Features(tokenizer_info=True))
+    assert (await Call("/tokenizer_info", method="GET").run(app)).status == 401  # as /tokenize
+    call = await Call("/tokenizer_info", method="GET",
+                      headers={"authorization": "Bearer k"}).run(app)
+    info, tok = call.json(), engine.tokenizer
+    assert call.status == 200 and info["tokenizer_class"] == type(tok).__name__
+    assert (info["bos_token"], info["eos_token"]) == (tok.bos_token, tok.eos_token)
+    assert info["chat_template"] == tok.chat_template
+    assert not [k for k in info if k.endswith("_file")]
 
 
 async def test_overload_is_503_and_frees_its_reservation(engine: AsyncEngine) -> None:

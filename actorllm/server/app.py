@@ -59,6 +59,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | Non
     app.add_middleware(EdgeMiddleware, state=state)
     for router in ROUTERS:
         app.include_router(router)
+    if state.features.tokenizer_info:  # off by default, as in vLLM: it shows the template
+        app.include_router(tokens.info_router)
     _document_400_not_422(app)
     return app
 

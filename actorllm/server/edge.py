@@ -14,7 +14,7 @@ from actorllm.server.state import CLOSE, ServerState
 
 # Paths behind --api-key: the OpenAI routes and the tokenizer ones (as in vLLM), which
 # take client text and CPU time.
-_PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class _TooLarge(StarletteHTTPException):

@@ -62,18 +62,21 @@ class Features:
     """``reasoning``: the ``--reasoning-parser`` (None: off); the Responses store's limits
     (``--responses-store-size`` responses, each kept ``--responses-store-ttl`` seconds);
     ``pooling``: how ``/v1/embeddings`` pools the final hidden states, and ``normalize``
-    whether it scales them to unit length."""
+    whether it scales them to unit length; ``tokenizer_info``: whether ``GET
+    /tokenizer_info`` is served (``--enable-tokenizer-info-endpoint``)."""
 
     reasoning: ReasoningParser | None = None
     store_size: int = 1000
     store_ttl: float = 3600.0
     pooling: str = "last"
     normalize: bool = True
+    tokenizer_info: bool = False
 
     @classmethod
     def build(cls, *, reasoning_parser: str | None = None, store_size: int = 1000,
               store_ttl: float = 3600.0, pooling: str | None = None,
-              model_pooling: ModelPooling | None = None) -> Features:
+              model_pooling: ModelPooling | None = None,
+              tokenizer_info: bool = False) -> Features:
         """Check the names and limits; ValueError for an unknown one. The pooling is
         ``pooling`` (``--pooling``), else the model's sentence-transformers config, else
         the last token; vectors are normalized unless that config has no ``Normalize``."""
@@ -92,4 +95,4 @@ class Features:
             raise ValueError("the responses store needs a size >= 0 and a ttl > 0")
         parser = None if reasoning_parser is None else REASONING_PARSERS[reasoning_parser]
         normalize = model_pooling is None or model_pooling.normalize
-        return cls(parser, store_size, store_ttl, pooling, normalize)
+        return cls(parser, store_size, store_ttl, pooling, normalize, tokenizer_info)

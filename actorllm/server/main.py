@@ -152,7 +152,9 @@ def _features(args: argparse.Namespace, resources: Any, config: EngineConfig) ->
                           store_size=int(getattr(args, "responses_store_size", 1000)),
                           store_ttl=float(getattr(args, "responses_store_ttl", 3600.0)),
                           pooling=getattr(args, "pooling", None),
-                          model_pooling=sentence_transformers_pooling(config.model))
+                          model_pooling=sentence_transformers_pooling(config.model),
+                          tokenizer_info=bool(getattr(args, "enable_tokenizer_info_endpoint",
+                                                      False)))
 
 
 class _Options:

@@ -175,6 +175,13 @@ class DetokenizeResponse(_Response):
     prompt: str
 
 
+class TokenizerInfoResponse(_Response):
+    """The tokenizer's own configuration (its ``tokenizer_config.json`` keys, less file
+    paths), with its class and the chat template the server renders with."""
+
+    tokenizer_class: str
+
+
 class ErrorInfo(_Response):
     message: str
     type: str

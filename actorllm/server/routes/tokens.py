@@ -1,4 +1,6 @@
-"""``/tokenize`` and ``/detokenize``: the model's tokenizer, run in threads off the loop."""
+"""``/tokenize`` and ``/detokenize``: the model's tokenizer, run in threads off the loop;
+``GET /tokenizer_info``, its configuration, where the server is started with
+``--enable-tokenizer-info-endpoint`` (``info_router``: the app includes it only then)."""
 
 from __future__ import annotations
 
@@ -9,13 +11,18 @@ from fastapi import APIRouter, Request
 
 from actorllm.server.convert import chat_messages
 from actorllm.server.errors import ERROR_RESPONSES
-from actorllm.server.response_models import DetokenizeResponse, TokenizeResponse
+from actorllm.server.response_models import (
+    DetokenizeResponse,
+    TokenizeResponse,
+    TokenizerInfoResponse,
+)
 from actorllm.server.schemas import DetokenizeRequest, TokenizeRequest
 from actorllm.server.state import state_of
 from actorllm.server.tools import template_tools
 from actorllm.wire.messages import InvalidRequest
 
 router = APIRouter()
+info_router = APIRouter()
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
@@ -45,3 +52,33 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     ids = tuple(body.tokens)
     state.check_vocab(ids, "tokens")
     return {"prompt": await state.decode(ids)}
+
+
+@info_router.get("/tokenizer_info", response_model=TokenizerInfoResponse,
+                 responses=ERROR_RESPONSES)
+async def tokenizer_info(request: Request) -> dict[str, Any]:
+    """The tokenizer's configuration, as vLLM serves it: lm-evaluation-harness's
+    ``local-completions`` finds it and then tokenizes through ``/tokenize`` and
+    ``/detokenize``, with no copy of the tokenizer on the client's side."""
+    tokenizer = state_of(request).engine.tokenizer
+    # (file paths say nothing a client can use; special tokens are given by their text)
+    info = {k: _plain(v) for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+            if not k.endswith("_file")}
+    info["tokenizer_class"] = type(tokenizer).__name__
+    template = getattr(tokenizer, "chat_template", None)  # --chat-template's, if given
+    info.pop("chat_template", None)
+    if template is not None:
+        info["chat_template"] = _plain(template)
+    return info
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON can carry it: a special token as its text, other objects as str."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    content = getattr(value, "content", None)  # tokenizers' AddedToken
+    return content if isinstance(content, str) else str(value)

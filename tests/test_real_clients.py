@@ -1,0 +1,211 @@
+"""Two clients people point at an OpenAI-compatible server, driven as they are shipped
+against a real ``actorllm serve`` (the embedded model): LangChain's ``ChatOpenAI`` and
+lm-evaluation-harness's ``local-completions`` model.
+
+The oracles are transformers on the same weights: LangChain's greedy answer must be what
+``generate`` gives for the chat template's tokens, and lm-eval's scores and generations
+through the server what lm-eval's own ``hf`` backend computes in-process.
+(``tests/test_lm_eval_protocol.py`` replays lm-eval's requests by hand, for string
+prompts; the openai SDK has its own modules: test_responses, test_tools, test_structured.)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+from langchain_core.messages import AIMessage, HumanMessage
+from langchain_openai import ChatOpenAI
+from lm_eval import utils as lm_utils
+from lm_eval.api.instance import Instance
+from lm_eval.models.huggingface import HFLM
+from lm_eval.models.openai_completions import LocalCompletionsAPI
+from pydantic import BaseModel, Field
+from test_server import ServerProcess, http
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from actorllm.config import default_model_dir
+
+MODEL_DIR = Path(default_model_dir())
+MODEL = "default"
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    srv = ServerProcess(MODEL_DIR, "--served-model-name", MODEL,
+                        "--enable-tokenizer-info-endpoint",
+                        log_dir=tmp_path_factory.mktemp("real-clients"))
+    for ready in srv.serve_module():
+        yield ready.url
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(str(MODEL_DIR))
+
+
+@pytest.fixture(scope="module")
+def hf() -> Any:
+    return AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32).eval()
+
+
+def chat_model(base: str, **kw: Any) -> ChatOpenAI:
+    return ChatOpenAI(base_url=base + "/v1", api_key="x", model=MODEL, max_retries=0,
+                      timeout=120, **{"temperature": 0, "max_tokens": MAX_TOKENS, **kw})
+
+
+# --- LangChain's ChatOpenAI -----------------------------------------------------------------
+
+
+def test_langchain_greedy_answer_is_what_transformers_generates(
+        base: str, tokenizer: Any, hf: Any) -> None:
+    question = "Write a function that adds two numbers"
+    msg = chat_model(base).invoke(question)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                        add_generation_prompt=True, return_dict=True,
+                                        return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = hf.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+    new = out[0, ids.shape[1]:].tolist()
+    assert msg.content == tokenizer.decode(new, skip_special_tokens=True)
+    assert msg.usage_metadata is not None
+    assert msg.usage_metadata["input_tokens"] == ids.shape[1]
+    assert msg.usage_metadata["output_tokens"] == len(new)
+    assert msg.response_metadata["finish_reason"] == (
+        "stop" if new[-1] == tokenizer.eos_token_id else "length")
+    # Streamed, the chunks add up to the same answer, usage in the last one.
+    chunks = list(chat_model(base, stream_usage=True).stream(question))
+    assert "".join(str(c.content) for c in chunks) == msg.content
+    usage = [c.usage_metadata for c in chunks if c.usage_metadata]
+    assert usage and usage[-1]["output_tokens"] == len(new)
+
+
+class City(BaseModel):
+    name: str = Field(max_length=16)
+    population: int
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_structured_output_parses(base: str, method: str) -> None:
+    llm = chat_model(base, max_tokens=64).with_structured_output(
+        City, method=method, include_raw=True)
+    got = llm.invoke("Name a city and its population.")
+    assert got["parsing_error"] is None, got["raw"]
+    assert isinstance(got["parsed"], City)
+
+
+def get_weather(city: str) -> str:
+    """Get the weather in a city."""
+    return f"sunny in {city}"
+
+
+def lookup_time(zone: str) -> str:
+    """The time of day in a time zone."""
+    return f"noon in {zone}"
+
+
+@pytest.mark.parametrize("choice", ["get_weather", "required"])
+def test_langchain_bound_tools_are_called(base: str, choice: str) -> None:
+    llm = chat_model(base, max_tokens=64).bind_tools([get_weather, lookup_time],
+                                                    tool_choice=choice)
+    msg = llm.invoke("What is the weather in Paris?")
+    assert isinstance(msg, AIMessage) and msg.tool_calls, msg
+    for call in msg.tool_calls:
+        assert call["name"] in ({choice} if choice != "required" else
+                                {"get_weather", "lookup_time"})
+        param = "city" if call["name"] == "get_weather" else "zone"
+        assert isinstance(call["args"][param], str)
+    if choice != "required":
+        assert [c["name"] for c in msg.tool_calls] == [choice]
+
+
+def test_langchain_n_batch_and_the_responses_api(base: str) -> None:
+    result = chat_model(base, n=2, temperature=0.8, seed=7).generate([[HumanMessage("Say hi")]])
+    assert len(result.generations[0]) == 2
+    answers = chat_model(base, max_tokens=6).batch(["Hi", "Hello", "Hey"])
+    assert len(answers) == 3 and all(a.content for a in answers)
+    # With use_responses_api the same model speaks /v1/responses; greedy, the text is the
+    # chat answer to the same message.
+    via_responses = chat_model(base, max_tokens=8, use_responses_api=True).invoke("Hi")
+    assert via_responses.text == chat_model(base, max_tokens=8).invoke("Hi").content
+
+
+def test_langchain_unsupported_field_is_a_400_naming_it(base: str) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        chat_model(base, reasoning_effort="low").invoke("Hi")
+    assert err.value.status_code == 400
+    assert err.value.param == "reasoning_effort"
+
+
+# --- lm-evaluation-harness's local-completions --------------------------------------------
+
+
+def local_completions(base: str, **kw: Any) -> LocalCompletionsAPI:
+    # num_concurrent 2: the harness's one-request path trips over its own batching.
+    return LocalCompletionsAPI(model=MODEL, base_url=base + "/v1/completions",
+                               tokenized_requests=True, max_length=511, num_concurrent=2,
+                               batch_size=4, **kw)
+
+
+def hf_backend(hf: Any, tokenizer: Any, api: LocalCompletionsAPI, **kw: Any) -> HFLM:
+    """lm-eval's in-process backend, windowed as ``api`` is: the API model keeps one
+    position for the token it asks for, so its rolling windows are one shorter."""
+    return HFLM(pretrained=hf, tokenizer=tokenizer, max_length=api.max_length - 1,
+                batch_size=4, **kw)
+
+
+CONTEXT = "Return a new list containing all items from the iterable in ascending "
+CHOICES = ["order.", "colour.", "time.", " orderly fashion."]
+
+
+def test_lm_eval_scores_through_the_server_as_its_hf_backend(
+        base: str, tokenizer: Any, hf: Any) -> None:
+    # The README's command: the client's own tokenizer, BOS added, token ids sent.
+    api = local_completions(base, tokenizer_backend="huggingface", tokenizer=str(MODEL_DIR),
+                            add_bos_token=True)
+    ref = hf_backend(hf, tokenizer, api, add_bos_token=True)
+    pairs = [Instance("loglikelihood", {}, (CONTEXT, c), i) for i, c in enumerate(CHOICES)]
+    pairs.append(Instance("loglikelihood", {}, ("", "The os module provides"), len(CHOICES)))
+    got, want = api.loglikelihood(pairs), ref.loglikelihood(pairs)
+    for (score, greedy), (ref_score, ref_greedy) in zip(got, want, strict=True):
+        assert score == pytest.approx(ref_score, abs=1e-3), (got, want)
+        assert greedy == ref_greedy
+    text = (MODEL_DIR / "heldout_sample.txt").read_text(encoding="utf-8")
+    rolling = [Instance("loglikelihood_rolling", {}, (text,), 0)]
+    windows = lm_utils.get_rolling_token_windows(
+        token_list=api.tok_encode(text), prefix_token=api.prefix_token_id,
+        max_seq_len=api.max_length - 1, context_len=1)
+    assert len(list(windows)) > 2  # the text spans several windows
+    (score,), (ref_score,) = api.loglikelihood_rolling(rolling), ref.loglikelihood_rolling(rolling)
+    assert score == pytest.approx(ref_score, abs=0.02)  # (over ~1,700 tokens)
+    gen = [Instance("generate_until", {}, ("def add(a, b):\n    ",
+                                           {"until": ["\n\n"], "max_gen_toks": 24}), 0),
+           Instance("generate_until", {}, ("The os module provides",
+                                           {"until": ["."], "max_gen_toks": 20}), 1)]
+    assert api.generate_until(gen) == ref.generate_until(gen)
+
+
+def test_lm_eval_tokenizes_through_the_server_when_it_may(
+        base: str, tokenizer: Any, hf: Any) -> None:
+    # Served with --enable-tokenizer-info-endpoint, the harness's default backend finds
+    # /tokenizer_info and tokenizes with /tokenize (it adds no BOS there: lm-eval's
+    # add_bos_token is for a tokenizer of its own).
+    api = local_completions(base)
+    assert api.tokenizer_backend == "remote"
+    assert api.tok_encode(CONTEXT) == tokenizer(CONTEXT, add_special_tokens=False).input_ids
+    ref = hf_backend(hf, tokenizer, api, add_bos_token=False)
+    pairs = [Instance("loglikelihood", {}, (CONTEXT, c), i) for i, c in enumerate(CHOICES)]
+    got, want = api.loglikelihood(pairs), ref.loglikelihood(pairs)
+    for (score, greedy), (ref_score, ref_greedy) in zip(got, want, strict=True):
+        assert score == pytest.approx(ref_score, abs=1e-3), (got, want)
+        assert greedy == ref_greedy
+    status, _, raw = http(base + "/tokenizer_info")
+    info = json.loads(raw)
+    assert status == 200 and info["eos_token"] == tokenizer.eos_token
+    assert info["chat_template"] == tokenizer.chat_template
