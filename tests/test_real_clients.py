@@ -5,8 +5,10 @@ lm-evaluation-harness's ``local-completions`` model.
 The oracles are transformers on the same weights: LangChain's greedy answer must be what
 ``generate`` gives for the chat template's tokens, and lm-eval's scores and generations
 through the server what lm-eval's own ``hf`` backend computes in-process.
+The openai SDK's chat ``parse()`` helpers are here too; its Responses helpers are in
+tests/test_responses.py, its tool streams in tests/test_tool_calls_server.py.
 (``tests/test_lm_eval_protocol.py`` replays lm-eval's requests by hand, for string
-prompts; the openai SDK has its own modules: test_responses, test_tools, test_structured.)
+prompts.)
 """
 
 from __future__ import annotations
@@ -185,6 +187,39 @@ def test_langchain_unsupported_field_is_a_400_naming_it(base: str) -> None:
         chat_model(base, reasoning_effort="low").invoke("Hi")
     assert err.value.status_code == 400
     assert err.value.param == "reasoning_effort"
+
+
+# --- the openai SDK's parse helpers for chat ------------------------------------------------
+
+
+class GetWeather(BaseModel):
+    """The weather in a city."""
+
+    city: str = Field(max_length=12)
+
+
+def test_openai_chat_parse_and_its_stream(base: str) -> None:
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 64, "temperature": 0,
+                          "messages": [{"role": "user", "content": "Name a city."}]}
+    whole = client.chat.completions.parse(response_format=City, **kw)
+    message = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "stop" and message.refusal is None
+    assert isinstance(message.parsed, City)
+    assert message.parsed == City.model_validate_json(message.content or "")
+    with client.chat.completions.stream(response_format=City, **kw) as stream:
+        kinds = {event.type for event in stream}
+        final = stream.get_final_completion()
+    assert {"content.delta", "content.done"} <= kinds
+    assert final.choices[0].message.parsed == message.parsed  # greedy: the same answer
+    # A strict tool from a pydantic model: the client parses the forced call's arguments.
+    called = client.chat.completions.parse(
+        tools=[openai.pydantic_function_tool(GetWeather)], tool_choice="required",
+        parallel_tool_calls=False, **{**kw, "messages": [{"role": "user", "content": "Weather in Paris?"}]})
+    (call,) = called.choices[0].message.tool_calls or []
+    assert call.function.name == "GetWeather"
+    assert call.function.parsed_arguments == GetWeather.model_validate_json(
+        call.function.arguments)
 
 
 # --- lm-evaluation-harness's local-completions --------------------------------------------
