@@ -1,6 +1,6 @@
-"""Two clients people point at an OpenAI-compatible server, driven as they are shipped
-against a real ``actorllm serve`` (the embedded model): LangChain's ``ChatOpenAI`` and
-lm-evaluation-harness's ``local-completions`` model.
+"""Clients people point at an OpenAI-compatible server, driven as they are shipped against
+a real ``actorllm serve`` (the embedded model): LangChain's ``ChatOpenAI``, the OpenAI
+Agents SDK and lm-evaluation-harness's ``local-completions`` model.
 
 The oracles are transformers on the same weights: LangChain's greedy answer must be what
 ``generate`` gives for the chat template's tokens, and lm-eval's scores and generations
@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import agents
 import openai
 import pytest
 import torch
@@ -215,11 +216,55 @@ def test_openai_chat_parse_and_its_stream(base: str) -> None:
     # A strict tool from a pydantic model: the client parses the forced call's arguments.
     called = client.chat.completions.parse(
         tools=[openai.pydantic_function_tool(GetWeather)], tool_choice="required",
-        parallel_tool_calls=False, **{**kw, "messages": [{"role": "user", "content": "Weather in Paris?"}]})
+        parallel_tool_calls=False,
+        **{**kw, "messages": [{"role": "user", "content": "Weather in Paris?"}]})
     (call,) = called.choices[0].message.tool_calls or []
     assert call.function.name == "GetWeather"
     assert call.function.parsed_arguments == GetWeather.model_validate_json(
         call.function.arguments)
+
+
+# --- the OpenAI Agents SDK ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_agents_sdk_runs_a_tool_and_answers(base: str, api: str) -> None:
+    # The agent is made to call its tool first (then the SDK sets tool_choice back to
+    # auto), gets the result back as a function_call_output item (a tool message on chat)
+    # and answers in a second turn; streamed too.
+    cities: list[str] = []
+
+    @agents.function_tool
+    def weather(city: str) -> str:
+        """Get the weather in a city."""
+        cities.append(city)
+        return f"sunny in {city}"
+
+    async def run(streamed: bool) -> tuple[Any, set[str]]:
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        model = (agents.OpenAIResponsesModel if api == "responses" else
+                 agents.OpenAIChatCompletionsModel)(model=MODEL, openai_client=client)
+        agent = agents.Agent(name="w", instructions="Be brief.", model=model,
+                             tools=[weather], model_settings=agents.ModelSettings(
+                                 tool_choice="required", parallel_tool_calls=False,
+                                 temperature=0, max_tokens=64))
+        if not streamed:
+            return await agents.Runner.run(agent, "Weather in Paris?", max_turns=3), set()
+        result = agents.Runner.run_streamed(agent, "Weather in Paris?", max_turns=3)
+        kinds = {event.type async for event in result.stream_events()}
+        return result, kinds
+
+    agents.set_tracing_disabled(True)
+    whole, _ = asyncio.run(run(streamed=False))
+    items = [type(i).__name__ for i in whole.new_items]
+    assert items == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"], items
+    assert len(cities) == 1 and isinstance(whole.final_output, str) and whole.final_output
+    streamed, kinds = asyncio.run(run(streamed=True))
+    assert {"raw_response_event", "run_item_stream_event"} <= kinds
+    assert [type(i).__name__ for i in streamed.new_items] == items
+    # (The answers may differ: the template shows the tool result under its call's id,
+    # which is random. The forced call is the same.)
+    assert isinstance(streamed.final_output, str) and cities[1] == cities[0]
 
 
 # --- lm-evaluation-harness's local-completions --------------------------------------------
