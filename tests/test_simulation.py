@@ -277,6 +277,65 @@ def test_sibling_abort_queued_for_a_finished_parent_spares_the_next_request(
     assert "abort" not in events(world, "a", 1)
 
 
+def test_a_choice_that_ended_unread_counts_as_waiting_output(tiny_tokenizer: Any) -> None:
+    # a (n=2, no tokens asked) is aborted; its choices end, and the first end waits for a
+    # reader that takes nothing while the second is still on its way. That end is output
+    # like any other, so past the timeout the request is cancelled for its stalled reader.
+    # (The Frontend's stall watch used to sleep on: only a delta woke it, so a reader that
+    # left an end unread was never cancelled; and the simulation counted only deltas as
+    # output waiting, so it called such a cancellation one of a reader that reads.)
+    kw: dict[str, Any] = dict(prompt="Hi", stop=(), include_stop=False, stream=False)
+    world = replay(tiny_tokenizer, [
+        ("abort", dict(rid="a")),
+        ("submit", dict(rid="a", n=2, max_tokens=0, **kw)),
+        ("abort", dict(rid="a")),
+        ("deliver", dict(picks=[0])),
+        ("deliver", dict(picks=[0])),
+        ("deliver", dict(picks=[0, 0, 0])),
+        ("deliver", dict(picks=[0, 0, 0, 0])),
+        ("advance", dict(hold={"detokenizer->frontend", "scheduler->worker"}, rounds=1,
+                         salt=0)),
+        ("deliver", dict(picks=[0, 0, 0, 0])),
+        ("tick", dict(seconds=6.0)),
+    ], TIMEOUT)
+    client = [c for c in world.clients if c.rid == "a"][-1]
+    assert client.timed_out and client.error is not None
+    assert client.error.code == "stream_timeout"
+
+
+def test_a_stream_timeout_spares_a_choice_answered_before_its_abort_went(
+        tiny_tokenizer: Any) -> None:
+    # The timeout cancels a (n=4); the Frontend's abort sender then takes its choices one
+    # by one, and a-1's abort waits for room in the Tokenizer's box while a-2's end
+    # arrives: a-2 is answered, and its abort is rightly never sent. (The simulation used
+    # to judge every choice from the timeout itself, and called that a missing abort.)
+    kw: dict[str, Any] = dict(prompt="Hi", stop=(), include_stop=False, stream=False)
+    one = [("deliver", dict(picks=[0]))]
+    world = replay(tiny_tokenizer, [
+        ("submit", dict(rid="a", n=4, max_tokens=0, prompt_logprobs=1, **kw)),
+        ("deliver", dict(picks=[0, 0, 0])),
+        ("deliver", dict(picks=[0, 0, 0, 0])),
+        *one,
+        ("deliver", dict(picks=[0, 5])),
+        *one,
+        ("complete_step", dict(eos_mask=0, salt=0)),
+        *one,
+        ("complete_step", dict(eos_mask=0, salt=0)),
+        ("submit", dict(rid="a", n=1, max_tokens=0, **kw)),
+        *one, *one,
+        ("complete_step", dict(eos_mask=0, salt=0)),
+        ("tick", dict(seconds=1.0)),
+        *one, *one,
+        ("deliver", dict(picks=[5, 0])),
+        ("submit", dict(rid="a", n=1, max_tokens=1, **kw)),
+        *one * 8,
+    ], TIMEOUT)
+    first = next(c for c in world.clients if c.rid == "a")
+    assert first.timed_out and first.error is not None
+    child = events(world, "a-2")
+    assert child[-2:] == ["respond", "forget"] and "abort" not in child
+
+
 def test_parent_abort_waiting_for_room_spares_the_next_request_with_its_rid(
         tiny_tokenizer: Any) -> None:
     world = World(tiny_tokenizer, TextModel(tiny_tokenizer), SimConfig(capacity=1))

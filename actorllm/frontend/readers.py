@@ -111,10 +111,22 @@ class ReaderPacing:
         self.pending_bytes += cost
         if tokens:
             self.metrics.consumer_lag.observe(col.pending_tokens)
+        self._now_waits(waited)
+        self.pace(col)
+
+    def on_finish(self, col: OutputCollector, waited: bool) -> None:
+        """One of ``col``'s choices ended: its end waits for the reader like any output
+        (a stream's chunk with its finish_reason), so a reader that takes nothing while
+        the other choices run is stalled as well."""
+        if not col.engine_done.is_set():
+            self._now_waits(waited)
+
+    def _now_waits(self, waited: bool) -> None:
+        """Output waits where nothing did (``waited`` False): wake the stall watch if it
+        sleeps with no deadline."""
         if not waited and self._stall_idle:
             self._stall_idle = False
             self._stall_wake.set()
-        self.pace(col)
 
     def pace(self, col: OutputCollector) -> None:
         """Pause ``col``'s request if its reader is too far behind."""

@@ -156,7 +156,14 @@ class Checks(WorldFields):
             # reach died with the engine, and a message for a forgotten rid must not be sent
             # (invariant 1: it could reach the rid's next incarnation).
             lost = c.index_of("lose") is not None
-            if (responded is None or responded >= end) and c.aborts_sent == 0 and not lost \
+            # A stream timeout's aborts go out from the Frontend's abort sender, after the
+            # timeout: a choice answered before the sender took up its abort needs none.
+            # (One never taken up is judged from the timeout: a missing abort shows.)
+            answered_by = end
+            if mark is client.timeout_mark and c.timeout_abort_at is not None:
+                answered_by = max(end, c.timeout_abort_at)
+            if (responded is None or responded >= answered_by) and c.aborts_sent == 0 \
+                    and not lost \
                     and not (not drained and self._abort_pending(c)):
                 self.report("5", f"{client.rid!r} was aborted, yet no abort was sent for "
                             f"choice {i}: {c.describe()}")

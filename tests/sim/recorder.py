@@ -32,6 +32,9 @@ class Incarnation:
     parent: Incarnation | None = None
     committed: list[int] = attrs.Factory(list)  # token ids the Scheduler sent on
     aborts_sent: int = 0  # AbortRequests the Frontend sent for it
+    # Recorder.count when the Frontend took up the stream-timeout abort of this leaf (its
+    # abort sender runs after the timeout; a final output may come in between)
+    timeout_abort_at: int | None = None
 
     @property
     def ended(self) -> bool:
@@ -135,6 +138,7 @@ class Client:
     disconnected: bool = False
     # Recorder.count when each abort call started and when it returned (None: still waiting)
     abort_marks: list[list[int | None]] = attrs.Factory(list)
+    timeout_mark: list[int | None] | None = None  # the one of abort_marks a timeout made
     text: dict[int, list[str]] = attrs.Factory(dict)
     ids: dict[int, list[int]] = attrs.Factory(dict)
     prompt_lps: dict[int, list[Any]] = attrs.Factory(dict)  # per choice, as read
@@ -183,6 +187,7 @@ class WorldFields:
     scheduler: Any
     _sched_tags: dict[int, Any]
     _tok_tags: dict[int, Any]
+    _timeout_leaves: list[tuple[Any, Incarnation]]
 
     def report(self, invariant: str, message: str) -> None:
         raise NotImplementedError

@@ -203,6 +203,10 @@ class Watches(WorldFields):
             if index in done:
                 self.report("2", f"{client.rid!r}: choice {index} finished twice")
             done.add(index)
+            # A choice's end is output for the reader too (a stream's chunk with its
+            # finish_reason): while its siblings run, a reader that takes nothing stalls.
+            if client.unread_since is None:
+                client.unread_since = trio.current_time()
             put_finish(index, *args)
 
         def error(exc: RequestError) -> None:
@@ -226,7 +230,30 @@ class Watches(WorldFields):
             self.report("11", f"{client.rid!r} was cancelled for a stalled reader at t={t:g}, "
                         f"yet it reads (paused {client.paused}, output waits since "
                         f"{client.unread_since}, stopped reading at {client.paused_at:g})")
-        client.abort_marks.append([self.rec.count, self.rec.count])
+        client.timeout_mark = [self.rec.count, self.rec.count]
+        client.abort_marks.append(client.timeout_mark)
+        # Its live leaves (the Frontend's objects), to know each one's incarnation when the
+        # abort sender takes it up: by then its rid may name a newer request.
+        inc = client.inc
+        for c in ([inc] if client.n == 1 else list(inc.child_incs.values())) if inc else []:
+            st = self.frontend.registry.get(c.rid)
+            if st is not None and self.rec.current.get(c.rid) is c:
+                self._timeout_leaves.append((st, c))
+
+    def _watch_frontend_aborts(self) -> None:
+        """Note when the Frontend's abort sender takes up a stream-timeout abort (invariant 5
+        for a timeout judges each leaf from then on, not from the timeout)."""
+        fe = self.frontend
+        abort = fe._abort
+
+        async def noted(st: Any, reason: str = "user") -> None:
+            if reason == "stream_timeout":
+                for leaf, inc in self._timeout_leaves:
+                    if leaf is st and inc.timeout_abort_at is None:
+                        inc.timeout_abort_at = self.rec.count
+            await abort(st, reason)
+
+        fe._abort = noted
 
     def _check_stalls(self) -> None:
         """Invariant 11, the other way: a paused reader with output waiting longer than the

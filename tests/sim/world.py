@@ -40,7 +40,7 @@ from .checks import Checks
 from .common import EDGES, STOP_STRINGS, InvariantViolation, SimConfig, TextModel
 from .controlled_transport import ControlledMailbox
 from .guest import GuestLoop
-from .recorder import Client, Recorder
+from .recorder import Client, Incarnation, Recorder
 from .scripted_draft import DraftingWorker
 from .scripted_worker import ScriptedWorker
 from .watch import Watches
@@ -90,6 +90,8 @@ class World(Watches, Checks):
         # actor takes every message waiting before it handles the first.
         self._sched_tags: dict[int, Any] = {}
         self._tok_tags: dict[int, Any] = {}  # (aborts and pauses: forwarded as they came)
+        # (the Frontend's leaf, its incarnation) of every request a stream timeout cancelled
+        self._timeout_leaves: list[tuple[Any, Incarnation]] = []
         self._running = 0  # harness tasks (submit, abort) not yet finished
         self._closing = False
         self._idle = False
@@ -155,6 +157,7 @@ class World(Watches, Checks):
         }
         self._edges = {e: b[e.split("->")[1]] for e in EDGES}
         self._watch_scheduler()
+        self._watch_frontend_aborts()
         self.loop = GuestLoop(self._main)
         self.loop.run_until(lambda: self._idle)
 
