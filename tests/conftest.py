@@ -25,9 +25,9 @@ import torch
 from helpers import build_tiny_model, build_tokenizer, free_port, hf_greedy
 from hypothesis import settings
 from sim.profiles import register_profiles
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from actorllm.config import EngineConfig
+from actorllm.config import EngineConfig, default_model_dir
 from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
 from actorllm.ops.cpu_backend import CpuKernelError, build_kernel
 from actorllm.ops.op_library import build_op_library
@@ -62,6 +62,19 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerBase:
     """The tiny tokenizer, loaded with ``AutoTokenizer``."""
     return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer() -> PreTrainedTokenizerBase:
+    """The embedded model's tokenizer, loaded with ``AutoTokenizer``."""
+    return AutoTokenizer.from_pretrained(default_model_dir())
+
+
+@pytest.fixture(scope="session")
+def default_hf() -> Any:
+    """The embedded model in transformers, float32, in eval mode (treat as read-only)."""
+    return AutoModelForCausalLM.from_pretrained(default_model_dir(),
+                                                dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from test_server import ServerProcess, http
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "actorllm" / "assets" / "default-model"
 MODEL = "default"
@@ -41,16 +41,6 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         rc = srv.stop()
     assert rc == 0, srv.stderr()
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(str(MODEL_DIR))
-
-
-@pytest.fixture(scope="module")
-def hf() -> Any:
-    return AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32).eval()
 
 
 # --- the harness's client side ----------------------------------------------------------
@@ -125,14 +115,14 @@ def hf_loglikelihood(hf: Any, context: list[int], continuation: list[int]
 # --- tests ----------------------------------------------------------------------------
 
 
-def test_loglikelihood_of_multiple_choice_continuations(base: str, tokenizer: Any,
-                                                        hf: Any) -> None:
+def test_loglikelihood_of_multiple_choice_continuations(base: str, default_tokenizer: Any,
+                                                        default_hf: Any) -> None:
     context = "Return a new list containing all items from the iterable in ascending "
     choices = ["order.", "colour.", "time.", "orderly fashion."]
-    requests = [encode_pair(tokenizer, context, c) for c in choices]
-    requests.append(encode_pair(tokenizer, "", "The os module provides"))
+    requests = [encode_pair(default_tokenizer, context, c) for c in choices]
+    requests.append(encode_pair(default_tokenizer, "", "The os module provides"))
     got = loglikelihoods(base, requests)
-    want = [hf_loglikelihood(hf, c, x) for c, x in requests]
+    want = [hf_loglikelihood(default_hf, c, x) for c, x in requests]
     for (score, greedy), (ref, ref_greedy), (_, cont) in zip(got, want, requests, strict=True):
         assert score == pytest.approx(ref, abs=1e-4 * len(cont)), (score, ref)
         assert greedy == ref_greedy
@@ -142,14 +132,14 @@ def test_loglikelihood_of_multiple_choice_continuations(base: str, tokenizer: An
 
 
 def test_rolling_perplexity_of_the_held_out_text_matches_the_model_card(
-        base: str, tokenizer: Any, hf: Any) -> None:
+        base: str, default_tokenizer: Any, default_hf: Any) -> None:
     text = (MODEL_DIR / "heldout_sample.txt").read_text(encoding="utf-8")
-    tokens = tokenizer(text, add_special_tokens=False).input_ids
-    windows = rolling_windows(tokens, tokenizer.bos_token_id, MAX_LENGTH - 1)
+    tokens = default_tokenizer(text, add_special_tokens=False).input_ids
+    windows = rolling_windows(tokens, default_tokenizer.bos_token_id, MAX_LENGTH - 1)
     assert len(windows) > 2 and sum(len(w[1]) for w in windows) == len(tokens)
     got = loglikelihoods(base, windows)
     nll = -sum(score for score, _ in got) / len(tokens)
-    ref = -sum(hf_loglikelihood(hf, c, x)[0] for c, x in windows) / len(tokens)
+    ref = -sum(hf_loglikelihood(default_hf, c, x)[0] for c, x in windows) / len(tokens)
     assert nll == pytest.approx(ref, abs=1e-4)
     card = (MODEL_DIR / "MODEL_CARD.md").read_text(encoding="utf-8")
     val_loss = float(re.search(r"^val_loss: (\S+)$", card, flags=re.MULTILINE).group(1))

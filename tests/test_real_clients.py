@@ -33,7 +33,6 @@ from lm_eval.models.openai_completions import LocalCompletionsAPI
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field
 from test_server import ServerProcess, http
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from actorllm.config import default_model_dir
 
@@ -51,16 +50,6 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield ready.url
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(str(MODEL_DIR))
-
-
-@pytest.fixture(scope="module")
-def hf() -> Any:
-    return AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32).eval()
-
-
 def chat_model(base: str, **kw: Any) -> ChatOpenAI:
     return ChatOpenAI(base_url=base + "/v1", api_key="x", model=MODEL, max_retries=0,
                       timeout=120, **{"temperature": 0, "max_tokens": MAX_TOKENS, **kw})
@@ -70,21 +59,21 @@ def chat_model(base: str, **kw: Any) -> ChatOpenAI:
 
 
 def test_langchain_greedy_answer_is_what_transformers_generates(
-        base: str, tokenizer: Any, hf: Any) -> None:
+        base: str, default_tokenizer: Any, default_hf: Any) -> None:
     question = "Write a function that adds two numbers"
     msg = chat_model(base).invoke(question)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+    ids = default_tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                         add_generation_prompt=True, return_dict=True,
                                         return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        out = hf.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+        out = default_hf.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
     new = out[0, ids.shape[1]:].tolist()
-    assert msg.content == tokenizer.decode(new, skip_special_tokens=True)
+    assert msg.content == default_tokenizer.decode(new, skip_special_tokens=True)
     assert msg.usage_metadata is not None
     assert msg.usage_metadata["input_tokens"] == ids.shape[1]
     assert msg.usage_metadata["output_tokens"] == len(new)
     assert msg.response_metadata["finish_reason"] == (
-        "stop" if new[-1] == tokenizer.eos_token_id else "length")
+        "stop" if new[-1] == default_tokenizer.eos_token_id else "length")
     # Streamed, the chunks add up to the same answer, usage in the last one.
     chunks = list(chat_model(base, stream_usage=True).stream(question))
     assert "".join(str(c.content) for c in chunks) == msg.content
@@ -289,11 +278,11 @@ CHOICES = ["order.", "colour.", "time.", " orderly fashion."]
 
 
 def test_lm_eval_scores_through_the_server_as_its_hf_backend(
-        base: str, tokenizer: Any, hf: Any) -> None:
+        base: str, default_tokenizer: Any, default_hf: Any) -> None:
     # The README's command: the client's own tokenizer, BOS added, token ids sent.
     api = local_completions(base, tokenizer_backend="huggingface", tokenizer=str(MODEL_DIR),
                             add_bos_token=True)
-    ref = hf_backend(hf, tokenizer, api, add_bos_token=True)
+    ref = hf_backend(default_hf, default_tokenizer, api, add_bos_token=True)
     pairs = [Instance("loglikelihood", {}, (CONTEXT, c), i) for i, c in enumerate(CHOICES)]
     pairs.append(Instance("loglikelihood", {}, ("", "The os module provides"), len(CHOICES)))
     got, want = api.loglikelihood(pairs), ref.loglikelihood(pairs)
@@ -316,14 +305,14 @@ def test_lm_eval_scores_through_the_server_as_its_hf_backend(
 
 
 def test_lm_eval_tokenizes_through_the_server_when_it_may(
-        base: str, tokenizer: Any, hf: Any) -> None:
+        base: str, default_tokenizer: Any, default_hf: Any) -> None:
     # Served with --enable-tokenizer-info-endpoint, the harness's default backend finds
     # /tokenizer_info and tokenizes with /tokenize (it adds no BOS there: lm-eval's
     # add_bos_token is for a tokenizer of its own).
     api = local_completions(base)
     assert api.tokenizer_backend == "remote"
-    assert api.tok_encode(CONTEXT) == tokenizer(CONTEXT, add_special_tokens=False).input_ids
-    ref = hf_backend(hf, tokenizer, api, add_bos_token=False)
+    assert api.tok_encode(CONTEXT) == default_tokenizer(CONTEXT, add_special_tokens=False).input_ids
+    ref = hf_backend(default_hf, default_tokenizer, api, add_bos_token=False)
     pairs = [Instance("loglikelihood", {}, (CONTEXT, c), i) for i, c in enumerate(CHOICES)]
     got, want = api.loglikelihood(pairs), ref.loglikelihood(pairs)
     for (score, greedy), (ref_score, ref_greedy) in zip(got, want, strict=True):
@@ -331,5 +320,5 @@ def test_lm_eval_tokenizes_through_the_server_when_it_may(
         assert greedy == ref_greedy
     status, _, raw = http(base + "/tokenizer_info")
     info = json.loads(raw)
-    assert status == 200 and info["eos_token"] == tokenizer.eos_token
-    assert info["chat_template"] == tokenizer.chat_template
+    assert status == 200 and info["eos_token"] == default_tokenizer.eos_token
+    assert info["chat_template"] == default_tokenizer.chat_template
