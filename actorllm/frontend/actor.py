@@ -325,11 +325,8 @@ class Frontend:
             if st.parent is not None:  # the client gets the error: its siblings are moot
                 self._abort_next.append((self.registry[st.parent], "sibling_failed"))
         elif not st.collector.failed:  # (after a stream timeout the reader gets the error)
-            col = st.collector
-            waited = col.oldest is not None
-            col.put_finish(st.index, fin.finish_reason, fin.stop_reason)
-            if not col.final_only:
-                self.pacing.on_finish(col, waited)
+            st.collector.put_finish(st.index, fin.finish_reason, fin.stop_reason)
+            self.pacing.on_finish(st.collector)
         self.pacing.untrack_if_idle(st.collector)
         self._maybe_forget(st)
 

@@ -114,12 +114,13 @@ class ReaderPacing:
         self._now_waits(waited)
         self.pace(col)
 
-    def on_finish(self, col: OutputCollector, waited: bool) -> None:
+    def on_finish(self, col: OutputCollector) -> None:
         """One of ``col``'s choices ended: its end waits for the reader like any output
         (a stream's chunk with its finish_reason), so a reader that takes nothing while
-        the other choices run is stalled as well."""
-        if not col.engine_done.is_set():
-            self._now_waits(waited)
+        the other choices run is stalled as well. (The watch, if it sleeps with no
+        deadline, is woken even if other output waited: it only looks again.)"""
+        if not col.final_only and not col.engine_done.is_set():
+            self._now_waits(False)
 
     def _now_waits(self, waited: bool) -> None:
         """Output waits where nothing did (``waited`` False): wake the stall watch if it
