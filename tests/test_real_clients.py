@@ -62,9 +62,9 @@ def test_langchain_greedy_answer_is_what_transformers_generates(
         base: str, default_tokenizer: Any, default_hf: Any) -> None:
     question = "Write a function that adds two numbers"
     msg = chat_model(base).invoke(question)
-    ids = default_tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                        add_generation_prompt=True, return_dict=True,
-                                        return_tensors="pt")["input_ids"]
+    ids = default_tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True,
+        return_dict=True, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         out = default_hf.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
     new = out[0, ids.shape[1]:].tolist()
@@ -260,7 +260,6 @@ def test_agents_sdk_runs_a_tool_and_answers(base: str, api: str) -> None:
 
 
 def local_completions(base: str, **kw: Any) -> LocalCompletionsAPI:
-    # num_concurrent 2: the harness's one-request path trips over its own batching.
     return LocalCompletionsAPI(model=MODEL, base_url=base + "/v1/completions",
                                tokenized_requests=True, max_length=511, num_concurrent=2,
                                batch_size=4, **kw)
