@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +29,15 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 from lm_eval.models.openai_completions import LocalCompletionsAPI
-from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field
-from test_server import ServerProcess, http
+from test_server import ServerProcess, http, labeled, wait_idle
 
 from actorllm.config import default_model_dir
 
 MODEL_DIR = Path(default_model_dir())
 MODEL = "default"
 MAX_TOKENS = 24
+ABORTED = "actorllm:aborted_requests_total"
 
 
 @pytest.fixture(scope="module")
@@ -131,31 +130,10 @@ def test_langchain_n_batch_and_the_responses_api(base: str) -> None:
     assert via_responses.text == chat_model(base, max_tokens=8).invoke("Hi").content
 
 
-def sample(base: str, name: str, **labels: str) -> float:
-    """One sample of the server's /metrics (0 where it has not been written yet)."""
-    _, _, raw = http(base + "/metrics")
-    for family in text_string_to_metric_families(raw.decode()):
-        for s in family.samples:
-            if s.name == "actorllm:" + name and all(s.labels.get(k) == v
-                                                     for k, v in labels.items()):
-                return float(s.value)
-    return 0.0
-
-
-def eventually(cond: Callable[[], bool], guard: float = 60.0) -> bool:
-    """Poll ``cond`` until it holds; False only if ``guard`` seconds (a hang) pass first."""
-    deadline = time.monotonic() + guard
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def test_langchain_leaving_a_stream_aborts_the_request(base: str) -> None:
     # A chat UI's "stop": the consumer leaves astream; the server must see the client go
     # and abort the request rather than generate its 400 tokens for nobody.
-    before = sample(base, "aborted_requests_total", reason="client_disconnect")
+    before = labeled(base, ABORTED, reason="client_disconnect")
 
     async def read_three() -> int:
         llm = chat_model(base, max_tokens=400, extra_body={"ignore_eos": True})
@@ -167,9 +145,10 @@ def test_langchain_leaving_a_stream_aborts_the_request(base: str) -> None:
         return seen
 
     assert asyncio.run(read_three()) == 3
-    assert eventually(lambda: sample(base, "aborted_requests_total",
-                                     reason="client_disconnect") == before + 1)
-    assert eventually(lambda: sample(base, "num_requests_running") == 0)
+    idle = wait_idle(base)  # (had it not been aborted, it would run its 400 tokens first)
+    assert idle["actorllm:num_requests_running"] == 0
+    assert idle["actorllm:kv_cache_usage_perc"] == 0
+    assert labeled(base, ABORTED, reason="client_disconnect") == before + 1
 
 
 def test_langchain_unsupported_field_is_a_400_naming_it(base: str) -> None:
