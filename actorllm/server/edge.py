@@ -12,9 +12,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from actorllm.server.errors import APIError
 from actorllm.server.state import CLOSE, ServerState
 
-# Paths behind --api-key: the OpenAI routes and the tokenizer ones (as in vLLM), which
-# take client text and CPU time.
-_PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
+# Path prefixes behind --api-key: the OpenAI routes and the tokenizer ones (as in vLLM),
+# which take client text and CPU time ("/tokenize" covers /tokenizer_info too).
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize")
 
 
 class _TooLarge(StarletteHTTPException):
