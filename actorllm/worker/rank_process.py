@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 # driver waits for our "stopped" status first, so this is only the fallback.)
 _stopped = threading.Event()
 
+EXIT_START_FAILED = 2  # the CLI's EXIT_USAGE, as when the rank fails before joining
+
 
 def _exit_when_orphaned() -> None:
     """EOF on stdin: the driver closed the group or died. Leave at once."""
@@ -104,8 +106,9 @@ def serve_rank(model: str | None = None, *, timeout: float = 300.0,
     the checkpoint elsewhere); ``num_threads`` the driver's per-rank threads.
 
     Exits the process with 0 when the driver closes the group, with EXIT_ORPHANED when
-    it is lost; raises a one-line ``ValueError`` when the rank cannot start (after
-    telling the driver why, once it has joined).
+    it is lost. When the rank cannot start it raises a one-line ``ValueError`` before it
+    has joined; once joined it tells the driver why, says so in the CLI's one line and
+    exits with EXIT_START_FAILED.
     """
     addr, port, rank, world = rank_env()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
@@ -130,7 +133,10 @@ def serve_rank(model: str | None = None, *, timeout: float = 300.0,
         log.debug("rank %d failed to load", rank, exc_info=True)
         why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         store.set(status_key(rank), f"failed: {why}")
-        raise ValueError(why) from None
+        # Not a raise: the heartbeat's thread is inside the store's C++ client, and an
+        # ordinary exit aborted the process now and then (SIGABRT in place of 2).
+        sys.stderr.write(f"actorllm: error: {why}\n")
+        _leave(EXIT_START_FAILED)
     model_, kv, backend, device = built
     store.set(status_key(rank), "ready")
     log.info("rank %d of %d ready (%s, model %s)", rank, world, device, spec.model)
