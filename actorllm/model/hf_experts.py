@@ -14,9 +14,9 @@ the routing weights multiplied in place and the rows added back with one ``index
 into the output: no inverse permutation, no gather, no ``[tokens, top_k, hidden]`` sum.
 The gate stays the module's own ``_apply_gate`` (:func:`.hf_mlp.fuse_expert_gates`'s, where
 it took). Per token the ``top_k`` rows are added in expert order rather than in routing
-order; with two experts a token (Mixtral) that is the same sum bit for bit, with more it
-differs by float rounding. A forward is kept only if it reproduces the module's own
-output on a random probe.
+order; with two experts a token (Mixtral) that is the same sum bit for bit on one
+intra-op thread, with more experts or threads it differs by float rounding. A forward
+is kept only if it reproduces the module's own output on a random probe.
 """
 
 from __future__ import annotations
