@@ -53,9 +53,10 @@ if settings.get_current_profile_name() == "default":
 @pytest.fixture(autouse=True)
 def _one_intra_op_thread() -> Iterator[None]:
     """Every test starts on the one thread set above, whatever ran before it in this
-    process: an in-process engine sizes torch's (process-wide) pool for its steps and
-    leaves it so, and under pytest-xdist which tests ran before is the scheduler's
-    choice. Results that hold bit for bit only on one thread depended on that order."""
+    process: a ModelRunner given a thread count sets torch's (process-wide) count and
+    leaves it so (``worker/sizing.torch_threads``), and under pytest-xdist which tests
+    ran before is the scheduler's choice. Results that hold bit for bit only on one
+    thread depended on that order."""
     torch.set_num_threads(1)
     yield
 
