@@ -22,6 +22,11 @@ EXIT_USAGE = 2
 CLI_MAX_TOKENS = 64
 
 
+def say_error(problem: object) -> None:
+    """The CLI's one error line, on stderr."""
+    sys.stderr.write(f"actorllm: error: {problem}\n")
+
+
 class CliError(Exception):
     """A user error: printed as one line, exit code 2."""
 
@@ -144,7 +149,7 @@ async def _stream_one(config: Any, resources: Any, prompt: str, params: Any) -> 
                     sys.stdout.write(o.text)
                     sys.stdout.flush()
         except RequestError as exc:
-            sys.stderr.write(f"actorllm: error: {exc}\n")
+            say_error(exc)
             return 1
     sys.stdout.write("\n")
     return 0
@@ -214,13 +219,16 @@ def cmd_rank(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), force=True,
                         format=f"%(asctime)s %(levelname)s [rank {rank} %(process)d] "
                                "%(name)s: %(message)s")
-    from actorllm.worker.rank_process import serve_rank
+    from actorllm.worker.rank_process import leave, serve_rank
 
-    try:  # leaves the process itself once it has joined (rank_process._leave)
+    try:  # a rank leaves the process itself (rank_process.leave), never by returning
         serve_rank(args.model, timeout=args.timeout, num_threads=args.cpu_threads,
                    watch_stdin=args.watch_stdin)
     except ValueError as exc:
-        raise CliError(str(exc)) from None
+        # Once joined, the heartbeat's thread is inside the store's C++ client, and the
+        # interpreter's own exit aborted now and then (SIGABRT, -6, in place of 2).
+        say_error(exc)
+        leave(EXIT_USAGE)
 
 
 def cmd_replica(args: argparse.Namespace) -> int:
@@ -254,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``actorllm`` console script."""
     args = build_parser().parse_args(argv)
     if (problem := flag_error(args)) is not None:  # before logging, and the model, load
-        sys.stderr.write(f"actorllm: error: {problem}\n")
+        say_error(problem)
         return EXIT_USAGE
     logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -269,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_replica(args)
         return cmd_replay(args)
     except CliError as exc:
-        sys.stderr.write(f"actorllm: error: {exc}\n")
+        say_error(exc)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
@@ -279,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(exc, EngineStartError):
             raise
         # A child process of --topology engine|pipeline could not start: its own reason.
-        sys.stderr.write(f"actorllm: error: {exc}\n")
+        say_error(exc)
         return 1
 
 

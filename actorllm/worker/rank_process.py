@@ -46,8 +46,6 @@ log = logging.getLogger(__name__)
 # driver waits for our "stopped" status first, so this is only the fallback.)
 _stopped = threading.Event()
 
-EXIT_START_FAILED = 2  # the CLI's EXIT_USAGE, as when the rank fails before joining
-
 
 def _exit_when_orphaned() -> None:
     """EOF on stdin: the driver closed the group or died. Leave at once."""
@@ -55,17 +53,17 @@ def _exit_when_orphaned() -> None:
         while sys.stdin.buffer.read(4096):
             pass
     finally:
-        _leave(0 if _stopped.is_set() else EXIT_ORPHANED)
+        leave(0 if _stopped.is_set() else EXIT_ORPHANED)
 
 
 def _driver_lost(why: str) -> NoReturn:
     if _stopped.is_set():
-        _leave(0)
+        leave(0)
     log.error("the tensor-parallel driver is gone (%s); leaving", why)
-    _leave(EXIT_ORPHANED)
+    leave(EXIT_ORPHANED)
 
 
-def _leave(code: int) -> NoReturn:
+def leave(code: int) -> NoReturn:
     """Exit without the interpreter's finalization: the process group's C++ threads are
     still alive, and destroying them there aborts the process (SIGABRT, "terminate
     called without an active exception"), whether the group is broken or not."""
@@ -106,9 +104,9 @@ def serve_rank(model: str | None = None, *, timeout: float = 300.0,
     the checkpoint elsewhere); ``num_threads`` the driver's per-rank threads.
 
     Exits the process with 0 when the driver closes the group, with EXIT_ORPHANED when
-    it is lost. When the rank cannot start it raises a one-line ``ValueError`` before it
-    has joined; once joined it tells the driver why, says so in the CLI's one line and
-    exits with EXIT_START_FAILED.
+    it is lost; raises a one-line ``ValueError`` when the rank cannot start (after
+    telling the driver why, once it has joined). The caller should then leave with
+    :func:`leave` too: the heartbeat's thread may be inside the store's C++ client.
     """
     addr, port, rank, world = rank_env()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
@@ -133,10 +131,7 @@ def serve_rank(model: str | None = None, *, timeout: float = 300.0,
         log.debug("rank %d failed to load", rank, exc_info=True)
         why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         store.set(status_key(rank), f"failed: {why}")
-        # Not a raise: the heartbeat's thread is inside the store's C++ client, and an
-        # ordinary exit aborted the process now and then (SIGABRT in place of 2).
-        sys.stderr.write(f"actorllm: error: {why}\n")
-        _leave(EXIT_START_FAILED)
+        raise ValueError(why) from None
     model_, kv, backend, device = built
     store.set(status_key(rank), "ready")
     log.info("rank %d of %d ready (%s, model %s)", rank, world, device, spec.model)
@@ -154,4 +149,4 @@ def serve_rank(model: str | None = None, *, timeout: float = 300.0,
         store.set(status_key(rank), "stopped")
     except Exception:  # it gave up waiting and closed them: we are leaving anyway
         log.debug("could not acknowledge the stop", exc_info=True)
-    _leave(0)
+    leave(0)
