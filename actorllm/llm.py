@@ -1,22 +1,29 @@
 """``LLM``: the synchronous Python API, like vLLM's offline ``LLM.generate``.
 
-The weights and the tokenizer are loaded once, in ``LLM(...)``; each ``generate``
-call starts the actors around them under ``trio.run``, submits every prompt (a chunk
-a turn of the event loop; continuous batching does the rest) and stops the actors when
-all are done.
+The weights and the tokenizer are loaded once, in ``LLM(...)``. The first ``generate``
+opens the engine (its actors and, in the ``engine`` and ``pipeline`` topologies, its
+child processes) on a trio loop of the ``LLM``'s own (:class:`HeldEngine`), which keeps
+it open until ``close()``, the end of a ``with`` block, or the object's collection, as
+vLLM's ``LLM`` keeps its engine core. Each call submits its prompts there (a chunk a
+turn of the event loop; continuous batching does the rest) and returns when all are done.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable, Sequence
+from functools import partial
+from types import TracebackType
 from typing import Any
 
 import attrs
 import trio
 
 from actorllm.config import EngineConfig, default_model_dir
-from actorllm.engine.async_engine import AsyncEngine, Resources, open_engine
+from actorllm.engine.async_engine import AsyncEngine, Resources
 from actorllm.engine.heap import frozen_heap
+from actorllm.engine.held import HeldEngine
 from actorllm.hub import resolve_model
 from actorllm.wire.messages import ChatMessage, GenerateRequest, SamplingParams
 from actorllm.wire.outputs import CompletionOutput, Merged, RequestError, merge_all
@@ -89,6 +96,30 @@ class LLM:
         path = resolve_model(str(model), revision) if model else str(default_model_dir())
         self.config = EngineConfig(model=path, **engine_args)
         self.resources = Resources(self.config)
+        self._held: HeldEngine | None = None  # opened by the first generate
+        self._closer: weakref.finalize | None = None
+        self._calls = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine and its child processes; a later ``generate`` opens it again.
+        Also done when the ``LLM`` is collected or the interpreter exits."""
+        if self._closer is not None:
+            self._closer()  # (a finalize runs its function once)
+        self._held = self._closer = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def _engine(self) -> HeldEngine:
+        if self._held is None:
+            self._held = HeldEngine(self.config, self.resources)
+            # Holds the HeldEngine, not this object, so the LLM can still be collected.
+            self._closer = weakref.finalize(self, self._held.close)
+        return self._held
 
     @property
     def tokenizer(self) -> Any:
@@ -110,6 +141,10 @@ class LLM:
         """Generate for every prompt concurrently; results come back in prompt order.
 
         Without ``sampling_params``, :meth:`default_sampling_params` (the model's defaults).
+        ``on_done(result)`` runs on this thread as each prompt finishes. An exception
+        here meanwhile (Ctrl-C, ``on_done`` raising) aborts the call's requests before
+        it propagates; the engine stays open. Raises ``EngineStartError`` if the engine
+        cannot start.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -120,24 +155,29 @@ class LLM:
             params_list = list(sampling_params)
         if len(params_list) != len(prompt_list):
             raise ValueError("give one SamplingParams, or one per prompt")
+        call = next(self._calls)  # (request ids stay unique across calls, and threads)
         with frozen_heap():  # actorllm/engine/heap.py
-            return trio.run(self._generate, prompt_list, params_list, on_done)
+            return self._engine().call(
+                partial(_generate, call, prompt_list, params_list, on_done is not None),
+                on_done)
 
-    async def _generate(self, prompts: list[Prompt], params: list[SamplingParams],
-                        on_done: Callable[[GenerationResult], None] | None
-                        ) -> list[GenerationResult]:
-        results: list[GenerationResult | None] = [None] * len(prompts)
-        async with open_engine(self.config, resources=self.resources) as engine:
 
-            async def one(i: int) -> None:
-                res = await collect(engine, f"llm-{i}", prompts[i], params[i])
-                results[i] = res
-                if on_done is not None:
-                    on_done(res)
+async def _generate(call: int, prompts: list[Prompt], params: list[SamplingParams],
+                    report: bool, engine: AsyncEngine, send: Callable[[Any], None]
+                    ) -> list[GenerationResult]:
+    """One ``generate`` call, on the engine's loop; ``send``s each result as it finishes
+    when the caller has an ``on_done``."""
+    results: list[GenerationResult | None] = [None] * len(prompts)
 
-            async with trio.open_nursery() as nursery:
-                for i in range(len(prompts)):
-                    nursery.start_soon(one, i)
-                    if i % SUBMIT_CHUNK == SUBMIT_CHUNK - 1:
-                        await trio.sleep(0)  # (see SUBMIT_CHUNK)
-        return [r for r in results if r is not None]
+    async def one(i: int) -> None:
+        res = await collect(engine, f"llm-{call}-{i}", prompts[i], params[i])
+        results[i] = res
+        if report:
+            send(res)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+            if i % SUBMIT_CHUNK == SUBMIT_CHUNK - 1:
+                await trio.sleep(0)  # (see SUBMIT_CHUNK)
+    return [r for r in results if r is not None]

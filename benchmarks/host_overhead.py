@@ -126,14 +126,18 @@ def offline_child(spec: dict[str, Any]) -> None:
     from actorllm.engine.heap import frozen_heap
     from actorllm.llm import collect
 
+    # Warm-ups on prompts of their own, as serving.offline_actorllm_child does.
     prompts = serving.random_id_prompts(spec["seed"], MODEL_SHAPE["vocab_size"],
-                                        spec["input_len"], spec["num_prompts"])
+                                        spec["input_len"],
+                                        spec["num_prompts"] + spec["num_warmups"])
+    prompts, warmups = prompts[: spec["num_prompts"]], prompts[spec["num_prompts"]:]
     llm = LLM(model=spec["model"], max_num_seqs=spec["max_num_seqs"],
               max_num_batched_tokens=spec["max_num_batched_tokens"], dtype=spec["dtype"])
     params = SamplingParams(max_tokens=spec["output_len"], ignore_eos=True,
                             **serving.OFFLINE_SAMPLING)  # type: ignore[arg-type]
-    if spec["num_warmups"]:
-        llm.generate(prompts[: spec["num_warmups"]], params)
+    if warmups:
+        llm.generate(warmups, params)
+    llm.close()  # (the timed engine below is the only one on these Resources)
     timed: dict[str, Any] = {}
 
     async def go() -> None:

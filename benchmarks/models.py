@@ -135,8 +135,11 @@ class EnginePath:
                  max_model_len: int) -> None:
         from actorllm.llm import LLM
 
+        # No prefix caching: the LLM's engine outlives a call, and every round runs the
+        # same prompts, which transformers' generate (the peer) computes anew each time.
         self.llm = LLM(str(model_dir), model_impl=impl, max_num_seqs=args.prompts,
-                       max_model_len=max_model_len, cpu_threads=args.threads)
+                       max_model_len=max_model_len, cpu_threads=args.threads,
+                       enable_prefix_caching=False)
         self.tokens: list[list[int]] = []
 
     def run(self, work: Work, batch: int) -> float:

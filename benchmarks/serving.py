@@ -1086,16 +1086,19 @@ def offline_actorllm_child(spec: dict[str, Any]) -> None:
     from actorllm import LLM, SamplingParams
 
     config = json.loads((Path(spec["model"]) / "config.json").read_text())
+    # The warm-ups get prompts of their own: the LLM's engine outlives a call, and a
+    # timed prompt seen in the warm-up would be a prefix-cache hit.
     prompts = random_id_prompts(spec["seed"], int(config["vocab_size"]), spec["input_len"],
-                                spec["num_prompts"])
+                                spec["num_prompts"] + spec["num_warmups"])
+    prompts, warmups = prompts[: spec["num_prompts"]], prompts[spec["num_prompts"]:]
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], max_num_seqs=spec["max_num_seqs"],
               max_num_batched_tokens=spec["max_num_batched_tokens"], dtype=spec["dtype"])
     load_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=spec["output_len"], ignore_eos=True,
                             **OFFLINE_SAMPLING)  # type: ignore[arg-type]
-    if spec["num_warmups"]:
-        llm.generate(prompts[: spec["num_warmups"]], params)
+    if warmups:
+        llm.generate(warmups, params)
     t0 = time.perf_counter()
     results = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0

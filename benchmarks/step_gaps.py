@@ -138,6 +138,8 @@ def main() -> None:
     for r in range(args.rounds):
         for mode in (("overlap off", "overlap on") if r % 2 == 0 else
                      ("overlap on", "overlap off")):
+            # A new engine for the new config (and no prefix-cache hit from the last round).
+            llm.close()
             llm.config = attrs.evolve(base, async_scheduling=mode == "overlap on")
             events: dict[str, dict[int, float]] = {
                 k: {} for k in ("exec_start", "exec_end", "handle_start", "handle_end",

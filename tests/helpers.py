@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -361,6 +362,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, dead but not yet reaped by init, does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait until none of ``pids`` runs; returns those still running at the timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(pid_alive(p) for p in pids):
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if pid_alive(p)]
 
 
 def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> int | None:

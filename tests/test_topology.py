@@ -25,7 +25,7 @@ import msgpack
 import pytest
 import trio
 import zmq
-from helpers import greedy_expectations
+from helpers import greedy_expectations, pid_alive, wait_gone
 
 from actorllm import cpus
 from actorllm.config import EngineConfig
@@ -66,24 +66,6 @@ def topology(request: pytest.FixtureRequest) -> str:
 
 def greedy(n: int = 1, max_tokens: int = MAX_TOKENS, **kw: Any) -> SamplingParams:
     return SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie, dead but not yet reaped by init, does not count)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not any(pid_alive(p) for p in pids):
-            return []
-        time.sleep(0.05)
-    return [p for p in pids if pid_alive(p)]
 
 
 @pytest.fixture(scope="module")
