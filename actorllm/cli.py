@@ -16,15 +16,10 @@ from typing import Any
 
 from actorllm.cli_checks import flag_error
 from actorllm.cli_flags import build_parser
+from actorllm.exit_codes import EXIT_USAGE, say_error
 
-EXIT_USAGE = 2
 # `actorllm run`'s length when neither --max-tokens nor the model's max_new_tokens is set.
 CLI_MAX_TOKENS = 64
-
-
-def say_error(problem: object) -> None:
-    """The CLI's one error line, on stderr."""
-    sys.stderr.write(f"actorllm: error: {problem}\n")
 
 
 class CliError(Exception):

@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Any
 
+from actorllm.exit_codes import EXIT_USAGE, say_error
 from actorllm.lifecycle.table import Spec, load_spec
 from actorllm.replay.check import Violation, check_trace
 from actorllm.replay.redrive import RedriveError, RedriveReport, redrive
@@ -19,7 +20,7 @@ from actorllm.replay.summary import Summary, summarize
 from actorllm.replay.timeline import TimelineError, build_timeline, write_timeline
 from actorllm.replay.tracefile import Trace, TraceError, load_trace
 
-EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_VIOLATION = 0, 1
 TABLE_ROWS = 60  # the text report lists this many requests; --json has them all
 
 
@@ -29,7 +30,7 @@ def replay_main(args: argparse.Namespace) -> int:
     try:
         trace = load_trace(args.file, spec)
     except TraceError as exc:
-        sys.stderr.write(f"actorllm: error: {exc}\n")
+        say_error(exc)
         return EXIT_USAGE
     violations = check_trace(trace, spec)
     summary = summarize(trace, spec)
@@ -45,7 +46,7 @@ def replay_main(args: argparse.Namespace) -> int:
         try:
             write_timeline(build_timeline(trace, spec, summary, violations), args.timeline)
         except TimelineError as exc:
-            sys.stderr.write(f"actorllm: error: {exc}\n")
+            say_error(exc)
             return EXIT_USAGE
     report = build_report(trace, violations, summary, redriven, redrive_error, warnings)
     if getattr(args, "json", False):

@@ -39,6 +39,7 @@ import trio
 
 from actorllm.config import EngineConfig, check_tensor_parallel_size
 from actorllm.engine.heap import settle_heap
+from actorllm.exit_codes import EXIT_USAGE, say_error
 from actorllm.server.app import build_app
 from actorllm.server.chunk_writer import KeepServerSend
 from actorllm.server.features import Features, sentence_transformers_pooling
@@ -46,7 +47,6 @@ from actorllm.server.state import DEFAULT_MAX_PENDING
 
 log = logging.getLogger(__name__)
 
-EXIT_USAGE = 2
 EXIT_BIND = 1
 EXIT_ENGINE_DEAD = 3
 # After a shutdown has been decided, how long hypercorn may take to close connections.
@@ -59,11 +59,6 @@ _DEATH_GRACE = 5.0
 # later, which the clients saw as time to first token (as uvicorn, vLLM's server, we
 # queue 2048).
 LISTEN_BACKLOG = 2048
-
-
-def _error(message: str) -> None:
-    sys.stderr.write(f"actorllm: error: {message}\n")
-    sys.stderr.flush()
 
 
 def _bind_address(host: str, port: int) -> str:
@@ -110,12 +105,12 @@ def serve_main(config: EngineConfig, args: argparse.Namespace) -> int:
 
     host, port = args.host, int(args.port)
     if not 0 <= port < 65536:
-        _error(f"--port must be in [0, 65535], got {port}")
+        say_error(f"--port must be in [0, 65535], got {port}")
         return EXIT_USAGE
     api_key = args.api_key or os.environ.get("ACTORLLM_API_KEY") or None
     problem = _check_port(host, port)
     if problem is not None:
-        _error(problem)
+        say_error(problem)
         return EXIT_BIND
     try:
         # Before any weights load, in this process whatever the topology.
@@ -124,7 +119,7 @@ def serve_main(config: EngineConfig, args: argparse.Namespace) -> int:
         features = _features(args, resources, config)
     except Exception as exc:  # torch, transformers and safetensors raise many kinds
         log.debug("loading %s failed", config.model, exc_info=True)
-        _error(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        say_error(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return EXIT_USAGE
     options = _Options(
         host=host, port=port, api_key=api_key, name=served_name(config, args),
@@ -285,7 +280,7 @@ async def _serve(config: EngineConfig, resources: Any, opts: _Options) -> int:
                 assert isinstance(first, OSError)
                 bind_error = first
             if bind_error is not None:
-                _error(_bind_message(opts.host, opts.port, bind_error))
+                say_error(_bind_message(opts.host, opts.port, bind_error))
                 return EXIT_BIND
     return exit_code
 
