@@ -207,3 +207,64 @@ def test_a_prefix_cached_by_one_call_is_a_hit_for_the_next(tiny_llama_dir: Path)
         assert texts(llm.generate([prompt], greedy())) == texts(first)
         # The last prompt token is always computed again (its logits are needed).
         assert on_engine(llm, hits) == 48
+
+
+def cut_after(cut: int | None, seen: list[Any]) -> Any:
+    """An ``on_done`` that keeps each result in ``seen`` and raises at result ``cut``."""
+
+    def on_done(result: Any) -> None:
+        if len(seen) == cut:
+            raise Stop
+        seen.append(result)
+
+    return on_done
+
+
+WORDS = ["The river", "Hello there", "A small library", "one two three", "Why not"]
+
+
+def test_calls_cut_short_anywhere_leave_nothing_held(tiny_llama_dir: Path) -> None:
+    """Calls on one held engine, some cut short by ``on_done`` raising after any number
+    of results, on a cache small enough to preempt: after each call nothing is held
+    (no request, block or mailbox message), and every whole call still gives each prompt
+    the tokens it gets alone. (That a cut call's requests are aborted, rather than left
+    to finish, is the test above's.)"""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from sim.profiles import examples
+
+    call = st.tuples(
+        st.lists(st.tuples(st.integers(0, len(WORDS) - 1), st.integers(1, 12)),
+                 min_size=1, max_size=5),
+        st.none() | st.integers(0, 4))  # how many results come before on_done raises
+
+    # A small cache, so that a leaked block soon starves a later call.
+    with LLM(model=str(tiny_llama_dir), num_kv_blocks=24, block_size=4, max_model_len=64,
+             max_num_seqs=4) as llm:
+        alone: dict[tuple[int, int], Any] = {}
+
+        def reference(word: int, n: int) -> Any:
+            if (word, n) not in alone:
+                alone[word, n] = texts(llm.generate([WORDS[word]], greedy(n)))[0]
+            return alone[word, n]
+
+        @settings(max_examples=examples(10))
+        @given(st.lists(call, min_size=1, max_size=3))
+        def run(calls: list[Any]) -> None:
+            for work, cut in calls:
+                expected = [reference(w, n) for w, n in work]
+                seen: list[Any] = []
+                on_done = cut_after(cut, seen)
+                prompts = [WORDS[w] for w, _ in work]
+                params = [greedy(n) for _, n in work]
+                if cut is None or cut >= len(work):
+                    results = llm.generate(prompts, params, on_done=on_done)
+                    assert [r.error for r in results] == [None] * len(work)
+                    assert texts(results) == expected
+                else:
+                    with pytest.raises(Stop):
+                        llm.generate(prompts, params, on_done=on_done)
+                    assert len(seen) == cut
+                assert on_engine(llm, drained) == []
+
+        run()
