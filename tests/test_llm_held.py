@@ -234,12 +234,13 @@ def test_calls_cut_short_anywhere_leave_nothing_held(tiny_llama_dir: Path) -> No
     from sim.profiles import examples
 
     call = st.tuples(
-        st.lists(st.tuples(st.integers(0, len(WORDS) - 1), st.integers(1, 12)),
+        st.lists(st.tuples(st.integers(0, len(WORDS) - 1), st.integers(1, 24)),
                  min_size=1, max_size=5),
         st.none() | st.integers(0, 4))  # how many results come before on_done raises
 
-    # A small cache, so that a leaked block soon starves a later call.
-    with LLM(model=str(tiny_llama_dir), num_kv_blocks=24, block_size=4, max_model_len=64,
+    # A small cache (16 blocks of 4: four sequences of 24 tokens need 24 or more), so that
+    # calls preempt and a leaked block soon starves a later call.
+    with LLM(model=str(tiny_llama_dir), num_kv_blocks=16, block_size=4, max_model_len=64,
              max_num_seqs=4) as llm:
         alone: dict[tuple[int, int], Any] = {}
 
@@ -268,3 +269,9 @@ def test_calls_cut_short_anywhere_leave_nothing_held(tiny_llama_dir: Path) -> No
                 assert on_engine(llm, drained) == []
 
         run()
+
+        async def preemptions(engine: AsyncEngine) -> float:
+            engine.update_gauges()
+            return total(engine.metrics.num_preemptions)
+
+        assert on_engine(llm, preemptions) > 0
