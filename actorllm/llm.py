@@ -11,6 +11,7 @@ turn of the event loop; continuous batching does the rest) and returns when all 
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -99,13 +100,15 @@ class LLM:
         self._held: HeldEngine | None = None  # opened by the first generate
         self._closer: weakref.finalize | None = None
         self._calls = itertools.count()
+        self._opening = threading.Lock()  # (two threads' first calls open one engine)
 
     def close(self) -> None:
         """Stop the engine and its child processes; a later ``generate`` opens it again.
         Also done when the ``LLM`` is collected or the interpreter exits."""
-        if self._closer is not None:
-            self._closer()  # (a finalize runs its function once)
-        self._held = self._closer = None
+        with self._opening:
+            if self._closer is not None:
+                self._closer()  # (a finalize runs its function once)
+            self._held = self._closer = None
 
     def __enter__(self) -> LLM:
         return self
@@ -115,11 +118,12 @@ class LLM:
         self.close()
 
     def _engine(self) -> HeldEngine:
-        if self._held is None:
-            self._held = HeldEngine(self.config, self.resources)
-            # Holds the HeldEngine, not this object, so the LLM can still be collected.
-            self._closer = weakref.finalize(self, self._held.close)
-        return self._held
+        with self._opening:
+            if self._held is None:
+                self._held = HeldEngine(self.config, self.resources)
+                # Holds the HeldEngine, not this object, so the LLM can still be collected.
+                self._closer = weakref.finalize(self, self._held.close)
+            return self._held
 
     @property
     def tokenizer(self) -> Any:
