@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -30,7 +30,17 @@ from actorllm.wire.messages import ChatMessage, GenerateRequest, SamplingParams
 from actorllm.wire.outputs import CompletionOutput, Merged, RequestError, merge_all
 from actorllm.wire.sampling import resolve_sampling
 
-Prompt = str | Sequence[int] | Sequence[ChatMessage]
+
+@attrs.frozen
+class Conversation:
+    """A chat prompt (``LLM.chat``): messages the model's chat template renders."""
+
+    messages: tuple[ChatMessage, ...]
+    add_generation_prompt: bool = True
+    template_kwargs: str | None = None  # a JSON object of further template variables
+
+
+Prompt = str | Sequence[int] | Sequence[ChatMessage] | Conversation
 
 # The length when neither the caller nor the model names one (vLLM's LLM, OpenAI's 16).
 LLM_MAX_TOKENS = 16
@@ -60,9 +70,13 @@ class GenerationResult:
 
 
 def make_request(rid: str, prompt: Prompt, params: SamplingParams) -> GenerateRequest:
-    """Text, token ids or chat messages -> a GenerateRequest."""
+    """Text, token ids, chat messages or a Conversation -> a GenerateRequest."""
     if isinstance(prompt, str):
         return GenerateRequest(rid, params, prompt=prompt)
+    if isinstance(prompt, Conversation):
+        return GenerateRequest(rid, params, messages=prompt.messages,
+                               add_generation_prompt=prompt.add_generation_prompt,
+                               template_kwargs=prompt.template_kwargs)
     items = list(prompt)
     if items and isinstance(items[0], ChatMessage):
         return GenerateRequest(rid, params, messages=tuple(items))
@@ -164,6 +178,65 @@ class LLM:
             return self._engine().call(
                 partial(_generate, call, prompt_list, params_list, on_done is not None),
                 on_done)
+
+    def chat(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]]
+        | Sequence[Sequence[ChatMessage | Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        on_done: Callable[[GenerationResult], None] | None = None,
+    ) -> list[GenerationResult]:
+        """vLLM's ``LLM.chat``: one conversation (a list of messages: OpenAI-style dicts
+        or ChatMessages) or a list of them, each rendered by the model's chat template and
+        generated for as :meth:`generate` does. ``chat_template_kwargs``: further template
+        variables (``enable_thinking``, ...), refused if the template does not read them.
+        Raises ValueError naming a bad message or variable."""
+        from actorllm.server.chat_request import template_kwargs
+
+        if isinstance(messages, str | bytes | Mapping | ChatMessage):
+            raise ValueError("messages is a list of messages (or a list of such lists)")
+        if not messages:
+            raise ValueError("messages must not be empty")
+        first = messages[0]
+        one = isinstance(first, ChatMessage | Mapping)
+        talks = [messages] if one else list(messages)
+        kwargs = template_kwargs(dict(chat_template_kwargs) if chat_template_kwargs else None,
+                                 getattr(self.tokenizer, "chat_template", None))
+        prompts = [Conversation(conversation(t), add_generation_prompt, kwargs)  # type: ignore[arg-type]
+                   for t in talks]
+        return self.generate(prompts, sampling_params, on_done=on_done)
+
+
+def conversation(messages: Sequence[ChatMessage | Mapping[str, Any]]) -> tuple[ChatMessage, ...]:
+    """One conversation's messages, each a ChatMessage or an OpenAI-style dict (``role``,
+    ``content`` as text or text parts, ``name``, ``tool_calls``, ``tool_call_id``), checked
+    as the HTTP server checks them. Raises ValueError naming the message and its field."""
+    from pydantic import ValidationError
+
+    from actorllm.server.convert import chat_messages
+    from actorllm.server.schemas import ChatMessageIn
+
+    if isinstance(messages, str | bytes) or not messages:
+        raise ValueError("a conversation is a non-empty list of messages")
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m, ChatMessage):
+            out.append(m)
+            continue
+        try:
+            (msg,) = chat_messages([ChatMessageIn.model_validate(m)])
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(x) for x in err["loc"])
+            raise ValueError(f"messages[{i}]{'.' + where if where else ''}: {err['msg']}"
+                             ) from None
+        except ValueError as exc:  # (InvalidRequest)
+            raise ValueError(f"messages[{i}]: {exc}") from None
+        out.append(msg)
+    return tuple(out)
 
 
 async def _generate(call: int, prompts: list[Prompt], params: list[SamplingParams],

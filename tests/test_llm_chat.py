@@ -1,0 +1,80 @@
+"""``LLM.chat`` (vLLM's): conversations rendered by the model's chat template, checked as
+the HTTP server checks messages; greedy output equals transformers' on the same ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import hf_greedy
+
+from actorllm.llm import LLM
+from actorllm.wire.messages import ChatMessage, SamplingParams
+
+TALK = [{"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Where does the river run?"}]
+N = 8
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir: Path) -> Any:
+    with LLM(model=str(tiny_llama_dir), num_kv_blocks=64) as llm:
+        yield llm
+
+
+def template_ids(llm: LLM, messages: list[dict[str, Any]], gen: bool = True) -> list[int]:
+    out = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=gen,
+                                            tokenize=True, return_dict=False)
+    return list(out)
+
+
+def test_chat_matches_transformers_on_the_templated_prompt(llm: LLM,
+                                                           tiny_llama_dir: Path) -> None:
+    (res,) = llm.chat(TALK, greedy())
+    ids = template_ids(llm, TALK)
+    assert res.error is None and res.num_prompt_tokens == len(ids)
+    assert list(res.outputs[0].token_ids) == hf_greedy(tiny_llama_dir, ids, N)[0]
+
+
+def test_a_list_of_conversations_and_every_form_of_message(llm: LLM) -> None:
+    parts = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "text", "text": "Where does the "},
+                                          {"type": "text", "text": "river run?"}]}]
+    objects = [ChatMessage("system", "Be brief."),
+               ChatMessage("user", "Where does the river run?")]
+    other = [{"role": "user", "content": "Hello"}]
+    a, b, c, d = llm.chat([TALK, parts, objects, other], greedy())
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+    assert d.num_prompt_tokens == len(template_ids(llm, other))
+
+
+def test_add_generation_prompt_is_honoured(llm: LLM) -> None:
+    (res,) = llm.chat(TALK, greedy(), add_generation_prompt=False)
+    assert res.num_prompt_tokens == len(template_ids(llm, TALK, gen=False))
+    assert res.num_prompt_tokens < len(template_ids(llm, TALK))
+
+
+@pytest.mark.parametrize(("messages", "kwargs", "match"), [
+    ([], {}, r"^messages must not be empty$"),
+    ({"role": "user", "content": "hi"}, {}, r"^messages is a list of messages"),
+    ([[]], {}, r"^a conversation is a non-empty list of messages$"),
+    ([{"role": "robot", "content": "hi"}], {}, r"^messages\[0\]\.role: "),
+    ([{"content": "hi"}], {}, r"^messages\[0\]\.role: Field required"),
+    ([{"role": "user", "content": "hi", "temperature": 1}], {},
+     r"^messages\[0\]\.temperature: "),
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}], {},
+     r"^messages\[1\]: a tool message needs tool_call_id$"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {},
+     r"^messages\[0\]"),
+    (TALK, {"chat_template_kwargs": {"enable_thinking": True}},
+     r"^chat_template_kwargs: the chat template does not read enable_thinking$"),
+])
+def test_a_bad_conversation_is_refused_by_name(llm: LLM, messages: Any, kwargs: Any,
+                                               match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        llm.chat(messages, greedy(), **kwargs)
