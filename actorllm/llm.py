@@ -10,10 +10,11 @@ turn of the event loop; continuous batching does the rest) and returns when all 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -155,6 +156,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         on_done: Callable[[GenerationResult], None] | None = None,
+        use_tqdm: bool = False,
     ) -> list[GenerationResult]:
         """Generate for every prompt concurrently; results come back in prompt order.
 
@@ -162,7 +164,8 @@ class LLM:
         ``on_done(result)`` runs on this thread as each prompt finishes. An exception
         here meanwhile (Ctrl-C, ``on_done`` raising) aborts the call's requests before
         it propagates; the engine stays open. Raises ``EngineStartError`` if the engine
-        cannot start.
+        cannot start. ``use_tqdm``: a progress bar of finished prompts on stderr (vLLM's
+        flag; there it is on by default, here off), drawn with rich as ``actorllm run``'s.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -174,7 +177,10 @@ class LLM:
         if len(params_list) != len(prompt_list):
             raise ValueError("give one SamplingParams, or one per prompt")
         call = next(self._calls)  # (request ids stay unique across calls, and threads)
-        with frozen_heap():  # actorllm/engine/heap.py
+        with contextlib.ExitStack() as stack:
+            if use_tqdm:
+                on_done = stack.enter_context(_progress(len(prompt_list), on_done))
+            stack.enter_context(frozen_heap())  # actorllm/engine/heap.py
             return self._engine().call(
                 partial(_generate, call, prompt_list, params_list, on_done is not None),
                 on_done)
@@ -237,6 +243,24 @@ def conversation(messages: Sequence[ChatMessage | Mapping[str, Any]]) -> tuple[C
             raise ValueError(f"messages[{i}]: {exc}") from None
         out.append(msg)
     return tuple(out)
+
+
+@contextlib.contextmanager
+def _progress(total: int, then: Callable[[GenerationResult], None] | None
+              ) -> Iterator[Callable[[GenerationResult], None]]:
+    """An ``on_done`` that moves a progress bar on stderr, then calls ``then``."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task("generating", total=total)
+
+        def done(result: GenerationResult) -> None:
+            bar.advance(task)
+            if then is not None:
+                then(result)
+
+        yield done
 
 
 async def _generate(call: int, prompts: list[Prompt], params: list[SamplingParams],

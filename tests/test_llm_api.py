@@ -1,8 +1,12 @@
-"""``LLM.chat`` (vLLM's): conversations rendered by the model's chat template, checked as
-the HTTP server checks messages; greedy output equals transformers' on the same ids."""
+"""``LLM``'s vLLM-shaped calls. ``chat``: conversations rendered by the model's chat
+template, checked as the HTTP server checks messages; greedy output equals transformers'
+on the same ids. ``generate(use_tqdm=True)``: a progress bar on stderr."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +82,28 @@ def test_a_bad_conversation_is_refused_by_name(llm: LLM, messages: Any, kwargs: 
                                                match: str) -> None:
     with pytest.raises(ValueError, match=match):
         llm.chat(messages, greedy(), **kwargs)
+
+
+PROGRESS = """
+import sys
+from actorllm import LLM, SamplingParams
+
+llm = LLM(model=sys.argv[1], num_kv_blocks=64)
+done = []
+params = SamplingParams(temperature=0.0, max_tokens=4)
+out = llm.generate(["a b", "c d", "e f"], params, use_tqdm=True, on_done=done.append)
+assert sorted(r.rid for r in done) == sorted(r.rid for r in out), "on_done still called"
+print(len(out), [r.error for r in out])
+"""
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_use_tqdm_draws_a_bar_on_stderr_only(tiny_llama_dir: Path, tty: bool) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "NO_COLOR")}
+    if tty:
+        env["FORCE_COLOR"] = "1"  # rich draws as on a terminal
+    proc = subprocess.run([sys.executable, "-c", PROGRESS, str(tiny_llama_dir)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == "3 [None, None, None]\n"
+    assert ("generating" in proc.stderr and "100%" in proc.stderr) == tty
