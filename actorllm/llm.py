@@ -194,6 +194,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         on_done: Callable[[GenerationResult], None] | None = None,
+        use_tqdm: bool = False,
     ) -> list[GenerationResult]:
         """vLLM's ``LLM.chat``: one conversation (a list of messages: OpenAI-style dicts
         or ChatMessages) or a list of them, each rendered by the model's chat template and
@@ -213,7 +214,7 @@ class LLM:
                                  getattr(self.tokenizer, "chat_template", None))
         prompts = [Conversation(conversation(t), add_generation_prompt, kwargs)  # type: ignore[arg-type]
                    for t in talks]
-        return self.generate(prompts, sampling_params, on_done=on_done)
+        return self.generate(prompts, sampling_params, on_done=on_done, use_tqdm=use_tqdm)
 
 
 def conversation(messages: Sequence[ChatMessage | Mapping[str, Any]]) -> tuple[ChatMessage, ...]:

@@ -91,7 +91,9 @@ from actorllm import LLM, SamplingParams
 llm = LLM(model=sys.argv[1], num_kv_blocks=64)
 done = []
 params = SamplingParams(temperature=0.0, max_tokens=4)
-out = llm.generate(["a b", "c d", "e f"], params, use_tqdm=True, on_done=done.append)
+out = llm.generate(["a b", "c d"], params, use_tqdm=True, on_done=done.append)
+out += llm.chat([{"role": "user", "content": "e f"}], params, use_tqdm=True,
+                on_done=done.append)
 assert sorted(r.rid for r in done) == sorted(r.rid for r in out), "on_done still called"
 print(len(out), [r.error for r in out])
 """
