@@ -167,9 +167,10 @@ class LLM:
         cannot start. ``use_tqdm``: a progress bar of finished prompts on stderr (vLLM's
         flag; there it is on by default, here off), drawn with rich as ``actorllm run``'s.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | Mapping | Conversation) or (
+                prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
+        prompt_list = [_unwrap(i, p) for i, p in enumerate(prompts)]  # type: ignore[arg-type]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.default_sampling_params()] * len(prompt_list)
         else:
@@ -244,6 +245,27 @@ def conversation(messages: Sequence[ChatMessage | Mapping[str, Any]]) -> tuple[C
             raise ValueError(f"messages[{i}]: {exc}") from None
         out.append(msg)
     return tuple(out)
+
+
+def _unwrap(i: int, prompt: Any) -> Prompt:
+    """vLLM's dict prompts (``{"prompt": text}``, ``{"prompt_token_ids": ids}``) as the
+    text or ids they hold; a key this does not honour is refused by name."""
+    if not isinstance(prompt, Mapping):
+        return prompt  # type: ignore[no-any-return]
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    if unknown:
+        raise ValueError(f"prompts[{i}]: {', '.join(map(repr, unknown))} is not supported "
+                         "(only 'prompt' or 'prompt_token_ids')")
+    if len(prompt) != 1:
+        raise ValueError(f"prompts[{i}]: give one of 'prompt' and 'prompt_token_ids'")
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(f"prompts[{i}]: 'prompt' must be text")
+        return str(prompt["prompt"])
+    ids = prompt["prompt_token_ids"]
+    if isinstance(ids, str | bytes) or not all(isinstance(t, int) for t in ids) or not ids:
+        raise ValueError(f"prompts[{i}]: 'prompt_token_ids' must be a non-empty list of ints")
+    return list(ids)
 
 
 @contextlib.contextmanager

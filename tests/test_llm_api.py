@@ -109,3 +109,25 @@ def test_use_tqdm_draws_a_bar_on_stderr_only(tiny_llama_dir: Path, tty: bool) ->
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == "3 [None, None, None]\n"
     assert ("generating" in proc.stderr and "100%" in proc.stderr) == tty
+
+
+def test_dict_prompts_are_the_text_or_ids_they_hold(llm: LLM) -> None:
+    ids = llm.tokenizer("c d e").input_ids
+    plain = llm.generate(["a b", ids], greedy())
+    wrapped = llm.generate([{"prompt": "a b"}, {"prompt_token_ids": ids}], greedy())
+    (alone,) = llm.generate({"prompt": "a b"}, greedy())
+    assert [r.outputs[0].token_ids for r in wrapped] == [r.outputs[0].token_ids for r in plain]
+    assert alone.outputs[0].token_ids == plain[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize(("prompt", "match"), [
+    ({"prompt": "a", "multi_modal_data": {}}, r"^prompts\[0\]: 'multi_modal_data' is not supp"),
+    ({}, r"^prompts\[0\]: give one of 'prompt' and 'prompt_token_ids'$"),
+    ({"prompt": "a", "prompt_token_ids": [5]}, r"^prompts\[0\]: give one of"),
+    ({"prompt": 5}, r"^prompts\[0\]: 'prompt' must be text$"),
+    ({"prompt_token_ids": []}, r"^prompts\[0\]: 'prompt_token_ids' must be a non-empty"),
+    ({"prompt_token_ids": "abc"}, r"^prompts\[0\]: 'prompt_token_ids' must be a non-empty"),
+])
+def test_a_bad_dict_prompt_is_refused_by_name(llm: LLM, prompt: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        llm.generate([prompt], greedy())
