@@ -39,6 +39,7 @@ class Conversation:
     messages: tuple[ChatMessage, ...]
     add_generation_prompt: bool = True
     template_kwargs: str | None = None  # a JSON object of further template variables
+    tools: str | None = None  # a JSON list of tool definitions for the template
 
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage] | Conversation
@@ -77,7 +78,7 @@ def make_request(rid: str, prompt: Prompt, params: SamplingParams) -> GenerateRe
     if isinstance(prompt, Conversation):
         return GenerateRequest(rid, params, messages=prompt.messages,
                                add_generation_prompt=prompt.add_generation_prompt,
-                               template_kwargs=prompt.template_kwargs)
+                               template_kwargs=prompt.template_kwargs, tools=prompt.tools)
     items = list(prompt)
     if items and isinstance(items[0], ChatMessage):
         return GenerateRequest(rid, params, messages=tuple(items))
@@ -194,14 +195,17 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         on_done: Callable[[GenerationResult], None] | None = None,
         use_tqdm: bool = False,
     ) -> list[GenerationResult]:
         """vLLM's ``LLM.chat``: one conversation (a list of messages: OpenAI-style dicts
         or ChatMessages) or a list of them, each rendered by the model's chat template and
         generated for as :meth:`generate` does. ``chat_template_kwargs``: further template
-        variables (``enable_thinking``, ...), refused if the template does not read them.
-        Raises ValueError naming a bad message or variable."""
+        variables (``enable_thinking``, ...); ``tools``: OpenAI tool definitions the
+        template renders (the calls in the output are the caller's to read, as in
+        vLLM's). Either is refused if the template does not read it. Raises ValueError
+        naming a bad message, tool or variable."""
         from actorllm.server.chat_request import template_kwargs
 
         if isinstance(messages, str | bytes | Mapping | ChatMessage):
@@ -211,9 +215,12 @@ class LLM:
         first = messages[0]
         one = isinstance(first, ChatMessage | Mapping)
         talks = [messages] if one else list(messages)
+        template = getattr(self.tokenizer, "chat_template", None)
         kwargs = template_kwargs(dict(chat_template_kwargs) if chat_template_kwargs else None,
-                                 getattr(self.tokenizer, "chat_template", None))
-        prompts = [Conversation(conversation(t), add_generation_prompt, kwargs)  # type: ignore[arg-type]
+                                 template)
+        tools_json = _tools(tools, template) if tools else None
+        prompts = [Conversation(conversation(t), add_generation_prompt,  # type: ignore[arg-type]
+                                kwargs, tools_json)
                    for t in talks]
         return self.generate(prompts, sampling_params, on_done=on_done, use_tqdm=use_tqdm)
 
@@ -237,14 +244,38 @@ def conversation(messages: Sequence[ChatMessage | Mapping[str, Any]]) -> tuple[C
         try:
             (msg,) = chat_messages([ChatMessageIn.model_validate(m)])
         except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(x) for x in err["loc"])
-            raise ValueError(f"messages[{i}]{'.' + where if where else ''}: {err['msg']}"
-                             ) from None
+            raise _named(f"messages[{i}]", exc) from None
         except ValueError as exc:  # (InvalidRequest)
             raise ValueError(f"messages[{i}]: {exc}") from None
         out.append(msg)
     return tuple(out)
+
+
+def _named(where: str, exc: Any) -> ValueError:
+    """A pydantic ValidationError as one line naming the field: ``where.field: why``."""
+    err = exc.errors()[0]
+    field = ".".join(str(x) for x in err["loc"])
+    return ValueError(f"{where}{'.' + field if field else ''}: {err['msg']}")
+
+
+def _tools(tools: Sequence[Mapping[str, Any]], template: Any) -> str:
+    """OpenAI tool definitions, checked as the server checks them, as the template's JSON."""
+    from pydantic import ValidationError
+
+    from actorllm.server.chat_request import template_variables
+    from actorllm.server.schemas import ToolDef
+    from actorllm.server.tools import template_tools
+
+    known = template_variables(template) if isinstance(template, str) else None
+    if known is not None and "tools" not in known:
+        raise ValueError("tools: the chat template does not read tools")
+    defs = []
+    for i, t in enumerate(tools):
+        try:
+            defs.append(ToolDef.model_validate(t))
+        except ValidationError as exc:
+            raise _named(f"tools[{i}]", exc) from None
+    return template_tools(defs)
 
 
 def _unwrap(i: int, prompt: Any) -> Prompt:

@@ -131,3 +131,28 @@ def test_dict_prompts_are_the_text_or_ids_they_hold(llm: LLM) -> None:
 def test_a_bad_dict_prompt_is_refused_by_name(llm: LLM, prompt: Any, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         llm.generate([prompt], greedy())
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_tools_are_rendered_by_a_template_that_reads_them() -> None:
+    # The embedded model's template lists the tools in a system block of its own.
+    with LLM(num_kv_blocks=64) as llm:
+        ask = [{"role": "user", "content": "Is it raining in Oslo?"}]
+        (plain,) = llm.chat(ask, greedy())
+        (tooled,) = llm.chat(ask, greedy(), tools=[WEATHER])
+        ids = llm.tokenizer.apply_chat_template(ask, tools=[WEATHER], tokenize=True,
+                                                add_generation_prompt=True, return_dict=False)
+        assert tooled.num_prompt_tokens == len(ids) > plain.num_prompt_tokens
+        with pytest.raises(ValueError, match=r"^tools\[0\]\.function\.name: "):
+            llm.chat(ask, greedy(), tools=[{"type": "function", "function": {"name": "a b"}}])
+        with pytest.raises(ValueError, match=r"^tools: function names must be unique$"):
+            llm.chat(ask, greedy(), tools=[WEATHER, WEATHER])
+
+
+def test_tools_are_refused_where_the_template_does_not_read_them(llm: LLM) -> None:
+    with pytest.raises(ValueError, match=r"^tools: the chat template does not read tools$"):
+        llm.chat(TALK, greedy(), tools=[WEATHER])
