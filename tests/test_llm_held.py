@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,6 +96,22 @@ def test_a_dead_engine_is_replaced_at_the_next_call(tiny_llama_dir: Path) -> Non
         results = llm.generate(PROMPTS, greedy())
         assert [r.error for r in results] == [None, None] and texts(results) == expected
         assert on_engine(llm, child_pids)["engine"] != pids["engine"]
+
+
+def test_a_failed_start_raises_and_the_next_call_starts_again(tiny_llama_dir: Path,
+                                                               tmp_path: Path) -> None:
+    from actorllm.engine.async_engine import EngineStartError
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    weights = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(b"these are not weights")
+    with LLM(model=str(model), topology="engine", **ARGS) as llm:  # (no weights read here)
+        with pytest.raises(EngineStartError, match=r"^engine process failed to start: "):
+            llm.generate(PROMPTS, greedy())
+        (model / "model.safetensors").write_bytes(weights)
+        results = llm.generate(PROMPTS, greedy())
+        assert [r.error for r in results] == [None, None]
 
 
 class Stop(Exception):
