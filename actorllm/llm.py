@@ -252,10 +252,13 @@ def conversation(messages: Sequence[ChatMessage | Mapping[str, Any]]) -> tuple[C
 
 
 def _named(where: str, exc: Any) -> ValueError:
-    """A pydantic ValidationError as one line naming the field: ``where.field: why``."""
-    err = exc.errors()[0]
-    field = ".".join(str(x) for x in err["loc"])
-    return ValueError(f"{where}{'.' + field if field else ''}: {err['msg']}")
+    """A pydantic ValidationError as one line naming the field as the HTTP server names
+    it: ``where.field: why``."""
+    from actorllm.server.errors import telling_error
+
+    err, field = telling_error(exc.errors())
+    path = where if field is None else f"{where}.{field}"
+    return ValueError(f"{path}: {err.get('msg', 'invalid value')}")
 
 
 def _tools(tools: Sequence[Mapping[str, Any]], template: Any) -> str:

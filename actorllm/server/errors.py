@@ -127,21 +127,27 @@ _SPECIFIC = ("value_error", "string_unicode")
 _SURROGATE = "must be valid Unicode text (it holds a lone surrogate)"
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
-    """pydantic's complaint about the body, as a 400 naming the first bad field."""
-    errors = exc.errors()
-    if not errors:
-        return APIError(400, "invalid request body", code="invalid_request")
+def telling_error(errors: Sequence[Any]) -> tuple[Any, str | None]:
+    """The one of pydantic's ``errors`` (not empty) worth naming, and its field as a
+    path (``messages[0].content``; None for the whole value)."""
     # A value our own validators refused (a lone surrogate, ...) says more than the
     # "not a list" of the union arms it also failed. pydantic's JSON parser finds some
     # lone surrogates itself (``string_unicode``); the schema's validator the rest.
     first = next((e for e in errors if e.get("type") in _SPECIFIC), errors[0])
     if first.get("type") == "string_unicode":
         first = {**first, "msg": _SURROGATE}
+    return first, _param(first.get("loc", ()))
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """pydantic's complaint about the body, as a 400 naming the first bad field."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request body", code="invalid_request")
+    first, param = telling_error(errors)
     if first.get("type") == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error')}",
                         code="invalid_json")
-    param = _param(first.get("loc", ()))
     where = f"{param}: " if param else ""
     if first.get("type") == "extra_forbidden":
         # Refused rather than ignored: an answer that quietly ignored it would be wrong.
