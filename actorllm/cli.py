@@ -153,19 +153,17 @@ async def _stream_one(config: Any, resources: Any, prompt: str, params: Any) -> 
 async def _run_many(config: Any, resources: Any, prompts: list[str], params: Any,
                     output: str) -> int:
     import trio
-    from rich.progress import Progress
 
     from actorllm.engine.async_engine import open_engine
-    from actorllm.llm import GenerationResult, collect
+    from actorllm.llm import GenerationResult, collect, progress_bar
 
     results: list[GenerationResult | None] = [None] * len(prompts)
-    with Progress(transient=True, console=_stderr_console()) as progress:
-        task = progress.add_task("generating", total=len(prompts))
+    with progress_bar(len(prompts)) as advance:
         async with open_engine(config, resources=resources) as engine:
 
             async def one(i: int) -> None:
-                results[i] = await collect(engine, f"cli-{i}", prompts[i], params)
-                progress.advance(task)
+                results[i] = res = await collect(engine, f"cli-{i}", prompts[i], params)
+                advance(res)
 
             async with trio.open_nursery() as nursery:
                 for i in range(len(prompts)):
@@ -193,10 +191,6 @@ async def _run_many(config: Any, resources: Any, prompts: list[str], params: Any
     return 1 if failed else 0
 
 
-def _stderr_console() -> Any:
-    from rich.console import Console
-
-    return Console(stderr=True)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -181,7 +181,7 @@ class LLM:
         call = next(self._calls)  # (request ids stay unique across calls, and threads)
         with contextlib.ExitStack() as stack:
             if use_tqdm:
-                on_done = stack.enter_context(_progress(len(prompt_list), on_done))
+                on_done = stack.enter_context(progress_bar(len(prompt_list), on_done))
             stack.enter_context(frozen_heap())  # actorllm/engine/heap.py
             return self._engine().call(
                 partial(_generate, call, prompt_list, params_list, on_done is not None),
@@ -303,9 +303,10 @@ def _unwrap(i: int, prompt: Any) -> Prompt:
 
 
 @contextlib.contextmanager
-def _progress(total: int, then: Callable[[GenerationResult], None] | None
-              ) -> Iterator[Callable[[GenerationResult], None]]:
-    """An ``on_done`` that moves a progress bar on stderr, then calls ``then``."""
+def progress_bar(total: int, then: Callable[[GenerationResult], None] | None = None
+                 ) -> Iterator[Callable[[GenerationResult], None]]:
+    """An ``on_done`` that moves a progress bar of ``total`` prompts on stderr, then calls
+    ``then`` (``LLM.generate(use_tqdm=True)``, ``actorllm run`` with several prompts)."""
     from rich.console import Console
     from rich.progress import Progress
 
