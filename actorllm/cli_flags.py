@@ -43,8 +43,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="how long every rank gets to join and load its shard (default 300)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan the next step while one runs, feeding each sampled token "
-                        "forward in the Worker (default: on for CUDA; on the CPU, on for "
-                        "`serve` in the single and engine topologies, off otherwise; in "
+                        "forward in the Worker (default: on for CUDA; on the CPU with one "
+                        "rank, on in single, and in engine for `serve`; off otherwise; in "
                         "engine on the CPU no step is planned ahead within 0.1 s of an "
                         "arrival)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",

@@ -147,10 +147,8 @@ class EngineConfig:
     # When a process of the engine dies: "exit" (the engine is dead) or, with data
     # parallelism, "stay" (only that replica's requests fail; the others serve on).
     on_engine_death: str = "exit"
-    # Plan step N+1 while step N runs (two steps in flight). None: on for CUDA; on the CPU,
-    # on only for `single` under `actorllm serve` with one rank, where a decode step holds
-    # the GIL once (ops/cpu_step.py) and the loop's planning fits beside it (measured:
-    # docs/architecture.md, "Why it is mostly off on the CPU").
+    # Plan step N+1 while step N runs (two steps in flight); None: where it measured
+    # faster (the ``overlap`` property).
     async_scheduling: bool | None = None
     mailbox_capacity: int = 256
     topology: str = "single"
@@ -216,10 +214,12 @@ class EngineConfig:
     @property
     def overlap(self) -> bool:
         """Whether the Scheduler keeps two steps in flight (``async_scheduling`` resolved)."""
-        if self.async_scheduling is None:
-            return self.device.startswith("cuda") or (self.serving_http and (
-                self.tensor_parallel_size == 1 and self.topology != "pipeline"))
-        return self.async_scheduling
+        if self.async_scheduling is not None or self.device.startswith("cuda"):
+            return self.async_scheduling is not False
+        # The CPU: only where it measured faster (docs/architecture.md, "Where overlap is
+        # on"): one rank; `single`, and `engine` under `serve`.
+        return self.tensor_parallel_size == 1 and (
+            self.topology == "single" or (self.serving_http and self.topology == "engine"))
 
     @property
     def worker_beside_http(self) -> bool:

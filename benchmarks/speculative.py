@@ -151,8 +151,8 @@ def main() -> None:
     ap.add_argument("--prompt-lookup-min", type=int, default=1)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                    default=None, help="overlap scheduling (default: the engine's, off "
-                    "here on the CPU; on under `actorllm serve`)")
+                    default=None, help="overlap scheduling (default: the engine's, on "
+                    "here, in `single` with one rank)")
     ap.add_argument("--workloads", nargs="+", default=["repeat", "random"],
                     choices=["repeat", "random"])
     ap.add_argument("--repeats", type=int, default=1, help="runs per arm; the fastest is kept")

@@ -156,8 +156,9 @@ def test_only_serve_tells_the_engine_its_loop_serves_http(command: str, serving:
     """`serve` tells the engine its loop serves HTTP: in `single` on the CPU the Worker
     then leaves that loop a core (placement.worker_threads); under `serve` the Scheduler
     of `single` and `engine` plans the next step while one runs (config.overlap), in
-    `engine` not within ARRIVAL_QUIET_S of an arrival; `run` and `pipeline` plan ahead
-    if asked, and CUDA always (with no spell: not measured there)."""
+    `engine` not within ARRIVAL_QUIET_S of an arrival; `run` plans ahead in `single`
+    (speculating or not), `pipeline` and `run` in `engine` if asked, and CUDA always
+    (with no spell: not measured there)."""
     from actorllm.cli import build_parser, engine_config
     from actorllm.config import EngineConfig
     from actorllm.topology.placement import ARRIVAL_QUIET_S, arrival_quiet_s
@@ -167,9 +168,13 @@ def test_only_serve_tells_the_engine_its_loop_serves_http(command: str, serving:
 
     config = config_of()
     assert config.serving_http is serving
-    assert config.overlap is serving
+    assert config.overlap
     assert arrival_quiet_s(config) == 0.0  # `single`
     assert not config_of("--no-async-scheduling").overlap
+    ngram = '{"method": "ngram", "num_speculative_tokens": 4}'
+    assert config_of("--speculative-config", ngram).overlap
+    assert not config_of("--speculative-config", ngram, "--no-async-scheduling").overlap
+    assert not config_of("--tensor-parallel-size", "2").overlap
     engine = config_of("--topology", "engine")
     assert engine.overlap is serving
     assert arrival_quiet_s(engine) == (ARRIVAL_QUIET_S if serving else 0.0)
