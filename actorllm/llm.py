@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import numbers
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -64,6 +65,12 @@ class GenerationResult:
     outputs: tuple[CompletionOutput, ...]
     num_prompt_tokens: int
     error: str | None = None
+    prompt_token_ids: tuple[int, ...] = ()  # () if it failed before the Scheduler had it
+
+    @property
+    def request_id(self) -> str:
+        """vLLM's name for ``rid``."""
+        return self.rid
 
     @property
     def usage(self) -> dict[str, int]:
@@ -71,18 +78,22 @@ class GenerationResult:
                 "completion_tokens": sum(len(o.token_ids) for o in self.outputs)}
 
 
-def make_request(rid: str, prompt: Prompt, params: SamplingParams) -> GenerateRequest:
+def make_request(rid: str, prompt: Prompt, params: SamplingParams, *,
+                 return_prompt_ids: bool = False) -> GenerateRequest:
     """Text, token ids, chat messages or a Conversation -> a GenerateRequest."""
+    back = return_prompt_ids
     if isinstance(prompt, str):
-        return GenerateRequest(rid, params, prompt=prompt)
+        return GenerateRequest(rid, params, prompt=prompt, return_prompt_ids=back)
     if isinstance(prompt, Conversation):
         return GenerateRequest(rid, params, messages=prompt.messages,
                                add_generation_prompt=prompt.add_generation_prompt,
-                               template_kwargs=prompt.template_kwargs, tools=prompt.tools)
+                               template_kwargs=prompt.template_kwargs, tools=prompt.tools,
+                               return_prompt_ids=back)
     items = list(prompt)
     if items and isinstance(items[0], ChatMessage):
-        return GenerateRequest(rid, params, messages=tuple(items))
-    return GenerateRequest(rid, params, prompt_token_ids=tuple(map(int, items)))
+        return GenerateRequest(rid, params, messages=tuple(items), return_prompt_ids=back)
+    return GenerateRequest(rid, params, prompt_token_ids=tuple(map(int, items)),
+                           return_prompt_ids=back)
 
 
 async def collect(engine: AsyncEngine, rid: str, prompt: Prompt,
@@ -93,14 +104,16 @@ async def collect(engine: AsyncEngine, rid: str, prompt: Prompt,
     n_prompt = 0
     error: str | None = None
     try:
-        async for out in engine.generate(make_request(rid, prompt, params),
+        async for out in engine.generate(make_request(rid, prompt, params,
+                                                      return_prompt_ids=True),
                                          final_only=final_only):
             merge_all(choices, out)
             n_prompt = out.num_prompt_tokens or n_prompt
     except RequestError as exc:
         error = str(exc)
     outputs = tuple(choices[i].output(i) for i in sorted(choices))
-    return GenerationResult(rid, prompt, outputs, n_prompt, error=error)
+    ids = next((m.prompt_token_ids for m in choices.values() if m.prompt_token_ids), ())
+    return GenerationResult(rid, prompt, outputs, n_prompt, error=error, prompt_token_ids=ids)
 
 
 class LLM:
@@ -282,10 +295,15 @@ def _tools(tools: Sequence[Mapping[str, Any]], template: Any) -> str:
 
 
 def _unwrap(i: int, prompt: Any) -> Prompt:
-    """vLLM's dict prompts (``{"prompt": text}``, ``{"prompt_token_ids": ids}``) as the
-    text or ids they hold; a key this does not honour is refused by name."""
+    """A prompt checked, and vLLM's dict prompts (``{"prompt": text}``,
+    ``{"prompt_token_ids": ids}``) as the text or ids they hold; a key this does not
+    honour is refused by name."""
+    if isinstance(prompt, str | Conversation):
+        return prompt
     if not isinstance(prompt, Mapping):
-        return prompt  # type: ignore[no-any-return]
+        if isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], ChatMessage):
+            return prompt  # type: ignore[return-value]
+        return _token_ids(f"prompts[{i}]", prompt)
     unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
     if unknown:
         raise ValueError(f"prompts[{i}]: {', '.join(map(repr, unknown))} is not supported "
@@ -296,10 +314,21 @@ def _unwrap(i: int, prompt: Any) -> Prompt:
         if not isinstance(prompt["prompt"], str):
             raise ValueError(f"prompts[{i}]: 'prompt' must be text")
         return str(prompt["prompt"])
-    ids = prompt["prompt_token_ids"]
-    if isinstance(ids, str | bytes) or not all(isinstance(t, int) for t in ids) or not ids:
-        raise ValueError(f"prompts[{i}]: 'prompt_token_ids' must be a non-empty list of ints")
-    return list(ids)
+    return _token_ids(f"prompts[{i}].prompt_token_ids", prompt["prompt_token_ids"])
+
+
+def _token_ids(where: str, ids: Any) -> list[int]:
+    """A prompt of token ids, each an int (not a bool, not a float: none is rounded)."""
+    if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+        raise ValueError(f"{where}: a prompt is text, a list of token ids, a dict or "
+                         f"messages, not {type(ids).__name__}")
+    ids = list(ids)
+    if not ids:
+        raise ValueError(f"{where}: a list of token ids must not be empty")
+    for j, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ValueError(f"{where}[{j}]: a token id is an int, not {type(t).__name__}")
+    return [int(t) for t in ids]
 
 
 @contextlib.contextmanager

@@ -125,12 +125,43 @@ def test_dict_prompts_are_the_text_or_ids_they_hold(llm: LLM) -> None:
     ({}, r"^prompts\[0\]: give one of 'prompt' and 'prompt_token_ids'$"),
     ({"prompt": "a", "prompt_token_ids": [5]}, r"^prompts\[0\]: give one of"),
     ({"prompt": 5}, r"^prompts\[0\]: 'prompt' must be text$"),
-    ({"prompt_token_ids": []}, r"^prompts\[0\]: 'prompt_token_ids' must be a non-empty"),
-    ({"prompt_token_ids": "abc"}, r"^prompts\[0\]: 'prompt_token_ids' must be a non-empty"),
+    ({"prompt_token_ids": []},
+     r"^prompts\[0\]\.prompt_token_ids: a list of token ids must not be empty$"),
+    ({"prompt_token_ids": "abc"},
+     r"^prompts\[0\]\.prompt_token_ids: a prompt is text, .* not str$"),
+    ({"prompt_token_ids": [5, 6.0]}, r"^prompts\[0\]\.prompt_token_ids\[1\]: .* not float$"),
+    ([5, 1.5], r"^prompts\[0\]\[1\]: a token id is an int, not float$"),  # (never rounded)
+    ([True], r"^prompts\[0\]\[0\]: a token id is an int, not bool$"),
+    (["a"], r"^prompts\[0\]\[0\]: a token id is an int, not str$"),
+    ([], r"^prompts\[0\]: a list of token ids must not be empty$"),
+    (b"ab", r"^prompts\[0\]: a prompt is text, a list of token ids, a dict or messages, not b"),
+    (None, r"^prompts\[0\]: .* not NoneType$"),
 ])
-def test_a_bad_dict_prompt_is_refused_by_name(llm: LLM, prompt: Any, match: str) -> None:
+def test_a_bad_prompt_is_refused_by_name(llm: LLM, prompt: Any, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         llm.generate([prompt], greedy())
+    assert llm.generate([[5, 6]], greedy())[0].error is None  # (and the engine serves on)
+
+
+@pytest.mark.parametrize("topology", ["single", "engine"])
+def test_results_carry_the_prompt_ids_the_engine_ran(tiny_llama_dir: Path,
+                                                     topology: str) -> None:
+    """vLLM's ``RequestOutput.prompt_token_ids`` and ``request_id``: the ids the
+    Tokenizer made (text, chat template) or was given, on every result, in both
+    topologies (in ``engine`` they cross the codec); () where none were made."""
+    with LLM(model=str(tiny_llama_dir), num_kv_blocks=64, topology=topology) as llm:
+        text, ids = "a b c", [7, 8, 9, 10]
+        plain = SamplingParams(temperature=0.0, max_tokens=2, n=2)
+        lps = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+        a, b, c = llm.generate([text, ids, {"prompt": text}], [plain, plain, lps])
+        (d,) = llm.chat(TALK, plain)
+        (bad,) = llm.generate([[10**9]], plain)
+    assert a.prompt_token_ids == c.prompt_token_ids == tuple(llm.tokenizer(text).input_ids)
+    assert b.prompt_token_ids == tuple(ids)
+    assert d.prompt_token_ids == tuple(template_ids(llm, TALK))
+    assert all(len(r.prompt_token_ids) == r.num_prompt_tokens for r in (a, b, c, d))
+    assert a.request_id == a.rid and len({a.rid, b.rid, c.rid}) == 3
+    assert bad.error is not None and bad.prompt_token_ids == ()
 
 
 WEATHER = {"type": "function", "function": {

@@ -329,7 +329,7 @@ async def test_prompt_logprobs_equal_transformers(
         ids = tokenizer(prompt).input_ids
         (out,) = res.outputs
         if p.prompt_logprobs is None:
-            assert out.prompt_logprobs == () and out.prompt_token_ids == ()
+            assert out.prompt_logprobs == () and out.prompt_token_ids == tuple(ids)
             continue
         assert list(out.prompt_token_ids) == ids
         assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None

@@ -192,6 +192,50 @@ def test_openai_chat_parse_and_its_stream(base: str) -> None:
         call.function.arguments)
 
 
+def test_openai_sdk_return_token_ids_are_what_the_model_ran(
+        base: str, default_tokenizer: Any, default_hf: Any) -> None:
+    """vLLM's ``return_token_ids`` (RL frameworks read it through the openai SDK's
+    extra fields): the prompt's ids are the chat template's, a choice's are what
+    transformers' greedy ``generate`` gives; streamed, the chunks' ids add up to the
+    same and the prompt's come once; completions carry both on each choice."""
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
+    talk = [{"role": "user", "content": "Name a river."}]
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "temperature": 0,
+                          "extra_body": {"return_token_ids": True}}
+    prompt = default_tokenizer.apply_chat_template(
+        talk, add_generation_prompt=True, return_dict=True, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        new = default_hf.generate(prompt, max_new_tokens=8, do_sample=False)[0,
+                                                                             prompt.shape[1]:]
+    whole = client.chat.completions.create(messages=talk, **kw)  # type: ignore[call-overload]
+    assert whole.model_extra["prompt_token_ids"] == prompt[0].tolist()
+    assert whole.choices[0].model_extra["token_ids"] == new.tolist()
+    stream = client.chat.completions.create(messages=talk, stream=True, **kw)
+    chunks = list(stream)  # type: ignore[call-overload]
+    told = [c.model_extra["prompt_token_ids"] for c in chunks
+            if (c.model_extra or {}).get("prompt_token_ids")]
+    assert told == [prompt[0].tolist()]
+    assert [t for c in chunks for ch in c.choices for t in ch.model_extra.get("token_ids", [])
+            ] == new.tolist()
+    text = "The river"
+    ids = default_tokenizer(text).input_ids
+    with torch.no_grad():
+        want = default_hf.generate(torch.tensor([ids]), max_new_tokens=8,
+                                   do_sample=False)[0, len(ids):].tolist()
+    done = client.completions.create(prompt=[text, text], n=2, **kw)  # type: ignore[call-overload]
+    assert len(done.choices) == 4
+    for choice in done.choices:
+        assert choice.model_extra["prompt_token_ids"] == ids
+        assert choice.model_extra["token_ids"] == want
+    streamed = list(client.completions.create(prompt=text, stream=True, **kw))  # type: ignore[call-overload]
+    assert [c.choices[0].model_extra.get("prompt_token_ids") for c in streamed
+            if c.choices and c.choices[0].model_extra.get("prompt_token_ids")] == [ids]
+    assert [t for c in streamed for ch in c.choices
+            for t in ch.model_extra.get("token_ids", [])] == want
+    plain = client.completions.create(prompt=text, model=MODEL, max_tokens=2)
+    assert "token_ids" not in (plain.choices[0].model_extra or {})
+
+
 # --- the OpenAI Agents SDK ------------------------------------------------------------------
 
 

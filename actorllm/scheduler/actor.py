@@ -196,7 +196,8 @@ class Scheduler(ResultCommit):
         self.last_arrival = clock.now()
         seq = Sequence(req.rid, list(req.prompt_token_ids), req.params, req.max_tokens,
                        frozenset(req.eos_token_ids), req.arrival_time,
-                       view=self.ledger.view(req.rid), incarnation=self.next_incarnation)
+                       view=self.ledger.view(req.rid), incarnation=self.next_incarnation,
+                       return_prompt_ids=req.return_prompt_ids)
         self.next_incarnation += 1
         self.seqs[seq.rid] = seq
         self.lp_live += req.params.prompt_logprobs is not None

@@ -57,8 +57,8 @@ class Outgoing:
               piece: dict[str, Any] | None) -> None:
         """What the last row carries besides its tokens."""
         self.rare_rows.append(len(self.rids) - 1)
-        self.rare.append(TokenOut(seq.rid, logprobs=logprobs, spec=seq.detok_spec_once(),
-                                  **(piece or {})))
+        self.rare.append(TokenOut(seq.rid, logprobs=logprobs,
+                                  **{**seq.first_output_fields(), **(piece or {})}))
 
     def final(self, seq: Sequence, reason: str, stop_reason: Any, error: str | None) -> None:
         """``seq``'s last output, in the row of this batch's token for it if that came last."""

@@ -51,6 +51,7 @@ class Sequence:
     worker_knows: bool = False  # the Worker holds its sampling state and block table
     blocks_sent: int = 0  # how much of block_table the Worker has (StepPlan.new_blocks)
     detok_spec_sent: bool = False
+    return_prompt_ids: bool = False  # its first output carries its prompt's ids
     first_scheduled: float | None = None
     incarnation: int = 0  # numbers the rid's incarnations; StopMatched echoes it
     # With params.prompt_logprobs: the first prompt position not yet reported (position 0
@@ -347,22 +348,27 @@ class Sequence:
         if self.first_scheduled is not None and self.arrival_time:
             queued = max(self.first_scheduled - self.arrival_time, 0.0)
         out = TokenOut(self.rid, finish_reason=reason, stop_reason=stop_reason, error=error,
-                       spec=self.detok_spec_once(), queue_s=queued,
-                       cached_tokens=self.num_cached_tokens, pooled=self.pooled)
+                       queue_s=queued, cached_tokens=self.num_cached_tokens,
+                       pooled=self.pooled, **self.first_output_fields())
         if token is None:
             return out
         return attrs.evolve(out, token_ids=token.token_ids, logprobs=token.logprobs,
                             spec=token.spec or out.spec, prompt_logprobs=token.prompt_logprobs,
-                            prompt_token_ids=token.prompt_token_ids)
+                            prompt_token_ids=token.prompt_token_ids or out.prompt_token_ids)
 
-    def detok_spec_once(self) -> DetokSetup | None:
-        """What the Detokenizer needs for this rid, on its first output only."""
+    def first_output_fields(self) -> dict[str, Any]:
+        """What only the rid's first output carries, as TokenOut fields (none after it):
+        what the Detokenizer needs for it, and the prompt's ids if they were asked for."""
         if self.detok_spec_sent:
-            return None
+            return {}
         self.detok_spec_sent = True
         p = self.params
-        return DetokSetup(p.stop, p.include_stop_str_in_output, p.skip_special_tokens,
-                         len(self.prompt_ids), self.incarnation)
+        fields: dict[str, Any] = {"spec": DetokSetup(
+            p.stop, p.include_stop_str_in_output, p.skip_special_tokens,
+            len(self.prompt_ids), self.incarnation)}
+        if self.return_prompt_ids:
+            fields["prompt_token_ids"] = tuple(self.prompt_ids)
+        return fields
 
 
 

@@ -87,6 +87,7 @@ def prepare_chat(body: ChatCompletionRequest, rid: str, state: ServerState) -> P
     request = GenerateRequest(rid, params, messages=chat_messages(body.messages),
                               add_generation_prompt=body.add_generation_prompt is not False,
                               arrival_time=time.monotonic(),
+                              return_prompt_ids=bool(body.return_token_ids),
                               tools=None if tools is None else tools.tools_json,
                               template_kwargs=template_kwargs(
                                   body.chat_template_kwargs,
@@ -103,5 +104,6 @@ def chat_renderer(prepared: PreparedChat, body: ChatCompletionRequest, *, respon
                         num_choices=prepared.params.n, texts=texts,
                         logprobs=prepared.params.logprobs is not None,
                         prompt_logprobs=body.prompt_logprobs,
+                        token_ids=bool(body.return_token_ids),
                         tools=None if tools is None or tools.mode == "none" else tools,
                         reasoning=reasoning)

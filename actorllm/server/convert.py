@@ -188,13 +188,16 @@ def chat_messages(messages: list[ChatMessageIn]) -> tuple[ChatMessage, ...]:
 
 
 def prompt_request(base: str, i: int, count: int, params: SamplingParams,
-                   prompt: str | tuple[int, ...], now: float) -> GenerateRequest:
+                   prompt: str | tuple[int, ...], now: float,
+                   return_prompt_ids: bool = False) -> GenerateRequest:
     """The engine request for prompt ``i`` of ``count`` (its rid: ``base`` when alone, else
     ``base-i``), from text or token ids."""
     rid = base if count == 1 else f"{base}-{i}"
     if isinstance(prompt, str):
-        return GenerateRequest(rid, params, prompt=prompt, arrival_time=now)
-    return GenerateRequest(rid, params, prompt_token_ids=prompt, arrival_time=now)
+        return GenerateRequest(rid, params, prompt=prompt, arrival_time=now,
+                               return_prompt_ids=return_prompt_ids)
+    return GenerateRequest(rid, params, prompt_token_ids=prompt, arrival_time=now,
+                           return_prompt_ids=return_prompt_ids)
 
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]

@@ -91,12 +91,16 @@ class _RendererBase:
 
     def __init__(self, *, response_id: str, created: int, model: str, num_choices: int,
                  texts: TokenTexts, logprobs: bool, prompt_logprobs: int | None = None,
-                 echo_logprobs: int | None = None) -> None:
+                 echo_logprobs: int | None = None, token_ids: bool = False) -> None:
         """``prompt_logprobs``: k of vLLM's ``prompt_logprobs`` field, None when not asked;
-        ``echo_logprobs``: k for the echoed prompt in the legacy ``logprobs`` (completions)."""
+        ``echo_logprobs``: k for the echoed prompt in the legacy ``logprobs`` (completions);
+        ``token_ids``: vLLM's ``return_token_ids`` (the engine sends the prompt's ids with
+        a choice's first output)."""
         self.id, self.created, self.model = response_id, created, model
         self.texts, self.want_logprobs = texts, logprobs
         self.prompt_k, self.echo_k = prompt_logprobs, echo_logprobs
+        self.want_ids = token_ids
+        self._root: dict[str, Any] = {}  # what the next chunk's envelope adds (rare)
         self.choices = {i: ChoiceState() for i in range(num_choices)}
         self._head, self._tail = sse.chunk_framing(
             {"id": self.id, "object": self.chunk_object, "created": self.created,
@@ -108,13 +112,26 @@ class _RendererBase:
     def add(self, job: JobView, out: CompletionOutput) -> dict[str, Any] | None:
         """Fold ``out`` in; the chunk that tells the client of it (None: nothing yet)."""
         choice = self._choice(job, out)
-        return None if choice is None else self._envelope(self.chunk_object, [choice])
+        return None if choice is None else self._chunk(choice)
 
     def add_event(self, job: JobView, out: CompletionOutput) -> bytes | None:
         """As :meth:`add`, the chunk as one SSE event (the same JSON as
         ``sse.event(add(...))``)."""
         choice = self._choice(job, out)
-        return None if choice is None else self._head + sse.dumps(choice) + self._tail
+        if choice is None:
+            return None
+        if self._root:  # (rare: this chunk's envelope says more than the usual one)
+            return sse.event(self._chunk(choice))
+        return self._head + sse.dumps(choice) + self._tail
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        chunk = {**self._envelope(self.chunk_object, [choice]), **self._root}
+        self._root = {}
+        return chunk
+
+    def _ids_news(self, out: CompletionOutput) -> bool:
+        """Whether ``out`` has ids to tell under ``return_token_ids``."""
+        return self.want_ids and bool(out.token_ids or out.prompt_token_ids)
 
     def completion_tokens(self) -> int:
         return sum(len(c.merged.token_ids) for c in self.choices.values())
@@ -147,6 +164,7 @@ class ChatRenderer(_RendererBase):
                  reasoning: ReasoningParser | None = None, **kw: Any) -> None:
         super().__init__(**kw)
         self.tools, self.reasoning = tools, reasoning
+        self._told_prompt = False
         self._tool_streams: dict[int, ToolStream] = {}
         self._reasoning_streams: dict[int, ReasoningStream] = {}
 
@@ -175,7 +193,7 @@ class ChatRenderer(_RendererBase):
             delta, finish = self._tool_delta(index, text, finish)
         if thought:
             delta = {"reasoning_content": thought, **delta}
-        if not delta and not lps and out.finish_reason is None:
+        if not delta and not lps and out.finish_reason is None and not self._ids_news(out):
             return None  # held-back text: nothing to tell the client yet
         choice: dict[str, Any] = {
             "index": index, "delta": delta,
@@ -184,6 +202,12 @@ class ChatRenderer(_RendererBase):
         }
         if out.finish_reason is not None:
             choice["stop_reason"] = out.stop_reason
+        if self.want_ids:
+            choice["token_ids"] = list(out.token_ids)
+            if out.prompt_token_ids and not self._told_prompt:
+                # vLLM's place: beside the choices (every choice has the same prompt).
+                self._root["prompt_token_ids"] = list(out.prompt_token_ids)
+                self._told_prompt = True
         return choice
 
     def _tool_delta(self, index: int, text: str,
@@ -226,10 +250,16 @@ class ChatRenderer(_RendererBase):
                 "logprobs": {"content": st.logprobs} if self.want_logprobs else None,
                 "finish_reason": finish, "stop_reason": st.merged.stop_reason,
             })
+            if self.want_ids:
+                choices[-1]["token_ids"] = list(st.merged.token_ids)
         response = {**self._envelope("chat.completion", choices), "usage": usage}
         if self.prompt_k is not None:
             # vLLM puts them beside the choices: every choice has the same prompt.
             response["prompt_logprobs"] = self.choices[0].prompt_field
+        if self.want_ids:
+            response["prompt_token_ids"] = list(next(
+                (st.merged.prompt_token_ids for st in self.choices.values()
+                 if st.merged.prompt_token_ids), ()))
         return response
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
@@ -285,12 +315,16 @@ class CompletionRenderer(_RendererBase):
                 st.completion_lps[k] += v
         prompt_field = self._prompt_field(st, out)
         if not text and not out.logprobs and not out.prompt_logprobs \
-                and out.finish_reason is None:
+                and out.finish_reason is None and not self._ids_news(out):
             return None
         choice: dict[str, Any] = {"index": index, "text": text, "logprobs": lps,
                                   "finish_reason": out.finish_reason}
         if prompt_field is not None:
             choice["prompt_logprobs"] = prompt_field
+        if self.want_ids:  # vLLM's place: on the choice, the prompt's in its first chunk
+            if out.prompt_token_ids:
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
+            choice["token_ids"] = list(out.token_ids)
         if out.finish_reason is not None:
             choice["stop_reason"] = out.stop_reason
         return choice
@@ -320,6 +354,9 @@ class CompletionRenderer(_RendererBase):
                       "stop_reason": st.merged.stop_reason}
             if self.prompt_k is not None:
                 choice["prompt_logprobs"] = st.prompt_field
+            if self.want_ids:
+                choice["prompt_token_ids"] = list(st.merged.prompt_token_ids)
+                choice["token_ids"] = list(st.merged.token_ids)
             choices.append(choice)
         return {**self._envelope("text_completion", choices), "usage": usage}
 

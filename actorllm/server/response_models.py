@@ -68,6 +68,7 @@ class ChatChoice(_Response):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = Field(None, description="with return_token_ids")
 
 
 class PromptLogprob(_Response):
@@ -86,6 +87,7 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids")
 
 
 class FunctionCallDelta(_Response):
@@ -113,6 +115,7 @@ class ChatChunkChoice(_Response):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = Field(None, description="with return_token_ids")
 
 
 class ChatCompletionChunk(_Response):
@@ -122,6 +125,8 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    # with return_token_ids, in the first chunk that carries a choice's output
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionLogprobs(_Response):
@@ -138,6 +143,8 @@ class CompletionChoice(_Response):
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids")
+    token_ids: list[int] | None = Field(None, description="with return_token_ids")
 
 
 class CompletionResponse(_Response):

@@ -180,6 +180,9 @@ class _SamplingFields(_Request):
         None, description="vLLM extension; 0 or -1: off")
     min_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = Field(
         None, description="vLLM extension")
+    return_token_ids: bool | None = Field(
+        False, description="vLLM extension: the prompt's token ids and each choice's "
+        "generated ids in the response (streamed: the prompt's in the first chunk)")
     seed: _int(_INT64_MIN, _INT64_MAX) | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=16)] | None = None
     stop_token_ids: list[TokenId] | None = Field(None, description="vLLM extension")

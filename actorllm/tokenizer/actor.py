@@ -144,6 +144,7 @@ class PromptEncoder:
             max_tokens=max_tokens,
             eos_token_ids=self.info.eos_token_ids,
             arrival_time=req.arrival_time,
+            return_prompt_ids=req.return_prompt_ids,
         )
 
     def token_ids(self, prompt: str | None, messages: Sequence[ChatMessage] | None,

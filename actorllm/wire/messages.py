@@ -107,6 +107,9 @@ class GenerateRequest:
     replica: int = 0  # set by the Frontend: the data-parallel replica that runs it
     # chat: a JSON object of further chat-template variables (``enable_thinking``, ...)
     template_kwargs: str | None = None
+    # The first output carries the prompt's token ids (vLLM's ``return_token_ids``; the
+    # ``LLM``'s results), as it does with prompt logprobs.
+    return_prompt_ids: bool = False
 
 
 @attrs.frozen
@@ -140,6 +143,7 @@ class SequenceRequest:
     max_tokens: int  # resolved: never runs past the model's context
     eos_token_ids: tuple[int, ...]
     arrival_time: float = 0.0
+    return_prompt_ids: bool = False  # (GenerateRequest's)
 
 
 @attrs.frozen

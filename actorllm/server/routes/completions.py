@@ -36,7 +36,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     now = time.monotonic()
     jobs = []
     for i, prompt in enumerate(prompts):
-        req = prompt_request(base, i, len(prompts), params, prompt, now)
+        req = prompt_request(base, i, len(prompts), params, prompt, now,
+                             bool(body.return_token_ids))
         echo = ""
         if body.echo and isinstance(prompt, str):
             echo = prompt
@@ -52,6 +53,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                                   logprobs=body.logprobs is not None,
                                   prompt_logprobs=body.prompt_logprobs,
                                   echo_logprobs=body.logprobs if body.echo else None,
+                                  token_ids=bool(body.return_token_ids),
                                   best_of=(n, params.n) if params.n != n else None)
     return GenerationResponse(state, jobs, renderer, stream=bool(body.stream),
                               include_usage=include_usage(body), request_id=base)
