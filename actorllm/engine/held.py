@@ -59,6 +59,7 @@ class HeldEngine:
         self._release: trio.Event | None = None  # set: the holder closes its engine
         self._released: trio.Event | None = None  # set: the holder's engine is closed
         self._calls: set[trio.CancelScope] = set()
+        self._no_calls: trio.Event | None = None  # set when the last call has left (close)
         self._lock: trio.Lock | None = None
         self._closed = False
         ready = threading.Event()
@@ -158,6 +159,8 @@ class HeldEngine:
             result = (False, exc)
         finally:
             self._calls.discard(scope)
+            if not self._calls and self._no_calls is not None:
+                self._no_calls.set()
             box.put((_DONE, result))
 
     async def _open(self) -> AsyncEngine:
@@ -211,6 +214,7 @@ class HeldEngine:
 
     async def _shut_down(self, nursery: trio.Nursery) -> None:
         while self._calls:  # each aborts its requests, shielded, and leaves
-            await trio.sleep(0.01)
+            self._no_calls = trio.Event()
+            await self._no_calls.wait()
         await self._drop()
         nursery.cancel_scope.cancel()
