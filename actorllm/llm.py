@@ -73,6 +73,11 @@ class GenerationResult:
         return self.rid
 
     @property
+    def finished(self) -> bool:
+        """vLLM's ``RequestOutput.finished``: a result here is always whole."""
+        return True
+
+    @property
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.num_prompt_tokens,
                 "completion_tokens": sum(len(o.token_ids) for o in self.outputs)}

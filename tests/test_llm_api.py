@@ -162,6 +162,16 @@ def test_results_carry_the_prompt_ids_the_engine_ran(tiny_llama_dir: Path,
     assert all(len(r.prompt_token_ids) == r.num_prompt_tokens for r in (a, b, c, d))
     assert a.request_id == a.rid and len({a.rid, b.rid, c.rid}) == 3
     assert bad.error is not None and bad.prompt_token_ids == ()
+    assert a.finished and a.outputs[0].cumulative_logprob is None  # (no logprobs asked)
+
+
+def test_cumulative_logprob_is_the_sampled_tokens_logprobs_summed(llm: LLM) -> None:
+    (res,) = llm.generate(["a b"], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2))
+    out = res.outputs[0]
+    assert len(out.logprobs) == 4 and [lp.token_id for lp in out.logprobs] == list(
+        out.token_ids)
+    assert out.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in out.logprobs))
+    assert out.cumulative_logprob < 0
 
 
 WEATHER = {"type": "function", "function": {

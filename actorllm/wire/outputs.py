@@ -44,6 +44,11 @@ class CompletionOutput:
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
     prompt_token_ids: tuple[int, ...] = ()
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the sampled tokens' logprobs summed; None unless logprobs were asked."""
+        return sum(lp.logprob for lp in self.logprobs) if self.logprobs else None
+
 
 @attrs.frozen
 class RequestOutput:
