@@ -163,6 +163,10 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.resources.hf_tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """vLLM's name for :attr:`tokenizer` (the model's transformers tokenizer)."""
+        return self.tokenizer
+
     def default_sampling_params(self) -> SamplingParams:
         """What ``generate`` samples with when given no SamplingParams: the model's
         generation_config.json defaults (as the CLI and HTTP take them), else the class's."""

@@ -156,7 +156,7 @@ def test_results_carry_the_prompt_ids_the_engine_ran(tiny_llama_dir: Path,
         a, b, c = llm.generate([text, ids, {"prompt": text}], [plain, plain, lps])
         (d,) = llm.chat(TALK, plain)
         (bad,) = llm.generate([[10**9]], plain)
-    assert a.prompt_token_ids == c.prompt_token_ids == tuple(llm.tokenizer(text).input_ids)
+    assert a.prompt_token_ids == c.prompt_token_ids == tuple(llm.get_tokenizer()(text).input_ids)
     assert b.prompt_token_ids == tuple(ids)
     assert d.prompt_token_ids == tuple(template_ids(llm, TALK))
     assert all(len(r.prompt_token_ids) == r.num_prompt_tokens for r in (a, b, c, d))
