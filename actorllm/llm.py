@@ -24,6 +24,7 @@ import attrs
 import trio
 
 from actorllm.config import EngineConfig, default_model_dir
+from actorllm.embed import EmbeddingResult, embedded, embedding_params
 from actorllm.engine.async_engine import AsyncEngine, Resources
 from actorllm.engine.heap import frozen_heap
 from actorllm.engine.held import HeldEngine
@@ -66,6 +67,7 @@ class GenerationResult:
     num_prompt_tokens: int
     error: str | None = None
     prompt_token_ids: tuple[int, ...] = ()  # () if it failed before the Scheduler had it
+    pooled: tuple[float, ...] = ()  # a pooling request's vector (``LLM.embed``'s)
 
     @property
     def request_id(self) -> str:
@@ -107,6 +109,7 @@ async def collect(engine: AsyncEngine, rid: str, prompt: Prompt,
     engine wakes this task once, at the end, not once per step)."""
     choices: dict[int, Merged] = {}
     n_prompt = 0
+    pooled: tuple[float, ...] = ()
     error: str | None = None
     try:
         async for out in engine.generate(make_request(rid, prompt, params,
@@ -114,11 +117,13 @@ async def collect(engine: AsyncEngine, rid: str, prompt: Prompt,
                                          final_only=final_only):
             merge_all(choices, out)
             n_prompt = out.num_prompt_tokens or n_prompt
+            pooled = out.pooled or pooled
     except RequestError as exc:
         error = str(exc)
     outputs = tuple(choices[i].output(i) for i in sorted(choices))
     ids = next((m.prompt_token_ids for m in choices.values() if m.prompt_token_ids), ())
-    return GenerationResult(rid, prompt, outputs, n_prompt, error=error, prompt_token_ids=ids)
+    return GenerationResult(rid, prompt, outputs, n_prompt, error=error, prompt_token_ids=ids,
+                            pooled=pooled)
 
 
 class LLM:
@@ -208,6 +213,15 @@ class LLM:
             return self._engine().call(
                 partial(_generate, call, prompt_list, params_list, on_done is not None),
                 on_done)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], *, pooling: str | None = None,
+              use_tqdm: bool = False) -> list[EmbeddingResult]:
+        """vLLM's ``LLM.embed``: each prompt's pooled final hidden state, as ``/v1/embeddings``
+        gives it (``pooling``: ``last``, ``mean`` or ``cls``; default: the model's
+        sentence-transformers config, else the last token)."""
+        params, normalize = embedding_params(self.config.model, pooling)
+        return [embedded(r, normalize) for r in self.generate(prompts, params,  # type: ignore[arg-type]
+                                                              use_tqdm=use_tqdm)]
 
     def chat(
         self,

@@ -92,6 +92,24 @@ def test_token_ids_and_base64(served: tuple[str, openai.OpenAI, str], oracle: An
     assert _cos(floats, _expected(oracle, ids[0], pooling)) >= 0.9999
 
 
+@pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
+def test_llm_embed_matches_transformers(oracle: Any, pooling: str) -> None:
+    """vLLM's offline ``LLM.embed``: the vectors ``/v1/embeddings`` gives, from text and
+    ids, chunked over several steps; a pooling it does not know is refused by name."""
+    from actorllm.llm import LLM
+
+    _, tok = oracle
+    with LLM(dtype="float32", max_num_batched_tokens=32, num_kv_blocks=256) as llm:
+        got = llm.embed([*TEXTS, [5, 17, 99, 3]], pooling=pooling)
+        with pytest.raises(ValueError, match="pooling 'max'"):
+            llm.embed("x", pooling="max")
+    ids = [tok(t).input_ids for t in TEXTS] + [[5, 17, 99, 3]]
+    for res, want in zip(got, ids, strict=True):
+        assert res.error is None and res.prompt_token_ids == tuple(want)
+        assert abs(sum(v * v for v in res.outputs.embedding) - 1.0) < 1e-4
+        assert _cos(res.outputs.embedding, _expected(oracle, want, pooling)) >= 0.9999
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": []}, "input"), ({"input": "x", "dimensions": 8}, "dimensions"),
     ({"input": [[1, 2], []]}, "input"), ({"input": "x", "model": "other"}, "model")])

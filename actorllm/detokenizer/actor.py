@@ -222,9 +222,9 @@ class Detokenizer:
                     out.logprobs[: len(token_ids)])
             else:
                 text, kept_ids, kept_lps = self._match(out, st, matcher, final, stops, known)
-            if text or kept_ids or out.prompt_logprobs:
-                # Prompt logprobs pass through untouched: they come before any token, so
-                # a stop string can never have cut them off.
+            if text or kept_ids or out.prompt_logprobs or out.prompt_token_ids:
+                # Prompt logprobs and ids pass through untouched: they come before any
+                # token, so a stop string can never have cut them off.
                 deltas.append(TextDelta(out.rid, text, kept_ids, kept_lps,
                                         out.prompt_logprobs, out.prompt_token_ids))
         if final:

@@ -199,7 +199,8 @@ class OutputCollector:
         self._pending = {}
         finished = self.phase is Phase.ENDED
         self._read()
-        return RequestOutput(self.rid, outs, finished, self.num_prompt_tokens)
+        return RequestOutput(self.rid, outs, finished, self.num_prompt_tokens,
+                             self.pooled if finished else ())
 
     def reader_progressed(self, t: float) -> None:
         """The reader made progress at ``t`` without taking (its socket took bytes of an

@@ -56,6 +56,7 @@ class RequestOutput:
     outputs: tuple[CompletionOutput, ...]
     finished: bool
     num_prompt_tokens: int = 0
+    pooled: tuple[float, ...] = ()  # a pooling request's vector, in its finished output
 
 
 @attrs.define

@@ -1,0 +1,75 @@
+"""``LLM.embed``: vLLM's offline embeddings, the vectors ``/v1/embeddings`` serves.
+
+A prompt is prefilled as a pooling request (``SamplingParams(max_tokens=0, pooling=...)``,
+``worker/pooling.py``) through the same actors as a generation; its finish carries the
+pooled final hidden state. The pooling and whether vectors are scaled to unit length are
+chosen as the server chooses them (``server/features.Features.build``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import attrs
+
+from actorllm.wire.messages import SamplingParams
+
+
+class PooledResult(Protocol):
+    """What :func:`embedded` reads of a pooling request's result (``llm.GenerationResult``)."""
+
+    @property
+    def rid(self) -> str: ...
+    @property
+    def prompt(self) -> Any: ...
+    @property
+    def pooled(self) -> tuple[float, ...]: ...
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def error(self) -> str | None: ...
+
+
+@attrs.frozen
+class EmbeddingOutput:
+    """vLLM's ``EmbeddingOutput``: one prompt's vector."""
+
+    embedding: list[float]
+
+
+@attrs.frozen
+class EmbeddingResult:
+    """vLLM's ``EmbeddingRequestOutput``: ``outputs.embedding`` is the vector (empty when
+    ``error`` says why there is none)."""
+
+    rid: str
+    prompt: Any  # as given to LLM.embed
+    outputs: EmbeddingOutput
+    prompt_token_ids: tuple[int, ...]
+    error: str | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.rid
+
+
+def embedding_params(model_dir: str, pooling: str | None) -> tuple[SamplingParams, bool]:
+    """The pooling request's parameters and whether its vectors are normalized: ``pooling``
+    (``last``, ``mean``, ``cls``), else the model's sentence-transformers config, else the
+    last token. Raises ValueError for a pooling that is not supported."""
+    from actorllm.server.features import Features, sentence_transformers_pooling
+
+    features = Features.build(pooling=pooling,
+                              model_pooling=sentence_transformers_pooling(model_dir))
+    return SamplingParams(max_tokens=0, pooling=features.pooling), features.normalize
+
+
+def embedded(result: PooledResult, normalize: bool) -> EmbeddingResult:
+    """A pooling request's result as vLLM shapes an embedding."""
+    from actorllm.server.embeddings import normalized
+
+    vector = list(result.pooled)
+    if normalize:
+        vector = normalized(result.pooled)
+    return EmbeddingResult(result.rid, result.prompt, EmbeddingOutput(vector),
+                           result.prompt_token_ids, result.error)
