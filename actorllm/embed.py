@@ -66,10 +66,8 @@ def embedding_params(model_dir: str, pooling: str | None) -> tuple[SamplingParam
 
 def embedded(result: PooledResult, normalize: bool) -> EmbeddingResult:
     """A pooling request's result as vLLM shapes an embedding."""
-    from actorllm.server.embeddings import normalized
+    from actorllm.server.embeddings import embedding
 
-    vector = list(result.pooled)
-    if normalize:
-        vector = normalized(result.pooled)
-    return EmbeddingResult(result.rid, result.prompt, EmbeddingOutput(vector),
+    return EmbeddingResult(result.rid, result.prompt,
+                           EmbeddingOutput(embedding(result.pooled, normalize)),
                            result.prompt_token_ids, result.error)

@@ -30,7 +30,7 @@ from actorllm.engine.heap import frozen_heap
 from actorllm.engine.held import HeldEngine
 from actorllm.hub import resolve_model
 from actorllm.wire.messages import ChatMessage, GenerateRequest, SamplingParams
-from actorllm.wire.outputs import CompletionOutput, Merged, RequestError, merge_all
+from actorllm.wire.outputs import CompletionOutput, Merged, RequestError, merge_all, prompt_ids_of
 from actorllm.wire.sampling import resolve_sampling
 
 
@@ -88,19 +88,18 @@ class GenerationResult:
 def make_request(rid: str, prompt: Prompt, params: SamplingParams, *,
                  return_prompt_ids: bool = False) -> GenerateRequest:
     """Text, token ids, chat messages or a Conversation -> a GenerateRequest."""
-    back = return_prompt_ids
+    form: dict[str, Any]
     if isinstance(prompt, str):
-        return GenerateRequest(rid, params, prompt=prompt, return_prompt_ids=back)
-    if isinstance(prompt, Conversation):
-        return GenerateRequest(rid, params, messages=prompt.messages,
-                               add_generation_prompt=prompt.add_generation_prompt,
-                               template_kwargs=prompt.template_kwargs, tools=prompt.tools,
-                               return_prompt_ids=back)
-    items = list(prompt)
-    if items and isinstance(items[0], ChatMessage):
-        return GenerateRequest(rid, params, messages=tuple(items), return_prompt_ids=back)
-    return GenerateRequest(rid, params, prompt_token_ids=tuple(map(int, items)),
-                           return_prompt_ids=back)
+        form = {"prompt": prompt}
+    elif isinstance(prompt, Conversation):
+        form = {"messages": prompt.messages, "tools": prompt.tools,
+                "add_generation_prompt": prompt.add_generation_prompt,
+                "template_kwargs": prompt.template_kwargs}
+    elif (items := list(prompt)) and isinstance(items[0], ChatMessage):
+        form = {"messages": tuple(items)}
+    else:
+        form = {"prompt_token_ids": tuple(map(int, items))}
+    return GenerateRequest(rid, params, return_prompt_ids=return_prompt_ids, **form)
 
 
 async def collect(engine: AsyncEngine, rid: str, prompt: Prompt,
@@ -121,9 +120,8 @@ async def collect(engine: AsyncEngine, rid: str, prompt: Prompt,
     except RequestError as exc:
         error = str(exc)
     outputs = tuple(choices[i].output(i) for i in sorted(choices))
-    ids = next((m.prompt_token_ids for m in choices.values() if m.prompt_token_ids), ())
-    return GenerationResult(rid, prompt, outputs, n_prompt, error=error, prompt_token_ids=ids,
-                            pooled=pooled)
+    return GenerationResult(rid, prompt, outputs, n_prompt, error=error,
+                            prompt_token_ids=prompt_ids_of(choices.values()), pooled=pooled)
 
 
 class LLM:

@@ -193,10 +193,8 @@ def prompt_request(base: str, i: int, count: int, params: SamplingParams,
     """The engine request for prompt ``i`` of ``count`` (its rid: ``base`` when alone, else
     ``base-i``), from text or token ids."""
     rid = base if count == 1 else f"{base}-{i}"
-    if isinstance(prompt, str):
-        return GenerateRequest(rid, params, prompt=prompt, arrival_time=now,
-                               return_prompt_ids=return_prompt_ids)
-    return GenerateRequest(rid, params, prompt_token_ids=prompt, arrival_time=now,
+    text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+    return GenerateRequest(rid, params, prompt=text, prompt_token_ids=ids, arrival_time=now,
                            return_prompt_ids=return_prompt_ids)
 
 

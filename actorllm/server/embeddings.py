@@ -48,6 +48,11 @@ def normalized(values: tuple[float, ...]) -> list[float]:
     return [v / norm for v in values] if norm > 0 else list(values)
 
 
+def embedding(pooled: tuple[float, ...], normalize: bool) -> list[float]:
+    """A pooled hidden state as returned: unit length if ``normalize``."""
+    return normalized(pooled) if normalize else list(pooled)
+
+
 def encode(vector: list[float], encoding: str) -> list[float] | str:
     """As OpenAI sends it: floats, or base64 of little-endian float32."""
     if encoding == "base64":
@@ -79,8 +84,7 @@ class EmbeddingRenderer:
         data = []
         for i, job in enumerate(self.jobs):
             assert job.collector is not None
-            pooled = job.collector.pooled
-            vector = normalized(pooled) if self.normalize else list(pooled)
+            vector = embedding(job.collector.pooled, self.normalize)
             data.append({"object": "embedding", "index": i,
                          "embedding": encode(vector, self.encoding)})
         return {"object": "list", "data": data, "model": self.model,

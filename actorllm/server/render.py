@@ -27,7 +27,7 @@ from actorllm.server.reasoning import ReasoningParser, ReasoningStream
 from actorllm.server.tool_stream import ToolStream
 from actorllm.server.tools import ToolPlan
 from actorllm.wire.messages import FinishReason
-from actorllm.wire.outputs import CompletionOutput, Merged
+from actorllm.wire.outputs import CompletionOutput, Merged, prompt_ids_of
 
 
 class JobView(Protocol):
@@ -257,9 +257,8 @@ class ChatRenderer(_RendererBase):
             # vLLM puts them beside the choices: every choice has the same prompt.
             response["prompt_logprobs"] = self.choices[0].prompt_field
         if self.want_ids:
-            response["prompt_token_ids"] = list(next(
-                (st.merged.prompt_token_ids for st in self.choices.values()
-                 if st.merged.prompt_token_ids), ()))
+            response["prompt_token_ids"] = list(prompt_ids_of(
+                st.merged for st in self.choices.values()))
         return response
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:

@@ -12,6 +12,8 @@ results; and the server's renderers, which build whole responses. All three fold
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
 
 from actorllm.wire.messages import TokenLogprob
@@ -91,6 +93,12 @@ class Merged:
         return CompletionOutput(index, "".join(self.text), tuple(self.token_ids),
                                 tuple(self.logprobs), self.finish_reason, self.stop_reason,
                                 tuple(self.prompt_logprobs), self.prompt_token_ids)
+
+
+def prompt_ids_of(choices: Iterable[Merged]) -> tuple[int, ...]:
+    """The prompt's token ids, from whichever choice brought them (every choice has the
+    same prompt); () if none did."""
+    return next((m.prompt_token_ids for m in choices if m.prompt_token_ids), ())
 
 
 def merge_all(outputs: dict[int, Merged], out: RequestOutput) -> None:
