@@ -50,6 +50,7 @@ def engine_config(args: argparse.Namespace) -> Any:
             max_model_len=args.max_model_len,
             attention_backend=args.attention_backend,
             device=args.device,
+            cuda_graphs=args.cuda_graphs,
             dtype=args.dtype,
             cpu_threads=args.cpu_threads,
             serving_http=args.command == "serve",

@@ -26,6 +26,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="priority: requests' `priority` field orders them (lower first)")
     g.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "cuda"], default="auto")
     g.add_argument("--device", default="cpu")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+                   help="replay decode steps from CUDA graphs captured at start-up, one per "
+                        "bucket of batch sizes up to --max-num-seqs (native models, one GPU)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     g.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads in the Worker's process (default: one per core; with "

@@ -125,6 +125,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str = "auto"
     device: str = "cpu"
+    cuda_graphs: bool = False  # decode steps replayed from CUDA graphs (worker/cuda_graphs.py)
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     cpu_threads: int | None = None  # the Worker process's torch threads; None: worker_threads
     # The main process's event loop serves HTTP (`actorllm serve`): on the CPU, a Worker
@@ -170,16 +171,13 @@ class EngineConfig:
             check_draft_model(spec.model, self.model, self.tensor_parallel_size)
         if not 1 <= self.block_size <= 256:
             raise ValueError(f"--block-size must be in [1, 256], got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError("--num-kv-blocks must be at least 1")
-        if self.max_num_seqs < 1:
-            raise ValueError("--max-num-seqs must be at least 1")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("--max-num-batched-tokens must be at least 1")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ValueError("--cpu-threads must be at least 1")
-        if self.tensor_parallel_size < 1:
-            raise ValueError("--tensor-parallel-size must be at least 1")
+        for flag, n in (("--num-kv-blocks", self.num_kv_blocks),
+                        ("--max-num-seqs", self.max_num_seqs),
+                        ("--max-num-batched-tokens", self.max_num_batched_tokens),
+                        ("--cpu-threads", self.cpu_threads),
+                        ("--tensor-parallel-size", self.tensor_parallel_size)):
+            if n is not None and n < 1:
+                raise ValueError(f"{flag} must be at least 1")
         check_here_and_wait("tensor-parallel", "ranks", self.tensor_parallel_local_ranks,
                              self.tensor_parallel_size, self.tensor_parallel_timeout)
         if self.data_parallel_size < 1:
@@ -205,6 +203,8 @@ class EngineConfig:
             raise ValueError("--model-impl must be auto, native or transformers")
         if self.attention_backend not in ("auto", "torch", "cpu", "cuda"):
             raise ValueError("--attention-backend must be auto, torch, cpu or cuda")
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"--cuda-graphs needs --device cuda, got --device {self.device}")
         for flag, v in (("--max-pending-bytes-per-request", self.max_pending_bytes_per_request),
                         ("--max-pending-bytes", self.max_pending_bytes),
                         ("--stream-timeout", self.stream_timeout)):

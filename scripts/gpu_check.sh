@@ -14,9 +14,12 @@
 #      Gemma 3, windowed Mistral) on the cuda backend against the torch backend
 #      (tests/gpu/test_engine_cuda.py), and the torch reference itself against a naive
 #      oracle (tests/test_models_attention.py);
-#   3. the rest of the GPU tests (tests/gpu) and the CPU tests of the ops, with skip
+#   3. the rest of the GPU tests (tests/gpu, CUDA graphs of decode steps among them:
+#      tests/gpu/test_graphs_cuda.py, issue 28) and the CPU tests of the ops, with skip
 #      reasons shown;
-#   4. benchmarks/cuda_kernels.py (writes benchmarks/results/kernels.{json,md}).
+#   4. benchmarks/cuda_kernels.py (writes benchmarks/results/kernels.{json,md});
+#   5. benchmarks/gpu_engine.py --rounds 2: the engine with the torch and cuda attention,
+#      and with CUDA graphs (writes benchmarks/results/gpu_engine.{json,md}).
 # Everything printed is also written to benchmarks/results/gpu_check.log.
 # Usage: scripts/gpu_check.sh [extra args for benchmarks/cuda_kernels.py, e.g. --quick]
 # Exit status: 0 when tests and benchmark pass, 2 without a GPU, else the first failure's.
@@ -86,6 +89,8 @@ EOF
   "$PYTHON" -m pytest -q -rs -p no:cacheprovider -k "not ($features)" tests/gpu \
     tests/test_ops_reference.py tests/test_ops_cuda_host.py || { [ "$status" -ne 0 ] || status=$?; }
   "$PYTHON" benchmarks/cuda_kernels.py "$@" || { [ "$status" -ne 0 ] || status=$?; }
+  echo "gpu_check: the engine on the GPU, eager and with CUDA graphs (issue 28)"
+  "$PYTHON" benchmarks/gpu_engine.py --rounds 2 || { [ "$status" -ne 0 ] || status=$?; }
   return "$status"
 }
 

@@ -117,6 +117,7 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None
         (["serve", "--max-stream-hold", "-1"], "--max-stream-hold must be 0 or more, got -1.0"),
         (["serve", "--max-pending", "0"], "--max-pending must be positive, got 0"),
         (["serve", "--body-timeout", "nan"], "--body-timeout must be 0 or more, got nan"),
+        (["run", "x", "--cuda-graphs"], "--cuda-graphs needs --device cuda, got --device cpu"),
     ],
 )
 def test_bad_flags_are_refused_before_the_model_loads(args: list[str], message: str) -> None:

@@ -37,6 +37,7 @@ from actorllm.text.structured import MaskFiller
 from actorllm.wire.rendezvous import Rendezvous
 from actorllm.wire.steps import PromptLogprobs, StepPlan, StepResult
 from actorllm.worker.ahead import AheadLookup
+from actorllm.worker.cuda_graphs import DecodeGraphs, check_graphs
 from actorllm.worker.draft import DraftModel, draft_block_bytes
 from actorllm.worker.filters import GREEDY_BELOW
 from actorllm.worker.grammars import Grammars
@@ -64,8 +65,9 @@ class ModelRunner:
     ``tensor_parallel_size`` > 1 makes this runner the driver of that many ranks
     (:mod:`actorllm.worker.ranks`), meeting at ``rendezvous`` (default: all on this host);
     :meth:`close` stops them. ``draft_model``: a speculative draft's directory (worker/draft.py).
-    Counters: ``one_op_steps`` (decode steps run by the one op), ``logits_in_op_steps``
-    (... whose logits it made too) and ``drawn_in_op_steps`` (... and whose tokens).
+    ``cuda_graph_rows`` > 0: decode steps of up to that many rows replay CUDA graphs
+    (worker/cuda_graphs.py). Counters: ``one_op_steps`` (decode steps run by the one
+    op), ``logits_in_op_steps`` (... and their logits), ``drawn_in_op_steps`` (... tokens).
     """
 
     one_op_draft_steps = 0  # steps run by decode_step with speculating rows (per instance)
@@ -82,10 +84,10 @@ class ModelRunner:
         num_threads: int | None = None,
         large_step_threads: int | None = None,
         info: ModelInfo | None = None,
-        tensor_parallel_size: int = 1,
-        rendezvous: Rendezvous | None = None,
+        tensor_parallel_size: int = 1, rendezvous: Rendezvous | None = None,
         model_impl: str = "auto",
         draft_model: str | None = None,
+        cuda_graph_rows: int = 0,
     ) -> None:
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
@@ -132,7 +134,7 @@ class ModelRunner:
         solo = not tp.enabled
         self.threads = StepThreads(self.device.type, large=large_step_threads,
                                    share=worker_share() if solo else None, choose=solo)
-        self._load(model_dir, config, tp, draft_model)
+        self._load(model_dir, config, tp, draft_model, cuda_graph_rows)
         self.pooler = Pooler()  # embedding requests' pooled hidden states
         # The persistent batch: each held rid's block table and sampling columns, one slot.
         self.tables = BlockTables(num_blocks, block_size, self.max_model_len)
@@ -152,9 +154,10 @@ class ModelRunner:
                  num_blocks, block_size, num_blocks * block_bytes / 2**20)
 
     def _load(self, model_dir: str | Path, config: PretrainedConfig, tp: TensorParallel,
-              draft_model: str | None) -> None:
+              draft_model: str | None, graph_rows: int) -> None:
         """Weights and KV cache here, and the ranks connected; on failure the ranks stop."""
         try:
+            check_graphs(graph_rows, self.device, tp.enabled, model_impl_of(config))
             with single_threaded():  # no OpenMP team in this thread: see ops/threads.py
                 self.model = load_model(model_dir, dtype=self.dtype, device=self.device,
                                         config=config, tp=tp)
@@ -168,6 +171,9 @@ class ModelRunner:
             # (ops/cpu_step.py), which releases the GIL once instead of once per op.
             self.decode_step = load_decode_step(self.model, self.backend) \
                 if self.device.type == "cpu" and not tp.enabled else None
+            self.graphs = DecodeGraphs(lambda b: self.model(b, self.kv_caches, self.backend),
+                graph_rows, self.max_model_len, self.block_size, self.device) \
+                if graph_rows else None
             if self.ranks is not None:
                 self.ranks.connect()
                 weakref.finalize(self, self.ranks.close)
@@ -292,6 +298,8 @@ class ModelRunner:
                 logits = step(batch, self.kv_caches, logits=True)
                 return logits, logits, None
             hidden = step(batch, self.kv_caches)
+        elif self.graphs is not None and self.graphs.applies(batch):
+            hidden = self.graphs.run(batch)
         elif self.ranks is None:
             hidden = self.model(batch, self.kv_caches, self.backend)
         else:
