@@ -424,7 +424,7 @@ def stream_chat(plan: Any, pieces: list[str]) -> tuple[Any, list[dict[str, Any]]
         echo_skips_special = True
 
     state = ChatCompletionStreamState()
-    chunks = renderer.prelude()
+    chunks = renderer.prelude([])
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
         out = CompletionOutput(0, piece, (1,), finish_reason="stop" if last else None)

@@ -215,6 +215,9 @@ def test_openai_sdk_return_token_ids_are_what_the_model_ran(
     told = [c.model_extra["prompt_token_ids"] for c in chunks
             if (c.model_extra or {}).get("prompt_token_ids")]
     assert told == [prompt[0].tolist()]
+    # ... on the role chunk, the first, as vLLM sends them
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].model_extra["prompt_token_ids"] == prompt[0].tolist()
     assert [t for c in chunks for ch in c.choices for t in ch.model_extra.get("token_ids", [])
             ] == new.tolist()
     text = "The river"

@@ -161,7 +161,7 @@ def _render(text: str, pieces: list[str], *, stream: bool) -> Any:
         chat.choices[0].merged.add(CompletionOutput(0, text, (1,), finish_reason="stop"))
         return Response.model_validate(renderer.final(usage)), kept
     state = ResponseStreamState(input_tools=[], text_format=openai.omit)
-    events = renderer.prelude()
+    events = renderer.prelude([])
     for i, piece in enumerate(pieces):
         out = CompletionOutput(0, piece, (1,),
                                finish_reason="stop" if i == len(pieces) - 1 else None)

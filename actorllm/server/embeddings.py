@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import math
 import struct
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
@@ -26,7 +27,7 @@ from pydantic import Field
 from actorllm.server.job import Job
 from actorllm.server.render import JobView
 from actorllm.server.schemas import TokenIds, _Request
-from actorllm.wire.outputs import CompletionOutput
+from actorllm.wire.outputs import CompletionOutput, RequestOutput
 
 _Text = Annotated[str, Field(min_length=1)]
 
@@ -68,7 +69,7 @@ class EmbeddingRenderer:
         self.jobs, self.model, self.encoding = jobs, model, encoding
         self.normalize = normalize
 
-    def prelude(self) -> list[dict[str, Any]]:
+    def prelude(self, firsts: Sequence[RequestOutput | None]) -> list[dict[str, Any]]:
         return []
 
     def add(self, job: JobView, out: CompletionOutput) -> None:

@@ -283,7 +283,7 @@ class GenerationResponse(Response):
         await self._start(200, list(sse.HEADERS))
         # One write per step: the prelude with every job's first output, then (in
         # _stream_rest) what each wake-up brought, then the end with [DONE].
-        events = [sse.event(chunk) for chunk in self.renderer.prelude()]
+        events = [sse.event(chunk) for chunk in self.renderer.prelude(firsts)]
         for job, out in zip(self.jobs, firsts, strict=True):
             if out is not None:
                 events += self._render(job, out.outputs)

@@ -10,6 +10,7 @@ roles, chunks, logprobs in the chat or the legacy completions layout, usage.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -27,7 +28,7 @@ from actorllm.server.reasoning import ReasoningParser, ReasoningStream
 from actorllm.server.tool_stream import ToolStream
 from actorllm.server.tools import ToolPlan
 from actorllm.wire.messages import FinishReason
-from actorllm.wire.outputs import CompletionOutput, Merged, prompt_ids_of
+from actorllm.wire.outputs import CompletionOutput, Merged, RequestOutput, prompt_ids_of
 
 
 class JobView(Protocol):
@@ -72,7 +73,10 @@ def usage(prompt_tokens: int, completion_tokens: int,
 class Renderer(Protocol):
     """Turns engine outputs into one endpoint's response shapes."""
 
-    def prelude(self) -> list[dict[str, Any]]: ...
+    def prelude(self, firsts: Sequence[RequestOutput | None]) -> list[dict[str, Any]]:
+        """The chunks that open a stream, sent before ``firsts`` (each job's first output,
+        None for a job that had none) are rendered."""
+        ...
 
     def add(self, job: JobView, out: CompletionOutput
             ) -> dict[str, Any] | list[dict[str, Any]] | None: ...
@@ -168,13 +172,19 @@ class ChatRenderer(_RendererBase):
         self._tool_streams: dict[int, ToolStream] = {}
         self._reasoning_streams: dict[int, ReasoningStream] = {}
 
-    def prelude(self) -> list[dict[str, Any]]:
+    def prelude(self, firsts: Sequence[RequestOutput | None]) -> list[dict[str, Any]]:
         # OpenAI opens each choice with its role before any content; with tools, the
-        # content is null until there is some (an answer of calls only has none).
+        # content is null until there is some (an answer of calls only has none). Under
+        # return_token_ids the prompt's ids ride on the role chunks, where vLLM puts them.
         opening = "" if self.tools is None else None
-        return [self._envelope("chat.completion.chunk", [{
+        root: dict[str, Any] = {}
+        ids = prompt_ids_of(o for r in firsts if r is not None for o in r.outputs) \
+            if self.want_ids else ()
+        if ids:
+            root, self._told_prompt = {"prompt_token_ids": list(ids)}, True
+        return [{**self._envelope("chat.completion.chunk", [{
             "index": i, "delta": {"role": "assistant", "content": opening}, "logprobs": None,
-            "finish_reason": None}]) for i in self.choices]
+            "finish_reason": None}]), **root} for i in self.choices]
 
     def _choice(self, job: JobView, out: CompletionOutput) -> dict[str, Any] | None:
         index = job.index_base + out.index
@@ -283,7 +293,7 @@ class CompletionRenderer(_RendererBase):
         super().__init__(**kw)
         self.best_of = best_of
 
-    def prelude(self) -> list[dict[str, Any]]:
+    def prelude(self, firsts: Sequence[RequestOutput | None]) -> list[dict[str, Any]]:
         return []
 
     def _choice(self, job: JobView, out: CompletionOutput) -> dict[str, Any] | None:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import copy
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from actorllm.server import sse
 from actorllm.server.render import ChatRenderer, JobView
-from actorllm.wire.outputs import CompletionOutput
+from actorllm.wire.outputs import CompletionOutput, RequestOutput
 
 
 def _id(prefix: str) -> str:
@@ -106,7 +106,7 @@ class ResponsesRenderer:
         self.seq += 1
         return event
 
-    def prelude(self) -> list[dict[str, Any]]:
+    def prelude(self, firsts: Sequence[RequestOutput | None]) -> list[dict[str, Any]]:
         response = self.envelope("in_progress", [], None, None)
         return [self._event("response.created", response=response),
                 self._event("response.in_progress", response=response)]

@@ -95,9 +95,9 @@ class Merged:
                                 tuple(self.prompt_logprobs), self.prompt_token_ids)
 
 
-def prompt_ids_of(choices: Iterable[Merged]) -> tuple[int, ...]:
-    """The prompt's token ids, from whichever choice brought them (every choice has the
-    same prompt); () if none did."""
+def prompt_ids_of(choices: Iterable[Merged | CompletionOutput]) -> tuple[int, ...]:
+    """The prompt's token ids, from whichever choice (merged or one output) brought them
+    (every choice has the same prompt); () if none did."""
     return next((m.prompt_token_ids for m in choices if m.prompt_token_ids), ())
 
 
