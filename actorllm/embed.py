@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from actorllm.wire.messages import SamplingParams
+from actorllm.wire.messages import InvalidRequest, SamplingParams
 
 
 class PooledResult(Protocol):
@@ -53,15 +53,24 @@ class EmbeddingResult:
         return self.rid
 
 
-def embedding_params(model_dir: str, pooling: str | None) -> tuple[SamplingParams, bool]:
+def embedding_params(model_dir: str, pooling: str | None, truncate_prompt_tokens: int | None
+                     = None) -> tuple[SamplingParams, bool]:
     """The pooling request's parameters and whether its vectors are normalized: ``pooling``
     (``last``, ``mean``, ``cls``), else the model's sentence-transformers config, else the
-    last token. Raises ValueError for a pooling that is not supported."""
+    last token; ``truncate_prompt_tokens``: pool only each prompt's last k tokens (-1: as
+    many as the context holds). Raises ValueError for a pooling or truncation that is not
+    supported."""
     from actorllm.server.features import Features, sentence_transformers_pooling
 
     features = Features.build(pooling=pooling,
                               model_pooling=sentence_transformers_pooling(model_dir))
-    return SamplingParams(max_tokens=0, pooling=features.pooling), features.normalize
+    params = SamplingParams(max_tokens=0, pooling=features.pooling,
+                            truncate_prompt_tokens=truncate_prompt_tokens)
+    try:
+        params.validate()
+    except InvalidRequest as exc:
+        raise ValueError(str(exc)) from None
+    return params, features.normalize
 
 
 def embedded(result: PooledResult, normalize: bool) -> EmbeddingResult:

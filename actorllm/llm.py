@@ -213,11 +213,13 @@ class LLM:
                 on_done)
 
     def embed(self, prompts: Prompt | Sequence[Prompt], *, pooling: str | None = None,
-              use_tqdm: bool = False) -> list[EmbeddingResult]:
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = False
+              ) -> list[EmbeddingResult]:
         """vLLM's ``LLM.embed``: each prompt's pooled final hidden state, as ``/v1/embeddings``
         gives it (``pooling``: ``last``, ``mean`` or ``cls``; default: the model's
-        sentence-transformers config, else the last token)."""
-        params, normalize = embedding_params(self.config.model, pooling)
+        sentence-transformers config, else the last token; ``truncate_prompt_tokens``: of
+        each prompt's last k tokens only)."""
+        params, normalize = embedding_params(self.config.model, pooling, truncate_prompt_tokens)
         return [embedded(r, normalize) for r in self.generate(prompts, params,  # type: ignore[arg-type]
                                                               use_tqdm=use_tqdm)]
 

@@ -103,16 +103,38 @@ def test_llm_embed_matches_transformers(oracle: Any, pooling: str) -> None:
         got = llm.embed([*TEXTS, [5, 17, 99, 3]], pooling=pooling)
         with pytest.raises(ValueError, match="pooling 'max'"):
             llm.embed("x", pooling="max")
+        (cut,) = llm.embed(TEXTS[1], pooling=pooling, truncate_prompt_tokens=10)
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or at least 1"):
+            llm.embed("x", truncate_prompt_tokens=0)
     ids = [tok(t).input_ids for t in TEXTS] + [[5, 17, 99, 3]]
+    assert cut.prompt_token_ids == tuple(ids[1][-10:])
+    assert _cos(cut.outputs.embedding, _expected(oracle, ids[1][-10:], pooling)) >= 0.9999
     for res, want in zip(got, ids, strict=True):
         assert res.error is None and res.prompt_token_ids == tuple(want)
         assert abs(sum(v * v for v in res.outputs.embedding) - 1.0) < 1e-4
         assert _cos(res.outputs.embedding, _expected(oracle, want, pooling)) >= 0.9999
 
 
+def test_truncate_prompt_tokens_pools_the_last_k(served: tuple[str, openai.OpenAI, str],
+                                                 oracle: Any) -> None:
+    """vLLM's ``truncate_prompt_tokens`` on /v1/embeddings: each input, text or ids, is
+    pooled over its last k tokens only, and usage counts those."""
+    pooling, client, _ = served
+    _, tok = oracle
+    ids = tok(TEXTS[1]).input_ids
+    for given in (TEXTS[1], ids):
+        resp = client.embeddings.create(model="m", input=given,
+                                        extra_body={"truncate_prompt_tokens": 10})
+        assert _cos(resp.data[0].embedding, _expected(oracle, ids[-10:], pooling)) >= 0.9999
+        assert resp.usage.prompt_tokens == 10
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": []}, "input"), ({"input": "x", "dimensions": 8}, "dimensions"),
-    ({"input": [[1, 2], []]}, "input"), ({"input": "x", "model": "other"}, "model")])
+    ({"input": [[1, 2], []]}, "input"), ({"input": "x", "model": "other"}, "model"),
+    ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"input": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"input": "x", "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens")])
 def test_bad_requests_name_the_field(served: tuple[str, openai.OpenAI, str],
                                      body: dict[str, Any], param: str) -> None:
     _, _, url = served

@@ -165,6 +165,30 @@ def test_results_carry_the_prompt_ids_the_engine_ran(tiny_llama_dir: Path,
     assert a.finished and a.outputs[0].cumulative_logprob is None  # (no logprobs asked)
 
 
+def test_truncate_prompt_tokens_runs_the_prompts_tail(llm: LLM, tiny_llama_dir: Path) -> None:
+    """vLLM's ``truncate_prompt_tokens``: the last k ids run (text, ids and chat alike),
+    greedy output is transformers' on those ids, and the counts are of them; -1 keeps
+    what the context holds; 0, or more than the context, is refused by name."""
+    ids = list(range(20, 45))
+    text = "the river runs down to the sea and the sea runs on " * 2
+    cut = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True,
+                         truncate_prompt_tokens=9)
+    a, b = llm.generate([ids, text], cut)
+    (c,) = llm.chat(TALK, cut)
+    text_ids = llm.get_tokenizer()(text).input_ids
+    assert len(text_ids) > 9
+    for res, whole in ((a, ids), (b, text_ids), (c, template_ids(llm, TALK))):
+        assert res.error is None, res.error
+        assert res.prompt_token_ids == tuple(whole[-9:]) and res.num_prompt_tokens == 9
+        assert list(res.outputs[0].token_ids) == hf_greedy(tiny_llama_dir, whole[-9:], N)[0]
+    (whole,) = llm.generate([ids], SamplingParams(max_tokens=N, truncate_prompt_tokens=-1))
+    assert whole.prompt_token_ids == tuple(ids)
+    (zero,) = llm.generate([ids], SamplingParams(truncate_prompt_tokens=0))
+    assert zero.error is not None and "truncate_prompt_tokens must be -1 or at least" in zero.error
+    (over,) = llm.generate([ids], SamplingParams(truncate_prompt_tokens=10**6))
+    assert over.error is not None and "truncate_prompt_tokens (1000000)" in over.error
+
+
 def test_cumulative_logprob_is_the_sampled_tokens_logprobs_summed(llm: LLM) -> None:
     (res,) = llm.generate(["a b"], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2))
     out = res.outputs[0]

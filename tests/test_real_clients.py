@@ -239,6 +239,32 @@ def test_openai_sdk_return_token_ids_are_what_the_model_ran(
     assert "token_ids" not in (plain.choices[0].model_extra or {})
 
 
+def test_openai_sdk_truncate_prompt_tokens_runs_the_prompts_tail(
+        base: str, default_tokenizer: Any, default_hf: Any) -> None:
+    """vLLM's ``truncate_prompt_tokens`` through the SDK's extra fields: completions and
+    chat run only the prompt's last k tokens (greedy output is transformers' on them,
+    usage counts them); with ``echo`` it is refused by name."""
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
+    text, k = "The river runs down to the sea, and the sea runs on and on.", 6
+    ids = default_tokenizer(text).input_ids
+    assert len(ids) > k
+    with torch.no_grad():
+        want = default_hf.generate(torch.tensor([ids[-k:]]), max_new_tokens=8,
+                                   do_sample=False)[0, k:].tolist()
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "temperature": 0,
+                          "extra_body": {"truncate_prompt_tokens": k, "return_token_ids": True}}
+    done = client.completions.create(prompt=text, **kw)  # type: ignore[call-overload]
+    assert done.usage.prompt_tokens == k
+    assert done.choices[0].model_extra["prompt_token_ids"] == ids[-k:]
+    assert done.choices[0].model_extra["token_ids"] == want
+    chat = client.chat.completions.create(  # type: ignore[call-overload]
+        messages=[{"role": "user", "content": text}], **kw)
+    assert chat.usage.prompt_tokens == k and len(chat.model_extra["prompt_token_ids"]) == k
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(prompt=text, echo=True, **kw)  # type: ignore[call-overload]
+    assert err.value.param == "truncate_prompt_tokens"
+
+
 # --- the OpenAI Agents SDK ------------------------------------------------------------------
 
 

@@ -97,6 +97,10 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, *,
         # Generating nothing only makes sense when the prompt itself is the answer.
         raise InvalidRequest(f"{max_param} must be at least 1 (0 only with echo), got 0",
                              max_param)
+    if echo and body.truncate_prompt_tokens is not None:
+        # The echo is the prompt as sent; the tokens that ran would be only its tail.
+        raise InvalidRequest("truncate_prompt_tokens is not available with echo",
+                             "truncate_prompt_tokens")
     if body.prompt_logprobs is not None and body.stream:
         raise InvalidRequest("prompt_logprobs is not available with stream: true",
                              "prompt_logprobs")
@@ -118,6 +122,7 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, *,
         "logprobs": logprobs, "include_stop_str_in_output": body.include_stop_str_in_output,
         "skip_special_tokens": body.skip_special_tokens, "prompt_logprobs": prompt_logprobs,
         "structured": structured_output(body), "priority": body.priority,
+        "truncate_prompt_tokens": body.truncate_prompt_tokens,
     }
     params = resolve_sampling(given, defaults, max_tokens=HTTP_MAX_TOKENS)
     try:

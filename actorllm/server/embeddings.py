@@ -26,7 +26,7 @@ from pydantic import Field
 
 from actorllm.server.job import Job
 from actorllm.server.render import JobView
-from actorllm.server.schemas import TokenIds, _Request
+from actorllm.server.schemas import _INT64_MAX, TokenIds, _int, _Request
 from actorllm.wire.outputs import CompletionOutput, RequestOutput
 
 _Text = Annotated[str, Field(min_length=1)]
@@ -40,6 +40,9 @@ class EmbeddingRequest(_Request):
             | Annotated[list[TokenIds], Field(min_length=1, max_length=2048)])
     encoding_format: Literal["float", "base64"] | None = "float"
     dimensions: None = Field(None, description="the model's own size only")
+    truncate_prompt_tokens: _int(-1, _INT64_MAX) | None = Field(
+        None, description="vLLM extension: embed only each input's last k tokens (-1: as "
+        "many as the context holds)")
     user: str | None = Field(None, description="accepted, ignored (an end-user label)")
 
 

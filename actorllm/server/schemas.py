@@ -199,6 +199,9 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool | None = Field(True, description="vLLM extension")
     prompt_logprobs: int | None = Field(
         None, description="vLLM extension: logprobs of each prompt token and k alternatives")
+    truncate_prompt_tokens: _int(-1, _INT64_MAX) | None = Field(
+        None, description="vLLM extension: keep only the prompt's last k tokens (-1: as "
+        "many as the context holds)")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None

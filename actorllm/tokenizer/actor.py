@@ -69,6 +69,18 @@ def input_chars(req: GenerateRequest) -> int:
     return sum(len(m.role) + len(m.content) for m in req.messages or ())
 
 
+def truncated(ids: list[int], keep: int | None, limit: int) -> list[int]:
+    """The prompt's last ``keep`` ids (vLLM's ``truncate_prompt_tokens``; -1: ``limit``,
+    the context's length; None: all). A ``keep`` past the context is refused by name,
+    as vLLM does: such a prompt would be refused anyway, but as too long."""
+    if keep is None:
+        return ids
+    if keep > limit:
+        raise InvalidRequest(f"truncate_prompt_tokens ({keep}) is more than the model's "
+                             f"maximum context length ({limit})", "truncate_prompt_tokens")
+    return ids[-(limit if keep == -1 else keep):]
+
+
 def _json(text: str, param: str) -> Any:
     try:
         return json.loads(text)
@@ -115,6 +127,7 @@ class PromptEncoder:
         if not ids:
             raise InvalidRequest("prompt must not be empty", "prompt")
         limit = self.info.max_model_len
+        ids = truncated(ids, req.params.truncate_prompt_tokens, limit)
         room = limit - len(ids)
         max_tokens = req.params.max_tokens
         if max_tokens is None:  # the model's max_new_tokens, else the rest of the context

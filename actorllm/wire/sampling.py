@@ -70,6 +70,9 @@ class SamplingParams:
     # "last" or "mean": an embedding request (prefill only, max_tokens 0); its finish
     # carries the pooled final hidden state of the prompt.
     pooling: str | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds); the
+    # Tokenizer cuts it, so every count and the prompt's ids are of what ran.
+    truncate_prompt_tokens: int | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise :class:`InvalidRequest` naming the first bad value."""
@@ -97,6 +100,9 @@ class SamplingParams:
              "must be last, mean or cls"),
             (self.pooling is None or self.max_tokens == 0, "max_tokens",
              "must be 0 with pooling"),
+            (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
+             or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
+             "must be -1 or at least 1"),
         ]
         for ok, param, why in checks:
             if not ok:

@@ -24,7 +24,9 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     """Pooled final hidden states, one per input, normalized (``server/embeddings.py``)."""
     state = state_of(request)
     state.check_model(body.model)
-    params = SamplingParams(max_tokens=0, pooling=state.features.pooling)
+    params = SamplingParams(max_tokens=0, pooling=state.features.pooling,
+                            truncate_prompt_tokens=body.truncate_prompt_tokens)
+    params.validate()  # (a 400 naming the field, before any input is tokenized)
     try:
         prompts = completion_prompts(body.input)
     except InvalidRequest as exc:
