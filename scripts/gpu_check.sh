@@ -21,6 +21,8 @@
 #   5. benchmarks/gpu_engine.py --rounds 2: the engine with the torch and cuda attention,
 #      and with CUDA graphs (writes benchmarks/results/gpu_engine.{json,md}).
 # Everything printed is also written to benchmarks/results/gpu_check.log.
+# On a lent machine without a package index, scripts/gpu_wheels.sh (run here first) puts
+# the missing wheels in .whl/ and says how to carry them (WHEEL_DIR=.whl).
 # Usage: scripts/gpu_check.sh [extra args for benchmarks/cuda_kernels.py, e.g. --quick]
 # Exit status: 0 when tests and benchmark pass, 2 without a GPU, else the first failure's.
 set -uo pipefail
