@@ -47,9 +47,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan the next step while one runs, feeding each sampled token "
                         "forward in the Worker (default: on for CUDA; on the CPU with one "
-                        "rank, on in single, and in engine for `serve`; off otherwise; in "
-                        "engine on the CPU no step is planned ahead within 0.1 s of an "
-                        "arrival)")
+                        "rank, on in single and engine; off otherwise; in engine on the "
+                        "CPU no step is planned ahead within 0.1 s of an arrival)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 3, "prompt_lookup_max": 4, '

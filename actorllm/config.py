@@ -217,9 +217,8 @@ class EngineConfig:
         if self.async_scheduling is not None or self.device.startswith("cuda"):
             return self.async_scheduling is not False
         # The CPU: only where it measured faster (docs/architecture.md, "Where overlap is
-        # on"): one rank; `single`, and `engine` under `serve`.
-        return self.tensor_parallel_size == 1 and (
-            self.topology == "single" or (self.serving_http and self.topology == "engine"))
+        # on"): one rank, in `single` and `engine`.
+        return self.tensor_parallel_size == 1 and self.topology in ("single", "engine")
 
     @property
     def worker_beside_http(self) -> bool:

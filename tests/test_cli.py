@@ -157,9 +157,9 @@ def test_only_serve_tells_the_engine_its_loop_serves_http(command: str, serving:
     """`serve` tells the engine its loop serves HTTP: in `single` on the CPU the Worker
     then leaves that loop a core (placement.worker_threads); under `serve` the Scheduler
     of `single` and `engine` plans the next step while one runs (config.overlap), in
-    `engine` not within ARRIVAL_QUIET_S of an arrival; `run` plans ahead in `single`
-    (speculating or not), `pipeline` and `run` in `engine` if asked, and CUDA always
-    (with no spell: not measured there)."""
+    `engine` not within ARRIVAL_QUIET_S of an arrival; `run` does the same in `single`
+    (speculating or not) and `engine`, `pipeline` only if asked, and CUDA always (with
+    no spell: not measured there)."""
     from actorllm.cli import build_parser, engine_config
     from actorllm.config import EngineConfig
     from actorllm.topology.placement import ARRIVAL_QUIET_S, arrival_quiet_s
@@ -177,8 +177,8 @@ def test_only_serve_tells_the_engine_its_loop_serves_http(command: str, serving:
     assert not config_of("--speculative-config", ngram, "--no-async-scheduling").overlap
     assert not config_of("--tensor-parallel-size", "2").overlap
     engine = config_of("--topology", "engine")
-    assert engine.overlap is serving
-    assert arrival_quiet_s(engine) == (ARRIVAL_QUIET_S if serving else 0.0)
+    assert engine.overlap
+    assert arrival_quiet_s(engine) == ARRIVAL_QUIET_S
     assert arrival_quiet_s(config_of("--topology", "engine", "--no-async-scheduling")) == 0.0
     assert not config_of("--topology", "pipeline").overlap
     assert arrival_quiet_s(config_of("--topology", "pipeline", "--async-scheduling")) \
