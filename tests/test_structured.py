@@ -587,7 +587,8 @@ def test_template_renders_tools_and_leaves_plain_chats_alone(resources: Resource
     ("/v1/chat/completions", "bad_words", ["x"]),
     ("/v1/chat/completions", "length_penalty", 1.0),
     ("/v1/chat/completions", "chat_template", "{{ x }}"),
-    ("/v1/chat/completions", "truncate_prompt_tokens", 5),
+    ("/v1/chat/completions", "truncate_prompt_tokens", 0),  # (k >= 1 or -1 is honoured)
+    ("/v1/chat/completions", "truncate_prompt_tokens", -2),
     ("/v1/chat/completions", "guided_decoding_backend", "xgrammar"),
     ("/v1/chat/completions", "guided_whitespace_pattern", " "),
     ("/v1/chat/completions", "chat_template_kwargs", {"x": 1}),
