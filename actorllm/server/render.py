@@ -104,7 +104,6 @@ class _RendererBase:
         self.texts, self.want_logprobs = texts, logprobs
         self.prompt_k, self.echo_k = prompt_logprobs, echo_logprobs
         self.want_ids = token_ids
-        self._root: dict[str, Any] = {}  # what the next chunk's envelope adds (rare)
         self.choices = {i: ChoiceState() for i in range(num_choices)}
         self._head, self._tail = sse.chunk_framing(
             {"id": self.id, "object": self.chunk_object, "created": self.created,
@@ -116,22 +115,13 @@ class _RendererBase:
     def add(self, job: JobView, out: CompletionOutput) -> dict[str, Any] | None:
         """Fold ``out`` in; the chunk that tells the client of it (None: nothing yet)."""
         choice = self._choice(job, out)
-        return None if choice is None else self._chunk(choice)
+        return None if choice is None else self._envelope(self.chunk_object, [choice])
 
     def add_event(self, job: JobView, out: CompletionOutput) -> bytes | None:
         """As :meth:`add`, the chunk as one SSE event (the same JSON as
         ``sse.event(add(...))``)."""
         choice = self._choice(job, out)
-        if choice is None:
-            return None
-        if self._root:  # (rare: this chunk's envelope says more than the usual one)
-            return sse.event(self._chunk(choice))
-        return self._head + sse.dumps(choice) + self._tail
-
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        chunk = {**self._envelope(self.chunk_object, [choice]), **self._root}
-        self._root = {}
-        return chunk
+        return None if choice is None else self._head + sse.dumps(choice) + self._tail
 
     def _ids_news(self, out: CompletionOutput) -> bool:
         """Whether ``out`` has ids to tell under ``return_token_ids``."""
@@ -168,20 +158,18 @@ class ChatRenderer(_RendererBase):
                  reasoning: ReasoningParser | None = None, **kw: Any) -> None:
         super().__init__(**kw)
         self.tools, self.reasoning = tools, reasoning
-        self._told_prompt = False
         self._tool_streams: dict[int, ToolStream] = {}
         self._reasoning_streams: dict[int, ReasoningStream] = {}
 
     def prelude(self, firsts: Sequence[RequestOutput | None]) -> list[dict[str, Any]]:
         # OpenAI opens each choice with its role before any content; with tools, the
         # content is null until there is some (an answer of calls only has none). Under
-        # return_token_ids the prompt's ids ride on the role chunks, where vLLM puts them.
+        # return_token_ids the prompt's ids ride on the role chunks, where vLLM puts them
+        # (each job's first output has brought them: a stream opens only then).
         opening = "" if self.tools is None else None
-        root: dict[str, Any] = {}
         ids = prompt_ids_of(o for r in firsts if r is not None for o in r.outputs) \
             if self.want_ids else ()
-        if ids:
-            root, self._told_prompt = {"prompt_token_ids": list(ids)}, True
+        root = {"prompt_token_ids": list(ids)} if ids else {}
         return [{**self._envelope("chat.completion.chunk", [{
             "index": i, "delta": {"role": "assistant", "content": opening}, "logprobs": None,
             "finish_reason": None}]), **root} for i in self.choices]
@@ -212,12 +200,8 @@ class ChatRenderer(_RendererBase):
         }
         if out.finish_reason is not None:
             choice["stop_reason"] = out.stop_reason
-        if self.want_ids:
+        if self.want_ids:  # (the prompt's ids went on the role chunks: prelude)
             choice["token_ids"] = list(out.token_ids)
-            if out.prompt_token_ids and not self._told_prompt:
-                # vLLM's place: beside the choices (every choice has the same prompt).
-                self._root["prompt_token_ids"] = list(out.prompt_token_ids)
-                self._told_prompt = True
         return choice
 
     def _tool_delta(self, index: int, text: str,

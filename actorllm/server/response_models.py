@@ -125,7 +125,7 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
-    # with return_token_ids, in the first chunk that carries a choice's output
+    # with return_token_ids, on the role chunks that open the stream
     prompt_token_ids: list[int] | None = None
 
 
