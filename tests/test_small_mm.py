@@ -1,11 +1,13 @@
 """The decode op's own GEMM (kernels/cpu_small_mm.h), which ``actorllm::linear`` and so
-both the op's linears and PackedLinear take where the op's widest vector body is AVX2: at
+both the op's linears and PackedLinear take where MKL is weak (``own_gemm``: the op's
+widest vector body AVX2, or AVX-512 on a CPU that is not Intel's): at
 2 to 32 fp32 rows of an ``[in, out]`` weight, and at every row count of a weight laid out
 in panels ``[out / 16, in, 16]``. Against float64 arithmetic, row by row the same whatever
 the rows beside it, and not taken where it does not apply."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -116,35 +118,60 @@ def test_elsewhere_the_op_makes_the_modules_mm_call(rows: int) -> None:
         assert torch.equal(linear(x, w, b), torch.addmm(b, x, w))
 
 
-@pytest.mark.parametrize("body", [1, 0])
+def _vendor() -> str:
+    """The CPU's vendor as the kernel tells it (GenuineIntel, AuthenticAMD, ...)."""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="needs /proc/cpuinfo")
+def test_the_op_runs_its_own_gemm_where_mkl_is_weak() -> None:
+    """own_gemm: the AVX2 body the widest (no AVX-512, or capped), or AVX-512 on a CPU
+    that is not Intel's (MKL runs its generic kernels there); never the plain loops."""
+    own = torch.ops.actorllm.own_gemm
+    try:
+        for body in (2, 1, 0):
+            isa = torch.ops.actorllm.cap_vector_isa(body)
+            want = isa == 1 or (isa == 2 and _vendor() != "GenuineIntel")
+            assert own() == want, (body, isa, _vendor())
+    finally:
+        torch.ops.actorllm.cap_vector_isa(2)
+
+
+@pytest.mark.parametrize("body", [2, 1, 0])
 def test_packed_linear_takes_the_ops_linear(body: int) -> None:
-    """pack_linears hands its PackedLinears the op, and, loaded with the AVX2 body the
-    widest, lays out in panels each weight whose width is a multiple of 16: such a module
-    computes what the op's linear does at every row count; an ``[in, out]`` one does at
-    2-32 rows, and what mm does at others (so the op's steps and the module's agree bit
-    for bit). Loaded with the plain body (a CPU without AVX2): no panels."""
+    """pack_linears hands its PackedLinears the op, and, where the op runs its own GEMM
+    (own_gemm: the AVX2 body the widest, or AVX-512 on a CPU not Intel's), lays out in
+    panels each weight whose width is a multiple of 16: such a module computes what the
+    op's linear does at every row count; an ``[in, out]`` one does at 2-32 rows where
+    own_gemm holds, and what mm does at others (so the op's steps and the module's agree
+    bit for bit). Loaded with the plain body (a CPU without AVX2): no panels."""
     with vector_body(body):
+        own = bool(torch.ops.actorllm.own_gemm())
         model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 40, bias=False))
         assert pack_linears(model) == 2
     first, second = model
     assert isinstance(first, PackedLinear) and first.op is not None
     assert isinstance(second, PackedLinear)
-    assert first.panels == (body == 1) and not second.panels  # 40 is no multiple of 16
-    assert first.packed_weight.shape == ((6, 64, 16) if body else (64, 96))
+    assert first.panels == own and not second.panels  # 40 is no multiple of 16
+    assert first.packed_weight.shape == ((6, 64, 16) if own else (64, 96))
     for rows in (1, 2, 9, 32, 33, 100):
         x = torch.randn(rows, 96)
-        with torch.inference_mode():
+        with vector_body(body), torch.inference_mode():
             h = first(x[:, :64])
             got = second(x)
-        want_h = linear(x[:, :64], first.packed_weight, first.bias)
-        if not first.panels and rows not in SMALL_ROWS:
-            want_h = torch.addmm(first.bias, x[:, :64], first.packed_weight)
+            want_h = linear(x[:, :64], first.packed_weight, first.bias)
+            if not first.panels and rows not in SMALL_ROWS:
+                want_h = torch.addmm(first.bias, x[:, :64], first.packed_weight)
+            want = linear(x, second.packed_weight, None) if rows in SMALL_ROWS \
+                else torch.mm(x, second.packed_weight)
         assert torch.equal(h, want_h), rows
         torch.testing.assert_close(h, nn.functional.linear(
             x[:, :64], first.packed_weight.transpose(1, 2).reshape(96, 64) if first.panels
             else first.packed_weight.t(), first.bias), rtol=1e-5, atol=1e-4)
-        want = linear(x, second.packed_weight, None) if rows in SMALL_ROWS \
-            else torch.mm(x, second.packed_weight)
         assert torch.equal(got, want), rows
 
 

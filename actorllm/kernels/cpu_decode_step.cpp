@@ -68,19 +68,37 @@ using DecodeFn = int (*)(const float*, const float*, const float*, const int32_t
 #include "cpu_sample_rows.h"
 #include "cpu_small_mm.h"
 
-// Whether a linear of `rows` rows takes small_mm rather than MKL: 2 to 32 rows where the
-// draw's widest body is AVX2 (a CPU without AVX-512, or a cap). On the AVX-512 host MKL's
-// few-row GEMM measured cheap (one row and 8 drafts ~1.2x a plain step's forward).
+// Whether the op's own GEMM (cpu_small_mm.h) runs the linears MKL would: where the widest
+// body is AVX2 (a CPU without AVX-512, or a cap), and on an AVX-512 CPU that is not
+// Intel's. MKL picks its kernels by vendor: on an AMD EPYC with AVX-512 (Zen 4) it ran
+// its generic AVX2 ones and copied the weight into its blocks at every call, and the
+// panel GEMM beat it at every shape of the embedded and near-zero models from 8 rows up
+// (docs/architecture.md, "Weights in panels"); on the Intel AVX-512 host MKL's few-row
+// GEMM measured cheap (one row and 8 drafts ~1.2x a plain step's forward).
+bool own_gemm() {
+#ifdef ACTORLLM_AVX2
+  static const bool intel = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel");
+  }();
+  const int isa = vector_isa();
+  return isa == 1 || (isa == 2 && !intel);
+#else
+  return false;
+#endif
+}
+
+// Whether a linear of `rows` rows of an [in, out] weight takes small_mm rather than MKL.
 bool small_rows(int64_t rows) {
 #ifdef ACTORLLM_AVX2
-  return rows >= kSmallRowsMin && rows <= kSmallRowsMax && vector_isa() == 1;
+  return rows >= kSmallRowsMin && rows <= kSmallRowsMax && own_gemm();
 #else
   return false;
 #endif
 }
 
 // Whether `weight` is laid out in panels [out / 16, in, 16] (cpu_small_mm.h; PackedLinear
-// makes them where vector_isa() is 1 when it loads), not [in, out].
+// makes them where own_gemm() holds when it loads), not [in, out].
 bool in_panels(const Tensor& weight) { return weight.dim() == 3; }
 
 // A linear's output width, in either layout.
@@ -438,6 +456,7 @@ TORCH_LIBRARY(actorllm, m) {
   // No tensors, so no dispatch key: defined with its one (catch-all) kernel.
   m.def("cap_vector_isa(int cap) -> int", &cap_vector_isa);
   m.def("vector_isa() -> int", [] { return static_cast<int64_t>(vector_isa()); });
+  m.def("own_gemm() -> bool", [] { return own_gemm(); });
 }
 
 // One kernel for every dispatch key: the op runs dense fp32 CPU tensors only, and the

@@ -83,9 +83,10 @@ def packing_available(weight: Tensor) -> bool:
 
 
 def panels_wanted(op: Callable[..., Tensor] | None) -> bool:
-    """Whether fp32 weights given the op's linear are laid out in panels: where the op's
-    widest vector body is now AVX2 (a CPU without AVX-512, or a test's cap)."""
-    return op is not None and torch.ops.actorllm.vector_isa() == 1
+    """Whether fp32 weights given the op's linear are laid out in panels: where the op
+    runs its own GEMM now (``own_gemm``: its widest vector body AVX2, on a CPU without
+    AVX-512 or under a test's cap, or an AVX-512 CPU that is not Intel's)."""
+    return op is not None and bool(torch.ops.actorllm.own_gemm())
 
 
 class PackedLinear(nn.Module):
