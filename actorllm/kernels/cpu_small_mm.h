@@ -1,7 +1,9 @@
 // x @ w by the op's own AVX2 GEMM, for packed_linear in cpu_decode_step.cpp (included
 // there, inside its anonymous namespace, after cpu_sample_rows.h, whose AVX2 target and
 // lanes8 it uses): a few rows of an [in, out] weight (small_mm), and any rows of a weight
-// laid out in panels (panel_mm).
+// laid out in panels (panel_mm). Taken where own_gemm() holds: a CPU without AVX-512, and
+// an AVX-512 CPU that is not Intel's, on which MKL runs its generic kernels (a Zen 4 at
+// stop 58: the LM heads 1.1-1.7x faster here at 8 to 240 rows; docs/architecture.md).
 //
 // Why: on a CPU without AVX-512 (an AMD EPYC, Zen 3) MKL's sgemm at 2-32 rows cost far
 // more than the arithmetic: a whole decode step of the embedded model (the op, one

@@ -21,17 +21,19 @@ where the weights are fp32 or bf16 on the CPU (bf16 only with a torch built with
 oneDNN); elsewhere it changes nothing.
 
 fp32 at 2 to 32 rows calls the decode op's ``actorllm::linear`` where its library loads
-(ops/op_library.py): on a CPU without AVX-512 it runs those rows by its own GEMM
-(kernels/cpu_small_mm.h says why: MKL's cost 2-3x the one-row step there), elsewhere it
-makes this module's call. The module and the op (which runs most steps) so compute a
-linear the same way, bit for bit.
+(ops/op_library.py): where MKL is weak (the op's ``own_gemm``: a CPU without AVX-512,
+or an AVX-512 CPU that is not Intel's, on which MKL runs its generic kernels) it runs
+those rows by its own GEMM (kernels/cpu_small_mm.h says why: MKL's cost 2-3x the
+one-row step there), elsewhere it makes this module's call. The module and the op
+(which runs most steps) so compute a linear the same way, bit for bit.
 
-On such a CPU (the op's widest vector body AVX2 when the model is packed) an fp32
-weight whose output width is a multiple of 16 is laid out in panels instead,
-``[out / 16, in, 16]``, and every call, at any row count, goes to the op's linear, which
-runs panels by its own GEMM: MKL copied the weight into that shape again at every call,
-a fifth of a 64-row step of the embedded model (kernels/cpu_small_mm.h). The layout is
-fixed at load: the op reads it from the weight's shape, not from the CPU.
+On such a CPU (``own_gemm`` when the model is packed) an fp32 weight whose output
+width is a multiple of 16 is laid out in panels instead, ``[out / 16, in, 16]``, and
+every call, at any row count, goes to the op's linear, which runs panels by its own
+GEMM: MKL copied the weight into that shape again at every call, a fifth of a 64-row
+step of the embedded model (kernels/cpu_small_mm.h; docs/architecture.md, "Weights in
+panels" and "AVX-512 CPUs that are not Intel's"). The layout is fixed at load: the op
+reads it from the weight's shape, not from the CPU.
 """
 
 from __future__ import annotations
