@@ -50,17 +50,22 @@ def timed(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, flo
     return {name: float(np.percentile(t, 25)) * 1e6 for name, t in times.items()}
 
 
-def decode_batch(rows: int, context: int) -> ForwardBatch:
-    """``rows`` decode rows, row i at position ``context`` in blocks of its own."""
-    per_seq = context // BLOCK + 1
-    tables = torch.arange(rows * per_seq, dtype=torch.int32).view(rows, per_seq)
-    positions = torch.full((rows,), context, dtype=torch.int64)
-    slots = tables[:, context // BLOCK].long() * BLOCK + context % BLOCK
+def decode_batch(rows: int, context: int, block_size: int = BLOCK,
+                 device: str = "cpu") -> ForwardBatch:
+    """``rows`` decode rows, row i at position ``context`` in blocks of its own (the
+    first ``rows * (context // block_size + 1)`` blocks of the cache); also
+    benchmarks/gpu_engine.py's step probe."""
+    on = {"device": device}
+    per_seq = context // block_size + 1
+    tables = torch.arange(rows * per_seq, dtype=torch.int32, **on).view(rows, per_seq)
+    positions = torch.full((rows,), context, dtype=torch.int64, **on)
+    slots = tables[:, context // block_size].long() * block_size + context % block_size
     return ForwardBatch(
-        input_ids=torch.randint(10, 4000, (rows,)), positions=positions, slot_mapping=slots,
-        block_tables=tables, seq_lens=torch.full((rows,), context + 1, dtype=torch.int32),
-        cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32),
-        sample_indices=torch.arange(rows), max_seqlen_q=1, max_seqlen_k=context + 1,
+        input_ids=torch.randint(10, 4000, (rows,), **on), positions=positions,
+        slot_mapping=slots, block_tables=tables,
+        seq_lens=torch.full((rows,), context + 1, dtype=torch.int32, **on),
+        cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32, **on),
+        sample_indices=torch.arange(rows, **on), max_seqlen_q=1, max_seqlen_k=context + 1,
         slots_valid=True)
 
 

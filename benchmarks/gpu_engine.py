@@ -110,23 +110,12 @@ def device_step_ms(llm: Any, rows: int, context: int, repeats: int = 20) -> floa
     the forward replayed from its CUDA graph, the LM head and a greedy pick, back to back
     on the stream with no host work between them (CUDA events, median of ``repeats``).
     It writes K/V into the first blocks of the cache, which no request holds now."""
+    from decode_parts import decode_batch
+
     runner = llm.resources.runner
     graphs = runner.graphs
     assert graphs is not None and graphs.sizes[-1] >= rows
-    bs = runner.block_size
-    per_row = context // bs + 1
-    on = {"device": "cuda"}
-    tables = torch.arange(rows * per_row, dtype=torch.int32, **on).view(rows, per_row)
-    positions = torch.full((rows,), context, dtype=torch.int64, **on)
-    slots = tables[:, context // bs].long() * bs + context % bs
-    from actorllm.model import ForwardBatch
-
-    batch = ForwardBatch(
-        input_ids=torch.randint(10, 1000, (rows,), **on), positions=positions,
-        slot_mapping=slots, block_tables=tables,
-        seq_lens=(positions + 1).int(),
-        cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32, **on),
-        sample_indices=torch.arange(rows, **on), max_seqlen_q=1, max_seqlen_k=context + 1)
+    batch = decode_batch(rows, context, runner.block_size, device="cuda")
     times = []
     with torch.inference_mode():
         for i in range(repeats + 3):
