@@ -53,6 +53,15 @@ class EmbeddingResult:
         return self.rid
 
 
+def pooling_params(pooling: str | None, truncate_prompt_tokens: int | None) -> SamplingParams:
+    """A pooling request's parameters (prefill only), checked: raises InvalidRequest
+    naming the first bad field. ``LLM.embed`` and ``/v1/embeddings`` both take them here."""
+    params = SamplingParams(max_tokens=0, pooling=pooling,
+                            truncate_prompt_tokens=truncate_prompt_tokens)
+    params.validate()
+    return params
+
+
 def embedding_params(model_dir: str, pooling: str | None, truncate_prompt_tokens: int | None
                      = None) -> tuple[SamplingParams, bool]:
     """The pooling request's parameters and whether its vectors are normalized: ``pooling``
@@ -64,10 +73,8 @@ def embedding_params(model_dir: str, pooling: str | None, truncate_prompt_tokens
 
     features = Features.build(pooling=pooling,
                               model_pooling=sentence_transformers_pooling(model_dir))
-    params = SamplingParams(max_tokens=0, pooling=features.pooling,
-                            truncate_prompt_tokens=truncate_prompt_tokens)
     try:
-        params.validate()
+        params = pooling_params(features.pooling, truncate_prompt_tokens)
     except InvalidRequest as exc:
         raise ValueError(str(exc)) from None
     return params, features.normalize

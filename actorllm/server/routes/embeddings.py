@@ -8,13 +8,14 @@ import time
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from actorllm.embed import pooling_params
 from actorllm.server.convert import completion_prompts, prompt_request
 from actorllm.server.embeddings import EmbeddingRenderer, EmbeddingRequest
 from actorllm.server.errors import ERROR_RESPONSES
 from actorllm.server.generation import GenerationResponse
 from actorllm.server.job import Job
 from actorllm.server.state import request_id, state_of
-from actorllm.wire.messages import InvalidRequest, SamplingParams
+from actorllm.wire.messages import InvalidRequest
 
 router = APIRouter()
 
@@ -24,9 +25,8 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     """Pooled final hidden states, one per input, normalized (``server/embeddings.py``)."""
     state = state_of(request)
     state.check_model(body.model)
-    params = SamplingParams(max_tokens=0, pooling=state.features.pooling,
-                            truncate_prompt_tokens=body.truncate_prompt_tokens)
-    params.validate()  # (a 400 naming the field, before any input is tokenized)
+    # (a 400 naming the field, before any input is tokenized)
+    params = pooling_params(state.features.pooling, body.truncate_prompt_tokens)
     try:
         prompts = completion_prompts(body.input)
     except InvalidRequest as exc:
